@@ -1,0 +1,24 @@
+# The README's two commands: `make serve` and `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+TOPOLOGY ?= topologies/local-cpu.yaml
+PYTEST_ARGS ?=
+
+.PHONY: install serve test lint check
+
+install:
+	@bash scripts/install.sh
+
+serve: install
+	$(PY) -m disagg make-model --embedded tiny .disagg/models/tiny
+	$(PY) -m disagg up $(TOPOLOGY)
+
+test: install
+	$(PY) -m ruff check disagg connectors tests benchmarks
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check disagg connectors tests benchmarks
+
+check: install
+	$(PY) -m disagg check topologies/*.yaml

@@ -1,0 +1,3 @@
+"""disagg: prefill/decode disaggregated LLM serving over ordinary links."""
+
+__version__ = "0.1.0"

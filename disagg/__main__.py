@@ -1,0 +1,5 @@
+"""``python -m disagg`` works like the ``disagg`` console script."""
+
+from disagg.cli import main
+
+raise SystemExit(main())

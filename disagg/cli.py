@@ -1,0 +1,55 @@
+"""The ``disagg`` command line: argparse entry point and the only place that
+turns errors into exit codes.
+
+Each feature module contributes its subcommands through ``add_commands``
+(listed in ``COMMAND_MODULES``); a subcommand's handler takes the parsed
+arguments and returns an exit status. Library code raises ``DisaggError``;
+here it becomes ``disagg: error: ...`` on stderr and exit status 2 (a
+traceback only with ``--debug``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+from collections.abc import Sequence
+
+from disagg import __version__
+from disagg.errors import DisaggError
+
+#: modules whose ``add_commands(subparsers)`` registers subcommands
+COMMAND_MODULES = (
+    "disagg.commands.basic",      # check, make-model
+    # "disagg.commands.lifecycle",  # up, down, status
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="disagg",
+        description="Prefill/decode disaggregated LLM serving from one topology YAML.")
+    parser.add_argument("--version", action="version", version=f"disagg {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except DisaggError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"disagg: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("disagg: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,115 @@
+"""Topology -> the exact processes to start: argv, env, URL, log file per engine.
+
+This is what ``disagg check`` prints and ``disagg up`` runs; it does no I/O.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass
+
+from disagg.registry import engine_adapter
+from disagg.topology import HostSpec, InstanceSpec, Topology
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    """One engine process, fully resolved."""
+
+    instance: InstanceSpec
+    host: HostSpec
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]      # set on top of the inherited environment
+    health_path: str
+
+    @property
+    def name(self) -> str:
+        return self.instance.name
+
+    @property
+    def url(self) -> str:
+        """Base URL of the engine's HTTP server."""
+        return f"http://{_url_host(self.host.address)}:{self.instance.port}"
+
+    @property
+    def log_name(self) -> str:
+        """File name of the engine's log inside the run directory."""
+        return f"{self.instance.role}-{self.instance.index}.log"
+
+    def shell_command(self) -> str:
+        """``env K=V ... argv`` quoted for a POSIX shell (used over SSH)."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env)
+        cmd = " ".join(shlex.quote(a) for a in self.argv)
+        return f"env {env} {cmd}" if env else cmd
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Every engine of a topology plus the proxy address."""
+
+    topology: Topology
+    engines: tuple[EngineLaunch, ...]
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://{_url_host(self.topology.proxy.host)}:{self.topology.proxy.port}"
+
+    def role(self, role: str) -> tuple[EngineLaunch, ...]:
+        return tuple(e for e in self.engines if e.instance.role == role)
+
+
+def _url_host(address: str) -> str:
+    if address in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    return f"[{address}]" if ":" in address else address
+
+
+def python_for(host: HostSpec) -> str:
+    """The interpreter that runs engines on ``host``."""
+    if host.python:
+        return host.python
+    return "python3" if host.is_remote else sys.executable
+
+
+def plan_deployment(topo: Topology) -> Deployment:
+    """Resolve every instance of ``topo`` into an :class:`EngineLaunch`."""
+    adapter = engine_adapter(topo.engine)
+    engines = []
+    for inst in topo.instances:
+        host = topo.hosts[inst.host]
+        argv = adapter.argv(topo, inst, host, python_for(host))
+        env = adapter.env(topo, inst, host)
+        engines.append(EngineLaunch(instance=inst, host=host, argv=tuple(argv),
+                                    env=tuple(sorted(env.items())), health_path=adapter.health_path))
+    return Deployment(topology=topo, engines=tuple(engines))
+
+
+def describe(dep: Deployment) -> str:
+    """The human-readable plan printed by ``disagg check``."""
+    topo = dep.topology
+    lines = [f"topology {topo.name} ({topo.file})",
+             f"  model     {topo.model.source}" + (f" -> {topo.model.path}" if topo.model.path != topo.model.source
+                                                   else ""),
+             f"  engine    {topo.engine}",
+             "  mode      " + ("colocated (no KV transfer)" if topo.colocated
+                                else f"disaggregated, connector {topo.connector}"),
+             f"  link      {topo.link.type}" + (f" {topo.link.rate_text}" if topo.link.rate_text else ""),
+             f"  proxy     {dep.proxy_url} (fallback: {topo.proxy.fallback}"
+             + (", api key set" if topo.proxy.api_key else "") + ")"]
+    for host in topo.hosts.values():
+        where = f"ssh {host.ssh}" + (f" -p {host.ssh_port}" if host.ssh_port else "") if host.is_remote else "local"
+        lines.append(f"host {host.name}: address {host.address}, {where}, device {host.device}")
+        for eng in (e for e in dep.engines if e.host.name == host.name):
+            inst = eng.instance
+            ports = f"http {inst.port}" + (f", kv {inst.kv_port}" if inst.kv_port else "")
+            pin = f", cpus {','.join(map(str, inst.cpus))}" if inst.cpus else ""
+            pin += f", gpus {','.join(map(str, inst.gpus))}" if inst.gpus else ""
+            lines.append(f"  {eng.name}: {eng.url} ({ports}{pin})")
+            lines.append("    env:  " + (" ".join(f"{k}={shlex.quote(v)}" for k, v in eng.env) or "(none)"))
+            lines.append("    argv: " + " ".join(shlex.quote(a) for a in eng.argv))
+    ports = sorted({(e.host.address, p) for e in dep.engines
+                    for p in (e.instance.port, e.instance.kv_port) if p})
+    ports.append((topo.proxy.host, topo.proxy.port))
+    lines.append("ports: " + ", ".join(f"{a}:{p}" for a, p in ports))
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""The engine adapter interface: how one engine family is started for a role.
+
+An adapter turns (topology, instance) into the exact argv and environment of
+one stock engine process. ``disagg.deployment.plan_deployment`` calls
+``argv``/``env`` once per instance while building the plan that ``check``
+prints and ``up`` runs; adapters are pure (no I/O, no process start) so the
+plan can be printed, tested and sent over SSH unchanged.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from disagg.topology import HostSpec, InstanceSpec, Topology
+
+
+class EngineAdapter(ABC):
+    """One engine family (vLLM, SGLang)."""
+
+    #: name used in the topology's ``engine:`` field
+    name: str
+    #: path polled until it answers 200 when the engine is ready
+    health_path: str = "/health"
+
+    @abstractmethod
+    def argv(self, topo: Topology, inst: InstanceSpec, host: HostSpec, python: str) -> list[str]:
+        """The full command line, starting with ``python``. Called once per instance."""
+
+    @abstractmethod
+    def env(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, str]:
+        """Environment variables to set on top of the inherited environment."""
+
+
+def cpu_list(cpus: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 5)`` -> ``"0-2,5"`` (the form VLLM_CPU_OMP_THREADS_BIND and taskset take)."""
+    parts: list[str] = []
+    start = prev = None
+    for cpu in sorted(set(cpus)):
+        if prev is not None and cpu == prev + 1:
+            prev = cpu
+            continue
+        if start is not None:
+            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+        start = prev = cpu
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ",".join(parts)

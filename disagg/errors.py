@@ -1,0 +1,84 @@
+"""Every error disagg raises on purpose, in one tree.
+
+::
+
+    DisaggError                     base: cli.py prints str(exc) and exits 2
+    ├── TopologyError               bad topology YAML: file:line: field: message
+    ├── PlanError                   a valid topology that cannot be planned
+    │                               (e.g. an engine/connector pair not supported)
+    ├── ModelError                  model directory missing or unreadable
+    ├── LaunchError                 starting, probing or stopping engines
+    │   ├── PortInUseError          a port the topology needs is already taken
+    │   ├── EngineStartError        an engine died or never became healthy;
+    │   │                           names host, port and the tail of its log
+    │   └── RemoteCommandError      an SSH command failed
+    ├── StateError                  the run-state file is missing or corrupt
+    └── ProxyError                  the proxy cannot serve (no healthy backend...)
+
+Low-level exceptions (OSError, yaml.YAMLError, aiohttp.ClientError,
+subprocess.CalledProcessError) are mapped to these at the module that touches
+them, with ``raise ... from exc``. Library code never calls ``sys.exit``; only
+``cli.py`` turns a ``DisaggError`` into an exit status and one line.
+"""
+
+from __future__ import annotations
+
+
+class DisaggError(Exception):
+    """Base of every error disagg raises deliberately."""
+
+
+class TopologyError(DisaggError):
+    """A topology file is invalid; the message names file, line and field."""
+
+    def __init__(self, file: str, line: int | None, field: str, message: str) -> None:
+        self.file = file
+        self.line = line
+        self.field = field
+        self.message = message
+        where = f"{file}:{line}" if line is not None else file
+        prefix = f"{where}: {field}: " if field else f"{where}: "
+        super().__init__(prefix + message)
+
+
+class PlanError(DisaggError):
+    """A topology is well formed but cannot be turned into engine commands."""
+
+
+class ModelError(DisaggError):
+    """A model directory or config cannot be used."""
+
+
+class LaunchError(DisaggError):
+    """Starting, probing or stopping engine processes failed."""
+
+
+class PortInUseError(LaunchError):
+    """A port that the topology needs is already bound by another process."""
+
+
+class EngineStartError(LaunchError):
+    """An engine exited or did not become healthy in time."""
+
+    def __init__(self, name: str, host: str, port: int, reason: str, log_tail: str) -> None:
+        self.name = name
+        self.host = host
+        self.port = port
+        self.reason = reason
+        self.log_tail = log_tail
+        body = f"{name} on {host}:{port} {reason}"
+        if log_tail.strip():
+            body += "\n--- last lines of its log ---\n" + log_tail.rstrip()
+        super().__init__(body)
+
+
+class RemoteCommandError(LaunchError):
+    """A command run over SSH failed."""
+
+
+class StateError(DisaggError):
+    """The run-state file is missing, unreadable or from another topology."""
+
+
+class ProxyError(DisaggError):
+    """The proxy cannot be configured or cannot serve."""

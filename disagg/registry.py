@@ -1,0 +1,43 @@
+"""Lazy name -> implementation registries (engines, KV connectors).
+
+Modules are imported only when a topology names them, so an unused engine's
+dependencies never load.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from disagg.errors import PlanError
+
+if TYPE_CHECKING:
+    from disagg.engines.base import EngineAdapter
+    from disagg.kv.base import VllmKVAdapter
+
+ENGINE_ADAPTERS: dict[str, str] = {
+    "vllm": "disagg.engines.vllm:VllmEngine",
+}
+
+VLLM_KV_ADAPTERS: dict[str, str] = {
+    "nixl": "disagg.kv.nixl:NixlVllmAdapter",
+}
+
+
+def _load(table: dict[str, str], name: str, what: str) -> object:
+    try:
+        target = table[name]
+    except KeyError:
+        raise PlanError(f"{what} {name!r} is not supported yet; supported: {', '.join(table)}") from None
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)()
+
+
+def engine_adapter(name: str) -> EngineAdapter:
+    """The adapter for the topology's ``engine:`` value."""
+    return _load(ENGINE_ADAPTERS, name, "engine")  # type: ignore[return-value]
+
+
+def vllm_kv_adapter(name: str) -> VllmKVAdapter:
+    """The vLLM connector adapter for the topology's ``connector:`` value."""
+    return _load(VLLM_KV_ADAPTERS, name, "connector (with engine vllm)")  # type: ignore[return-value]

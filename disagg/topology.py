@@ -1,0 +1,449 @@
+"""The topology YAML, validated into frozen dataclasses.
+
+One file describes one deployment: the model, the engine, the KV connector,
+the link between hosts, the hosts themselves, the role instances (prefill and
+decode, or ``both`` for a colocated baseline) and the proxy in front.  Every
+error names ``file:line: field.path: what was expected``; unknown keys are
+errors (with a did-you-mean hint), never silently ignored.
+
+See docs/topology.md for the field reference.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from disagg.errors import TopologyError
+from disagg.yamlsrc import Fields, Node, load_yaml, node_int, parse_yaml
+
+ENGINES = ("vllm", "sglang")
+CONNECTORS = ("nixl", "lmcache", "socket")
+LINK_TYPES = ("loopback", "ethernet", "roce", "emulated")
+ROLES = ("prefill", "decode", "both")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+FALLBACKS = ("local", "never")
+PROXY_KINDS = ("builtin",)
+EMBEDDED_MODEL_PREFIX = "disagg:"
+
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)\s*$", re.IGNORECASE)
+_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+
+
+def parse_rate(text: str) -> float:
+    """Parse a tc-style rate such as ``2.5gbit`` into bits per second.
+
+    Raises ValueError with a message that says what is expected.
+    """
+    match = _RATE_RE.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"bad link rate {text!r}: expected a positive number followed by "
+                         "bit, kbit, mbit, gbit or tbit, e.g. 2.5gbit")
+    return float(match.group(1)) * _RATE_UNITS[match.group(2).lower()]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which weights every engine serves."""
+
+    source: str                 # as written in the file
+    path: str                   # resolved local path, HF id, or the embedded model's path
+    embedded: str | None        # name of the embedded model ("tiny"), if any
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    served_name: str | None = None
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """The network between prefill and decode hosts."""
+
+    type: str
+    rate_bps: float | None = None       # nominal (ethernet/roce) or shaped (emulated)
+    rate_text: str | None = None
+    interface: str | None = None        # NIC name for UCX_NET_DEVICES
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One machine: where engines run and how to reach it."""
+
+    name: str
+    address: str                        # the host's address on the link
+    ssh: str | None = None              # user@host for remote hosts; None = local
+    ssh_port: int | None = None
+    ssh_key: str | None = None
+    python: str | None = None           # interpreter on that host
+    workdir: str | None = None          # remote run directory (logs)
+    device: str = "cpu"
+
+    @property
+    def is_remote(self) -> bool:
+        return self.ssh is not None
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One engine process in a role."""
+
+    role: str                           # prefill | decode | both
+    index: int
+    host: str
+    port: int
+    kv_port: int | None                 # connector side channel / listener port
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    cpus: tuple[int, ...] = ()
+    gpus: tuple[int, ...] = ()
+    line: int = 0
+
+    @property
+    def name(self) -> str:
+        """``prefill[0]``, ``decode[1]``, ``both[0]``."""
+        return f"{self.role}[{self.index}]"
+
+
+@dataclass(frozen=True)
+class ProxySpec:
+    """The OpenAI-compatible front door."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    fallback: str = "local"
+    kind: str = "builtin"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every wait in one place, in seconds."""
+
+    startup: float = 900.0              # engine start until /health is 200
+    health_interval: float = 2.0        # proxy health probes
+    shutdown_grace: float = 20.0        # SIGTERM -> SIGKILL
+    request: float = 600.0              # one upstream request in the proxy
+    connect: float = 10.0               # opening an upstream connection
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A validated topology file."""
+
+    file: str
+    name: str
+    model: ModelSpec
+    engine: str
+    connector: str
+    link: LinkSpec
+    hosts: dict[str, HostSpec]
+    instances: tuple[InstanceSpec, ...]
+    proxy: ProxySpec = field(default_factory=ProxySpec)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    run_dir: str = ".disagg"
+
+    @property
+    def colocated(self) -> bool:
+        """True when the roles are ``both`` (no KV transfer)."""
+        return any(i.role == "both" for i in self.instances)
+
+    def role(self, role: str) -> tuple[InstanceSpec, ...]:
+        """The instances of one role, in file order."""
+        return tuple(i for i in self.instances if i.role == role)
+
+    def host_of(self, instance: InstanceSpec) -> HostSpec:
+        return self.hosts[instance.host]
+
+
+def load_topology(path: str | Path, *, run_dir: str | None = None) -> Topology:
+    """Read and validate a topology file."""
+    return build_topology(load_yaml(path), Path(path), run_dir=run_dir)
+
+
+def parse_topology(text: str, file: str = "<string>", *, run_dir: str | None = None) -> Topology:
+    """Validate topology YAML given as text (``file`` is used in messages)."""
+    return build_topology(parse_yaml(text, file), Path(file), run_dir=run_dir)
+
+
+def build_topology(root: Node, path: Path, *, run_dir: str | None = None) -> Topology:
+    """Build a :class:`Topology` from a parsed YAML tree."""
+    top = Fields(root, "a mapping of topology fields (model, engine, hosts, roles, ...)")
+    name = top.str("name", path.stem) or path.stem
+    resolved_run_dir = run_dir or top.str("run_dir", ".disagg") or ".disagg"
+    model = _model(top.required("model"), path, resolved_run_dir)
+    engine = top.choice("engine", ENGINES, "vllm")
+    connector = top.choice("connector", CONNECTORS, "nixl")
+    link = _link(top.take("link"), root)
+    hosts = _hosts(top.required("hosts"))
+    instances = _roles(top.required("roles"), hosts)
+    proxy = _proxy(top.take("proxy"))
+    timeouts = _timeouts(top.take("timeouts"))
+    top.done()
+    instances = _assign_kv_ports(instances, hosts, proxy)
+    topo = Topology(file=str(path), name=name, model=model, engine=engine, connector=connector,
+                    link=link, hosts=hosts, instances=instances, proxy=proxy, timeouts=timeouts,
+                    run_dir=resolved_run_dir)
+    _check_ports(topo, root)
+    _check_link(topo, root)
+    return topo
+
+
+def _model(node: Node, path: Path, run_dir: str) -> ModelSpec:
+    if isinstance(node.value, str):
+        source, dtype, max_len, served = node.value, "auto", None, None
+    else:
+        f = Fields(node, "a model path/id or a mapping with path, dtype, max_model_len")
+        source = f.str("path", required=True) or ""
+        dtype = f.choice("dtype", DTYPES, "auto")
+        max_len = f.int("max_model_len", minimum=16)
+        served = f.str("served_name")
+        f.done()
+    embedded = None
+    if source.startswith(EMBEDDED_MODEL_PREFIX):
+        embedded = source[len(EMBEDDED_MODEL_PREFIX):]
+        from disagg.modelgen import EMBEDDED_MODELS  # light import, no torch
+        if embedded not in EMBEDDED_MODELS:
+            raise node.error(f"unknown embedded model {source!r}; expected one of "
+                             + ", ".join(EMBEDDED_MODEL_PREFIX + m for m in EMBEDDED_MODELS),
+                             path=node.path if isinstance(node.value, str) else "model.path")
+        resolved = str(Path(run_dir).resolve() / "models" / embedded)
+    elif source.startswith(("/", "./", "../", "~")) or (path.parent / source).exists():
+        resolved = str((path.parent / Path(source).expanduser()).resolve())
+    else:
+        resolved = source  # a Hugging Face id, resolved by the engine
+    return ModelSpec(source=source, path=resolved, embedded=embedded, dtype=dtype,
+                     max_model_len=max_len, served_name=served)
+
+
+def _link(node: Node | None, root: Node) -> LinkSpec:
+    if node is None:
+        return LinkSpec(type="loopback")
+    if isinstance(node.value, str):
+        node = Node({"type": node.value}, node.line, node.path, node.file,
+                    children={"type": Node(node.value, node.line, node.path + ".type", node.file)})
+    f = Fields(node, "a mapping with type (loopback, ethernet, roce, emulated) and rate")
+    link_type = f.choice("type", LINK_TYPES, "loopback")
+    rate_node = f.take("rate")
+    interface = f.str("interface")
+    f.done()
+    rate_bps = rate_text = None
+    if rate_node is not None:
+        rate_text = str(rate_node.value)
+        try:
+            rate_bps = parse_rate(rate_text)
+        except ValueError as exc:
+            raise rate_node.error(str(exc)) from exc
+    if link_type == "emulated" and rate_bps is None:
+        raise node.error("an emulated link needs a rate, e.g. rate: 1gbit", path="link.rate")
+    if link_type == "loopback" and rate_bps is not None:
+        raise rate_node.error("a loopback link has no rate; use type: emulated to shape it")  # type: ignore[union-attr]
+    return LinkSpec(type=link_type, rate_bps=rate_bps, rate_text=rate_text, interface=interface)
+
+
+def _hosts(node: Node) -> dict[str, HostSpec]:
+    f = Fields(node, "a mapping of host names to {address: ...}")
+    hosts = {}
+    for name, child in node.children.items():
+        f.take(name)
+        h = Fields(child, "a mapping with address (and ssh for remote hosts)")
+        address = h.str("address", required=True) or ""
+        ssh = h.str("ssh")
+        ssh_port = h.int("ssh_port", minimum=1, maximum=65535)
+        ssh_key = h.str("ssh_key")
+        python = h.str("python")
+        venv = h.take("venv")
+        workdir = h.str("workdir")
+        device = h.choice("device", DEVICES, "cpu")
+        h.done()
+        if venv is not None:
+            if python is not None:
+                raise venv.error("give either python or venv, not both")
+            python = str(Path(str(venv.value)) / "bin" / "python")
+        if ssh is None and (ssh_port or ssh_key):
+            raise child.error("ssh_port/ssh_key need ssh: user@host", path=f"hosts.{name}.ssh")
+        hosts[name] = HostSpec(name=name, address=address, ssh=ssh, ssh_port=ssh_port,
+                               ssh_key=ssh_key, python=python, workdir=workdir, device=device)
+    if not hosts:
+        raise node.error("at least one host is required")
+    return hosts
+
+
+def _parse_cpus(node: Node) -> tuple[int, ...]:
+    """``[0, 1]``, ``3`` or ``"0-3,6"`` -> a tuple of CPU ids."""
+    if node.is_sequence:
+        return tuple(node_int(item, minimum=0) for item in node.items)
+    if isinstance(node.value, int) and not isinstance(node.value, bool):
+        return (node_int(node, minimum=0),)
+    text = str(node.value)
+    cpus: list[int] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not m or (m.group(2) and int(m.group(2)) < int(m.group(1))):
+            raise node.error(f"expected CPU ids such as [0, 1] or \"0-3\", got {text!r}")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        cpus.extend(range(lo, hi + 1))
+    return tuple(cpus)
+
+
+def _roles(node: Node, hosts: dict[str, HostSpec]) -> tuple[InstanceSpec, ...]:
+    f = Fields(node, "a mapping with prefill and decode (or both) lists")
+    instances: list[InstanceSpec] = []
+    present = {}
+    for role in ROLES:
+        child = f.take(role)
+        if child is None:
+            continue
+        if not child.is_sequence or not child.items:
+            raise child.error("expected a non-empty list of instances, e.g. [{host: a, port: 8100}]")
+        present[role] = child
+        for index, item in enumerate(child.items):
+            instances.append(_instance(item, role, index, hosts))
+    f.done()
+    if "both" in present:
+        other = next((present[r] for r in ("prefill", "decode") if r in present), None)
+        if other is not None:
+            raise other.error("a colocated topology (roles.both) cannot also have prefill or decode roles")
+    else:
+        for role in ("prefill", "decode"):
+            if role not in present:
+                raise TopologyError(node.file, node.line, f"roles.{role}",
+                                    "is missing: a disaggregated topology needs prefill and decode "
+                                    "instances (or a single 'both' list for a colocated one)")
+    return tuple(instances)
+
+
+def _instance(node: Node, role: str, index: int, hosts: dict[str, HostSpec]) -> InstanceSpec:
+    f = Fields(node, "a mapping with host and port")
+    host_node = f.take("host")
+    if host_node is None:
+        if len(hosts) != 1:
+            raise node.error("is required when the topology has more than one host",
+                             path=f"{node.path}.host")
+        host = next(iter(hosts))
+    else:
+        host = str(host_node.value)
+        if host not in hosts:
+            from disagg.yamlsrc import did_you_mean
+            raise host_node.error(f"unknown host {host!r}; hosts are {', '.join(hosts)}"
+                                  + did_you_mean(host, hosts))
+    port = f.int("port", required=True, minimum=1, maximum=65535)
+    kv_port = f.int("kv_port", minimum=1, maximum=65535)
+    args = f.str_list("args")
+    env = f.str_map("env")
+    cpus_node = f.take("cpus")
+    gpus_node = f.take("gpus")
+    f.done()
+    cpus = _parse_cpus(cpus_node) if cpus_node is not None else ()
+    gpus = _parse_cpus(gpus_node) if gpus_node is not None else ()
+    if gpus and hosts[host].device != "cuda":
+        raise gpus_node.error(f"host {host!r} has device: cpu; set device: cuda to use gpus")  # type: ignore[union-attr]
+    return InstanceSpec(role=role, index=index, host=host, port=port or 0, kv_port=kv_port,
+                        args=args, env=tuple(env.items()), cpus=cpus, gpus=gpus, line=node.line)
+
+
+def _proxy(node: Node | None) -> ProxySpec:
+    if node is None:
+        return ProxySpec()
+    f = Fields(node, "a mapping with host, port, api_key, fallback")
+    spec = ProxySpec(host=f.str("host", "127.0.0.1") or "127.0.0.1",
+                     port=f.int("port", 8000, minimum=1, maximum=65535) or 8000,
+                     api_key=f.str("api_key"),
+                     fallback=f.choice("fallback", FALLBACKS, "local"),
+                     kind=f.choice("kind", PROXY_KINDS, "builtin"))
+    f.done()
+    return spec
+
+
+def _timeouts(node: Node | None) -> Timeouts:
+    if node is None:
+        return Timeouts()
+    f = Fields(node, "a mapping of timeouts in seconds")
+    d = Timeouts()
+    t = Timeouts(startup=f.float("startup", d.startup) or d.startup,
+                 health_interval=f.float("health_interval", d.health_interval) or d.health_interval,
+                 shutdown_grace=f.float("shutdown_grace", d.shutdown_grace) or d.shutdown_grace,
+                 request=f.float("request", d.request) or d.request,
+                 connect=f.float("connect", d.connect) or d.connect)
+    f.done()
+    return t
+
+
+KV_PORT_BASE = 5600
+
+
+def _assign_kv_ports(instances: tuple[InstanceSpec, ...], hosts: dict[str, HostSpec],
+                     proxy: ProxySpec) -> tuple[InstanceSpec, ...]:
+    """Give each disaggregated instance without ``kv_port`` the next free port from 5600."""
+    taken = {(hosts[i.host].address, p) for i in instances for p in (i.port, i.kv_port) if p}
+    taken.add((proxy.host, proxy.port))
+    out = []
+    for inst in instances:
+        if inst.role != "both" and inst.kv_port is None:
+            address = hosts[inst.host].address
+            port = KV_PORT_BASE
+            while (address, port) in taken:
+                port += 1
+            taken.add((address, port))
+            inst = replace(inst, kv_port=port)
+        out.append(inst)
+    return tuple(out)
+
+
+def _find(root: Node, path: str) -> Node | None:
+    """The node at a dotted path such as ``roles.decode[0].port``."""
+    node: Node | None = root
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        if node is None:
+            return None
+        if part.startswith("["):
+            idx = int(part[1:-1])
+            node = node.items[idx] if idx < len(node.items) else None
+        else:
+            node = node.children.get(part)
+    return node
+
+
+def _line(root: Node, path: str) -> int:
+    node = _find(root, path)
+    return node.line if node is not None else root.line
+
+
+def iter_ports(topo: Topology) -> Iterator[tuple[str, int, str]]:
+    """Every (address, port, field path) the deployment will bind, in file order."""
+    for inst in topo.instances:
+        address = topo.hosts[inst.host].address
+        yield address, inst.port, f"roles.{inst.name}.port"
+        if inst.kv_port is not None:
+            yield address, inst.kv_port, f"roles.{inst.name}.kv_port"
+    yield topo.proxy.host, topo.proxy.port, "proxy.port"
+
+
+def _same_place(a: str, b: str) -> bool:
+    wildcard = {"0.0.0.0", "::", ""}
+    return a == b or a in wildcard or b in wildcard
+
+
+def _check_ports(topo: Topology, root: Node) -> None:
+    seen: list[tuple[str, int, str]] = []
+    for address, port, where in iter_ports(topo):
+        for other_addr, other_port, other_where in seen:
+            if port == other_port and _same_place(address, other_addr):
+                raise TopologyError(topo.file, _line(root, where), where,
+                                    f"{port} is already used by {other_where.rsplit('.', 1)[0]}"
+                                    + ("" if other_where.endswith(".port") and where.endswith(".port")
+                                       else f" ({other_where})"))
+        seen.append((address, port, where))
+
+
+def _check_link(topo: Topology, root: Node) -> None:
+    if topo.colocated:
+        return
+    addresses = {topo.hosts[i.host].address for i in topo.instances}
+    if topo.link.type != "loopback" or len(addresses) <= 1:
+        return
+    if not all(a.startswith("127.") or a in ("localhost", "::1") for a in addresses):
+        raise TopologyError(topo.file, _line(root, "link"), "link.type",
+                            "loopback, but the prefill and decode hosts have different non-loopback "
+                            "addresses; use ethernet, roce or emulated")
