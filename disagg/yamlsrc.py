@@ -126,6 +126,10 @@ class Fields:
         """Like :meth:`take` but the key must be present and not null."""
         child = self.take(key)
         if child is None:
+            typo = next((n for k, n in self._remaining.items() if did_you_mean(k, [key])), None)
+            if typo is not None:  # report the misspelt key, not a missing one
+                raise TopologyError(typo.file, typo.line, typo.path,
+                                    "unknown field" + did_you_mean(typo.path.rsplit(".", 1)[-1], [key]))
             raise TopologyError(self.node.file, self.node.line, _child_path(self.node.path, key),
                                 "is required but missing")
         return child

@@ -1,0 +1,284 @@
+"""Bring a deployment up, watch it, and take it down again.
+
+``Launcher.up()`` starts every engine (locally or over SSH), waits for each
+``/health``, then starts the proxy in front of them and records everything in
+the run-state file. If anything fails on the way, everything already started
+is stopped again before the error propagates, so a failed ``up`` leaves no
+process behind. ``stop_run()`` stops what a state file lists, proxy first,
+then decode, then prefill: SIGTERM, grace period, SIGKILL.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from disagg.deployment import Deployment, EngineLaunch, python_for
+from disagg.errors import EngineStartError, LaunchError, PortInUseError, StateError
+from disagg.launch import processes
+from disagg.launch.health import busy_ports, http_status
+from disagg.launch.state import ProcessRecord, RunState, find_states, load_state, remove_state, run_path, save_state
+from disagg.modelgen import ensure_model
+from disagg.topology import iter_ports
+
+#: environment variable carrying the per-run KV-transfer secret to engines
+KV_SECRET_ENV = "DISAGG_KV_SECRET"
+#: environment variable carrying the proxy API key (kept out of argv / ps)
+PROXY_API_KEY_ENV = "DISAGG_API_KEY"
+STOP_ORDER = {"proxy": 0, "decode": 1, "both": 2, "prefill": 3}
+
+
+class LauncherState(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
+@dataclass
+class _Pending:
+    """An engine that was started and is not yet healthy."""
+
+    record: ProcessRecord
+    started: float
+    healthy_at: float | None = None
+
+
+class Launcher:
+    """Owns the processes of one deployment from ``up()`` until ``stop()``."""
+
+    def __init__(self, dep: Deployment, *, echo: Callable[[str], None] | None = None,
+                 poll_interval: float = 1.0) -> None:
+        self.dep = dep
+        self.topo = dep.topology
+        self.echo = echo or (lambda line: print(line, flush=True))
+        self.poll_interval = poll_interval
+        self.state = LauncherState.NEW
+        self.run = RunState(topology=str(Path(self.topo.file).resolve()), name=self.topo.name,
+                            run_dir=str(Path(self.topo.run_dir).resolve()), proxy_url=dep.proxy_url,
+                            started_at=time.time(), up_pid=os.getpid())
+        self.log_dir = run_path(self.run.run_dir, self.topo.name) / "logs"
+
+    # -- public -----------------------------------------------------------------
+    def up(self) -> RunState:
+        """Start engines and proxy and wait until all are healthy.
+
+        On any failure (or Ctrl-C) stops what was started, then re-raises.
+        """
+        if self.state is not LauncherState.NEW:
+            raise LaunchError(f"this launcher is {self.state.value}; create a new one to start again")
+        self.state = LauncherState.STARTING
+        self._refuse_if_running()
+        self._check_ports()
+        try:
+            if self.topo.model.embedded:
+                ensure_model(self.topo.model.embedded, self.topo.model.path)
+            extra_env = self._run_env()
+            t0 = time.monotonic()
+            pending = [self._start_engine(eng, extra_env) for eng in self.dep.engines]
+            self._wait_healthy(pending, t0)
+            self._start_proxy(t0)
+            self.echo(f"ready: {self.dep.proxy_url} (OpenAI-compatible; {len(self.dep.engines)} engines, "
+                      f"up in {time.monotonic() - t0:.0f} s; logs in {self.log_dir})")
+        except BaseException:
+            self.echo("startup failed: stopping everything that was started")
+            self.stop()
+            raise
+        self.state = LauncherState.RUNNING
+        return self.run
+
+    def supervise(self, should_stop: Callable[[], bool]) -> int:
+        """Foreground mode: watch every process until ``should_stop()`` or one dies.
+
+        Returns 0 when asked to stop, 1 when a process died (its log tail is shown).
+        """
+        status = 0
+        while not should_stop():
+            dead = next((r for r in self.run.processes if not self._alive(r)), None)
+            if dead is not None:
+                self.echo(f"error: {dead.name} on {dead.address}:{dead.port} exited; last lines of {dead.log}:\n"
+                          + processes.log_tail(dead))
+                status = 1
+                break
+            time.sleep(self.poll_interval)
+        return status
+
+    def stop(self, *, grace: float | None = None) -> None:
+        """Stop every process this launcher started (idempotent)."""
+        if self.state is LauncherState.STOPPED:
+            return
+        stop_run(self.run, grace=self.topo.timeouts.shutdown_grace if grace is None else grace, echo=self.echo)
+        self.state = LauncherState.STOPPED
+
+    # -- steps ------------------------------------------------------------------
+    def _refuse_if_running(self) -> None:
+        path = run_path(self.run.run_dir, self.topo.name) / "state.json"
+        if not path.exists():
+            return
+        try:
+            old = load_state(path)
+        except StateError:
+            path.unlink(missing_ok=True)
+            return
+        if any(processes.is_alive(r) for r in old.processes):
+            raise LaunchError(f"topology {self.topo.name!r} is already up (state {path}); "
+                              f"run `disagg down {self.topo.file}` first")
+        remove_state(old)
+
+    def _check_ports(self) -> None:
+        by_host: dict[str, list[tuple[int, str]]] = {}
+        addresses = {h.address: h for h in self.topo.hosts.values()}
+        for address, port, where in iter_ports(self.topo):
+            host = addresses.get(address)
+            by_host.setdefault(host.name if host else "", []).append((port, where))
+        problems = []
+        for host_name, ports in by_host.items():
+            if host_name:
+                host = self.topo.hosts[host_name]
+                busy = set(busy_ports(host, python_for(host), [p for p, _ in ports]))
+                address = host.address
+            else:  # the proxy on an address that is no topology host: this machine
+                from disagg.launch.health import local_port_free
+                address = self.topo.proxy.host
+                busy = {p for p, _ in ports if not local_port_free(address, p)}
+            problems += [f"{address}:{p} ({where})" for p, where in ports if p in busy]
+        if problems:
+            raise PortInUseError("port already in use, nothing was started: " + ", ".join(problems)
+                                 + "; stop whatever holds it (or `disagg down`) or change the topology")
+
+    def _run_env(self) -> dict[str, str]:
+        """Per-run environment for every engine (the KV secret for authenticated connectors)."""
+        secret = os.environ.get(KV_SECRET_ENV) or secrets.token_hex(32)
+        return {KV_SECRET_ENV: secret} if self.topo.connector == "socket" and not self.topo.colocated else {}
+
+    def _start_engine(self, eng: EngineLaunch, extra_env: dict[str, str]) -> _Pending:
+        env = {**dict(eng.env), **extra_env}
+        if eng.host.is_remote:
+            workdir = eng.host.workdir or ".disagg"
+            log = f"{workdir}/runs/{self.topo.name}/logs/{eng.log_name}"
+            shell = EngineLaunch(eng.instance, eng.host, eng.argv, tuple(sorted(env.items())),
+                                 eng.health_path).shell_command()
+            pid = processes.start_remote(eng.host, shell, log)
+            record = ProcessRecord(name=eng.name, kind="engine", host=eng.host.name, address=eng.host.address,
+                                   port=eng.instance.port, url=eng.url, log=log, pid=pid,
+                                   ssh=processes.ssh_prefix(eng.host))
+        else:
+            log_path = self.log_dir / eng.log_name
+            log_path.unlink(missing_ok=True)
+            pid, created = processes.start_local(eng.argv, env, log_path)
+            record = ProcessRecord(name=eng.name, kind="engine", host=eng.host.name, address=eng.host.address,
+                                   port=eng.instance.port, url=eng.url, log=str(log_path), pid=pid,
+                                   create_time=created)
+        self.run.processes.append(record)
+        save_state(self.run)
+        where = f"{eng.host.name} ({eng.host.ssh})" if eng.host.is_remote else eng.host.name
+        self.echo(f"{eng.name}: starting on {where} at {eng.url} (pid {pid}, log {record.log})")
+        return _Pending(record=record, started=time.monotonic())
+
+    def _wait_healthy(self, pending: list[_Pending], t0: float) -> None:
+        deadline = t0 + self.topo.timeouts.startup
+        health = {p.record.name: next(e.health_path for e in self.dep.engines if e.name == p.record.name)
+                  for p in pending}
+        last_note = time.monotonic()
+        while True:
+            waiting = [p for p in pending if p.healthy_at is None]
+            if not waiting:
+                return
+            for p in waiting:
+                rec = p.record
+                if not self._alive(rec):
+                    code = processes.exit_status(rec.pid) if not rec.ssh else None
+                    why = f"exited (status {code}) while starting" if code is not None else "exited while starting"
+                    raise EngineStartError(rec.name, rec.address, rec.port, why, processes.log_tail(rec))
+                if http_status(rec.url + health[rec.name], timeout=2.0) == 200:
+                    p.healthy_at = time.monotonic()
+                    self.echo(f"{rec.name}: healthy after {p.healthy_at - p.started:.0f} s")
+            now = time.monotonic()
+            if now > deadline:
+                rec = next(p.record for p in pending if p.healthy_at is None)
+                raise EngineStartError(rec.name, rec.address, rec.port,
+                                       f"did not become healthy within {self.topo.timeouts.startup:.0f} s "
+                                       "(timeouts.startup)", processes.log_tail(rec))
+            names = ", ".join(p.record.name for p in pending if p.healthy_at is None)
+            if names and now - last_note >= 15:
+                self.echo(f"... loading: {names} ({now - t0:.0f} s)")
+                last_note = now
+            time.sleep(self.poll_interval)
+
+    def _proxy_argv(self) -> list[str]:
+        topo = self.topo
+        argv = [sys.executable, "-m", "disagg", "proxy", "--host", topo.proxy.host, "--port", str(topo.proxy.port),
+                "--engine", topo.engine, "--fallback", topo.proxy.fallback,
+                "--connect-timeout", str(topo.timeouts.connect),
+                "--request-timeout", str(topo.timeouts.request),
+                "--health-interval", str(topo.timeouts.health_interval)]
+        if topo.colocated:
+            argv += ["--decode", *(e.url for e in self.dep.role("both"))]
+        else:
+            argv += ["--prefill", *(e.url for e in self.dep.role("prefill"))]
+            argv += ["--decode", *(e.url for e in self.dep.role("decode"))]
+        return argv
+
+    def _start_proxy(self, t0: float) -> None:
+        topo = self.topo
+        env = {PROXY_API_KEY_ENV: topo.proxy.api_key} if topo.proxy.api_key else {}
+        log_path = self.log_dir / "proxy.log"
+        log_path.unlink(missing_ok=True)
+        pid, created = processes.start_local(self._proxy_argv(), env, log_path)
+        record = ProcessRecord(name="proxy", kind="proxy", host="local", address=topo.proxy.host,
+                               port=topo.proxy.port, url=self.dep.proxy_url, log=str(log_path), pid=pid,
+                               create_time=created)
+        self.run.processes.append(record)
+        save_state(self.run)
+        started = time.monotonic()
+        while http_status(self.dep.proxy_url + "/health", timeout=2.0) != 200:
+            if not self._alive(record):
+                raise EngineStartError("proxy", record.address, record.port, "exited while starting",
+                                       processes.log_tail(record))
+            if time.monotonic() - started > 60:
+                raise EngineStartError("proxy", record.address, record.port,
+                                       "did not report healthy within 60 s", processes.log_tail(record))
+            time.sleep(0.2)
+        self.echo(f"proxy: healthy at {self.dep.proxy_url}")
+
+    @staticmethod
+    def _alive(rec: ProcessRecord) -> bool:
+        if not rec.ssh and processes.exit_status(rec.pid) is not None:
+            return False
+        return processes.is_alive(rec)
+
+
+def stop_run(run: RunState, *, grace: float, echo: Callable[[str], None]) -> None:
+    """Stop every process of ``run`` (proxy, decode, both, prefill) and delete its state file."""
+    ordered = sorted(run.processes, key=lambda r: STOP_ORDER.get(r.name.split("[")[0], 9))
+    failures = []
+    for rec in ordered:
+        try:
+            if processes.is_alive(rec):
+                processes.stop_process(rec, grace)
+                echo(f"{rec.name}: stopped (pid {rec.pid})")
+        except LaunchError as exc:
+            failures.append(f"{rec.name}: {exc}")
+    if failures:
+        raise LaunchError("could not stop everything; the state file is kept so `disagg down` can retry:\n"
+                          + "\n".join(failures))
+    remove_state(run)
+
+
+def resolve_state(run_dir: str, topology_name: str | None) -> RunState:
+    """The run state for a topology name, or the only one under ``run_dir``."""
+    if topology_name is not None:
+        return load_state(run_path(run_dir, topology_name) / "state.json")
+    found = find_states(run_dir)
+    if not found:
+        raise StateError(f"nothing is running: no state files under {Path(run_dir) / 'runs'}")
+    if len(found) > 1:
+        names = ", ".join(p.parent.name for p in found)
+        raise StateError(f"several topologies are up ({names}); name the topology file")
+    return load_state(found[0])

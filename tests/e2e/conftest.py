@@ -1,0 +1,120 @@
+"""Session fixtures that start real vLLM engines once, at most two at a time.
+
+Order within a session: the colocated reference server runs first (one engine,
+both cores), records the greedy answer to every request in REQUESTS, and is
+stopped; then the 1P1D deployment (two engines, one pinned core each) comes up
+for all tests that need it. A file lock keeps concurrent sessions on this
+machine from starting more engines at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from disagg.modelgen import build_model
+from tests.e2e.engines import ENGINE_ARGS, Running, bring_up, free_ports, post_json, write_topology
+
+LOCK_PATH = os.environ.get("DISAGG_ENGINE_LOCK", "/tmp/disagg-engines.lock")
+CORPUS = (Path(__file__).resolve().parents[2] / "disagg" / "data" / "corpus.txt").read_text()
+
+
+def make_prompt(tokenizer: Tokenizer, tag: str, tokens: int) -> str:
+    """A prompt of exactly ``tokens`` tokens (BOS included) that starts with ``tag``.
+
+    Distinct tags keep the decode engine's prefix cache from serving a prompt
+    that an earlier test already transferred.
+    """
+    text = f"[{tag}] " + CORPUS * (tokens // 400 + 2)
+    ids = tokenizer.encode(text).ids[:tokens]
+    return tokenizer.decode(ids[1:], skip_special_tokens=False)
+
+
+@pytest.fixture(scope="session")
+def engine_lock() -> Iterator[None]:
+    """Hold the machine-wide engine lock for the whole session."""
+    with open(LOCK_PATH, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+        fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def e2e_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(e2e_dir: Path) -> Path:
+    return build_model("tiny", e2e_dir / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+
+
+@pytest.fixture(scope="session")
+def requests_(tokenizer: Tokenizer) -> dict[str, dict]:
+    """Every request whose greedy answer the tests compare, by name (OpenAI bodies)."""
+    def completion(tag: str, tokens: int, max_tokens: int = 24) -> dict:
+        return {"model": "tiny", "prompt": make_prompt(tokenizer, tag, tokens), "max_tokens": max_tokens,
+                "temperature": 0}
+
+    def chat(tag: str, tokens: int) -> dict:
+        return {"model": "tiny", "max_tokens": 24, "temperature": 0,
+                "messages": [{"role": "user", "content": make_prompt(tokenizer, tag, tokens)}]}
+
+    reqs = {
+        "short": completion("short", 50),
+        "long": completion("long", 1500),
+        "sync-completion": completion("sync-c", 60),
+        "sync-completion-stream": completion("sync-cs", 70),
+        "async-completion": completion("async-c", 80),
+        "async-completion-stream": completion("async-cs", 90),
+        "sync-chat": chat("sync-ch", 60),
+        "sync-chat-stream": chat("sync-chs", 70),
+        "async-chat": chat("async-ch", 80),
+        "async-chat-stream": chat("async-chs", 90),
+        "prefill-killed": completion("killed", 64),
+    }
+    return reqs
+
+
+def _answer(url: str, body: dict) -> str:
+    if "messages" in body:
+        return post_json(url + "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    return post_json(url + "/v1/completions", body)["choices"][0]["text"]
+
+
+@pytest.fixture(scope="session")
+def reference(engine_lock: None, e2e_dir: Path, tiny_model: Path, requests_: dict[str, dict]) -> dict[str, str]:
+    """Greedy answers of one ordinary (colocated) vLLM server, which is then stopped."""
+    proxy_port, port = free_ports(2)
+    topo = write_topology(e2e_dir / "reference.yaml", tiny_model, proxy_port=proxy_port,
+                          roles=f"both: [{{port: {port}, cpus: [0, 1], args: {ENGINE_ARGS}}}]\n")
+    run = bring_up(topo, e2e_dir / "run-ref")
+    try:
+        url = run.engines["both[0]"]
+        return {name: _answer(url, body) for name, body in requests_.items()}
+    finally:
+        done = run.down()
+        assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture(scope="session")
+def pd(reference: dict[str, str], e2e_dir: Path, tiny_model: Path) -> Iterator[Running]:
+    """1 prefill + 1 decode with NIXL over loopback behind the proxy, up for the whole session."""
+    proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
+    roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
+             f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
+    topo = write_topology(e2e_dir / "pd.yaml", tiny_model, proxy_port=proxy_port, roles=roles)
+    run = bring_up(topo, e2e_dir / "run-pd")
+    yield run
+    if (run.run_dir / "runs" / topo.stem / "state.json").exists():
+        run.down()

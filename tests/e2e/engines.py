@@ -1,0 +1,145 @@
+"""Helpers for end-to-end tests with real vLLM engines (no fixtures here).
+
+Engines are started only through the real CLI (`python -m disagg up --detach`)
+and stopped with `disagg down`, exactly as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from disagg.launch.state import RunState, load_state
+
+ROOT = Path(__file__).resolve().parents[2]
+# Every engine in the tests: one pinned core, small KV cache, no torch.compile.
+ENGINE_ARGS = '["-O0", "--max-num-seqs", "8"]'
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports that are free on 127.0.0.1 right now (distinct)."""
+    socks, ports = [], []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def disagg(*args: str, timeout: float = 900, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI in a subprocess (``python -m disagg ...``)."""
+    return subprocess.run([sys.executable, "-m", "disagg", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+@dataclass
+class Running:
+    """A topology brought up by `disagg up --detach`."""
+
+    topology: Path
+    run_dir: Path
+    proxy_url: str
+    engines: dict[str, str]        # name -> base URL
+    up_output: str
+
+    def state(self) -> RunState:
+        return load_state(self.run_dir / "runs" / self.topology.stem / "state.json")
+
+    def process_tree(self) -> list[psutil.Process]:
+        """Every live process of this run (recorded pids and their descendants)."""
+        procs: list[psutil.Process] = []
+        for rec in self.state().processes:
+            try:
+                root = psutil.Process(rec.pid)
+                procs += [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+        return procs
+
+    def down(self) -> subprocess.CompletedProcess[str]:
+        return disagg("down", str(self.topology), "--run-dir", str(self.run_dir), timeout=180)
+
+
+def write_topology(path: Path, model: Path, *, proxy_port: int, roles: str, connector: str = "nixl",
+                   extra: str = "") -> Path:
+    """A topology file for the tests on one machine (loopback)."""
+    path.write_text(textwrap.dedent(f"""\
+        model: {{path: {model}, max_model_len: 4096, served_name: tiny}}
+        engine: vllm
+        connector: {connector}
+        link: {{type: loopback}}
+        proxy: {{host: 127.0.0.1, port: {proxy_port}}}
+        hosts:
+          local: {{address: 127.0.0.1, device: cpu}}
+        roles:
+        """) + textwrap.indent(textwrap.dedent(roles), "  ") + textwrap.dedent(extra))
+    return path
+
+
+def bring_up(topology: Path, run_dir: Path) -> Running:
+    """`disagg up --detach`; raises AssertionError with the output on failure."""
+    done = disagg("up", str(topology), "--detach", "--run-dir", str(run_dir))
+    assert done.returncode == 0, f"disagg up failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+    state = load_state(run_dir / "runs" / topology.stem / "state.json")
+    engines = {r.name: r.url for r in state.processes if r.kind == "engine"}
+    return Running(topology, run_dir, state.proxy_url, engines, done.stdout)
+
+
+def post_json(url: str, body: dict, timeout: float = 300) -> dict:
+    """POST JSON, return the decoded reply (raises on HTTP errors)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.load(resp)
+
+
+def get_text(url: str, timeout: float = 30) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)$')
+
+
+def metric_value(metrics_text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def metric_label(metrics_text: str, name: str, label: str) -> str | None:
+    """The value of ``label`` on the first sample of ``name`` (e.g. cache_config_info's block_size)."""
+    for line in metrics_text.splitlines():
+        if line.startswith(name + "{"):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            return found.get(label)
+    return None
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True

@@ -1,0 +1,76 @@
+"""1P1D with NIXL through `disagg up`: greedy equality with a colocated server,
+the engines' own counters proving the KV moved, prefill loss, and `disagg down`.
+
+Tests in this module run in file order; the last two change the deployment
+(kill the prefill engine, then take everything down).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.e2e.engines import Running, get_text, metric_label, metric_value, port_is_free, post_json
+
+pytestmark = pytest.mark.e2e
+KV_BYTES_PER_TOKEN = 1024  # the embedded tiny model, bf16
+
+
+def test_up_reports_ready(pd: Running) -> None:
+    assert f"ready: {pd.proxy_url}" in pd.up_output
+    assert set(pd.engines) == {"prefill[0]", "decode[0]"}
+    assert get_text(pd.proxy_url + "/health", timeout=10) is not None
+
+
+@pytest.mark.parametrize("name", ["short", "long"])
+def test_handoff_equals_colocated_and_kv_moved(pd: Running, reference: dict[str, str],
+                                               requests_: dict[str, dict], name: str) -> None:
+    decode = pd.engines["decode[0]"]
+    before = get_text(decode + "/metrics")
+    reply = post_json(pd.proxy_url + "/v1/completions", requests_[name])
+    after = get_text(decode + "/metrics")
+
+    assert reply["choices"][0]["text"] == reference[name]
+    tokens = reply["usage"]["prompt_tokens"]
+    assert tokens == {"short": 50, "long": 1500}[name]
+
+    def delta(metric: str, **labels: str) -> float:
+        return metric_value(after, metric, **labels) - metric_value(before, metric, **labels)
+
+    block = int(metric_label(after, "vllm:cache_config_info", "block_size") or 0)
+    assert block > 0
+    moved = delta("vllm:nixl_bytes_transferred_sum")
+    # Whole blocks of the prompt move: at least every token but the last, at most one block more.
+    assert (tokens - 1) * KV_BYTES_PER_TOKEN <= moved <= (tokens + block) * KV_BYTES_PER_TOKEN, moved
+    assert delta("vllm:nixl_num_failed_transfers_total") == 0
+    # The decode engine took the prompt from the transfer, not by recomputing it.
+    assert delta("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= tokens - 1
+    assert delta("vllm:prompt_tokens_by_source_total", source="local_compute") <= 1
+
+
+def test_prefill_loss_falls_back_to_decode(pd: Running, reference: dict[str, str],
+                                           requests_: dict[str, dict]) -> None:
+    prefill = next(r for r in pd.state().processes if r.name == "prefill[0]")
+    os.killpg(prefill.pid, signal.SIGKILL)
+    psutil.wait_procs([psutil.Process(prefill.pid)], timeout=30)
+    reply = post_json(pd.proxy_url + "/v1/completions", requests_["prefill-killed"])
+    assert reply["choices"][0]["text"] == reference["prefill-killed"]
+
+
+def test_down_leaves_nothing(pd: Running) -> None:
+    procs = pd.process_tree()
+    assert procs, "the deployment should still have live processes before down"
+    ports = [r.port for r in pd.state().processes]
+    done = pd.down()
+    assert done.returncode == 0, done.stderr
+    _gone, alive = psutil.wait_procs(procs, timeout=5)
+    assert not alive, f"left running after down: {[p.pid for p in alive]}"
+    deadline = time.monotonic() + 10
+    while not all(port_is_free(p) for p in ports) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert all(port_is_free(p) for p in ports), ports
+    assert not (pd.run_dir / "runs" / pd.topology.stem / "state.json").exists()

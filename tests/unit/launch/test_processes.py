@@ -1,0 +1,80 @@
+"""Process groups: start, liveness, log tail, stop (TERM then KILL) with grandchildren."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from disagg.launch import processes
+from disagg.launch.state import ProcessRecord
+
+# A parent that spawns a child which ignores SIGTERM: stop must still remove both.
+STUBBORN = (
+    "import os, signal, subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', "
+    "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(\"child up\", flush=True); "
+    "time.sleep(300)'])\n"
+    "print('parent up', child.pid, flush=True)\n"
+    "time.sleep(300)\n"
+)
+
+
+def _record(pid: int, created: float, log: Path) -> ProcessRecord:
+    return ProcessRecord(name="x[0]", kind="engine", host="local", address="127.0.0.1", port=1, url="http://x",
+                         log=str(log), pid=pid, create_time=created)
+
+
+def _wait_for(log: Path, text: str) -> None:
+    deadline = time.monotonic() + 30
+    while text not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, f"{text!r} never appeared in {log}"
+        time.sleep(0.05)
+
+
+def test_stop_kills_the_whole_group(tmp_path: Path) -> None:
+    log = tmp_path / "x.log"
+    pid, created = processes.start_local([sys.executable, "-c", STUBBORN], {"FOO": "1"}, log)
+    rec = _record(pid, created, log)
+    _wait_for(log, "child up")
+    tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    assert len(tree) == 2 and processes.is_alive(rec)
+    assert "parent up" in processes.log_tail(rec)
+
+    started = time.monotonic()
+    processes.stop_local(rec, grace=1.0)
+    assert time.monotonic() - started < 15
+    _, alive = psutil.wait_procs(tree, timeout=5)
+    assert not alive
+    assert not processes.is_alive(rec)
+
+
+def test_env_reaches_the_process(tmp_path: Path) -> None:
+    log = tmp_path / "env.log"
+    pid, created = processes.start_local([sys.executable, "-c", "import os; print('X=' + os.environ['X'])"],
+                                         {"X": "42"}, log)
+    psutil.Process(pid).wait(timeout=30)
+    assert processes.log_tail(_record(pid, created, log)).strip() == "X=42"
+
+
+def test_reused_pid_is_not_ours(tmp_path: Path) -> None:
+    log = tmp_path / "y.log"
+    pid, created = processes.start_local([sys.executable, "-c", "import time; time.sleep(30)"], {}, log)
+    try:
+        assert processes.is_alive(_record(pid, created, log))
+        assert not processes.is_alive(_record(pid, created - 100.0, log))
+    finally:
+        processes.stop_local(_record(pid, created, log), grace=1.0)
+
+
+def test_log_tail_limits_lines(tmp_path: Path) -> None:
+    log = tmp_path / "z.log"
+    log.write_text("".join(f"line {i}\n" for i in range(100)))
+    tail = processes.log_tail(_record(1, 0.0, log), lines=30)
+    assert tail.splitlines() == [f"line {i}" for i in range(70, 100)]
+
+
+def test_missing_log_is_reported(tmp_path: Path) -> None:
+    assert processes.log_tail(_record(1, 0.0, tmp_path / "none.log")).startswith("(no log at ")

@@ -1,0 +1,168 @@
+"""Topology parsing: the happy path and every error path, with exact messages."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from disagg.errors import TopologyError
+from disagg.topology import load_topology, parse_rate, parse_topology
+
+GOOD = """\
+model: {path: disagg:tiny, max_model_len: 2048}
+engine: vllm
+connector: nixl
+link: {type: ethernet, rate: 2.5gbit}
+hosts:
+  a: {address: 127.0.0.1}
+  b: {address: 127.0.0.1}
+roles:
+  prefill:
+    - {host: a, port: 8100, cpus: "0"}
+  decode:
+    - {host: b, port: 8200, cpus: [1], env: {FOO: bar}, args: [--max-num-seqs, 4]}
+"""
+
+
+def parse(text: str):
+    return parse_topology(textwrap.dedent(text), "topo.yaml", run_dir="/tmp/run")
+
+
+def error_of(text: str) -> str:
+    with pytest.raises(TopologyError) as info:
+        parse(text)
+    return str(info.value)
+
+
+def test_good_topology_is_typed() -> None:
+    topo = parse(GOOD)
+    assert topo.engine == "vllm" and topo.connector == "nixl" and not topo.colocated
+    assert topo.link.rate_bps == 2.5e9
+    assert topo.model.embedded == "tiny" and topo.model.path == "/tmp/run/models/tiny"
+    assert topo.model.max_model_len == 2048
+    prefill, decode = topo.role("prefill")[0], topo.role("decode")[0]
+    assert (prefill.port, prefill.cpus, prefill.kv_port) == (8100, (0,), 5600)
+    assert (decode.port, decode.cpus, decode.kv_port) == (8200, (1,), 5601)
+    assert decode.args == ("--max-num-seqs", "4") and dict(decode.env) == {"FOO": "bar"}
+    assert topo.proxy.host == "127.0.0.1" and topo.proxy.port == 8000
+
+
+def test_wrong_type() -> None:
+    msg = error_of(GOOD.replace("port: 8200", "port: eighty"))
+    assert msg == "topo.yaml:12: roles.decode[0].port: expected an integer, got the string 'eighty'"
+
+
+def test_unknown_key_with_hint() -> None:
+    msg = error_of(GOOD.replace("engine: vllm", "engnie: vllm"))
+    assert msg.startswith("topo.yaml:2: engnie: unknown field (did you mean 'engine'?)")
+
+
+def test_unknown_nested_key() -> None:
+    msg = error_of(GOOD.replace("{host: a, port: 8100", "{host: a, prot: 8100"))
+    assert msg == "topo.yaml:10: roles.prefill[0].prot: unknown field (did you mean 'port'?)"
+
+
+def test_missing_port_is_required() -> None:
+    msg = error_of(GOOD.replace("{host: a, port: 8100, cpus: \"0\"}", "{host: a}"))
+    assert msg == "topo.yaml:10: roles.prefill[0].port: is required but missing"
+
+
+def test_duplicate_port() -> None:
+    msg = error_of(GOOD.replace("port: 8200", "port: 8100"))
+    assert msg == "topo.yaml:12: roles.decode[0].port: 8100 is already used by roles.prefill[0]"
+
+
+def test_duplicate_port_with_proxy() -> None:
+    msg = error_of(GOOD + "proxy: {port: 8200}\n")
+    assert msg == "topo.yaml:13: proxy.port: 8200 is already used by roles.decode[0]"
+
+
+def test_same_port_on_different_addresses_is_fine() -> None:
+    topo = parse(GOOD.replace("b: {address: 127.0.0.1}", "b: {address: 127.0.0.2}").replace("port: 8200", "port: 8100")
+                 .replace("type: ethernet, rate: 2.5gbit", "type: loopback"))
+    assert [i.port for i in topo.instances] == [8100, 8100]
+
+
+def test_missing_role() -> None:
+    text = GOOD.split("  decode:")[0]
+    msg = error_of(text)
+    assert msg == ("topo.yaml:8: roles.decode: is missing: a disaggregated topology needs prefill and decode "
+                   "instances (or a single 'both' list for a colocated one)")
+
+
+def test_both_mixed_with_prefill() -> None:
+    msg = error_of(GOOD + "    both: []\n".replace("    both", "  both"))
+    assert "roles.both" in msg and msg.startswith("topo.yaml:")
+
+
+def test_bad_link_rate() -> None:
+    msg = error_of(GOOD.replace("rate: 2.5gbit", "rate: 2.5 gigs"))
+    assert msg == ("topo.yaml:4: link.rate: bad link rate '2.5 gigs': expected a positive number followed by "
+                   "bit, kbit, mbit, gbit or tbit, e.g. 2.5gbit")
+
+
+def test_emulated_link_needs_rate() -> None:
+    msg = error_of(GOOD.replace("type: ethernet, rate: 2.5gbit", "type: emulated"))
+    assert msg == "topo.yaml:4: link.rate: an emulated link needs a rate, e.g. rate: 1gbit"
+
+
+def test_bad_choice_lists_the_choices() -> None:
+    msg = error_of(GOOD.replace("connector: nixl", "connector: nixel"))
+    assert msg == "topo.yaml:3: connector: expected one of nixl, lmcache, socket, got 'nixel' (did you mean 'nixl'?)"
+
+
+def test_unknown_host() -> None:
+    msg = error_of(GOOD.replace("{host: b,", "{host: c,"))
+    assert msg == "topo.yaml:12: roles.decode[0].host: unknown host 'c'; hosts are a, b"
+
+
+def test_unreachable_file(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError) as info:
+        load_topology(tmp_path / "nope.yaml")
+    assert str(info.value) == f"{tmp_path / 'nope.yaml'}: file not found"
+
+
+def test_invalid_yaml_names_line() -> None:
+    msg = error_of("model: x\nhosts: [\n")
+    assert msg.startswith("topo.yaml:3: invalid YAML")
+
+
+def test_empty_file() -> None:
+    assert error_of("") == "topo.yaml:1: the file is empty; expected a mapping of topology fields"
+
+
+def test_duplicate_key() -> None:
+    msg = error_of(GOOD + "engine: sglang\n")
+    assert msg == "topo.yaml:13: engine: appears twice in the same mapping"
+
+
+def test_colocated_has_no_kv_port() -> None:
+    topo = parse("""\
+        model: /models/x
+        hosts: {h: {address: 127.0.0.1}}
+        roles: {both: [{port: 8300}]}
+    """)
+    assert topo.colocated and topo.instances[0].kv_port is None and topo.instances[0].host == "h"
+    assert topo.model.path == "/models/x"
+
+
+def test_gpus_need_cuda_host() -> None:
+    msg = error_of(GOOD.replace('cpus: "0"', "gpus: [0]"))
+    assert msg == "topo.yaml:10: roles.prefill[0].gpus: host 'a' has device: cpu; set device: cuda to use gpus"
+
+
+def test_cpu_ranges() -> None:
+    topo = parse(GOOD.replace('cpus: "0"', 'cpus: "0-2,5"'))
+    assert topo.role("prefill")[0].cpus == (0, 1, 2, 5)
+
+
+@pytest.mark.parametrize(("text", "bps"), [("1gbit", 1e9), ("2.5gbit", 2.5e9), ("100mbit", 1e8), ("10GBIT", 1e10)])
+def test_parse_rate(text: str, bps: float) -> None:
+    assert parse_rate(text) == bps
+
+
+def test_parse_rate_rejects_zero() -> None:
+    with pytest.raises(ValueError, match="bad link rate"):
+        parse_rate("0gbit")
