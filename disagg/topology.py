@@ -76,6 +76,7 @@ class HostSpec:
     ssh: str | None = None              # user@host for remote hosts; None = local
     ssh_port: int | None = None
     ssh_key: str | None = None
+    ssh_options: tuple[str, ...] = ()   # extra `ssh -o` options, e.g. UserKnownHostsFile=...
     python: str | None = None           # interpreter on that host
     workdir: str | None = None          # remote run directory (logs)
     device: str = "cpu"
@@ -252,6 +253,7 @@ def _hosts(node: Node) -> dict[str, HostSpec]:
         ssh = h.str("ssh")
         ssh_port = h.int("ssh_port", minimum=1, maximum=65535)
         ssh_key = h.str("ssh_key")
+        ssh_options = h.str_list("ssh_options")
         python = h.str("python")
         venv = h.take("venv")
         workdir = h.str("workdir")
@@ -261,10 +263,10 @@ def _hosts(node: Node) -> dict[str, HostSpec]:
             if python is not None:
                 raise venv.error("give either python or venv, not both")
             python = str(Path(str(venv.value)) / "bin" / "python")
-        if ssh is None and (ssh_port or ssh_key):
-            raise child.error("ssh_port/ssh_key need ssh: user@host", path=f"hosts.{name}.ssh")
-        hosts[name] = HostSpec(name=name, address=address, ssh=ssh, ssh_port=ssh_port,
-                               ssh_key=ssh_key, python=python, workdir=workdir, device=device)
+        if ssh is None and (ssh_port or ssh_key or ssh_options):
+            raise child.error("ssh_port/ssh_key/ssh_options need ssh: user@host", path=f"hosts.{name}.ssh")
+        hosts[name] = HostSpec(name=name, address=address, ssh=ssh, ssh_port=ssh_port, ssh_key=ssh_key,
+                               ssh_options=ssh_options, python=python, workdir=workdir, device=device)
     if not hosts:
         raise node.error("at least one host is required")
     return hosts

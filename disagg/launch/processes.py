@@ -34,6 +34,8 @@ def ssh_prefix(host: HostSpec) -> list[str]:
         argv += ["-p", str(host.ssh_port)]
     if host.ssh_key:
         argv += ["-i", os.path.expanduser(host.ssh_key)]
+    for option in host.ssh_options:
+        argv += ["-o", option]
     return [*argv, host.ssh]
 
 
@@ -69,7 +71,8 @@ def start_local(argv: list[str] | tuple[str, ...], env: dict[str, str], log: Pat
 def start_remote(host: HostSpec, command: str, log: str) -> int:
     """Start a shell ``command`` on ``host`` under setsid, output to ``log``; return its pid (= pgid)."""
     log_dir = os.path.dirname(log) or "."
-    script = (f"mkdir -p {shlex.quote(log_dir)} && "
+    # `mkdir ... || exit` first: a list before `&` would be backgrounded whole and keep the ssh channel open.
+    script = (f"mkdir -p {shlex.quote(log_dir)} || exit 1; "
               f"setsid sh -c {shlex.quote(f'exec {command}')} >>{shlex.quote(log)} 2>&1 </dev/null & echo $!")
     out = run_remote(ssh_prefix(host), script).strip()
     try:

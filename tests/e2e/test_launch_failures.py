@@ -39,8 +39,9 @@ def test_bad_model_fails_fast_with_log_tail(engine_lock: None, tmp_path: Path) -
     assert "startup failed: stopping everything that was started" in done.stdout
     # Nothing survives: no new process with our ports, ports free, no state file.
     time.sleep(1)
+    ours = {str(p_port), str(d_port)}
     leftovers = [p for p in psutil.process_iter(["pid", "cmdline"])
-                 if p.pid not in before and any(str(p_port) == a or str(d_port) == a for a in (p.info["cmdline"] or []))]
+                 if p.pid not in before and ours & set(p.info["cmdline"] or [])]
     assert not leftovers
     assert port_is_free(p_port) and port_is_free(d_port)
     assert not (tmp_path / "run" / "runs" / "broken" / "state.json").exists()
