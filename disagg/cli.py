@@ -22,6 +22,8 @@ from disagg.errors import DisaggError
 #: modules whose ``add_commands(subparsers)`` registers subcommands
 COMMAND_MODULES = (
     "disagg.commands.basic",      # check, make-model
+    "disagg.commands.plan",       # plan
+    "disagg.commands.probe_link", # probe-link
     # "disagg.commands.lifecycle",  # up, down, status
 )
 
