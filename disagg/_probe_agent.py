@@ -74,7 +74,11 @@ def serve(bind: str, port: int, idle_timeout: float) -> int:
     family = socket.AF_INET6 if ":" in bind else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as srv:
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind((bind, port))
+        try:
+            srv.bind((bind, port))
+        except OSError as exc:
+            print(f"probe agent: cannot listen on {bind}:{port}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         srv.listen(16)
         srv.settimeout(0.2)
         print(f"{READY} {srv.getsockname()[1]}", flush=True)

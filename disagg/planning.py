@@ -193,14 +193,22 @@ class Plan:
 
 # --- the arithmetic --------------------------------------------------------------
 
-def verdict_for(handoff_s: float, prefill_s: float, nbytes: float, link: LinkEstimate) -> tuple[str, str]:
-    """(verdict, one-line reason) for one request."""
+def _percent(ratio: float) -> str:
+    return "<1%" if ratio < 0.01 else f"{ratio:.0%}"
+
+
+def verdict_for(handoff_s: float, prefill_s: float, nbytes: float, link: LinkEstimate,
+                conversations: int | None = None) -> tuple[str, str]:
+    """(verdict, one-line reason) for one request; ``conversations`` = 0 means it cannot fit."""
     ratio = handoff_s / prefill_s
     moving = f"moving {fmt_bytes(nbytes)} takes {fmt_seconds(handoff_s)}"
+    if conversations == 0:
+        return NO_PAY, "not one conversation of this length fits in the decode host's KV memory"
     if ratio <= PAYS_RATIO:
-        return PAYS, f"{moving}, {ratio:.0%} of the {fmt_seconds(prefill_s)} prefill it takes off the decode host"
+        return PAYS, (f"{moving}, {_percent(ratio)} of the {fmt_seconds(prefill_s)} prefill it takes off "
+                      "the decode host")
     if ratio <= NO_PAY_RATIO:
-        return MARGINAL, (f"{moving}, {ratio:.0%} of the {fmt_seconds(prefill_s)} prefill: "
+        return MARGINAL, (f"{moving}, {_percent(ratio)} of the {fmt_seconds(prefill_s)} prefill: "
                           "the handoff adds over half a prefill to TTFT")
     budget = PAYS_RATIO * prefill_s - link.fixed_s
     need = f"; the link would need {fmt_rate(nbytes * 8 / budget)} for the split to pay" if budget > 0 else ""
@@ -238,10 +246,10 @@ def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: Prefi
     for n in prompt_tokens:
         nbytes = arch.kv_bytes(n, kv_dtype)
         handoff, pre = link.handoff_s(nbytes), prefill.seconds(n)
-        verdict, reason = verdict_for(handoff, pre, nbytes, link)
         fit = None
         if memory.kv_bytes is not None:
             fit = int(max(memory.kv_bytes, 0) // arch.kv_bytes(n + output_tokens, kv_dtype))
+        verdict, reason = verdict_for(handoff, pre, nbytes, link, fit)
         classes.append(ClassPlan(n, output_tokens, nbytes, handoff, pre, verdict, reason, fit))
     return Plan(model=arch, kv_dtype=kv_dtype, link=link, prefill=prefill, memory=memory,
                 classes=tuple(classes),

@@ -86,16 +86,17 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None) -
     pre, dec = first_pair(topo)
     written = model_override or topo.model.source
     est = " (est.)" if plan.prefill.estimated else ""
-    out = [
-        f"disagg plan: {topo.file}",
-        f"  model    {written}" + (f"  [{m.name}, {m.source}]" if m.name != written else f"  [{m.source}]"),
-        f"           {m.describe()}",
-        f"  KV       {plan.kv_dtype}: {fmt_bytes(m.kv_bytes_per_token(plan.kv_dtype))} per token",
-        f"  link     {pre.host} -> {dec.host}: {plan.link.label}",
-        f"  prefill  {plan.prefill.label}",
-        f"  decode   KV memory {plan.memory.label}",
-        "",
-    ]
+    out = [f"disagg plan: {topo.file}"]
+    for key, value in (
+        ("model", written + (f"  [{m.name}, {m.source}]" if m.name != written else f"  [{m.source}]")),
+        ("", m.describe()),
+        ("KV", f"{plan.kv_dtype}: {fmt_bytes(m.kv_bytes_per_token(plan.kv_dtype))} per token"),
+        ("link", f"{pre.host} -> {dec.host}: {plan.link.label}"),
+        ("prefill", plan.prefill.label),
+        ("decode", f"KV memory {plan.memory.label}"),
+    ):
+        out += _wrap(value, first=f"  {key:<9}", rest=" " * 11)
+    out.append("")
     rows = [["prompt", "KV moved", "handoff", f"prefill{est}", "handoff/", "fit on decode", "verdict"],
             ["tokens", "", "", "", "prefill", f"(+{plan.classes[0].output_tokens if plan.classes else 0} out)",
              ""]]
@@ -107,7 +108,8 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None) -
     out.append("")
     width = max(len(fmt_count(c.prompt_tokens)) for c in plan.classes) if plan.classes else 0
     for c in plan.classes:
-        out.append(f"  {fmt_count(c.prompt_tokens).rjust(width)} tokens: {c.verdict.upper()}: {c.reason}")
+        out += _wrap(f"{c.verdict.upper()}: {c.reason}", first=f"  {fmt_count(c.prompt_tokens).rjust(width)} tokens: ",
+                     rest=" " * (width + 11))
     out.append("")
     out += _wrap(summary_line(plan))
     out += _wrap("Verdicts: PAYS when the handoff costs at most half the prefill it moves off the decode "
