@@ -343,8 +343,13 @@ def prefill_estimate(topo: Topology, arch: ModelArch, run_dir: str | None = None
         raise PlanError(f"{topo.file}: hosts.{host.name}: device: cuda but no gpu: field; add "
                         f"gpu: (one of {', '.join(n for n in DEVICES if n != 'cpu')}) for an estimate, "
                         "or measure the prefill rate with `disagg bench`")
+    return device_prefill(spec, arch, f"for {host.name} ")
+
+
+def device_prefill(spec: DeviceSpec, arch: ModelArch, who: str = "") -> PrefillEstimate:
+    """The spec-sheet prefill estimate for ``arch`` on a device (peak x PREFILL_UTILISATION)."""
     return PrefillEstimate(
-        f"ESTIMATE for {host.name} ({spec.label}, {spec.bf16_tflops:g} TFLOP/s bf16 peak at "
+        f"ESTIMATE {who}({spec.label}, {spec.bf16_tflops:g} TFLOP/s bf16 peak at "
         f"{PREFILL_UTILISATION:.0%}): 2 x {human_count(arch.active_params)} params x tokens + attention; "
         "`disagg bench` measures it", estimated=True, arch=arch,
         flops_per_s=spec.bf16_flops * PREFILL_UTILISATION)
