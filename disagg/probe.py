@@ -36,11 +36,14 @@ DEFAULT_SECONDS = 3.0
 Wrap = Callable[[list[str]], list[str]]
 
 
-def ssh_argv(host: HostSpec, remote_argv: Sequence[str]) -> list[str]:
-    """``ssh [-p port] [-i key] -o BatchMode=yes target 'cmd ...'`` for a remote host."""
+def ssh_argv(host: HostSpec, remote_argv: Sequence[str], options: Sequence[str] = ()) -> list[str]:
+    """``ssh [-p port] [-i key] -o BatchMode=yes [options] target 'cmd ...'`` for a remote host.
+
+    ``options`` are extra ssh arguments (e.g. ``-o UserKnownHostsFile=...``).
+    """
     if host.ssh is None:
         raise ValueError(f"host {host.name} is local")
-    argv = ["ssh", "-o", "BatchMode=yes"]
+    argv = ["ssh", "-o", "BatchMode=yes", *options]
     if host.ssh_port:
         argv += ["-p", str(host.ssh_port)]
     if host.ssh_key:
@@ -55,11 +58,13 @@ class AgentSide:
     host: HostSpec
     address: str                        # where the receiver binds / what the sender reaches
     wrap: Wrap | None = None            # local only: e.g. run inside a network namespace
+    ssh_options: tuple[str, ...] = ()   # remote only: extra ssh arguments
 
     def argv(self, *args: str) -> list[str]:
         """The full command for one agent mode, local or over SSH."""
         if self.host.is_remote:
-            return ssh_argv(self.host, [self.host.python or "python3", "-m", AGENT_MODULE, *args])
+            return ssh_argv(self.host, [self.host.python or "python3", "-m", AGENT_MODULE, *args],
+                            self.ssh_options)
         argv = [self.host.python or sys.executable, "-m", AGENT_MODULE, *args]
         return self.wrap(argv) if self.wrap else argv
 
@@ -132,8 +137,11 @@ def measure(sender: AgentSide, receiver: AgentSide, *, streams: Sequence[int] = 
 
 
 def probe_topology(topo: Topology, *, streams: Sequence[int] = DEFAULT_STREAMS,
-                   seconds: float = DEFAULT_SECONDS) -> LinkMeasurement:
-    """Measure prefill host -> decode host as the topology describes the link."""
+                   seconds: float = DEFAULT_SECONDS, ssh_options: Sequence[str] = ()) -> LinkMeasurement:
+    """Measure prefill host -> decode host as the topology describes the link.
+
+    ``ssh_options`` are passed to every ssh command (remote hosts only).
+    """
     pre_inst, dec_inst = first_pair(topo)
     pre, dec = topo.host_of(pre_inst), topo.host_of(dec_inst)
     if topo.link.type == "emulated":
@@ -149,7 +157,8 @@ def probe_topology(topo: Topology, *, streams: Sequence[int] = DEFAULT_STREAMS,
             rates, rtt = measure(sender, receiver, streams=streams, seconds=seconds)
         path = f"emulated {topo.link.rate_text} (tbf-shaped veth between namespaces)"
     else:
-        sender, receiver = AgentSide(pre, pre.address), AgentSide(dec, dec.address)
+        opts = tuple(ssh_options)
+        sender, receiver = AgentSide(pre, pre.address, ssh_options=opts), AgentSide(dec, dec.address, ssh_options=opts)
         rates, rtt = measure(sender, receiver, streams=streams, seconds=seconds)
         path = "ssh" if pre.is_remote or dec.is_remote else "local"
     return LinkMeasurement(prefill_host=pre.name, decode_host=dec.name, sender=sender.address,

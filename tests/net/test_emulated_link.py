@@ -7,6 +7,7 @@ namespace a test creates is deleted, which the tests check.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -27,12 +28,16 @@ def _need_netns() -> None:
 
 
 def _namespaces() -> set[str]:
+    """Namespaces this test process created (EmulatedLink tags start with our pid); other
+    sessions on the machine may create and delete their own meanwhile."""
+    mine = f"disagg-{os.getpid() % 100000}x"
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.startswith("disagg-")}
+    return {line.split()[0] for line in out.splitlines() if line.startswith(mine)}
 
 
 def test_link_is_shaped_on_both_ends_and_removed() -> None:
     before = _namespaces()
+    assert before == set()
     with EmulatedLink(parse_rate("1gbit")) as link:
         assert {link.a.namespace, link.b.namespace} <= _namespaces()
         for side in ("a", "b"):
