@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
+import disagg
 from disagg.cli import main
 from disagg.linkemu import EmulatedLink, netns_unavailable_reason
 from disagg.measurements import load_link, probe_path
@@ -86,3 +89,18 @@ def test_probe_link_measures_the_shaped_rate(tmp_path, capsys: pytest.CaptureFix
     assert main(["plan", str(topo), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["link"]["measured"] is True and plan["link"]["usable_bps"] == measured.best_bps
+
+
+def test_without_root_the_error_says_so() -> None:
+    """An unprivileged user gets a LinkError naming the command and the missing rights."""
+    setpriv, python = shutil.which("setpriv"), "/usr/bin/python3"   # the venv may be unreadable to nobody
+    if setpriv is None or not os.path.exists(python):
+        pytest.skip("needs setpriv and /usr/bin/python3 to run as an unprivileged user")
+    root = Path(disagg.__file__).resolve().parent.parent
+    code = ("from disagg.linkemu import EmulatedLink\n"
+            "try:\n    EmulatedLink(1e9, tag='noroot').open()\n"
+            "except Exception as exc:\n    print(type(exc).__name__, exc)\n")
+    done = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "env",
+                           f"PYTHONPATH={root}", python, "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.stdout.startswith("LinkError creating network namespace disagg-noroot-a: `ip netns add"), done
+    assert "need root" in done.stdout
