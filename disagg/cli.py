@@ -23,6 +23,8 @@ from disagg.errors import DisaggError
 COMMAND_MODULES = (
     "disagg.commands.basic",      # check, make-model
     "disagg.commands.lifecycle",  # up, down, status
+    "disagg.commands.plan",       # plan
+    "disagg.commands.probe_link",  # probe-link
 )
 
 

@@ -13,6 +13,8 @@
     │   │                           names host, port and the tail of its log
     │   └── RemoteCommandError      an SSH command failed
     ├── StateError                  the run-state file is missing or corrupt
+    ├── LinkError                   emulating (namespaces, veth, tc) or probing
+    │                               a link failed; names the command and why
     └── ProxyError                  the proxy cannot serve (no healthy backend...)
 
 Low-level exceptions (OSError, yaml.YAMLError, aiohttp.ClientError,
@@ -78,6 +80,10 @@ class RemoteCommandError(LaunchError):
 
 class StateError(DisaggError):
     """The run-state file is missing, unreadable or from another topology."""
+
+
+class LinkError(DisaggError):
+    """Setting up an emulated link or measuring a link failed."""
 
 
 class ProxyError(DisaggError):

@@ -80,6 +80,8 @@ class HostSpec:
     python: str | None = None           # interpreter on that host
     workdir: str | None = None          # remote run directory (logs)
     device: str = "cpu"
+    gpu: str | None = None              # accelerator model (disagg.hardware.DEVICES), for plan
+    kv_memory_gb: float | None = None   # memory for KV caches on this host, for plan
 
     @property
     def is_remote(self) -> bool:
@@ -258,6 +260,8 @@ def _hosts(node: Node) -> dict[str, HostSpec]:
         venv = h.take("venv")
         workdir = h.str("workdir")
         device = h.choice("device", DEVICES, "cpu")
+        gpu = _gpu(h.take("gpu"), device)
+        kv_memory_gb = h.float("kv_memory_gb")
         h.done()
         if venv is not None:
             if python is not None:
@@ -266,10 +270,28 @@ def _hosts(node: Node) -> dict[str, HostSpec]:
         if ssh is None and (ssh_port or ssh_key or ssh_options):
             raise child.error("ssh_port/ssh_key/ssh_options need ssh: user@host", path=f"hosts.{name}.ssh")
         hosts[name] = HostSpec(name=name, address=address, ssh=ssh, ssh_port=ssh_port, ssh_key=ssh_key,
-                               ssh_options=ssh_options, python=python, workdir=workdir, device=device)
+                               ssh_options=ssh_options, python=python, workdir=workdir, device=device,
+                               gpu=gpu, kv_memory_gb=kv_memory_gb)
     if not hosts:
         raise node.error("at least one host is required")
     return hosts
+
+
+def _gpu(node: Node | None, device: str) -> str | None:
+    """The canonical name of a host's ``gpu`` (see disagg/hardware.py), validated."""
+    if node is None:
+        return None
+    from disagg.hardware import DEVICES as SPECS
+    from disagg.hardware import device_names, lookup_device
+    spec = lookup_device(str(node.value)) if isinstance(node.value, str) else None
+    if spec is None or spec.name == "cpu":
+        from disagg.yamlsrc import did_you_mean
+        names = [n for n in SPECS if n != "cpu"]
+        raise node.error(f"unknown GPU {node.value!r}; expected one of {', '.join(names)}"
+                         + did_you_mean(str(node.value), [n for n in device_names() if n != "cpu"]))
+    if device != "cuda":
+        raise node.error("names a GPU but the host has device: cpu; add device: cuda")
+    return spec.name
 
 
 def _parse_cpus(node: Node) -> tuple[int, ...]:

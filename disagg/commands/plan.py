@@ -1,0 +1,127 @@
+"""``disagg plan``: does the phase split pay on this topology, per prompt class?"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import textwrap
+
+from disagg.errors import PlanError
+from disagg.planning import LINK_CLASSES, Plan, first_pair, plan_topology, summary_line
+from disagg.topology import Topology, load_topology
+from disagg.units import fmt_bytes, fmt_count, fmt_seconds
+
+DEFAULT_PROMPTS = "256,2048,8192"
+WIDTH = 100
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``plan``."""
+    p = sub.add_parser(
+        "plan", help="does the prefill/decode split pay? KV size vs link vs prefill time, per prompt length",
+        description="For each prompt length: the KV cache moved, the time to move it over the "
+                    "topology's link, the prefill time it saves, a verdict, and how many such "
+                    "conversations fit in the decode host's KV memory.")
+    p.add_argument("topology", metavar="TOPOLOGY.yaml")
+    p.add_argument("--prompt-tokens", default=DEFAULT_PROMPTS, metavar="N,N,...",
+                   help=f"prompt lengths to plan for (default {DEFAULT_PROMPTS})")
+    p.add_argument("--output-tokens", type=int, default=256, metavar="N",
+                   help="output length per request, for the decode-memory check (default 256)")
+    p.add_argument("--model", metavar="NAME|DIR",
+                   help="what if: another model (built-in name, HF id or a directory with config.json)")
+    p.add_argument("--link", choices=sorted(LINK_CLASSES), metavar="CLASS",
+                   help=f"what if: another link class ({', '.join(LINK_CLASSES)})")
+    p.add_argument("--kv-dtype", metavar="DTYPE", help="KV cache dtype: bfloat16, float16, fp8 (default: "
+                   "the decode instance's --kv-cache-dtype, else the model dtype)")
+    p.add_argument("--no-probe", action="store_true", help="ignore a stored probe-link result")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(handler=cmd_plan)
+
+
+def parse_token_list(text: str) -> list[int]:
+    """``256,2k,8192`` -> [256, 2048, 8192]; a PlanError for anything else."""
+    out = []
+    for part in text.split(","):
+        item = part.strip().lower()
+        scale = 1024 if item.endswith("k") else 1
+        try:
+            value = int(item.removesuffix("k")) * scale
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise PlanError(f"--prompt-tokens: expected positive integers like 256,2048,8192, got {part!r}")
+        out.append(value)
+    return out
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the plan for one topology."""
+    if args.output_tokens < 0:
+        raise PlanError("--output-tokens must be >= 0")
+    topo = load_topology(args.topology)
+    plan = plan_topology(topo, parse_token_list(args.prompt_tokens), args.output_tokens,
+                         model=args.model, link_class=args.link, kv_dtype=args.kv_dtype,
+                         use_probe=not args.no_probe)
+    if args.json:
+        data = plan.to_json()
+        data["topology"] = topo.file
+        print(json.dumps(data, indent=2))
+    else:
+        print(render_plan(plan, topo, args.model))
+    return 0
+
+
+def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  " + "  ".join(cells).rstrip())
+    return lines
+
+
+def render_plan(plan: Plan, topo: Topology, model_override: str | None = None) -> str:
+    """The human-readable plan: header, one row per prompt class, verdict lines, summary."""
+    m = plan.model
+    pre, dec = first_pair(topo)
+    written = model_override or topo.model.source
+    est = " (est.)" if plan.prefill.estimated else ""
+    out = [f"disagg plan: {topo.file}"]
+    for key, value in (
+        ("model", written + (f"  [{m.name}, {m.source}]" if m.name != written else f"  [{m.source}]")),
+        ("", m.describe()),
+        ("KV", f"{plan.kv_dtype}: {fmt_bytes(m.kv_bytes_per_token(plan.kv_dtype))} per token"),
+        ("link", f"{pre.host} -> {dec.host}: {plan.link.label}"),
+        ("prefill", plan.prefill.label),
+        ("decode", f"KV memory {plan.memory.label}"),
+    ):
+        out += _wrap(value, first=f"  {key:<9}", rest=" " * 11)
+    out.append("")
+    rows = [["prompt", "KV moved", "handoff", f"prefill{est}", "handoff/", "fit on decode", "verdict"],
+            ["tokens", "", "", "", "prefill", f"(+{plan.classes[0].output_tokens if plan.classes else 0} out)",
+             ""]]
+    for c in plan.classes:
+        fit = "?" if c.conversations is None else fmt_count(c.conversations)
+        rows.append([fmt_count(c.prompt_tokens), fmt_bytes(c.kv_bytes), fmt_seconds(c.handoff_s),
+                     fmt_seconds(c.prefill_s), f"{c.ratio:.2f}", fit, c.verdict.upper()])
+    out += _table(rows, right={0, 1, 2, 3, 4, 5})
+    out.append("")
+    width = max(len(fmt_count(c.prompt_tokens)) for c in plan.classes) if plan.classes else 0
+    for c in plan.classes:
+        out += _wrap(f"{c.verdict.upper()}: {c.reason}", first=f"  {fmt_count(c.prompt_tokens).rjust(width)} tokens: ",
+                     rest=" " * (width + 11))
+    out.append("")
+    out += _wrap(summary_line(plan))
+    out += _wrap("Verdicts: PAYS when the handoff costs at most half the prefill it moves off the decode "
+                 "host; MARGINAL up to the whole prefill; DOES NOT PAY when moving the KV takes longer "
+                 "than computing it. 'fit on decode': conversations of that length (prompt + output) "
+                 "whose KV fits in the decode host's KV memory at once.")
+    if plan.notes:
+        out.append("  notes:")
+        for note in plan.notes:
+            out += _wrap(note, first="   - ", rest="     ")
+    return "\n".join(out)
+
+
+def _wrap(text: str, first: str = "  ", rest: str = "  ") -> list[str]:
+    return textwrap.wrap(text, width=WIDTH, initial_indent=first, subsequent_indent=rest)

@@ -1,0 +1,432 @@
+"""The one question: does moving a request's KV cache cost less than its prefill?
+
+For each prompt class (prompt length n, output length m) the planner works out
+
+* **KV moved**: the prompt's KV cache, ``ModelArch.kv_bytes(n, dtype)``;
+* **handoff**: ``fixed + bytes x 8 / link rate``, where the link rate is the
+  measured one (``disagg probe-link``) or the practical TCP/RDMA rate of the
+  link class (:data:`LINK_CLASSES`), and ``fixed`` is
+  :data:`HANDOFF_ROUND_TRIPS` round trips plus :data:`PROXY_HOP_S` for the
+  proxy's second request;
+* **prefill**: ``n / rate`` from a rate ``disagg bench`` measured, else an
+  *estimate* ``prefill_flops(n) / (peak FLOP/s x PREFILL_UTILISATION)`` for
+  the prefill host's device;
+* **verdict**: with ``ratio = handoff / prefill``: *pays* when
+  ``ratio <= PAYS_RATIO`` (the handoff costs at most half of the prefill work
+  that leaves the decode host), *marginal* up to 1, *does not pay* above 1
+  (the KV takes longer to move than to compute);
+* **decode memory**: how many conversations of the class (n + m tokens of KV)
+  fit in the decode host's KV memory at once.
+
+The break-even prompt length is the shortest prompt whose handoff is no
+longer than its prefill (the ratio falls with length: fixed costs amortise,
+attention grows quadratically, sliding windows cap the KV).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from disagg.errors import PlanError
+from disagg.hardware import DEVICES, PREFILL_UTILISATION, DeviceSpec, lookup_device
+from disagg.kvmath import ModelArch, human_count, resolve_model
+from disagg.measurements import LinkMeasurement, load_link, lookup_prefill
+from disagg.topology import HostSpec, InstanceSpec, Topology
+from disagg.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
+
+#: handoff/prefill at or below which the split pays
+PAYS_RATIO = 0.5
+#: handoff/prefill above which the split does not pay
+NO_PAY_RATIO = 1.0
+#: network round trips per handoff besides the bulk transfer (request the
+#: blocks, the transfer's first byte, completion notice)
+HANDOFF_ROUND_TRIPS = 3
+#: the proxy's second HTTP request (to the decode engine), assumed
+PROXY_HOP_S = 1e-3
+#: longest prompt the break-even search considers
+MAX_SEARCH_TOKENS = 1 << 20
+#: fraction of GPU memory vLLM takes when the instance does not say
+DEFAULT_GPU_MEMORY_UTILISATION = 0.9
+
+PAYS, MARGINAL, NO_PAY = "pays", "marginal", "does not pay"
+
+
+@dataclass(frozen=True)
+class LinkClass:
+    """A kind of link with the rate a TCP (or RDMA) transfer actually reaches."""
+
+    name: str
+    label: str
+    nominal_bps: float | None           # the line rate written on the box
+    usable_bps: float                   # what a bulk transfer reaches
+    rtt_s: float                        # typical round-trip time
+    note: str
+
+
+#: Practical rates (REFERENCE.md section 4): TCP payload over 1500-byte
+#: frames is ~94% of the line rate; RoCE reaches ~88%.
+LINK_CLASSES: dict[str, LinkClass] = {c.name: c for c in (
+    LinkClass("loopback", "loopback (same machine)", None, 4.3e9 * 8, 30e-6,
+              "one TCP stream over loopback moved 4.3-5.2 GB/s here"),
+    LinkClass("1gbe", "1 GbE, TCP", 1e9, 0.94e9, 200e-6, "TCP payload ~94% of line rate"),
+    LinkClass("2.5gbe", "2.5 GbE, TCP", 2.5e9, 2.35e9, 200e-6, "TCP payload ~94% of line rate"),
+    LinkClass("10gbe", "10 GbE, TCP", 10e9, 9.4e9, 100e-6, "TCP payload ~94% of line rate"),
+    LinkClass("25gbe", "25 GbE, TCP", 25e9, 23.5e9, 50e-6, "needs several streams to fill"),
+    LinkClass("100gbe", "100 GbE, TCP", 100e9, 94e9, 50e-6, "needs several streams and tuning"),
+    LinkClass("thunderbolt", "Thunderbolt (IP)", None, 16e9, 100e-6,
+              "IP over a Thunderbolt 4 cable reaches ~16 Gb/s"),
+    LinkClass("roce-100g", "100 Gb RoCE", 100e9, 88e9, 10e-6, "RDMA reads reach 10-12 GB/s"),
+    LinkClass("roce-200g", "200 Gb RoCE (ConnectX-7)", 200e9, 176e9, 10e-6, "~88% of line rate"),
+)}
+
+TCP_EFFICIENCY = 0.94
+ROCE_EFFICIENCY = 0.88
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    """The rate and round-trip time the plan uses, and where they come from."""
+
+    usable_bps: float
+    rtt_s: float
+    label: str
+    measured: bool
+
+    @property
+    def fixed_s(self) -> float:
+        """Per-handoff cost that does not depend on the size."""
+        return HANDOFF_ROUND_TRIPS * self.rtt_s + PROXY_HOP_S
+
+    def handoff_s(self, nbytes: float) -> float:
+        """Seconds to hand over ``nbytes`` of KV cache."""
+        return self.fixed_s + nbytes * 8 / self.usable_bps
+
+
+@dataclass(frozen=True)
+class PrefillEstimate:
+    """How long the prefill host takes for a prompt, measured or estimated."""
+
+    label: str
+    estimated: bool
+    arch: ModelArch
+    tokens_per_s: float | None = None   # measured rate
+    flops_per_s: float | None = None    # effective FLOP/s for the estimate
+
+    def seconds(self, tokens: int) -> float:
+        """Prefill time for ``tokens`` prompt tokens."""
+        if self.tokens_per_s is not None:
+            return tokens / self.tokens_per_s
+        assert self.flops_per_s is not None
+        return self.arch.prefill_flops(tokens) / self.flops_per_s
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """KV memory on the decode host (None when unknown)."""
+
+    kv_bytes: float | None
+    label: str
+
+
+@dataclass(frozen=True)
+class ClassPlan:
+    """The answer for one prompt class."""
+
+    prompt_tokens: int
+    output_tokens: int
+    kv_bytes: int
+    handoff_s: float
+    prefill_s: float
+    verdict: str
+    reason: str
+    conversations: int | None           # that fit in the decode host's KV memory
+
+    @property
+    def ratio(self) -> float:
+        """handoff / prefill."""
+        return self.handoff_s / self.prefill_s
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything ``disagg plan`` prints."""
+
+    model: ModelArch
+    kv_dtype: str
+    link: LinkEstimate
+    prefill: PrefillEstimate
+    memory: MemoryEstimate
+    classes: tuple[ClassPlan, ...]
+    break_even_tokens: int | None       # shortest prompt with handoff <= prefill
+    pays_from_tokens: int | None        # shortest prompt with handoff <= PAYS_RATIO x prefill
+    search_limit: int = MAX_SEARCH_TOKENS  # longest prompt the break-even search considered
+    notes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready summary (times in seconds, sizes in bytes, rates in bit/s)."""
+        m = self.model
+        return {
+            "model": {"name": m.name, "source": m.source, "attention": m.attention, "layers": m.layers,
+                      "kv_heads": m.kv_heads, "head_dim": m.head_dim, "kv_lora_rank": m.kv_lora_rank,
+                      "rope_dim": m.rope_dim, "sliding_window": m.sliding_window,
+                      "sliding_layers": len(m.sliding_layers), "params": m.params,
+                      "active_params": m.active_params},
+            "kv_dtype": self.kv_dtype,
+            "kv_bytes_per_token": m.kv_bytes_per_token(self.kv_dtype),
+            "link": {"usable_bps": self.link.usable_bps, "rtt_s": self.link.rtt_s,
+                     "fixed_s": self.link.fixed_s, "measured": self.link.measured, "source": self.link.label},
+            "prefill": {"estimated": self.prefill.estimated, "source": self.prefill.label,
+                        "tokens_per_s": self.prefill.tokens_per_s, "flops_per_s": self.prefill.flops_per_s},
+            "decode_memory": {"kv_bytes": self.memory.kv_bytes, "source": self.memory.label},
+            "classes": [{"prompt_tokens": c.prompt_tokens, "output_tokens": c.output_tokens,
+                         "kv_bytes": c.kv_bytes, "handoff_s": c.handoff_s, "prefill_s": c.prefill_s,
+                         "ratio": c.ratio, "verdict": c.verdict, "reason": c.reason,
+                         "conversations_fit": c.conversations} for c in self.classes],
+            "break_even_prompt_tokens": self.break_even_tokens,
+            "pays_from_prompt_tokens": self.pays_from_tokens,
+            "search_limit_tokens": self.search_limit,
+            "notes": list(self.notes),
+        }
+
+
+# --- the arithmetic --------------------------------------------------------------
+
+def _percent(ratio: float) -> str:
+    return "<1%" if ratio < 0.01 else f"{ratio:.0%}"
+
+
+def verdict_for(handoff_s: float, prefill_s: float, nbytes: float, link: LinkEstimate,
+                conversations: int | None = None) -> tuple[str, str]:
+    """(verdict, one-line reason) for one request; ``conversations`` = 0 means it cannot fit."""
+    ratio = handoff_s / prefill_s
+    moving = f"moving {fmt_bytes(nbytes)} takes {fmt_seconds(handoff_s)}"
+    if conversations == 0:
+        return NO_PAY, "not one conversation of this length fits in the decode host's KV memory"
+    if ratio <= PAYS_RATIO:
+        return PAYS, (f"{moving}, {_percent(ratio)} of the {fmt_seconds(prefill_s)} prefill it takes off "
+                      "the decode host")
+    if ratio <= NO_PAY_RATIO:
+        return MARGINAL, (f"{moving}, {_percent(ratio)} of the {fmt_seconds(prefill_s)} prefill: "
+                          "the handoff adds over half a prefill to TTFT")
+    budget = PAYS_RATIO * prefill_s - link.fixed_s
+    need = f"; the link would need {fmt_rate(nbytes * 8 / budget)} for the split to pay" if budget > 0 else ""
+    return NO_PAY, f"{moving}, longer than the {fmt_seconds(prefill_s)} prefill{need}"
+
+
+def _shortest_prompt(arch: ModelArch, dtype: str, link: LinkEstimate, prefill: PrefillEstimate,
+                     ratio: float, limit: int) -> int | None:
+    """Smallest prompt length <= limit with handoff <= ratio x prefill (the ratio falls with length)."""
+    def ok(n: int) -> bool:
+        return link.handoff_s(arch.kv_bytes(n, dtype)) <= ratio * prefill.seconds(n)
+
+    if not ok(limit):
+        return None
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: PrefillEstimate,
+              memory: MemoryEstimate, prompt_tokens: Sequence[int], output_tokens: int,
+              notes: Sequence[str] = (), max_prompt_tokens: int | None = None) -> Plan:
+    """Work out every prompt class; the pure arithmetic behind ``disagg plan``.
+
+    The break-even search stops at ``max_prompt_tokens`` (the model's context
+    limit, when known) or :data:`MAX_SEARCH_TOKENS`.
+    """
+    limit = max_prompt_tokens or MAX_SEARCH_TOKENS
+    classes = []
+    for n in prompt_tokens:
+        nbytes = arch.kv_bytes(n, kv_dtype)
+        handoff, pre = link.handoff_s(nbytes), prefill.seconds(n)
+        fit = None
+        if memory.kv_bytes is not None:
+            fit = int(max(memory.kv_bytes, 0) // arch.kv_bytes(n + output_tokens, kv_dtype))
+        verdict, reason = verdict_for(handoff, pre, nbytes, link, fit)
+        classes.append(ClassPlan(n, output_tokens, nbytes, handoff, pre, verdict, reason, fit))
+    return Plan(model=arch, kv_dtype=kv_dtype, link=link, prefill=prefill, memory=memory,
+                classes=tuple(classes),
+                break_even_tokens=_shortest_prompt(arch, kv_dtype, link, prefill, NO_PAY_RATIO, limit),
+                pays_from_tokens=_shortest_prompt(arch, kv_dtype, link, prefill, PAYS_RATIO, limit),
+                search_limit=limit, notes=tuple(notes))
+
+
+# --- from a topology -------------------------------------------------------------
+
+def link_class_estimate(name: str) -> LinkEstimate:
+    """The nominal estimate for a named link class (``10gbe``, ``roce-100g``...)."""
+    if name not in LINK_CLASSES:
+        raise PlanError(f"unknown link class {name!r}; expected one of {', '.join(LINK_CLASSES)}")
+    c = LINK_CLASSES[name]
+    return LinkEstimate(c.usable_bps, c.rtt_s, f"{c.label}: {fmt_rate(c.usable_bps)} usable "
+                        f"(nominal table: {c.note})", measured=False)
+
+
+def nominal_link(topo: Topology) -> LinkEstimate:
+    """The link rate the topology implies, from the nominal table."""
+    link = topo.link
+    if link.type == "loopback":
+        return link_class_estimate("loopback")
+    if link.rate_bps is None:
+        raise PlanError(f"{topo.file}: link.rate is missing: write the line rate (e.g. rate: 10gbit) "
+                        "or run `disagg probe-link` to measure it")
+    for c in LINK_CLASSES.values():
+        if c.nominal_bps == link.rate_bps and (c.name.startswith("roce") == (link.type == "roce")):
+            return LinkEstimate(c.usable_bps, c.rtt_s, f"{link.type} {link.rate_text}: "
+                                f"{fmt_rate(c.usable_bps)} usable (nominal table: {c.note})", measured=False)
+    if link.type == "roce":
+        eff, rtt, why = ROCE_EFFICIENCY, 10e-6, "RoCE ~88% of line rate"
+    elif link.type == "emulated":
+        eff, rtt, why = TCP_EFFICIENCY, 100e-6, "tbf-shaped TCP ~94% of the shaped rate"
+    else:
+        eff, rtt, why = TCP_EFFICIENCY, 200e-6, "TCP payload ~94% of line rate"
+    usable = link.rate_bps * eff
+    return LinkEstimate(usable, rtt, f"{link.type} {link.rate_text}: {fmt_rate(usable)} usable "
+                        f"(nominal: {why})", measured=False)
+
+
+def measured_link(probe: LinkMeasurement) -> LinkEstimate:
+    """The link as ``disagg probe-link`` measured it (best stream count)."""
+    return LinkEstimate(probe.best_bps, probe.rtt_s,
+                        f"measured by probe-link {probe.measured_at}: {fmt_rate(probe.best_bps)} "
+                        f"with {probe.best_streams} stream(s), RTT {fmt_seconds(probe.rtt_s)}",
+                        measured=True)
+
+
+def first_pair(topo: Topology) -> tuple[InstanceSpec, InstanceSpec]:
+    """The first prefill and first decode instance (the pair plan and probe-link look at)."""
+    if topo.colocated:
+        raise PlanError(f"{topo.file}: a colocated topology (roles.both) moves no KV cache; "
+                        "plan a topology with prefill and decode roles")
+    return topo.role("prefill")[0], topo.role("decode")[0]
+
+
+def _arg(inst: InstanceSpec, flag: str) -> str | None:
+    """The value after ``flag`` (or in ``flag=value``) in an instance's extra args."""
+    args = list(inst.args)
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def host_device(host: HostSpec) -> DeviceSpec | None:
+    """The spec sheet for a host: its ``gpu``, the CPU entry, or None (cuda, no gpu given)."""
+    if host.gpu:
+        return lookup_device(host.gpu)
+    return DEVICES["cpu"] if host.device == "cpu" else None
+
+
+def prefill_estimate(topo: Topology, arch: ModelArch, run_dir: str | None = None) -> PrefillEstimate:
+    """The measured prefill rate for the prefill host if stored, else the spec estimate."""
+    from disagg.engines.vllm import served_model_name
+
+    inst, _ = first_pair(topo)
+    host = topo.host_of(inst)
+    model = served_model_name(topo)
+    found = lookup_prefill(run_dir or topo.run_dir, model, host.name)
+    if found is not None:
+        return PrefillEstimate(f"measured on {host.name}: {found.prompt_tokens_per_s:,.0f} prompt tokens/s "
+                               f"({found.source}, {found.measured_at})", estimated=False, arch=arch,
+                               tokens_per_s=found.prompt_tokens_per_s)
+    spec = host_device(host)
+    if spec is None:
+        raise PlanError(f"{topo.file}: hosts.{host.name}: device: cuda but no gpu: field; add "
+                        f"gpu: (one of {', '.join(n for n in DEVICES if n != 'cpu')}) for an estimate, "
+                        "or measure the prefill rate with `disagg bench`")
+    return device_prefill(spec, arch, f"for {host.name} ")
+
+
+def device_prefill(spec: DeviceSpec, arch: ModelArch, who: str = "") -> PrefillEstimate:
+    """The spec-sheet prefill estimate for ``arch`` on a device (peak x PREFILL_UTILISATION)."""
+    return PrefillEstimate(
+        f"ESTIMATE {who}({spec.label}, {spec.bf16_tflops:g} TFLOP/s bf16 peak at "
+        f"{PREFILL_UTILISATION:.0%}): 2 x {human_count(arch.active_params)} params x tokens + attention; "
+        "`disagg bench` measures it", estimated=True, arch=arch,
+        flops_per_s=spec.bf16_flops * PREFILL_UTILISATION)
+
+
+def decode_memory(topo: Topology, arch: ModelArch) -> MemoryEstimate:
+    """KV memory on the decode host: ``kv_memory_gb``, vLLM's CPU KV space, or a GPU estimate."""
+    from disagg.engines.vllm import DEFAULT_CPU_KVCACHE_GIB
+
+    _, inst = first_pair(topo)
+    host = topo.host_of(inst)
+    if host.kv_memory_gb is not None:
+        return MemoryEstimate(host.kv_memory_gb * 1e9, f"{host.name}: kv_memory_gb {host.kv_memory_gb:g} "
+                              "from the topology")
+    if host.device == "cpu":
+        gib = float(dict(inst.env).get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB))
+        return MemoryEstimate(gib * 2**30, f"{host.name}: VLLM_CPU_KVCACHE_SPACE {gib:g} GiB")
+    spec = host_device(host)
+    if spec is None or spec.memory_gb is None:
+        return MemoryEstimate(None, f"{host.name}: unknown (add gpu: or kv_memory_gb: to the host)")
+    util = float(_arg(inst, "--gpu-memory-utilization") or DEFAULT_GPU_MEMORY_UTILISATION)
+    weight_bytes = arch.params * (4 if topo.model.dtype == "float32" else 2)
+    kv = spec.memory_gb * 1e9 * util - weight_bytes
+    label = (f"{host.name}: ESTIMATE {spec.memory_gb:g} GB x {util:g} - {weight_bytes / 1e9:.1f} GB weights"
+             + ("; the weights do not fit" if kv <= 0 else "; set kv_memory_gb to be exact"))
+    return MemoryEstimate(max(kv, 0.0), label)
+
+
+def kv_cache_dtype(topo: Topology) -> str:
+    """``--kv-cache-dtype`` from the decode instance's args, else the model dtype."""
+    _, inst = first_pair(topo)
+    given = _arg(inst, "--kv-cache-dtype")
+    if given and given != "auto":
+        return given
+    return "float32" if topo.model.dtype == "float32" else (
+        "float16" if topo.model.dtype == "float16" else "bfloat16")
+
+
+def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: int, *,
+                  model: str | None = None, link_class: str | None = None, kv_dtype: str | None = None,
+                  use_probe: bool = True, run_dir: str | None = None) -> Plan:
+    """The plan for a topology, with optional what-if overrides (model, link class, KV dtype)."""
+    arch = resolve_model(model or topo.model.source, local_path=None if model else topo.model.path)
+    prefill_inst, decode_inst = first_pair(topo)
+    notes: list[str] = []
+    probe = load_link(topo.file) if use_probe and not link_class else None
+    if probe is not None and (probe.prefill_host, probe.decode_host) != (prefill_inst.host, decode_inst.host):
+        notes.append(f"ignored the probe-link result: it measured {probe.prefill_host} -> {probe.decode_host}")
+        probe = None
+    if link_class:
+        link = link_class_estimate(link_class)
+    elif probe is not None:
+        link = measured_link(probe)
+    else:
+        link = nominal_link(topo)
+        notes.append("link rate from the nominal table; `disagg probe-link` measures the real one")
+    prefill = prefill_estimate(topo, arch, run_dir)
+    if prefill.estimated:
+        notes.append("prefill times are ESTIMATES from the device's spec sheet; `disagg bench` measures them")
+    if arch.sliding_layers:
+        notes.append(f"{len(arch.sliding_layers)} of {arch.layers} layers keep only the last "
+                     f"{arch.sliding_window} tokens, so long prompts move less KV per token")
+    dtype = kv_dtype or kv_cache_dtype(topo)
+    return make_plan(arch, dtype, link, prefill, decode_memory(topo, arch), prompt_tokens,
+                     output_tokens, notes, max_prompt_tokens=topo.model.max_model_len)
+
+
+def summary_line(plan: Plan) -> str:
+    """One sentence: from which prompt length the split pays on this link."""
+    if plan.pays_from_tokens is None:
+        if plan.break_even_tokens is None:
+            return (f"On this link the split does not pay for any prompt up to "
+                    f"{fmt_count(plan.search_limit)} tokens: moving the KV always takes longer than "
+                    "computing it.")
+        return (f"Moving the KV is cheaper than computing it from {fmt_count(plan.break_even_tokens)} "
+                f"prompt tokens, but not by enough for the split to clearly pay up to "
+                f"{fmt_count(plan.search_limit)} tokens.")
+    return (f"The split pays for prompts of {fmt_count(plan.pays_from_tokens)} tokens and more "
+            f"(break-even, where moving the KV costs as much as computing it: "
+            f"{fmt_count(plan.break_even_tokens or 0)} tokens).")

@@ -1,0 +1,59 @@
+"""`disagg plan` from the command line: the table a newcomer reads, and --json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from disagg.cli import main
+
+
+def test_house_table_reads_without_the_code(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "topologies/house-2g5.yaml", "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    assert "gamer -> workstation" in out
+    assert "128 KiB per token" in out
+    assert "ESTIMATE" in out and "RTX 4090" in out
+    for prompt in ("256", "2,048", "8,192"):
+        assert f"{prompt} tokens: DOES NOT PAY: moving" in out
+    assert "Verdicts: PAYS when" in out
+
+
+def test_json_has_one_entry_per_class(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "topologies/two-sparks-cx7.yaml", "--prompt-tokens", "1k,4096",
+                 "--output-tokens", "64", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [c["prompt_tokens"] for c in data["classes"]] == [1024, 4096]
+    assert data["classes"][0]["kv_bytes"] == 1024 * 147456      # Qwen3-8B, 144 KiB/token
+    assert data["classes"][0]["verdict"] == "pays"
+    assert data["topology"] == "topologies/two-sparks-cx7.yaml"
+
+
+def test_what_if_model_and_link(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "topologies/house-2g5.yaml", "--model", "deepseek-v3", "--link", "roce-200g",
+                 "--kv-dtype", "fp8", "--prompt-tokens", "8192", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"]["attention"] == "MLA"
+    assert data["classes"][0]["kv_bytes"] == 8192 * 61 * 576
+    # the topology's kv_memory_gb: 26 holds
+    assert data["classes"][0]["conversations_fit"] == int(26e9 // ((8192 + 256) * 61 * 576))
+
+
+def test_weights_that_do_not_fit_leave_no_kv_room(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "topologies/two-sparks-cx7.yaml", "--model", "deepseek-ai/DeepSeek-V3"]) == 0
+    out = capsys.readouterr().out
+    assert "the weights do not fit" in out       # 671B params on a 128 GB Spark: estimate is 0
+    assert " 0  DOES NOT PAY" in out
+    assert "not one conversation of this length fits" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--prompt-tokens", "12,abc"], "--prompt-tokens: expected positive integers"),
+    (["--model", "acme/Unknown-1B"], "not in the built-in table"),
+    (["--kv-dtype", "int3"], "unknown KV cache dtype"),
+])
+def test_bad_input_is_one_clear_line(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    assert main(["plan", "topologies/house-2g5.yaml", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("disagg: error: ") and message in err

@@ -1,0 +1,65 @@
+"""The on-disk measurement files: prefill rates and probe-link results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from disagg.errors import StateError
+from disagg.measurements import (
+    LinkMeasurement,
+    load_link,
+    load_prefill,
+    lookup_prefill,
+    prefill_path,
+    probe_path,
+    store_link,
+    store_prefill,
+)
+
+
+def test_prefill_round_trip_and_merge(tmp_path) -> None:
+    assert load_prefill(tmp_path) == {}
+    store_prefill(tmp_path, "tiny", "local", 1234.5, "disagg bench test", measured_at="2026-01-01T00:00:00+00:00")
+    store_prefill(tmp_path, "tiny", "other", 99.0, "bench")
+    found = lookup_prefill(tmp_path, "tiny", "local")
+    assert found is not None and found.prompt_tokens_per_s == 1234.5
+    assert found.measured_at == "2026-01-01T00:00:00+00:00" and found.source == "disagg bench test"
+    assert set(load_prefill(tmp_path)["tiny"]) == {"local", "other"}
+    assert lookup_prefill(tmp_path, "tiny", "nowhere") is None
+    raw = json.loads(prefill_path(tmp_path).read_text())
+    assert raw["tiny"]["local"]["prompt_tokens_per_s"] == 1234.5   # the documented schema
+
+
+def test_prefill_store_replaces_an_entry(tmp_path) -> None:
+    store_prefill(tmp_path, "m", "h", 10.0, "a")
+    store_prefill(tmp_path, "m", "h", 20.0, "b")
+    assert lookup_prefill(tmp_path, "m", "h").prompt_tokens_per_s == 20.0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"m": {"h": {"prompt_tokens_per_s": -1}}}', '["x"]',
+                                  '{"m": {"h": {"source": "no rate"}}}'])
+def test_corrupt_prefill_file_names_it(tmp_path, text: str) -> None:
+    prefill_path(tmp_path).parent.mkdir(parents=True)
+    prefill_path(tmp_path).write_text(text)
+    with pytest.raises(StateError, match=r"prefill\.json"):
+        load_prefill(tmp_path)
+
+
+def test_probe_round_trip(tmp_path) -> None:
+    topo = tmp_path / "site.yaml"
+    assert probe_path(topo) == tmp_path / "site.probe.json"
+    assert load_link(topo) is None
+    m = LinkMeasurement("p", "d", "10.0.0.1", "10.0.0.2", "ssh", "python", 3.0,
+                        {1: 2.2e9, 2: 2.35e9, 4: 2.3e9}, 2e-4, "2026-01-01T00:00:00+00:00")
+    store_link(topo, m)
+    back = load_link(topo)
+    assert back == m
+    assert back.best_streams == 2 and back.best_bps == 2.35e9
+
+
+def test_bad_probe_file(tmp_path) -> None:
+    (tmp_path / "site.probe.json").write_text('{"prefill_host": "p"}')
+    with pytest.raises(StateError, match=r"site.probe.json: not a probe-link result.*probe-link"):
+        load_link(tmp_path / "site.yaml")

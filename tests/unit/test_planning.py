@@ -1,0 +1,169 @@
+"""The verdict arithmetic behind `disagg plan`."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from disagg.errors import PlanError
+from disagg.kvmath import BUILTIN_MODELS
+from disagg.measurements import LinkMeasurement, store_link, store_prefill
+from disagg.planning import (
+    HANDOFF_ROUND_TRIPS,
+    MARGINAL,
+    NO_PAY,
+    PAYS,
+    PROXY_HOP_S,
+    LinkEstimate,
+    MemoryEstimate,
+    PrefillEstimate,
+    make_plan,
+    plan_topology,
+    verdict_for,
+)
+from disagg.topology import load_topology, parse_topology
+
+LLAMA = BUILTIN_MODELS["llama-3.1-8b"]
+MIB = 1 << 20
+
+
+def link(bps: float, rtt: float = 0.0) -> LinkEstimate:
+    return LinkEstimate(bps, rtt, "test link", measured=False)
+
+
+def prefill_rate(tokens_per_s: float) -> PrefillEstimate:
+    return PrefillEstimate("test", estimated=False, arch=LLAMA, tokens_per_s=tokens_per_s)
+
+
+@pytest.mark.parametrize(("handoff", "verdict"), [(0.1, PAYS), (0.5, PAYS), (0.7, MARGINAL), (1.0, MARGINAL),
+                                                  (1.5, NO_PAY)])
+def test_verdict_thresholds(handoff: float, verdict: str) -> None:
+    got, reason = verdict_for(handoff, 1.0, 100 * MIB, link(1e9))
+    assert got == verdict
+    assert "100 MiB" in reason
+
+
+def test_no_pay_reason_names_the_rate_that_would_pay() -> None:
+    # 100 MiB must move in half of the 1 s prefill minus the 1 ms fixed cost
+    _, reason = verdict_for(2.0, 1.0, 100 * MIB, link(1e9))
+    need = 100 * MIB * 8 / (0.5 - PROXY_HOP_S)
+    assert f"{need / 1e9:.3g} Gb/s" in reason
+
+
+def test_handoff_is_fixed_cost_plus_bytes_over_rate() -> None:
+    est = link(8e9, rtt=1e-3)
+    assert est.handoff_s(1e9) == pytest.approx(HANDOFF_ROUND_TRIPS * 1e-3 + PROXY_HOP_S + 1.0)
+
+
+def test_plan_rows_and_memory_fit() -> None:
+    plan = make_plan(LLAMA, "bfloat16", link(2.35e9), prefill_rate(5000.0), MemoryEstimate(26e9, "26 GB"),
+                     [256, 2048], 256)
+    row = plan.classes[1]
+    assert row.kv_bytes == 256 * MIB
+    assert row.handoff_s == pytest.approx(PROXY_HOP_S + 256 * MIB * 8 / 2.35e9)
+    assert row.prefill_s == pytest.approx(2048 / 5000.0)
+    assert row.conversations == int(26e9 // ((2048 + 256) * 131072)) == 86
+    assert row.verdict == NO_PAY
+
+
+def test_break_even_is_the_shortest_prompt_where_handoff_fits_in_prefill() -> None:
+    # a slow prefill (100 tok/s) on a fast link with a big fixed cost: short prompts lose, long ones win
+    est = link(100e9, rtt=0.05)
+    plan = make_plan(LLAMA, "bfloat16", est, prefill_rate(100.0), MemoryEstimate(None, "?"), [1, 64], 0)
+    n = plan.break_even_tokens
+    assert n is not None
+    assert est.handoff_s(LLAMA.kv_bytes(n)) <= n / 100.0
+    assert est.handoff_s(LLAMA.kv_bytes(n - 1)) > (n - 1) / 100.0
+    assert plan.pays_from_tokens is not None and plan.pays_from_tokens > n
+    assert plan.classes[0].conversations is None
+
+
+def test_never_pays_within_the_context_limit() -> None:
+    plan = make_plan(LLAMA, "bfloat16", link(1e6), prefill_rate(1e6), MemoryEstimate(None, "?"), [512], 0,
+                     max_prompt_tokens=4096)
+    assert plan.break_even_tokens is None and plan.pays_from_tokens is None
+    assert plan.search_limit == 4096
+
+
+def test_house_topology_over_2g5_does_not_pay_but_roce_does() -> None:
+    topo = load_topology("topologies/house-2g5.yaml")
+    plan = plan_topology(topo, [2048], 256, use_probe=False)
+    row = plan.classes[0]
+    assert plan.prefill.estimated and "ESTIMATE" in plan.prefill.label and "RTX 4090" in plan.prefill.label
+    assert plan.link.usable_bps == 2.35e9 and not plan.link.measured
+    assert row.verdict == NO_PAY
+    assert row.conversations == 86        # kv_memory_gb: 26 on the workstation
+    roce = plan_topology(topo, [2048], 256, link_class="roce-100g")
+    assert roce.classes[0].verdict == PAYS
+
+
+def test_sparks_decode_memory_is_estimated_from_the_gpu() -> None:
+    plan = plan_topology(load_topology("topologies/two-sparks-cx7.yaml"), [2048], 0)
+    expected = 128e9 * 0.85 - BUILTIN_MODELS["qwen3-8b"].params * 2
+    assert plan.memory.kv_bytes == pytest.approx(expected)
+    assert "ESTIMATE" in plan.memory.label
+
+
+def _copy_house(tmp_path):
+    dst = tmp_path / "house.yaml"
+    shutil.copy("topologies/house-2g5.yaml", dst)
+    return load_topology(dst, run_dir=str(tmp_path / "run"))
+
+
+def test_measured_prefill_rate_replaces_the_estimate(tmp_path) -> None:
+    topo = _copy_house(tmp_path)
+    store_prefill(topo.run_dir, "meta-llama/Llama-3.1-8B-Instruct", "gamer", 10000.0, "test bench")
+    plan = plan_topology(topo, [4096], 0)
+    assert not plan.prefill.estimated and "test bench" in plan.prefill.label
+    assert plan.classes[0].prefill_s == pytest.approx(0.4096)
+
+
+def test_measured_link_replaces_the_table_unless_it_is_for_other_hosts(tmp_path) -> None:
+    topo = _copy_house(tmp_path)
+    m = LinkMeasurement("gamer", "workstation", "a", "b", "ssh", "python", 1.0, {1: 1.5e9, 4: 2.0e9}, 3e-4, "now")
+    store_link(topo.file, m)
+    plan = plan_topology(topo, [256], 0)
+    assert plan.link.measured and plan.link.usable_bps == 2.0e9 and plan.link.rtt_s == 3e-4
+    assert not plan_topology(topo, [256], 0, use_probe=False).link.measured
+    store_link(topo.file, LinkMeasurement("x", "y", "a", "b", "ssh", "python", 1.0, {1: 1e9}, 1e-4, "now"))
+    plan = plan_topology(topo, [256], 0)
+    assert not plan.link.measured
+    assert any("ignored the probe-link result" in n for n in plan.notes)
+
+
+def test_kv_cache_dtype_comes_from_decode_args() -> None:
+    text = open("topologies/house-2g5.yaml").read().replace(
+        'args: [--gpu-memory-utilization, "0.92"]', 'args: [--kv-cache-dtype, fp8]')
+    plan = plan_topology(parse_topology(text, "h.yaml"), [1024], 0, use_probe=False)
+    assert plan.kv_dtype == "fp8" and plan.classes[0].kv_bytes == 1024 * 65536
+
+
+BASE = """\
+model: meta-llama/Llama-3.1-8B-Instruct
+link: {link}
+hosts:
+  p: {{address: 10.0.0.1, {p}}}
+  d: {{address: 10.0.0.2, device: cuda, gpu: h100}}
+roles:
+  {roles}
+"""
+SPLIT = "{prefill: [{host: p, port: 8100}], decode: [{host: d, port: 8200}]}"
+
+
+@pytest.mark.parametrize(("link_text", "p", "roles", "match"), [
+    ("{type: ethernet, rate: 10gbit}", "device: cuda", SPLIT, "gpu: field"),
+    ("{type: ethernet}", "device: cuda, gpu: h100", SPLIT, "link.rate is missing"),
+    ("{type: ethernet, rate: 10gbit}", "device: cuda, gpu: h100", "{both: [{host: p, port: 8100}]}",
+     "colocated"),
+])
+def test_plan_errors_say_what_to_add(link_text: str, p: str, roles: str, match: str) -> None:
+    topo = parse_topology(BASE.format(link=link_text, p=p, roles=roles), "x.yaml")
+    with pytest.raises(PlanError, match=match):
+        plan_topology(topo, [256], 0)
+
+
+def test_unlisted_rates_use_the_efficiency() -> None:
+    topo = parse_topology(BASE.format(link="{type: ethernet, rate: 40gbit}", p="device: cuda, gpu: h100",
+                                      roles=SPLIT), "x.yaml")
+    assert plan_topology(topo, [256], 0).link.usable_bps == pytest.approx(0.94 * 40e9)
