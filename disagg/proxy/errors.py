@@ -22,7 +22,6 @@ are relayed with the engine's own status and body, not rewritten.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from http import HTTPStatus
 
@@ -135,23 +134,33 @@ def map_client_error(exc: BaseException, url: str, timeout_s: float | None = Non
     The only place aiohttp/OS exceptions are translated; callers ``raise
     map_client_error(exc, url) from exc``.
     """
+    what = _describe(exc)
     if isinstance(exc, aiohttp.ClientConnectorError | ConnectionRefusedError):
-        return UpstreamConnectError(url, f"cannot connect ({exc.__class__.__name__}: {exc})")
+        return UpstreamConnectError(url, f"cannot connect ({what})")
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return UpstreamConnectError(url, f"connection not established within {timeout_s}s")
-    if isinstance(exc, asyncio.TimeoutError):  # includes aiohttp.ServerTimeoutError
+    if isinstance(exc, TimeoutError):  # includes aiohttp.ServerTimeoutError
         limit = f" within {timeout_s}s" if timeout_s is not None else ""
         return UpstreamTimeout(url, f"no reply{limit} (request timeout)")
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError
                    | aiohttp.ClientConnectionError | ConnectionError):
-        return UpstreamDisconnected(url, f"connection lost ({exc.__class__.__name__}: {exc})")
-    if isinstance(exc, aiohttp.ContentTypeError | json.JSONDecodeError | UnicodeDecodeError):
-        return UpstreamBadReply(url, f"unreadable reply ({exc.__class__.__name__}: {exc})")
+        return UpstreamDisconnected(url, f"connection lost ({what})")
+    if isinstance(exc, aiohttp.ClientResponseError | json.JSONDecodeError | UnicodeDecodeError | ValueError):
+        return UpstreamBadReply(url, f"unreadable reply ({what})")
     if isinstance(exc, aiohttp.ClientError):
-        return UpstreamBadReply(url, f"{exc.__class__.__name__}: {exc}")
-    return UpstreamBadReply(url, f"unexpected {exc.__class__.__name__}: {exc}")
+        return UpstreamBadReply(url, f"request failed ({what})")
+    return UpstreamBadReply(url, f"unexpected {what}")
+
+
+def _describe(exc: BaseException) -> str:
+    """``Class: message``, safe for exceptions built without arguments."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = ""
+    return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
 
 
 #: exceptions the upstream boundary catches and hands to :func:`map_client_error`
 CLIENT_ERRORS: tuple[type[BaseException], ...] = (
-    aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, json.JSONDecodeError, UnicodeDecodeError)
+    aiohttp.ClientError, TimeoutError, ConnectionError, json.JSONDecodeError, UnicodeDecodeError)

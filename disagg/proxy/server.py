@@ -12,7 +12,7 @@ from types import TracebackType
 from aiohttp import web
 
 from disagg.errors import ProxyError
-from disagg.proxy.app import build_app
+from disagg.proxy.app import STATE, ProxyState, build_app
 from disagg.proxy.config import ProxyConfig
 
 log = logging.getLogger("disagg.proxy")
@@ -41,6 +41,11 @@ class ProxyServer:
                                      access_log=logging.getLogger("aiohttp.access") if access_log else None)
         self._state = ServerState.NEW
         self.port: int | None = None
+
+    @property
+    def app_state(self) -> ProxyState:
+        """The app's pools, metrics and clients (for tests and embedding)."""
+        return self.app[STATE]
 
     @property
     def url(self) -> str:
