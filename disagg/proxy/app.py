@@ -218,8 +218,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     config, metrics, upstream = state.config, state.metrics, state.client()
     rid: str = request[REQUEST_ID_KEY]
     raw = await request.read()
-    req = GenerationRequest(endpoint=request.path, body=_parse_body(raw), raw=raw,
-                            headers=upstream_headers(request.headers, rid), request_id=rid)
+    headers = upstream_headers(request.headers, rid)
+    headers["Content-Type"] = "application/json"  # the body is JSON, whatever the client labelled it
+    req = GenerationRequest(endpoint=request.path, body=_parse_body(raw), raw=raw, headers=headers, request_id=rid)
     label = "chat" if req.endpoint == CHAT else "completions"
     path = "colocated" if state.handoff is None else "disaggregated"
     try:

@@ -150,3 +150,31 @@ async def test_client_disconnect_mid_stream_aborts_decode(colocated, standin, pr
     for url in prefill:
         assert sample(server, "disagg_proxy_backend_in_flight", {"role": "prefill", "url": url}) == 0
     gate.set()
+
+
+async def test_prefill_timeout_falls_back(standin, proxy, http) -> None:
+    from disagg.proxy import ProxyTimeouts
+
+    p = await standin("P", hang=True)
+    d = await standin("D", tokens=1)
+    server = await proxy(prefill=[p.url], decode=[d.url],
+                         timeouts=ProxyTimeouts(connect=1, request=0.3, health_interval=0.1, health_timeout=1,
+                                                drain=1))
+    async with http.post(server.url + "/v1/completions", json=BODY) as resp:
+        assert resp.status == 200
+    assert sample(server, "disagg_proxy_fallbacks_total", {"reason": "timeout"}) == 1
+    await wait_for(lambda: p.running == 0 and p.aborted == 1)  # the prefill request was closed, not left running
+
+
+async def test_client_disconnect_during_prefill_releases_prefill(standin, proxy, http) -> None:
+    p = await standin("P", hang=True)
+    d = await standin("D")
+    server = await proxy(prefill=[p.url], decode=[d.url])
+    task = asyncio.create_task(http.post(server.url + "/v1/completions", json=BODY))
+    await wait_for(lambda: p.running == 1)
+    task.cancel()  # the client gives up while prefill is still computing
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_for(lambda: p.running == 0)
+    assert p.aborted == 1 and d.generations() == []
+    await wait_for(lambda: sample(server, "disagg_proxy_backend_in_flight", {"role": "prefill", "url": p.url}) == 0)
