@@ -22,11 +22,19 @@ from disagg.proxy.errors import (
 )
 from disagg.proxy.metrics import ProxyMetrics
 
+#: seconds an idle engine connection is kept for reuse
+KEEPALIVE_S = 3.0
+
 
 def make_session(timeouts: ProxyTimeouts) -> aiohttp.ClientSession:
     """The proxy's client session: unlimited pooled keep-alive connections,
-    bodies passed through undecoded."""
-    connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
+    bodies passed through undecoded.
+
+    Idle connections are dropped after :data:`KEEPALIVE_S`, shorter than
+    vLLM's own 5 s (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``): reusing a connection
+    the engine is closing would fail a POST, which is not retried.
+    """
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect, sock_read=timeouts.request)
     return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
 
