@@ -233,7 +233,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                     if config.fallback == "never":
                         raise PrefillUnavailable(f"{exc.message}; fallback is 'never', so decode does not "
                                                  "serve the request alone") from exc
-                    log.warning("request %s: %s; decode serves it alone", rid, exc.message)
+                    # a missing prefill pool is logged once, by the health prober
+                    level = logging.DEBUG if exc.reason == "no_healthy_prefill" else logging.WARNING
+                    log.log(level, "request %s: %s; decode serves it alone", rid, exc.message)
                     metrics.fallbacks.labels(exc.reason).inc()
                     path = "fallback"
             if reply is None:

@@ -15,6 +15,8 @@ from disagg.proxy.metrics import ProxyMetrics
 
 log = logging.getLogger("disagg.proxy")
 
+NOT_PROBED = "not probed yet"
+
 
 class Backend:
     """One engine server: its URL, health and outstanding requests."""
@@ -26,7 +28,7 @@ class Backend:
         self.url = url
         self.healthy = False          # until the first probe passes
         self.outstanding = 0
-        self.last_error: str | None = "not probed yet"
+        self.last_error: str | None = NOT_PROBED
 
     def __repr__(self) -> str:
         state = "healthy" if self.healthy else f"unhealthy: {self.last_error}"
@@ -87,6 +89,8 @@ class BackendPool:
         """Take ``backend`` out of service until a probe passes."""
         if backend.healthy:
             log.warning("%s %s taken out: %s", self.role, backend.url, reason)
+        elif backend.last_error == NOT_PROBED:
+            log.warning("%s %s not healthy at start: %s", self.role, backend.url, reason)
         backend.healthy = False
         backend.last_error = reason
         self._metrics.healthy.labels(self.role, backend.url).set(0)
