@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "disagg.commands.lifecycle",  # up, down, status
     "disagg.commands.plan",       # plan
     "disagg.commands.probe_link",  # probe-link
+    "disagg.commands.proxy",      # proxy
 )
 
 

@@ -1,0 +1,62 @@
+"""``disagg proxy``: the OpenAI-compatible proxy alone, in front of engines
+someone else started."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from disagg.proxy.config import FALLBACKS, ProxyConfig, ProxyTimeouts
+
+#: environment variable read when ``--api-key`` is not given (keeps the key out of ``ps``)
+API_KEY_ENV = "DISAGG_PROXY_API_KEY"
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``proxy``."""
+    d = ProxyTimeouts()
+    p = sub.add_parser(
+        "proxy", help="run the OpenAI-compatible proxy in front of running engines",
+        description="Serve an OpenAI-compatible endpoint that sends each request to a prefill "
+                    "instance, then to a decode instance (without --prefill: a plain load balancer "
+                    "over --decode servers). SIGTERM/SIGINT drain in-flight requests, then exit 0.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any free port)")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill engine URLs")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="decode engine URLs (colocated servers when --prefill is absent)")
+    p.add_argument("--engine", default="vllm", help="engine family, selects the handoff (default: vllm)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV} if set)")
+    p.add_argument("--fallback", choices=FALLBACKS, default="local",
+                   help="when prefill fails: 'local' lets decode serve alone, 'never' answers 503")
+    p.add_argument("--connect-timeout", type=float, default=d.connect, metavar="S")
+    p.add_argument("--request-timeout", type=float, default=d.request, metavar="S",
+                   help="longest wait for an engine's reply or the next chunk of its stream")
+    p.add_argument("--health-interval", type=float, default=d.health_interval, metavar="S")
+    p.add_argument("--health-timeout", type=float, default=d.health_timeout, metavar="S")
+    p.add_argument("--drain-timeout", type=float, default=d.drain, metavar="S",
+                   help="on SIGTERM, how long in-flight requests may finish")
+    p.add_argument("--access-log", action="store_true", help="log every request")
+    p.set_defaults(handler=cmd_proxy)
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    """The :class:`ProxyConfig` the parsed arguments describe."""
+    timeouts = ProxyTimeouts(connect=args.connect_timeout, request=args.request_timeout,
+                             health_interval=args.health_interval, health_timeout=args.health_timeout,
+                             drain=args.drain_timeout)
+    return ProxyConfig(decode=tuple(args.decode), prefill=tuple(args.prefill), host=args.host, port=args.port,
+                       engine=args.engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                       fallback=args.fallback, timeouts=timeouts)
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    """Run the proxy until SIGTERM/SIGINT."""
+    from disagg.proxy.server import run_proxy  # aiohttp loads only for this command
+
+    config = config_from_args(args)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
+                        format="%(asctime)s disagg-proxy %(levelname)s %(message)s")
+    return run_proxy(config, access_log=args.access_log)

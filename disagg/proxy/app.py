@@ -1,0 +1,265 @@
+"""The proxy's aiohttp application: routes, API key, request ids, error bodies.
+
+Routes (vLLM's shapes and status codes):
+
+- ``POST /v1/completions``, ``POST /v1/chat/completions``: prefill -> decode
+  through the engine's :class:`~disagg.proxy.handoff.Handoff`, or whole to one
+  server in colocated mode (no ``--prefill``).
+- ``GET /v1/models``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``
+  and any other ``/v1/...``: forwarded unchanged to a decode instance.
+- ``GET /health``: 200 while at least one prefill and one decode instance are
+  healthy (colocated: one server); ``GET /metrics``: the proxy's own metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from disagg.proxy.backends import BackendPool, HealthProber
+from disagg.proxy.config import ProxyConfig
+from disagg.proxy.errors import (
+    BadRequest,
+    PrefillUnavailable,
+    ProxyHTTPError,
+    Unauthorized,
+    error_response,
+)
+from disagg.proxy.handoff import (
+    CHAT,
+    COMPLETIONS,
+    DecodeReply,
+    EngineErrorReply,
+    GenerationRequest,
+    Handoff,
+    PrefillFailed,
+    handoff_class,
+)
+from disagg.proxy.headers import REQUEST_ID, downstream_headers, upstream_headers
+from disagg.proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from disagg.proxy.relay import StreamTiming, is_event_stream, observe_stream, relay_stream, relay_whole
+from disagg.proxy.upstream import Upstream, make_session
+
+log = logging.getLogger("disagg.proxy")
+
+#: paths that need the API key (as vLLM: /health, /metrics, /version stay open)
+GUARDED_PREFIXES = ("/v1",)
+
+#: largest client request body (long prompts, base64 images)
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class ProxyState:
+    """Everything one app holds; ``upstream``/``handoff`` exist while it runs."""
+
+    config: ProxyConfig
+    metrics: ProxyMetrics
+    decode: BackendPool
+    prefill: BackendPool | None
+    handoff_cls: type[Handoff] | None
+    upstream: Upstream | None = None
+    handoff: Handoff | None = None
+    api_key_hash: bytes | None = field(default=None, repr=False)
+
+    def client(self) -> Upstream:
+        """The upstream client (only while the app runs)."""
+        if self.upstream is None:
+            raise RuntimeError("the proxy app is not started")
+        return self.upstream
+
+
+STATE: web.AppKey[ProxyState] = web.AppKey("disagg_proxy_state", ProxyState)
+REQUEST_ID_KEY: web.RequestKey[str] = web.RequestKey("disagg_request_id", str)
+
+
+def build_app(config: ProxyConfig) -> web.Application:
+    """The proxy as an aiohttp application (serve it with an ``AppRunner`` with
+    ``handler_cancellation=True``, as :class:`~disagg.proxy.server.ProxyServer` does)."""
+    metrics = ProxyMetrics()
+    state = ProxyState(
+        config=config, metrics=metrics,
+        decode=BackendPool("decode", config.decode, metrics),
+        prefill=BackendPool("prefill", config.prefill, metrics) if config.prefill else None,
+        handoff_cls=None if config.colocated else handoff_class(config.engine),
+        api_key_hash=hashlib.sha256(config.api_key.encode()).digest() if config.api_key else None)
+    app = web.Application(middlewares=[_front_door], client_max_size=MAX_BODY_BYTES)
+    app[STATE] = state
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_post(COMPLETIONS, _generate)
+    app.router.add_post(CHAT, _generate)
+    app.router.add_get("/version", _forward)
+    app.router.add_post("/tokenize", _forward)
+    app.router.add_post("/detokenize", _forward)
+    app.router.add_route("*", "/v1/{tail:.*}", _forward)
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """Client session, handoff and health probes for as long as the app runs."""
+    state = app[STATE]
+    t = state.config.timeouts
+    session = make_session(t)
+    state.upstream = Upstream(session, t, state.metrics)
+    if state.prefill is not None and state.handoff_cls is not None:
+        state.handoff = state.handoff_cls(state.upstream, state.prefill, state.decode, state.metrics)
+    pools = [p for p in (state.prefill, state.decode) if p is not None]
+    prober = HealthProber(pools, session, t.health_interval, t.health_timeout)
+    await prober.probe_all()
+    probing = asyncio.create_task(prober.run(), name="disagg-proxy-health")
+    try:
+        yield
+    finally:
+        probing.cancel()
+        with suppress(asyncio.CancelledError):
+            await probing
+        state.handoff = None
+        state.upstream = None
+        await session.close()
+
+
+def _authorized(state: ProxyState, request: web.Request) -> bool:
+    if state.api_key_hash is None or request.method == "OPTIONS" or not request.path.startswith(GUARDED_PREFIXES):
+        return True
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return secrets.compare_digest(hashlib.sha256(token.strip().encode()).digest(), state.api_key_hash)
+
+
+@web.middleware
+async def _front_door(request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Request id, API key, and every error as an OpenAI error body."""
+    request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+    request[REQUEST_ID_KEY] = request_id
+    headers = {REQUEST_ID: request_id}
+    try:
+        if not _authorized(request.app[STATE], request):
+            raise Unauthorized("invalid or missing API key (send Authorization: Bearer KEY)")
+        return await handler(request)
+    except ProxyHTTPError as exc:
+        return exc.response(headers)
+    except EngineErrorReply as exc:
+        return web.Response(status=exc.status, body=exc.body, headers=downstream_headers(exc.headers, request_id))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.status, f"{exc.reason}: {request.method} {request.path}", headers)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        log.exception("proxy error on %s %s", request.method, request.path)
+        return error_response(500, f"proxy internal error: {exc.__class__.__name__}: {exc}", headers)
+
+
+async def _health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    pools = [p for p in (state.prefill, state.decode) if p is not None]
+    report = {p.role: {b.url: ("healthy" if b.healthy else b.last_error) for b in p.backends} for p in pools}
+    missing = [p.role for p in pools if not p.healthy()]
+    if missing:
+        what = " and ".join(f"no healthy {role} instance" for role in missing)
+        detail = "; ".join(p.describe() for p in pools)
+        return error_response(503, f"{what}: {detail}", {REQUEST_ID: request[REQUEST_ID_KEY]})
+    return web.json_response({"status": "ok", **report}, headers={REQUEST_ID: request[REQUEST_ID_KEY]})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _forward(request: web.Request) -> web.StreamResponse:
+    """Any other engine route: unchanged to a decode instance."""
+    state = request.app[STATE]
+    upstream = state.client()
+    rid: str = request[REQUEST_ID_KEY]
+    data = await request.read() if request.body_exists else None
+    async with upstream.request(state.decode, request.method, request.path_qs, data=data,
+                                headers=upstream_headers(request.headers, rid)) as (backend, resp):
+        if is_event_stream(resp):
+            return await relay_stream(request, upstream, backend, resp, rid, StreamTiming(time.perf_counter()))
+        return await relay_whole(upstream, backend, resp, rid)
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def _samples(body: dict[str, Any]) -> int:
+    n = body.get("n")
+    return n if isinstance(n, int) and n > 0 else 1
+
+
+async def _generate(request: web.Request) -> web.StreamResponse:
+    """Completions and chat: prefill -> decode, with fallback, or colocated."""
+    started = time.perf_counter()
+    state = request.app[STATE]
+    config, metrics, upstream = state.config, state.metrics, state.client()
+    rid: str = request[REQUEST_ID_KEY]
+    raw = await request.read()
+    headers = upstream_headers(request.headers, rid)
+    headers["Content-Type"] = "application/json"  # the body is JSON, whatever the client labelled it
+    req = GenerationRequest(endpoint=request.path, body=_parse_body(raw), raw=raw, headers=headers, request_id=rid)
+    label = "chat" if req.endpoint == CHAT else "completions"
+    path = "colocated" if state.handoff is None else "disaggregated"
+    try:
+        async with AsyncExitStack() as stack:
+            reply: DecodeReply | None = None
+            if state.handoff is not None:
+                try:
+                    reply = await stack.enter_async_context(state.handoff.serve(req))
+                except PrefillFailed as exc:
+                    if config.fallback == "never":
+                        raise PrefillUnavailable(f"{exc.message}; fallback is 'never', so decode does not "
+                                                 "serve the request alone") from exc
+                    # a missing prefill pool is logged once, by the health prober
+                    level = logging.DEBUG if exc.reason == "no_healthy_prefill" else logging.WARNING
+                    log.log(level, "request %s: %s; decode serves it alone", rid, exc.message)
+                    metrics.fallbacks.labels(exc.reason).inc()
+                    path = "fallback"
+            if reply is None:
+                backend, resp = await stack.enter_async_context(
+                    upstream.request(state.decode, "POST", req.endpoint, data=raw, headers=req.headers))
+                reply = DecodeReply(backend, resp)
+            resp = reply.response
+            if resp.status != 200:
+                path = "error"
+            if is_event_stream(resp):
+                timing = StreamTiming(started)
+                out = await relay_stream(request, upstream, reply.backend, resp, rid, timing)
+                if timing.broken:
+                    path = "error"
+                else:
+                    observe_stream(metrics, timing, reply.prefill_done, _samples(req.body))
+            else:
+                out = await relay_whole(upstream, reply.backend, resp, rid)
+            if reply.companion is not None:
+                await reply.companion
+        return out
+    except BaseException:
+        path = "error"
+        raise
+    finally:
+        metrics.requests.labels(label, path).inc()
+        metrics.e2e.observe(time.perf_counter() - started)

@@ -1,0 +1,147 @@
+"""Backend pools: pick an engine, count what it is doing, take it out when it
+fails its health probe and put it back when it passes again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+import aiohttp
+
+from disagg.proxy.errors import CLIENT_ERRORS
+from disagg.proxy.metrics import ProxyMetrics
+
+log = logging.getLogger("disagg.proxy")
+
+NOT_PROBED = "not probed yet"
+
+
+class Backend:
+    """One engine server: its URL, health and outstanding requests."""
+
+    __slots__ = ("healthy", "last_error", "outstanding", "role", "url")
+
+    def __init__(self, role: str, url: str) -> None:
+        self.role = role
+        self.url = url
+        self.healthy = False          # until the first probe passes
+        self.outstanding = 0
+        self.last_error: str | None = NOT_PROBED
+
+    def __repr__(self) -> str:
+        state = "healthy" if self.healthy else f"unhealthy: {self.last_error}"
+        return f"{self.role} {self.url} ({state}, {self.outstanding} in flight)"
+
+
+class BackendPool:
+    """The instances of one role.
+
+    :meth:`pick` chooses the healthy backend with the fewest outstanding
+    requests; ties go round-robin. :meth:`lease` counts a request on a backend
+    for as long as the caller uses it.
+    """
+
+    def __init__(self, role: str, urls: Sequence[str], metrics: ProxyMetrics) -> None:
+        self.role = role
+        self.backends = tuple(Backend(role, url) for url in urls)
+        self._metrics = metrics
+        self._next = 0
+        for b in self.backends:
+            metrics.healthy.labels(role, b.url).set(0)
+            metrics.in_flight.labels(role, b.url).set(0)
+
+    def __len__(self) -> int:
+        return len(self.backends)
+
+    def healthy(self) -> list[Backend]:
+        """The backends currently in service."""
+        return [b for b in self.backends if b.healthy]
+
+    def pick(self, exclude: Iterable[Backend] = ()) -> Backend | None:
+        """The least loaded healthy backend not in ``exclude`` (round-robin among ties), or None."""
+        excluded = set(map(id, exclude))
+        n = len(self.backends)
+        best: Backend | None = None
+        start = self._next
+        for i in range(n):
+            b = self.backends[(start + i) % n]
+            if b.healthy and id(b) not in excluded and (best is None or b.outstanding < best.outstanding):
+                best = b
+        if best is not None:
+            self._next = (self.backends.index(best) + 1) % n
+        return best
+
+    @contextmanager
+    def lease(self, backend: Backend) -> Iterator[Backend]:
+        """Count one request on ``backend`` while the ``with`` block runs."""
+        gauge = self._metrics.in_flight.labels(self.role, backend.url)
+        backend.outstanding += 1
+        gauge.inc()
+        try:
+            yield backend
+        finally:
+            backend.outstanding -= 1
+            gauge.dec()
+
+    def mark_down(self, backend: Backend, reason: str) -> None:
+        """Take ``backend`` out of service until a probe passes."""
+        if backend.healthy:
+            log.warning("%s %s taken out: %s", self.role, backend.url, reason)
+        elif backend.last_error == NOT_PROBED:
+            log.warning("%s %s not healthy at start: %s", self.role, backend.url, reason)
+        backend.healthy = False
+        backend.last_error = reason
+        self._metrics.healthy.labels(self.role, backend.url).set(0)
+
+    def mark_up(self, backend: Backend) -> None:
+        """Put ``backend`` (back) into service."""
+        if not backend.healthy:
+            log.info("%s %s healthy", self.role, backend.url)
+        backend.healthy = True
+        backend.last_error = None
+        self._metrics.healthy.labels(self.role, backend.url).set(1)
+
+    def describe(self) -> str:
+        """One line per backend, for error messages."""
+        return "; ".join(repr(b) for b in self.backends)
+
+
+class HealthProber:
+    """Probes ``GET /health`` of every backend of every pool.
+
+    Started by the app's cleanup context; :meth:`probe_all` runs once before
+    the proxy serves, then :meth:`run` repeats it every ``interval`` seconds
+    until cancelled. A backend is healthy exactly while its last probe
+    answered 200 within ``timeout``.
+    """
+
+    def __init__(self, pools: Sequence[BackendPool], session: aiohttp.ClientSession,
+                 interval: float, timeout: float) -> None:
+        self._pools = pools
+        self._session = session
+        self._interval = interval
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+
+    async def probe(self, pool: BackendPool, backend: Backend) -> None:
+        """One probe of one backend; updates its state."""
+        try:
+            async with self._session.get(backend.url + "/health", timeout=self._timeout) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    pool.mark_up(backend)
+                else:
+                    pool.mark_down(backend, f"GET /health answered {resp.status}")
+        except CLIENT_ERRORS as exc:
+            pool.mark_down(backend, f"GET /health failed: {exc.__class__.__name__}: {exc}".rstrip(": "))
+
+    async def probe_all(self) -> None:
+        """Probe every backend once, concurrently."""
+        await asyncio.gather(*(self.probe(pool, b) for pool in self._pools for b in pool.backends))
+
+    async def run(self) -> None:
+        """Probe forever (until cancelled)."""
+        while True:
+            await asyncio.sleep(self._interval)
+            await self.probe_all()

@@ -1,0 +1,112 @@
+"""The proxy's configuration: one frozen object, built once (CLI or topology)
+and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from disagg.errors import ProxyError
+
+if TYPE_CHECKING:
+    from disagg.deployment import Deployment
+
+FALLBACKS = ("local", "never")
+
+
+@dataclass(frozen=True)
+class ProxyTimeouts:
+    """Every wait of the proxy, in seconds."""
+
+    connect: float = 10.0           # opening a connection to an engine
+    request: float = 600.0          # an engine's reply, or the next chunk of a stream
+    health_interval: float = 2.0    # between two probe rounds of every backend
+    health_timeout: float = 5.0     # one GET /health probe
+    drain: float = 15.0             # SIGTERM: how long in-flight requests may finish
+
+    def __post_init__(self) -> None:
+        for name in ("connect", "request", "health_interval", "health_timeout", "drain"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ProxyError(f"proxy timeout {name} must be > 0 seconds, got {value!r}")
+
+
+def normalize_url(url: str, what: str) -> str:
+    """``http://host:port`` without a trailing slash; raises :class:`ProxyError` naming ``what``."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ProxyError(f"{what} URL {url!r} is not an http(s)://host:port URL")
+    try:
+        parts.port  # noqa: B018 (validates the port)
+    except ValueError as exc:
+        raise ProxyError(f"{what} URL {url!r}: {exc}") from None
+    if parts.query or parts.fragment:
+        raise ProxyError(f"{what} URL {url!r} must not carry a query or fragment")
+    return url.strip().rstrip("/")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Everything the proxy needs.
+
+    ``prefill`` empty means colocated mode: ``decode`` lists whole servers and
+    each request goes whole to one of them (plain load balancing, no handoff).
+    """
+
+    decode: tuple[str, ...]
+    prefill: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine: str = "vllm"
+    api_key: str | None = None
+    fallback: str = "local"
+    timeouts: ProxyTimeouts = field(default_factory=ProxyTimeouts)
+
+    def __post_init__(self) -> None:
+        if not self.decode:
+            raise ProxyError("the proxy needs at least one --decode URL")
+        object.__setattr__(self, "decode", tuple(normalize_url(u, "decode") for u in self.decode))
+        object.__setattr__(self, "prefill", tuple(normalize_url(u, "prefill") for u in self.prefill))
+        for role in ("prefill", "decode"):
+            urls = getattr(self, role)
+            if len(set(urls)) != len(urls):
+                raise ProxyError(f"{role} URLs repeat: {', '.join(urls)}")
+        if self.fallback not in FALLBACKS:
+            raise ProxyError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
+        if not 0 <= self.port <= 65535:
+            raise ProxyError(f"proxy port {self.port} is not in 0..65535")
+        if self.api_key is not None and not self.api_key:
+            raise ProxyError("api_key must not be empty (leave it unset for no key)")
+
+    @property
+    def colocated(self) -> bool:
+        """True when there is no prefill pool (plain load balancer)."""
+        return not self.prefill
+
+    @classmethod
+    def from_deployment(cls, dep: Deployment, timeouts: ProxyTimeouts | None = None) -> ProxyConfig:
+        """The proxy of a planned topology (role ``both`` instances act as decode servers)."""
+        topo = dep.topology
+        t = topo.timeouts
+        return cls(
+            decode=tuple(e.url for e in dep.role("decode") + dep.role("both")),
+            prefill=tuple(e.url for e in dep.role("prefill")),
+            host=topo.proxy.host, port=topo.proxy.port, engine=topo.engine,
+            api_key=topo.proxy.api_key, fallback=topo.proxy.fallback,
+            timeouts=timeouts or ProxyTimeouts(connect=t.connect, request=t.request,
+                                               health_interval=t.health_interval))
+
+    def to_argv(self) -> list[str]:
+        """The ``disagg proxy ...`` arguments (after ``disagg``) that rebuild this config."""
+        t = self.timeouts
+        argv = ["proxy", "--host", self.host, "--port", str(self.port)]
+        if self.prefill:
+            argv += ["--prefill", *self.prefill]
+        argv += ["--decode", *self.decode, "--engine", self.engine, "--fallback", self.fallback,
+                 "--connect-timeout", str(t.connect), "--request-timeout", str(t.request),
+                 "--health-interval", str(t.health_interval), "--health-timeout", str(t.health_timeout),
+                 "--drain-timeout", str(t.drain)]
+        if self.api_key:
+            argv += ["--api-key", self.api_key]
+        return argv

@@ -1,0 +1,215 @@
+"""Prefill -> decode handoff protocols, one class per engine family.
+
+The proxy calls :meth:`Handoff.serve` once per generation request when it has
+a prefill pool. A handoff decides what prefill and decode receive and in
+which order; the proxy relays the decode reply it yields, falls back to
+decode alone when it raises :class:`PrefillFailed`, and turns any other
+error into the client's error.
+
+- :class:`VllmHandoff` (sequential, NixlConnector pull mode): prefill with
+  ``max_tokens: 1`` and ``kv_transfer_params.do_remote_decode``, then decode
+  with the client's request plus the ``kv_transfer_params`` prefill returned.
+- A concurrent protocol (SGLang: the same body with ``bootstrap_room`` sent to
+  prefill and decode at once) fits the same interface: its ``serve`` starts
+  both requests, yields the decode reply with ``companion`` set to the
+  prefill task, and cancels whichever side is left if the other fails. Add it
+  to :data:`HANDOFFS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import aiohttp
+
+from disagg.errors import ProxyError
+from disagg.proxy.backends import Backend, BackendPool
+from disagg.proxy.errors import ProxyHTTPError, UpstreamError
+from disagg.proxy.metrics import ProxyMetrics
+from disagg.proxy.upstream import Upstream
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One client generation request, as the proxy received it (never mutated)."""
+
+    endpoint: str                       # COMPLETIONS or CHAT
+    body: Mapping[str, Any]             # the parsed JSON object
+    raw: bytes                          # the exact bytes the client sent
+    headers: Mapping[str, str]          # end-to-end headers for engines (X-Request-Id set)
+    request_id: str
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+@dataclass
+class DecodeReply:
+    """The reply the client gets: decode's response, headers read, body not yet."""
+
+    backend: Backend
+    response: aiohttp.ClientResponse
+    #: perf_counter when prefill answered (None: no prefill, or concurrent)
+    prefill_done: float | None = None
+    #: concurrent protocols: the prefill request still running; the proxy
+    #: awaits it after the decode body and cancels it if the client leaves
+    companion: asyncio.Task[None] | None = field(default=None)
+
+
+class PrefillFailed(ProxyError):
+    """Prefill could not be used; the request may still be served by decode alone.
+
+    ``reason`` is a short metric label (connect, timeout, status, ...).
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class EngineErrorReply(ProxyError):
+    """An engine answered with an error the client must see unchanged
+    (e.g. prefill rejecting a bad request with 400)."""
+
+    def __init__(self, url: str, status: int, body: bytes, headers: Mapping[str, str]) -> None:
+        super().__init__(f"{url} answered {status}")
+        self.status = status
+        self.body = body
+        self.headers = headers
+
+
+class Handoff(ABC):
+    """The P->D protocol of one engine family.
+
+    Built once per app with the pools, the upstream client and the metrics;
+    must not change the pools' membership except through ``mark_down``.
+    """
+
+    #: the ``--engine`` value this protocol serves
+    engine: ClassVar[str]
+
+    def __init__(self, upstream: Upstream, prefill: BackendPool, decode: BackendPool,
+                 metrics: ProxyMetrics) -> None:
+        self.upstream = upstream
+        self.prefill = prefill
+        self.decode = decode
+        self.metrics = metrics
+
+    @abstractmethod
+    def serve(self, req: GenerationRequest) -> AbstractAsyncContextManager[DecodeReply]:
+        """Run the handoff for one request; yield decode's reply while the proxy relays it.
+
+        Called by the proxy once per generation request, concurrently for many
+        requests. Raises :class:`PrefillFailed` before anything reached decode
+        when prefill is unusable (the proxy then applies its fallback policy),
+        :class:`EngineErrorReply` to hand an engine's 4xx to the client, and
+        :class:`~disagg.proxy.errors.ProxyHTTPError` for decode failures. On
+        exit (normal, error or cancellation) it must release every backend
+        lease and close any unfinished engine request.
+        """
+
+
+class VllmHandoff(Handoff):
+    """vLLM with NixlConnector (pull mode): prefill first, then decode."""
+
+    engine = "vllm"
+
+    #: kv_transfer_params sent to prefill (REFERENCE.md section 2)
+    PREFILL_KV_PARAMS: ClassVar[dict[str, Any]] = {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+    @staticmethod
+    def prefill_body(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """What prefill receives: the client's request computing one token, not streamed.
+
+        ``n`` is 1: the prompt's KV is the same for every sample, and extra
+        samples would each pin prefill blocks that no decode ever pulls.
+        """
+        out = dict(body)
+        for key in ("stream_options", "min_tokens"):
+            out.pop(key, None)
+        out["stream"] = False
+        out["max_tokens"] = 1
+        if endpoint == CHAT:
+            out["max_completion_tokens"] = 1
+        if "n" in out:
+            out["n"] = 1
+        out["kv_transfer_params"] = dict(VllmHandoff.PREFILL_KV_PARAMS)
+        return out
+
+    @staticmethod
+    def decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]) -> dict[str, Any]:
+        """What decode receives: the client's request plus prefill's ``kv_transfer_params``."""
+        out = dict(body)
+        out["kv_transfer_params"] = dict(kv_transfer_params)
+        return out
+
+    async def run_prefill(self, req: GenerationRequest) -> dict[str, Any]:
+        """Prefill on the best prefill backend; returns the ``kv_transfer_params`` it answered.
+
+        Raises :class:`PrefillFailed` (fallback possible) or :class:`EngineErrorReply`.
+        """
+        data = json.dumps(self.prefill_body(req.endpoint, req.body)).encode()
+        started = time.perf_counter()
+        try:
+            async with self.upstream.request(self.prefill, "POST", req.endpoint, data=data,
+                                             headers=req.headers) as (backend, resp):
+                if 400 <= resp.status < 500:
+                    body = await self.upstream.read(backend, resp)
+                    raise EngineErrorReply(backend.url, resp.status, body, resp.headers)
+                if resp.status != 200:
+                    body = await self.upstream.read(backend, resp)
+                    raise PrefillFailed("status", f"prefill {backend.url} answered {resp.status}: "
+                                        f"{body[:300].decode(errors='replace')}")
+                reply = await self.upstream.read_json(backend, resp)
+        except UpstreamError as exc:
+            raise PrefillFailed(exc.kind, f"prefill {exc.message}") from exc
+        except ProxyHTTPError as exc:  # no healthy prefill instance
+            raise PrefillFailed("no_healthy_prefill", exc.message) from exc
+        self.metrics.prefill.observe(time.perf_counter() - started)
+        params = reply.get("kv_transfer_params")
+        if not isinstance(params, dict) or not params:
+            raise PrefillFailed("no_kv_params", f"prefill {backend.url} answered without kv_transfer_params "
+                                "(is it started with a kv_producer --kv-transfer-config?)")
+        return params
+
+    @asynccontextmanager
+    async def serve(self, req: GenerationRequest) -> AsyncIterator[DecodeReply]:
+        """Prefill, then decode with the returned ``kv_transfer_params``."""
+        params = await self.run_prefill(req)
+        prefill_done = time.perf_counter()
+        data = json.dumps(self.decode_body(req.body, params)).encode()
+        async with self.upstream.request(self.decode, "POST", req.endpoint, data=data,
+                                         headers=req.headers) as (backend, resp):
+            yield DecodeReply(backend, resp, prefill_done=prefill_done)
+
+
+#: ``--engine`` value -> "module:Class" of its handoff (imported on use)
+HANDOFFS: dict[str, str] = {
+    "vllm": "disagg.proxy.handoff:VllmHandoff",
+}
+
+
+def handoff_class(engine: str) -> type[Handoff]:
+    """The handoff class for an engine family; raises :class:`ProxyError` if unknown."""
+    try:
+        target = HANDOFFS[engine]
+    except KeyError:
+        raise ProxyError(f"engine {engine!r} has no proxy handoff yet; known: {', '.join(HANDOFFS)}") from None
+    module, _, attr = target.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    return cls  # type: ignore[no-any-return]

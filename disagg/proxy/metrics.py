@@ -1,0 +1,69 @@
+"""The proxy's Prometheus metrics, in a registry of its own (one per app, so
+several proxies in one process, as in tests, never share counters).
+
+Names (all prefixed ``disagg_proxy_``):
+
+- ``requests_total{endpoint, path}``: generation requests by how they were
+  served: ``disaggregated`` (prefill then decode), ``fallback`` (decode alone
+  because prefill failed), ``colocated`` (one whole server), ``error``.
+- ``fallbacks_total{reason}``: why prefill was skipped (connect, timeout,
+  status, disconnected, bad_reply, no_kv_params, no_healthy_prefill).
+- ``upstream_errors_total{role, kind}``.
+- ``ttft_seconds``: request arrival -> first streamed event sent (streaming only).
+- ``tpot_seconds``: (last token event - first) / (token events - 1), streaming, n=1.
+- ``e2e_seconds``: request arrival -> last byte sent.
+- ``prefill_seconds``: the prefill request alone.
+- ``handoff_seconds``: prefill reply -> first decode event (streaming only).
+- ``backend_in_flight{role, url}``, ``backend_healthy{role, url}``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+#: fine around 1-3 s so a 2 s TTFT SLO can be read off the histogram
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+#: per-token times: milliseconds up to a second
+TOKEN_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+PATHS = ("disaggregated", "fallback", "colocated", "error")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ProxyMetrics:
+    """All metrics of one proxy app, registered in ``self.registry``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("disagg_proxy_requests", "Generation requests by how they were served",
+                                ["endpoint", "path"], registry=r)
+        self.fallbacks = Counter("disagg_proxy_fallbacks", "Requests served by decode alone, by reason",
+                                 ["reason"], registry=r)
+        self.upstream_errors = Counter("disagg_proxy_upstream_errors", "Failed engine requests",
+                                       ["role", "kind"], registry=r)
+        self.ttft = Histogram("disagg_proxy_ttft_seconds", "Time to first streamed event, at the proxy",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("disagg_proxy_tpot_seconds", "Time per output token after the first, at the proxy",
+                              buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("disagg_proxy_e2e_seconds", "Request arrival to last byte sent",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("disagg_proxy_prefill_seconds", "Duration of the prefill request",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.handoff = Histogram("disagg_proxy_handoff_seconds", "Prefill reply to first decode event",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("disagg_proxy_backend_in_flight", "Requests outstanding at each backend",
+                               ["role", "url"], registry=r)
+        self.healthy = Gauge("disagg_proxy_backend_healthy", "1 while the backend passes health probes",
+                             ["role", "url"], registry=r)
+
+    def render(self) -> bytes:
+        """The text exposition format of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,97 @@
+"""Relaying an engine's reply to the client: whole bodies at once, SSE streams
+chunk by chunk as they arrive, with the proxy-side timing metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from disagg.proxy.backends import Backend
+from disagg.proxy.errors import CLIENT_ERRORS, sse_error_event
+from disagg.proxy.headers import downstream_headers
+from disagg.proxy.metrics import ProxyMetrics
+from disagg.proxy.upstream import Upstream
+
+log = logging.getLogger("disagg.proxy")
+
+_DATA = b"data:"
+_DONE = b"[DONE]"
+_USAGE_ONLY = b'"choices":[]'
+
+
+@dataclass
+class StreamTiming:
+    """What the proxy saw of one stream (for metrics and tests)."""
+
+    started: float                      # perf_counter at request arrival
+    first: float | None = None          # first event sent
+    last: float | None = None           # last token event sent
+    token_events: int = 0
+    broken: bool = False                # the engine failed mid-stream
+
+
+def is_event_stream(resp: aiohttp.ClientResponse) -> bool:
+    """True for a ``text/event-stream`` reply."""
+    return resp.content_type == "text/event-stream"
+
+
+async def relay_whole(upstream: Upstream, backend: Backend, resp: aiohttp.ClientResponse,
+                      request_id: str) -> web.Response:
+    """The engine's reply as one response: its status, end-to-end headers and body."""
+    body = await upstream.read(backend, resp)
+    return web.Response(status=resp.status, body=body, headers=downstream_headers(resp.headers, request_id))
+
+
+async def relay_stream(request: web.Request, upstream: Upstream, backend: Backend,
+                       resp: aiohttp.ClientResponse, request_id: str, timing: StreamTiming) -> web.StreamResponse:
+    """Pass an SSE reply through event by event, as the engine writes it.
+
+    If the engine fails after the stream started, the client gets vLLM's
+    in-stream error event and ``[DONE]``. A client that goes away raises out
+    of here (``ConnectionResetError`` or cancellation), and the caller's
+    context closes the engine request.
+    """
+    out = web.StreamResponse(status=resp.status, headers=downstream_headers(resp.headers, request_id))
+    await out.prepare(request)
+    content = resp.content
+    while True:
+        try:
+            chunk = await content.readany()
+        except CLIENT_ERRORS as exc:
+            err = upstream.failed(backend, exc)
+            log.warning("decode stream broke: %s", err.message)
+            timing.broken = True
+            await out.write(sse_error_event(err.status, f"decode stream broke: {err.message}"))
+            break
+        if not chunk:
+            break
+        now = time.perf_counter()
+        await out.write(chunk)
+        if timing.first is None:
+            timing.first = now
+        events = chunk.count(_DATA)
+        if events:
+            if _DONE in chunk:
+                events -= 1
+            if _USAGE_ONLY in chunk:
+                events -= 1
+            if events > 0:
+                timing.token_events += events
+                timing.last = now
+    await out.write_eof()
+    return out
+
+
+def observe_stream(metrics: ProxyMetrics, timing: StreamTiming, prefill_done: float | None, n: int) -> None:
+    """Record TTFT, handoff time and TPOT of a finished stream."""
+    if timing.first is None:
+        return
+    metrics.ttft.observe(timing.first - timing.started)
+    if prefill_done is not None:
+        metrics.handoff.observe(timing.first - prefill_done)
+    if n == 1 and timing.token_events > 1 and timing.last is not None:
+        metrics.tpot.observe((timing.last - timing.first) / (timing.token_events - 1))

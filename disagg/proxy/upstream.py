@@ -1,0 +1,121 @@
+"""Talking to engines: one aiohttp client session, the timeouts, and the
+boundary where client exceptions become :mod:`disagg.proxy.errors`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+
+from disagg.proxy.backends import Backend, BackendPool
+from disagg.proxy.config import ProxyTimeouts
+from disagg.proxy.errors import (
+    CLIENT_ERRORS,
+    NoHealthyBackend,
+    UpstreamBadReply,
+    UpstreamConnectError,
+    UpstreamError,
+    map_client_error,
+)
+from disagg.proxy.metrics import ProxyMetrics
+
+#: seconds an idle engine connection is kept for reuse
+KEEPALIVE_S = 3.0
+
+
+def make_session(timeouts: ProxyTimeouts) -> aiohttp.ClientSession:
+    """The proxy's client session: unlimited pooled keep-alive connections,
+    bodies passed through undecoded.
+
+    Idle connections are dropped after :data:`KEEPALIVE_S`, shorter than
+    vLLM's own 5 s (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``): reusing a connection
+    the engine is closing would fail a POST, which is not retried.
+    """
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect, sock_read=timeouts.request)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+
+
+class Upstream:
+    """Sends requests to backends of a pool and maps every failure."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeouts: ProxyTimeouts, metrics: ProxyMetrics) -> None:
+        self.session = session
+        self.timeouts = timeouts
+        self._metrics = metrics
+
+    async def send(self, backend: Backend, method: str, path: str, *, data: bytes | None,
+                   headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+        """Send one request; returns the response with its headers read.
+
+        The caller owns the response: read it, then ``release()``, or ``close()``
+        it to abort the engine's work.
+        """
+        try:
+            return await self.session.request(method, backend.url + path, data=data, headers=headers,
+                                              allow_redirects=False)
+        except CLIENT_ERRORS as exc:
+            raise self.failed(backend, exc) from exc
+
+    async def read(self, backend: Backend, resp: aiohttp.ClientResponse) -> bytes:
+        """The whole body of ``resp``."""
+        try:
+            return await resp.read()
+        except CLIENT_ERRORS as exc:
+            raise self.failed(backend, exc) from exc
+
+    async def read_json(self, backend: Backend, resp: aiohttp.ClientResponse) -> dict[str, Any]:
+        """The body of ``resp`` as a JSON object."""
+        body = await self.read(backend, resp)
+        try:
+            value = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise self.failed(backend, exc) from exc
+        if not isinstance(value, dict):
+            raise UpstreamBadReply(backend.url, f"expected a JSON object, got {type(value).__name__}")
+        return value
+
+    def failed(self, backend: Backend, exc: BaseException) -> UpstreamError:
+        """Map ``exc`` and count it."""
+        err = map_client_error(exc, backend.url, self.timeouts.request)
+        self._metrics.upstream_errors.labels(backend.role, err.kind).inc()
+        return err
+
+    @asynccontextmanager
+    async def request(self, pool: BackendPool, method: str, path: str, *, data: bytes | None,
+                      headers: Mapping[str, str]) -> AsyncIterator[tuple[Backend, aiohttp.ClientResponse]]:
+        """Send to the best backend of ``pool``; yields ``(backend, response)``.
+
+        A backend that refuses the connection is taken out and the next one is
+        tried (the request never reached it). The backend stays leased until
+        the block exits; then the response is released, or closed (aborting
+        the engine's request) if its body was not read to the end.
+        """
+        tried: list[Backend] = []
+        while True:
+            backend = pool.pick(exclude=tried)
+            if backend is None:
+                raise NoHealthyBackend(f"no healthy {pool.role} instance: {pool.describe()}")
+            with pool.lease(backend):
+                try:
+                    resp = await self.send(backend, method, path, data=data, headers=headers)
+                except UpstreamConnectError as exc:
+                    pool.mark_down(backend, exc.message)
+                    tried.append(backend)
+                    continue
+                try:
+                    yield backend, resp
+                finally:
+                    finish(resp)
+                return
+
+
+def finish(resp: aiohttp.ClientResponse) -> None:
+    """Release a fully read response; close (abort) one that is not."""
+    if resp.content.at_eof():
+        resp.release()
+    else:
+        resp.close()

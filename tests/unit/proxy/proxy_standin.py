@@ -1,0 +1,197 @@
+"""Stand-in engines for the proxy tests.
+
+A :class:`StandInEngine` is a small aiohttp server speaking the slice of
+vLLM's HTTP API the proxy uses. It is a stand-in, not an engine: it exists for
+what a real vLLM cannot do on demand here (refuse, fail with a chosen status,
+die mid-stream, hang, report a client abort at once) and for recording the
+exact bodies and headers the proxy sent. Real-engine behaviour is covered by
+tests/e2e.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from disagg.proxy import ProxyTimeouts
+
+
+@dataclass
+class Received:
+    """One request a stand-in got."""
+
+    method: str
+    path: str
+    headers: CIMultiDict[str]
+    body: Any
+
+
+@dataclass
+class StandInEngine:
+    """A stand-in vLLM server: prefill when ``kv_transfer_params.do_remote_decode``
+    is set, otherwise a generator of ``tokens`` tokens (``tok0 tok1 ...``)."""
+
+    name: str
+    tokens: int = 4
+    token_delay: float = 0.0
+    health_status: int = 200
+    fail_status: int | None = None          # answer generation with this error status
+    die_after: int | None = None            # drop the connection after this many stream events
+    hang: bool = False                      # never answer generation
+    no_kv_params: bool = False              # prefill answers without kv_transfer_params
+    gate: asyncio.Event | None = None       # stream: wait for it after the first event
+    received: list[Received] = field(default_factory=list)
+    running: int = 0                        # generation requests in progress
+    aborted: int = 0                        # generation requests cancelled by the caller leaving
+    url: str = ""
+    _runner: web.AppRunner | None = None
+
+    def generations(self) -> list[Received]:
+        return [r for r in self.received if r.path.startswith("/v1/") and "completions" in r.path]
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/version", self._version)
+        app.router.add_post("/tokenize", self._echo)
+        app.router.add_route("*", "/v1/{tail:.*}", self._echo)
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _record(self, request: web.Request) -> Any:
+        raw = await request.read()
+        body = json.loads(raw) if raw else None
+        self.received.append(Received(request.method, request.path_qs, CIMultiDict(request.headers), body))
+        return body
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model",
+                                                               "owned_by": self.name}]})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.32.0-standin"})
+
+    async def _echo(self, request: web.Request) -> web.Response:
+        body = await self._record(request)
+        return web.json_response({"echo": body, "path": request.path_qs, "server": self.name},
+                                 headers={"X-Stand-In": self.name})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await self._record(request)
+        self.running += 1
+        try:
+            return await self._answer(request, body)
+        except asyncio.CancelledError:
+            self.aborted += 1
+            raise
+        finally:
+            self.running -= 1
+
+    async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        rid = request.headers.get("X-Request-Id", "")
+        if self.hang:
+            await asyncio.sleep(3600)
+        if self.fail_status is not None:
+            return web.json_response({"error": {"message": f"{self.name} failed on purpose", "type": "StandInError",
+                                                "param": None, "code": self.fail_status}},
+                                     status=self.fail_status)
+        params = body.get("kv_transfer_params") or {}
+        chat = request.path.endswith("/chat/completions")
+        if params.get("do_remote_decode"):
+            kv = None if self.no_kv_params else {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [7, 8],
+                "remote_engine_id": f"engine-{self.name}", "remote_request_id": f"cmpl-{rid}",
+                "remote_host": "127.0.0.1", "remote_port": 5601, "tp_size": 1}
+            return web.json_response({"id": f"cmpl-{rid}", "object": "text_completion", "model": "tiny",
+                                      "choices": [self._choice(chat, 0, "tok0 ")],
+                                      "kv_transfer_params": kv})
+        n = int(body.get("n") or 1)
+        if not body.get("stream"):
+            text = "".join(f"tok{i} " for i in range(self.tokens))
+            return web.json_response({"id": f"cmpl-{rid}", "object": "chat.completion" if chat else "text_completion",
+                                      "model": "tiny", "served_by": self.name,
+                                      "choices": [self._choice(chat, i, text) for i in range(n)],
+                                      "usage": {"prompt_tokens": 3, "completion_tokens": self.tokens * n,
+                                                "total_tokens": 3 + self.tokens * n}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Stand-In": self.name})
+        await resp.prepare(request)
+        sent = 0
+        for t in range(self.tokens):
+            for i in range(n):
+                if self.die_after is not None and sent >= self.die_after:
+                    assert request.transport is not None
+                    request.transport.close()
+                    return resp
+                choice = self._choice(chat, i, f"tok{t} ", delta=True)
+                chunk = {"id": f"cmpl-{rid}", "model": "tiny", "choices": [choice]}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                sent += 1
+            if t == 0 and self.gate is not None:
+                await self.gate.wait()
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"id": f"cmpl-{rid}", "choices": [], "usage": {"completion_tokens": self.tokens * n}}
+            await resp.write(b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _choice(self, chat: bool, index: int, text: str, delta: bool = False) -> dict[str, Any]:
+        if chat:
+            key = "delta" if delta else "message"
+            return {"index": index, key: {"role": "assistant", "content": text}, "finish_reason": None}
+        return {"index": index, "text": text, "finish_reason": None}
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on (for a backend that is down)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+FAST = ProxyTimeouts(connect=1.0, request=5.0, health_interval=0.1, health_timeout=1.0, drain=1.0)
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
+    """Poll ``predicate`` until true; fail the test after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(0.02)
+
+
+async def read_events(resp: aiohttp.ClientResponse) -> list[str]:
+    """The ``data:`` payloads of an SSE response, in order."""
+    events = []
+    async for line in resp.content:
+        text = line.decode().strip()
+        if text.startswith("data:"):
+            events.append(text[5:].strip())
+    return events

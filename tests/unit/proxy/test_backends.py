@@ -1,0 +1,111 @@
+"""Pools: least outstanding with round-robin ties, health take-out and put-back."""
+
+from __future__ import annotations
+
+import asyncio
+
+from proxy_standin import wait_for
+
+from disagg.proxy.backends import BackendPool
+from disagg.proxy.metrics import ProxyMetrics
+
+
+def pool(n: int) -> BackendPool:
+    p = BackendPool("decode", [f"http://h{i}:1" for i in range(n)], ProxyMetrics())
+    for b in p.backends:
+        p.mark_up(b)
+    return p
+
+
+def test_ties_go_round_robin() -> None:
+    p = pool(3)
+    assert [p.pick().url for _ in range(6)] == ["http://h0:1", "http://h1:1", "http://h2:1"] * 2
+
+
+def test_least_outstanding_wins() -> None:
+    p = pool(3)
+    a, b, c = p.backends
+    with p.lease(a), p.lease(a), p.lease(b):
+        assert p.pick() is c
+        with p.lease(c), p.lease(c):
+            assert p.pick() is b
+    assert (a.outstanding, b.outstanding, c.outstanding) == (0, 0, 0)
+
+
+def test_unhealthy_and_excluded_are_skipped() -> None:
+    p = pool(2)
+    a, b = p.backends
+    p.mark_down(a, "probe failed")
+    assert [p.pick() for _ in range(3)] == [b, b, b]
+    assert p.pick(exclude=[b]) is None
+    p.mark_up(a)
+    assert p.pick(exclude=[b]) is a
+
+
+def test_lease_tracks_in_flight_gauge() -> None:
+    metrics = ProxyMetrics()
+    p = BackendPool("prefill", ["http://h:1"], metrics)
+    [a] = p.backends
+    labels = {"role": "prefill", "url": "http://h:1"}
+    with p.lease(a):
+        assert metrics.registry.get_sample_value("disagg_proxy_backend_in_flight", labels) == 1
+    assert metrics.registry.get_sample_value("disagg_proxy_backend_in_flight", labels) == 0
+
+
+async def test_proxy_balances_colocated_servers(standin, proxy, http) -> None:
+    a = await standin("A")
+    b = await standin("B")
+    server = await proxy(decode=[a.url, b.url])
+    served = []
+    for _ in range(4):
+        async with http.post(server.url + "/v1/completions", json={"prompt": "x"}) as resp:
+            served.append((await resp.json())["served_by"])
+    assert served == ["A", "B", "A", "B"]
+
+
+async def test_busy_server_gets_no_new_request(standin, proxy, http) -> None:
+    gate = asyncio.Event()
+    a = await standin("A", gate=gate, tokens=2)
+    b = await standin("B")
+    server = await proxy(decode=[a.url, b.url])
+    slow = await http.post(server.url + "/v1/completions", json={"prompt": "x", "stream": True})
+    assert slow.headers["X-Stand-In"] == "A"
+    for _ in range(3):  # A still has one outstanding: B takes every new one
+        async with http.post(server.url + "/v1/completions", json={"prompt": "x"}) as resp:
+            assert (await resp.json())["served_by"] == "B"
+    gate.set()
+    await slow.read()
+    slow.release()
+
+
+async def test_unhealthy_backend_taken_out_and_put_back(standin, proxy, http) -> None:
+    a = await standin("A")
+    b = await standin("B")
+    server = await proxy(decode=[a.url, b.url])
+    state = server.app_state
+    a.health_status = 503
+    await wait_for(lambda: not state.decode.backends[0].healthy)
+    for _ in range(3):
+        async with http.post(server.url + "/v1/completions", json={"prompt": "x"}) as resp:
+            assert (await resp.json())["served_by"] == "B"
+    assert state.metrics.registry.get_sample_value(
+        "disagg_proxy_backend_healthy", {"role": "decode", "url": a.url}) == 0
+    a.health_status = 200
+    await wait_for(lambda: state.decode.backends[0].healthy)
+    served = set()
+    for _ in range(2):
+        async with http.post(server.url + "/v1/completions", json={"prompt": "x"}) as resp:
+            served.add((await resp.json())["served_by"])
+    assert served == {"A", "B"}
+
+
+async def test_refused_connection_retries_next_backend(standin, proxy, http) -> None:
+    a = await standin("A")
+    b = await standin("B")
+    server = await proxy(decode=[a.url, b.url])
+    await a.stop()  # dies between probes; the proxy still thinks it is healthy
+    for _ in range(2):
+        async with http.post(server.url + "/v1/completions", json={"prompt": "x"}) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["served_by"] == "B"
+    assert not server.app_state.decode.backends[0].healthy

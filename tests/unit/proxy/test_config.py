@@ -1,0 +1,82 @@
+"""ProxyConfig validation and the ``disagg proxy`` arguments."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.cli import build_parser
+from disagg.commands.proxy import config_from_args
+from disagg.errors import ProxyError
+from disagg.proxy.config import ProxyConfig, ProxyTimeouts
+
+
+def test_urls_are_normalized_and_mode_follows_prefill() -> None:
+    cfg = ProxyConfig(decode=("http://d:8200/",), prefill=("http://p:8100",))
+    assert cfg.decode == ("http://d:8200",) and not cfg.colocated
+    assert ProxyConfig(decode=("http://d:1",)).colocated
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"decode": ()}, "at least one --decode"),
+    ({"decode": ("d:8200",)}, "decode URL 'd:8200'"),
+    ({"decode": ("http://d:99999",)}, "decode URL 'http://d:99999'"),
+    ({"decode": ("http://d:1",), "prefill": ("ftp://p:1",)}, "prefill URL 'ftp://p:1'"),
+    ({"decode": ("http://d:1", "http://d:1/")}, "decode URLs repeat"),
+    ({"decode": ("http://d:1",), "fallback": "sometimes"}, "fallback must be one of local, never"),
+    ({"decode": ("http://d:1",), "api_key": ""}, "api_key must not be empty"),
+])
+def test_invalid_config_names_the_field(kwargs: dict, needle: str) -> None:
+    with pytest.raises(ProxyError, match=needle.replace("?", r"\?")):
+        ProxyConfig(**kwargs)
+
+
+def test_timeouts_must_be_positive() -> None:
+    with pytest.raises(ProxyError, match="request must be > 0"):
+        ProxyTimeouts(request=0)
+
+
+def test_unknown_engine_is_refused_when_building_the_app() -> None:
+    from disagg.proxy import build_app
+
+    with pytest.raises(ProxyError, match="engine 'tgi' has no proxy handoff"):
+        build_app(ProxyConfig(decode=("http://d:1",), prefill=("http://p:1",), engine="tgi"))
+    build_app(ProxyConfig(decode=("http://d:1",), engine="tgi"))  # colocated needs no handoff
+
+
+def test_cli_arguments_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DISAGG_PROXY_API_KEY", raising=False)
+    cfg = ProxyConfig(decode=("http://d:2", "http://d:3"), prefill=("http://p:1",), host="0.0.0.0", port=9000,
+                      api_key="k", fallback="never",
+                      timeouts=ProxyTimeouts(connect=1.5, request=30, health_interval=0.5, health_timeout=2,
+                                             drain=4))
+    args = build_parser().parse_args(cfg.to_argv())
+    assert config_from_args(args) == cfg
+
+
+def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISAGG_PROXY_API_KEY", "from-env")
+    args = build_parser().parse_args(["proxy", "--decode", "http://d:1"])
+    cfg = config_from_args(args)
+    assert cfg.api_key == "from-env" and cfg.colocated and cfg.port == 8000 and cfg.host == "127.0.0.1"
+
+
+def test_from_topology_deployment() -> None:
+    from disagg.deployment import plan_deployment
+    from disagg.topology import parse_topology
+
+    text = """
+model: {path: disagg:tiny}
+engine: vllm
+connector: nixl
+proxy: {host: 127.0.0.1, port: 8010, fallback: never, api_key: k}
+timeouts: {request: 30}
+hosts:
+  a: {address: 127.0.0.1}
+roles:
+  prefill: [{host: a, port: 8100}, {host: a, port: 8101}]
+  decode: [{host: a, port: 8200}]
+"""
+    cfg = ProxyConfig.from_deployment(plan_deployment(parse_topology(text, "t.yaml")))
+    assert cfg.prefill == ("http://127.0.0.1:8100", "http://127.0.0.1:8101")
+    assert cfg.decode == ("http://127.0.0.1:8200",)
+    assert (cfg.port, cfg.fallback, cfg.api_key, cfg.timeouts.request) == (8010, "never", "k", 30)
