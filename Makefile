@@ -9,11 +9,12 @@ PYTEST_ARGS ?=
 install:
 	@bash scripts/install.sh
 
+# `disagg up` builds the embedded tiny model on first use.
 serve: install
-	$(PY) -m disagg make-model --embedded tiny .disagg/models/tiny
 	$(PY) -m disagg up $(TOPOLOGY)
 
 test: install
+	@bash scripts/system-deps.sh
 	$(PY) -m ruff check disagg connectors tests benchmarks
 	$(PY) -m pytest $(PYTEST_ARGS)
 

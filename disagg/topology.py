@@ -174,7 +174,8 @@ def build_topology(root: Node, path: Path, *, run_dir: str | None = None) -> Top
     """Build a :class:`Topology` from a parsed YAML tree."""
     top = Fields(root, "a mapping of topology fields (model, engine, hosts, roles, ...)")
     name = top.str("name", path.stem) or path.stem
-    resolved_run_dir = run_dir or top.str("run_dir", ".disagg") or ".disagg"
+    file_run_dir = top.str("run_dir", ".disagg") or ".disagg"
+    resolved_run_dir = run_dir or file_run_dir
     model = _model(top.required("model"), path, resolved_run_dir)
     engine = top.choice("engine", ENGINES, "vllm")
     connector = top.choice("connector", CONNECTORS, "nixl")

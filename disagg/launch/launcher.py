@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from disagg.commands.proxy import API_KEY_ENV
 from disagg.deployment import Deployment, EngineLaunch, python_for
 from disagg.errors import EngineStartError, LaunchError, PortInUseError, StateError
 from disagg.launch import processes
@@ -29,8 +30,6 @@ from disagg.topology import iter_ports
 
 #: environment variable carrying the per-run KV-transfer secret to engines
 KV_SECRET_ENV = "DISAGG_KV_SECRET"
-#: environment variable carrying the proxy API key (kept out of argv / ps)
-PROXY_API_KEY_ENV = "DISAGG_API_KEY"
 STOP_ORDER = {"proxy": 0, "decode": 1, "both": 2, "prefill": 3}
 
 
@@ -227,7 +226,8 @@ class Launcher:
 
     def _start_proxy(self, t0: float) -> None:
         topo = self.topo
-        env = {PROXY_API_KEY_ENV: topo.proxy.api_key} if topo.proxy.api_key else {}
+        # The API key travels in the environment, never in argv (visible in ps).
+        env = {API_KEY_ENV: topo.proxy.api_key} if topo.proxy.api_key else {}
         log_path = self.log_dir / "proxy.log"
         log_path.unlink(missing_ok=True)
         pid, created = processes.start_local(self._proxy_argv(), env, log_path)

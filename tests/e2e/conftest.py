@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,15 @@ import pytest
 from tokenizers import Tokenizer
 
 from disagg.modelgen import build_model
-from tests.e2e.engines import ENGINE_ARGS, Running, bring_up, free_ports, post_json, write_topology
+from tests.e2e.engines import (
+    ENGINE_ARGS,
+    Running,
+    bring_up,
+    bring_up_foreground,
+    free_ports,
+    post_json,
+    write_topology,
+)
 
 LOCK_PATH = os.environ.get("DISAGG_ENGINE_LOCK", "/tmp/disagg-engines.lock")
 CORPUS = (Path(__file__).resolve().parents[2] / "disagg" / "data" / "corpus.txt").read_text()
@@ -109,12 +118,16 @@ def reference(engine_lock: None, e2e_dir: Path, tiny_model: Path, requests_: dic
 
 @pytest.fixture(scope="session")
 def pd(reference: dict[str, str], e2e_dir: Path, tiny_model: Path) -> Iterator[Running]:
-    """1 prefill + 1 decode with NIXL over loopback behind the proxy, up for the whole session."""
+    """1 prefill + 1 decode with NIXL over loopback behind the proxy, up for the whole session.
+
+    Started with a foreground `disagg up`, as `make serve` does; the last test stops it with Ctrl-C.
+    """
     proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
     roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
              f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
     topo = write_topology(e2e_dir / "pd.yaml", tiny_model, proxy_port=proxy_port, roles=roles)
-    run = bring_up(topo, e2e_dir / "run-pd")
+    run = bring_up_foreground(topo, e2e_dir / "run-pd")
     yield run
-    if (run.run_dir / "runs" / topo.stem / "state.json").exists():
-        run.down()
+    if run.process is not None and run.process.poll() is None:
+        run.process.send_signal(signal.SIGINT)
+        run.process.wait(timeout=120)

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,7 @@ class Running:
     proxy_url: str
     engines: dict[str, str]        # name -> base URL
     up_output: str
+    process: subprocess.Popen[bytes] | None = None   # the foreground `disagg up`, if any
 
     def state(self) -> RunState:
         return load_state(self.run_dir / "runs" / self.topology.stem / "state.json")
@@ -89,13 +91,33 @@ def write_topology(path: Path, model: Path, *, proxy_port: int, roles: str, conn
     return path
 
 
+def _running(topology: Path, run_dir: Path, output: str, process: subprocess.Popen[bytes] | None = None) -> Running:
+    state = load_state(run_dir / "runs" / topology.stem / "state.json")
+    engines = {r.name: r.url for r in state.processes if r.kind == "engine"}
+    return Running(topology, run_dir, state.proxy_url, engines, output, process)
+
+
 def bring_up(topology: Path, run_dir: Path) -> Running:
     """`disagg up --detach`; raises AssertionError with the output on failure."""
     done = disagg("up", str(topology), "--detach", "--run-dir", str(run_dir))
     assert done.returncode == 0, f"disagg up failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
-    state = load_state(run_dir / "runs" / topology.stem / "state.json")
-    engines = {r.name: r.url for r in state.processes if r.kind == "engine"}
-    return Running(topology, run_dir, state.proxy_url, engines, done.stdout)
+    return _running(topology, run_dir, done.stdout)
+
+
+def bring_up_foreground(topology: Path, run_dir: Path, timeout: float = 900) -> Running:
+    """`disagg up` in the foreground (as a user runs it); returns once it says it is serving."""
+    log = run_dir.with_suffix(".up.log")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "disagg", "up", str(topology), "--run-dir", str(run_dir)],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    deadline = time.monotonic() + timeout
+    while "serving; Ctrl-C stops every process" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"disagg up did not come up (exit {proc.poll()}):\n{log.read_text()}")
+        time.sleep(0.5)
+    return _running(topology, run_dir, log.read_text(), proc)
 
 
 def post_json(url: str, body: dict, timeout: float = 300) -> dict:

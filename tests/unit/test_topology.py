@@ -166,3 +166,11 @@ def test_parse_rate(text: str, bps: float) -> None:
 def test_parse_rate_rejects_zero() -> None:
     with pytest.raises(ValueError, match="bad link rate"):
         parse_rate("0gbit")
+
+
+def test_reference_example_in_docs_is_valid() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "topology.md").read_text()
+    example = doc.split("```yaml\n", 1)[1].split("```", 1)[0]
+    topo = parse_topology(example, "docs/topology.md", run_dir="/tmp/run")
+    assert topo.hosts["far"].ssh == "me@far.lan" and topo.hosts["far"].python == "/opt/disagg/.venv/bin/python"
+    assert [i.name for i in topo.instances] == ["prefill[0]", "decode[0]"]
