@@ -19,6 +19,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from disagg.modelgen import build_model
+from disagg.prompts import exact_prompt, load_tokenizer
 from tests.e2e.engines import (
     ENGINE_ARGS,
     Running,
@@ -30,18 +31,6 @@ from tests.e2e.engines import (
 )
 
 LOCK_PATH = os.environ.get("DISAGG_ENGINE_LOCK", "/tmp/disagg-engines.lock")
-CORPUS = (Path(__file__).resolve().parents[2] / "disagg" / "data" / "corpus.txt").read_text()
-
-
-def make_prompt(tokenizer: Tokenizer, tag: str, tokens: int) -> str:
-    """A prompt of exactly ``tokens`` tokens (BOS included) that starts with ``tag``.
-
-    Distinct tags keep the decode engine's prefix cache from serving a prompt
-    that an earlier test already transferred.
-    """
-    text = f"[{tag}] " + CORPUS * (tokens // 400 + 2)
-    ids = tokenizer.encode(text).ids[:tokens]
-    return tokenizer.decode(ids[1:], skip_special_tokens=False)
 
 
 @pytest.fixture(scope="session")
@@ -65,19 +54,23 @@ def tiny_model(e2e_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model: Path) -> Tokenizer:
-    return Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    return load_tokenizer(tiny_model)
 
 
 @pytest.fixture(scope="session")
 def requests_(tokenizer: Tokenizer) -> dict[str, dict]:
-    """Every request whose greedy answer the tests compare, by name (OpenAI bodies)."""
+    """Every request whose greedy answer the tests compare, by name (OpenAI bodies).
+
+    Each prompt has its own tag, so the decode engine's prefix cache never serves
+    a prompt that an earlier test already transferred.
+    """
     def completion(tag: str, tokens: int, max_tokens: int = 24) -> dict:
-        return {"model": "tiny", "prompt": make_prompt(tokenizer, tag, tokens), "max_tokens": max_tokens,
+        return {"model": "tiny", "prompt": exact_prompt(tokenizer, tokens, tag), "max_tokens": max_tokens,
                 "temperature": 0}
 
     def chat(tag: str, tokens: int) -> dict:
         return {"model": "tiny", "max_tokens": 24, "temperature": 0,
-                "messages": [{"role": "user", "content": make_prompt(tokenizer, tag, tokens)}]}
+                "messages": [{"role": "user", "content": exact_prompt(tokenizer, tokens, tag)}]}
 
     reqs = {
         "short": completion("short", 50),

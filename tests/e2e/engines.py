@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -130,31 +129,6 @@ def post_json(url: str, body: dict, timeout: float = 300) -> dict:
 def get_text(url: str, timeout: float = 30) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return resp.read().decode()
-
-
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)$')
-
-
-def metric_value(metrics_text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
-    total = 0.0
-    for line in metrics_text.splitlines():
-        m = _SAMPLE.match(line.strip())
-        if not m or m.group(1) != name:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
-
-
-def metric_label(metrics_text: str, name: str, label: str) -> str | None:
-    """The value of ``label`` on the first sample of ``name`` (e.g. cache_config_info's block_size)."""
-    for line in metrics_text.splitlines():
-        if line.startswith(name + "{"):
-            found = dict(re.findall(r'(\w+)="([^"]*)"', line))
-            return found.get(label)
-    return None
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

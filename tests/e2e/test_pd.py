@@ -30,9 +30,9 @@ def test_up_reports_ready(pd: Running) -> None:
 def test_handoff_equals_colocated_and_kv_moved(pd: Running, reference: dict[str, str],
                                                requests_: dict[str, dict], name: str) -> None:
     decode = pd.engines["decode[0]"]
-    before = get_text(decode + "/metrics")
+    before, proxy_before = get_text(decode + "/metrics"), get_text(pd.proxy_url + "/metrics")
     reply = post_json(pd.proxy_url + "/v1/completions", requests_[name])
-    after = get_text(decode + "/metrics")
+    after, proxy_after = get_text(decode + "/metrics"), get_text(pd.proxy_url + "/metrics")
 
     assert reply["choices"][0]["text"] == reference[name]
     tokens = reply["usage"]["prompt_tokens"]
@@ -50,6 +50,11 @@ def test_handoff_equals_colocated_and_kv_moved(pd: Running, reference: dict[str,
     # The decode engine took the prompt from the transfer, not by recomputing it.
     assert delta("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= tokens - 1
     assert delta("vllm:prompt_tokens_by_source_total", source="local_compute") <= 1
+    # The proxy counted it as a disaggregated request and timed the handoff.
+    for metric, labels in (("disagg_proxy_requests_total", {"path": "disaggregated"}),
+                           ("disagg_proxy_handoff_seconds_count", {})):
+        grew = metric_value(proxy_after, metric, **labels) - metric_value(proxy_before, metric, **labels)
+        assert grew == 1, (metric, grew)
 
 
 def test_prefill_loss_falls_back_to_decode(pd: Running, reference: dict[str, str],
@@ -59,6 +64,9 @@ def test_prefill_loss_falls_back_to_decode(pd: Running, reference: dict[str, str
     psutil.wait_procs([psutil.Process(prefill.pid)], timeout=30)
     reply = post_json(pd.proxy_url + "/v1/completions", requests_["prefill-killed"])
     assert reply["choices"][0]["text"] == reference["prefill-killed"]
+    proxy_metrics = get_text(pd.proxy_url + "/metrics")
+    assert metric_value(proxy_metrics, "disagg_proxy_requests_total", path="fallback") == 1
+    assert metric_value(proxy_metrics, "disagg_proxy_fallbacks_total") == 1
 
 
 def test_ctrl_c_leaves_nothing(pd: Running) -> None:
