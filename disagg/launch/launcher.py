@@ -224,13 +224,15 @@ class Launcher:
             argv += ["--decode", *(e.url for e in self.dep.role("decode"))]
         return argv
 
+    def _proxy_env(self) -> dict[str, str]:
+        # The API key travels in the environment, never in argv (visible in ps).
+        return {API_KEY_ENV: self.topo.proxy.api_key} if self.topo.proxy.api_key else {}
+
     def _start_proxy(self, t0: float) -> None:
         topo = self.topo
-        # The API key travels in the environment, never in argv (visible in ps).
-        env = {API_KEY_ENV: topo.proxy.api_key} if topo.proxy.api_key else {}
         log_path = self.log_dir / "proxy.log"
         log_path.unlink(missing_ok=True)
-        pid, created = processes.start_local(self._proxy_argv(), env, log_path)
+        pid, created = processes.start_local(self._proxy_argv(), self._proxy_env(), log_path)
         record = ProcessRecord(name="proxy", kind="proxy", host="local", address=topo.proxy.host,
                                port=topo.proxy.port, url=self.dep.proxy_url, log=str(log_path), pid=pid,
                                create_time=created)

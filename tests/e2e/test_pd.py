@@ -7,13 +7,19 @@ Tests in this module run in file order; the last two change the deployment
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
+import socket
 import time
+import urllib.parse
 
 import psutil
 import pytest
+from tokenizers import Tokenizer
 
+from disagg.prompts import exact_prompt
 from tests.e2e.engines import Running, get_text, metric_label, metric_value, port_is_free, post_json
 
 pytestmark = pytest.mark.e2e
@@ -55,6 +61,38 @@ def test_handoff_equals_colocated_and_kv_moved(pd: Running, reference: dict[str,
                            ("disagg_proxy_handoff_seconds_count", {})):
         grew = metric_value(proxy_after, metric, **labels) - metric_value(proxy_before, metric, **labels)
         assert grew == 1, (metric, grew)
+
+
+def test_client_disconnect_aborts_decode(pd: Running, tokenizer: Tokenizer) -> None:
+    """A client that hangs up mid-stream frees the engines: running requests return to 0."""
+    # 4000 tokens take minutes here: the engine would still be generating long after the client left.
+    body = {"model": "tiny", "prompt": exact_prompt(tokenizer, 40, "disconnect"), "max_tokens": 4000,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    url = urllib.parse.urlsplit(pd.proxy_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for _ in range(3):  # a few streamed events arrive, so decode is generating
+        assert resp.fp.readline()
+    decode = pd.engines["decode[0]"]
+    before = get_text(decode + "/metrics")
+    assert metric_value(before, "vllm:num_requests_running") == 1
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    # The decode engine records the request as aborted (not finished by length), and
+    # well before the 4000 tokens could have been generated.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        after = get_text(decode + "/metrics")
+        if metric_value(after, "vllm:num_requests_running") == 0:
+            break
+        time.sleep(0.25)
+    aborted = (metric_value(after, "vllm:request_success_total", finished_reason="abort")
+               - metric_value(before, "vllm:request_success_total", finished_reason="abort"))
+    assert metric_value(after, "vllm:num_requests_running") == 0
+    assert aborted == 1
+    assert metric_value(get_text(pd.engines["prefill[0]"] + "/metrics"), "vllm:num_requests_running") == 0
 
 
 def test_prefill_loss_falls_back_to_decode(pd: Running, reference: dict[str, str],

@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 
 from disagg.cli import main
+from disagg.commands.proxy import API_KEY_ENV
+from disagg.deployment import plan_deployment
+from disagg.launch.launcher import Launcher
 from disagg.launch.state import ProcessRecord, RunState, find_states, load_state, save_state
+from disagg.topology import load_topology
 
 
 def _topology(tmp_path: Path, port: int) -> Path:
@@ -73,3 +77,42 @@ def test_status_of_a_dead_run_says_not_running(tmp_path: Path, capsys: pytest.Ca
     assert main(["status", "--run-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "proxy" in out and "not running" in out
+
+
+def _launcher(tmp_path: Path, extra: str) -> Launcher:
+    path = tmp_path / "p.yaml"
+    path.write_text(textwrap.dedent("""\
+        model: disagg:tiny
+        hosts: {a: {address: 127.0.0.1}, b: {address: 127.0.0.2}}
+        """) + textwrap.dedent(extra))
+    return Launcher(plan_deployment(load_topology(path, run_dir=str(tmp_path))), echo=lambda _: None)
+
+
+def test_proxy_command_for_disaggregated(tmp_path: Path) -> None:
+    launcher = _launcher(tmp_path, """\
+        roles:
+          prefill: [{host: a, port: 8100}, {host: b, port: 8101}]
+          decode: [{host: b, port: 8200}]
+        proxy: {port: 9000, api_key: s3cret, fallback: never}
+        timeouts: {request: 120}
+        """)
+    argv = launcher._proxy_argv()
+    assert argv[1:4] == ["-m", "disagg", "proxy"]
+    assert argv[argv.index("--prefill"):argv.index("--decode")] == [
+        "--prefill", "http://127.0.0.1:8100", "http://127.0.0.2:8101"]
+    assert argv[argv.index("--decode") + 1] == "http://127.0.0.2:8200"
+    assert argv[argv.index("--fallback") + 1] == "never" and argv[argv.index("--port") + 1] == "9000"
+    assert argv[argv.index("--request-timeout") + 1] == "120.0"
+    assert "s3cret" not in " ".join(argv)  # never visible in ps
+    assert launcher._proxy_env() == {API_KEY_ENV: "s3cret"}
+
+
+def test_proxy_command_for_colocated_replicas(tmp_path: Path) -> None:
+    launcher = _launcher(tmp_path, """\
+        roles:
+          both: [{host: a, port: 8300}, {host: b, port: 8300}]
+        """)
+    argv = launcher._proxy_argv()
+    assert "--prefill" not in argv
+    assert argv[argv.index("--decode"):] == ["--decode", "http://127.0.0.1:8300", "http://127.0.0.2:8300"]
+    assert launcher._proxy_env() == {}
