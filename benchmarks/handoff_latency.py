@@ -1,6 +1,6 @@
 """Startup time of a 1P1D pair and the KV handoff per prompt length.
 
-Brings a topology up with `disagg up --detach`, sends non-streaming
+Brings a topology up with `disagg up --detach`, sends streaming
 completions of exact prompt lengths through the proxy (one at a time), and
 reads, per request, the proxy's prefill and handoff timings and the decode
 engine's NIXL counters (bytes, transfer seconds). Takes the topology down at
@@ -37,23 +37,36 @@ def _get(url: str) -> str:
         return resp.read().decode()
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+def _stream(url: str, body: dict) -> tuple[float, dict]:
+    """POST a streaming completion; (seconds to the first token event, the usage of the last event)."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True,
+                                                       "stream_options": {"include_usage": True}}).encode(),
+                                 headers={"content-type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, usage = 0.0, {}
     with urllib.request.urlopen(req, timeout=600) as resp:
-        return json.load(resp)
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and not ttft:
+                ttft = time.perf_counter() - t0
+            usage = event.get("usage") or usage
+    return ttft, usage
 
 
 def _measure(proxy: str, decode: str, body: dict) -> dict[str, float]:
     p0, d0 = _get(proxy + "/metrics"), _get(decode + "/metrics")
     t0 = time.perf_counter()
-    reply = _post(proxy + "/v1/completions", body)
+    ttft, usage = _stream(proxy + "/v1/completions", body)
     wall = time.perf_counter() - t0
     p1, d1 = _get(proxy + "/metrics"), _get(decode + "/metrics")
 
     def delta(before: str, after: str, name: str) -> float:
         return sample_sum(after, name) - sample_sum(before, name)
 
-    return {"tokens": reply["usage"]["prompt_tokens"], "wall": wall,
+    return {"tokens": usage["prompt_tokens"], "wall": wall, "ttft": ttft,
             "prefill": delta(p0, p1, "disagg_proxy_prefill_seconds_sum"),
             "handoff": delta(p0, p1, "disagg_proxy_handoff_seconds_sum"),
             "xfer": delta(d0, d1, "vllm:nixl_xfer_time_seconds_sum"),
@@ -85,9 +98,9 @@ def main() -> int:
         healthy = [line for line in up.stdout.splitlines() if "healthy after" in line]
         print(f"# handoff latency: {topo.name} ({topo.connector} over {topo.link.type})\n")
         print(f"`disagg up --detach` returned after {startup:.0f} s; " + "; ".join(healthy) + "\n")
-        print("| prompt tokens | KV bytes moved | proxy prefill | handoff (P reply -> first D byte) "
-              "| NIXL transfer | request wall |")
-        print("|---:|---:|---:|---:|---:|---:|")
+        print("| prompt tokens | KV bytes moved | prefill (proxy) | handoff: P reply -> first D token (proxy) "
+              "| NIXL transfer (decode engine) | TTFT (client) | request (client) |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
         for n, tokens in enumerate(int(t) for t in args.prompt_tokens.split(",")):
             rows = []
             for rep in range(args.repeats):
@@ -99,7 +112,8 @@ def main() -> int:
                 return statistics.median(r[key] for r in rows)
 
             print(f"| {tokens} | {med('bytes') / 1024:.0f} KiB | {med('prefill') * 1e3:.0f} ms "
-                  f"| {med('handoff') * 1e3:.0f} ms | {med('xfer') * 1e3:.1f} ms | {med('wall') * 1e3:.0f} ms |")
+                  f"| {med('handoff') * 1e3:.0f} ms | {med('xfer') * 1e3:.1f} ms | {med('ttft') * 1e3:.0f} ms "
+                  f"| {med('wall') * 1e3:.0f} ms |")
         print(f"\nmedians of {args.repeats} requests each, one at a time, max_tokens 8")
     finally:
         subprocess.run([sys.executable, "-m", "disagg", "down", args.topology], capture_output=True)

@@ -97,6 +97,12 @@ def describe(dep: Deployment) -> str:
              f"  link      {topo.link.type}" + (f" {topo.link.rate_text}" if topo.link.rate_text else ""),
              f"  proxy     {dep.proxy_url} (fallback: {topo.proxy.fallback}"
              + (", api key set" if topo.proxy.api_key else "") + ")"]
+    if topo.link.type == "emulated":
+        from disagg.launch.emulation import emulated_link, prefill_host
+        link = emulated_link(topo)
+        lines.append(f"  netns     {prefill_host(topo).name} runs in network namespace {link.a.namespace} "
+                     f"behind veth {link.a.interface}/{link.b.interface}, tc tbf {topo.link.rate_text} "
+                     "both ways; decode and proxy stay in the root namespace")
     for host in topo.hosts.values():
         where = f"ssh {host.ssh}" + (f" -p {host.ssh_port}" if host.ssh_port else "") if host.is_remote else "local"
         lines.append(f"host {host.name}: address {host.address}, {where}, device {host.device}")

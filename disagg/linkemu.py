@@ -9,6 +9,10 @@ Commands run inside either namespace with :meth:`EmulatedLink.popen` /
 :meth:`EmulatedLink.run`; processes inside one namespace talk over its own
 unshaped loopback, processes on opposite ends over the shaped veth.
 
+With ``b_in_root=True`` side b stays in the root namespace (the launcher puts
+the prefill engine behind the link in namespace a and keeps the decode engine
+and the proxy, which clients must reach, in the root namespace).
+
 Use it as a context manager; :meth:`EmulatedLink.close` is idempotent, kills
 whatever still runs in the two namespaces and deletes them (the veth pair goes
 with them). Creating namespaces needs root (CAP_SYS_ADMIN + CAP_NET_ADMIN) and
@@ -71,6 +75,17 @@ def run_checked(argv: Sequence[str], *, what: str) -> subprocess.CompletedProces
     return proc
 
 
+def remove_namespace(namespace: str) -> None:
+    """Kill every process inside ``namespace`` and delete it (its veth pairs go with it)."""
+    proc = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False)
+    for pid in proc.stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+
+
 def netns_unavailable_reason() -> str | None:
     """Why network namespaces cannot be created here, or None when they can.
 
@@ -90,7 +105,7 @@ def netns_unavailable_reason() -> str | None:
 
 @dataclass(frozen=True)
 class LinkEnd:
-    """One side of the link: its namespace, interface and address."""
+    """One side of the link: its namespace ("" for the root namespace), interface and address."""
 
     namespace: str
     interface: str
@@ -109,20 +124,24 @@ class EmulatedLink:
     """Two namespaces joined by a tbf-shaped veth pair (see the module docstring)."""
 
     def __init__(self, rate_bps: float, *, tag: str | None = None, subnet: int | None = None,
-                 burst_bytes: int | None = None) -> None:
+                 burst_bytes: int | None = None, addresses: tuple[str, str] | None = None,
+                 b_in_root: bool = False) -> None:
         if rate_bps <= 0:
             raise ValueError("rate_bps must be positive")
         seq = next(_counter)
         self.tag = tag or f"{os.getpid() % 100000}x{seq}"
         if len(self.tag) > 11 or not self.tag.replace("-", "").isalnum():
             raise ValueError(f"tag {self.tag!r}: at most 11 letters, digits or dashes (interface names)")
-        index = (subnet if subnet is not None else (os.getpid() * 7 + seq)) % (256 * 64)
-        base = f"198.18.{index // 64}."
-        host = (index % 64) * 4
+        if addresses is None:
+            index = (subnet if subnet is not None else (os.getpid() * 7 + seq)) % (256 * 64)
+            base = f"198.18.{index // 64}."
+            host = (index % 64) * 4
+            addresses = (base + str(host + 1), base + str(host + 2))
         self.rate_bps = rate_bps
         self.burst_bytes = burst_bytes or default_burst(rate_bps)
-        self.a = LinkEnd(f"{NAMESPACE_PREFIX}{self.tag}-a", f"dg{self.tag}a", base + str(host + 1))
-        self.b = LinkEnd(f"{NAMESPACE_PREFIX}{self.tag}-b", f"dg{self.tag}b", base + str(host + 2))
+        self.b_in_root = b_in_root
+        self.a = LinkEnd(f"{NAMESPACE_PREFIX}{self.tag}-a", f"dg{self.tag}a", addresses[0])
+        self.b = LinkEnd("" if b_in_root else f"{NAMESPACE_PREFIX}{self.tag}-b", f"dg{self.tag}b", addresses[1])
         self.state = LinkState.NEW
 
     def __repr__(self) -> str:
@@ -146,38 +165,43 @@ class EmulatedLink:
             raise
         return self
 
+    def _namespaced(self, end: LinkEnd, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", end.namespace, *argv] if end.namespace else argv
+
     def _create(self) -> None:
         a, b = self.a, self.b
-        for end in (a, b):
+        ends = (a, b) if b.namespace else (a,)
+        for end in ends:
             _ip("netns", "add", end.namespace, what=f"creating network namespace {end.namespace}")
+        peer = ["netns", b.namespace] if b.namespace else []
         _ip("link", "add", a.interface, "netns", a.namespace, "type", "veth", "peer", "name", b.interface,
-            "netns", b.namespace, what=f"creating veth pair {a.interface}/{b.interface}")
+            *peer, what=f"creating veth pair {a.interface}/{b.interface}")
         for end in (a, b):
-            what = f"configuring {end.interface} in {end.namespace}"
-            _ip("-n", end.namespace, "addr", "add", f"{end.address}/30", "dev", end.interface, what=what)
-            _ip("-n", end.namespace, "link", "set", end.interface, "up", what=what)
-            _ip("-n", end.namespace, "link", "set", "lo", "up", what=what)
-            run_checked(["ip", "netns", "exec", end.namespace, "tc", "qdisc", "replace", "dev", end.interface,
-                         "root", "tbf", "rate", f"{int(self.rate_bps)}bit", "burst", str(self.burst_bytes),
-                         "latency", TBF_LATENCY], what=f"shaping {end.interface} with tc tbf")
+            what = f"configuring {end.interface} in {end.namespace or 'the root namespace'}"
+            scope = ["-n", end.namespace] if end.namespace else []
+            _ip(*scope, "addr", "add", f"{end.address}/30", "dev", end.interface, what=what)
+            _ip(*scope, "link", "set", end.interface, "up", what=what)
+            if end.namespace:
+                _ip(*scope, "link", "set", "lo", "up", what=what)
+            run_checked(self._namespaced(end, ["tc", "qdisc", "replace", "dev", end.interface, "root", "tbf",
+                                               "rate", f"{int(self.rate_bps)}bit", "burst", str(self.burst_bytes),
+                                               "latency", TBF_LATENCY]),
+                        what=f"shaping {end.interface} with tc tbf")
 
     def close(self) -> None:
-        """Kill what still runs in the namespaces and delete them; safe to call again."""
+        """Kill what still runs in the namespaces and delete them; safe to call again.
+
+        With ``b_in_root`` only side a's namespace goes (taking the veth pair with it);
+        nothing in the root namespace is touched.
+        """
         if self.state is LinkState.CLOSED:
             return
         self.state = LinkState.CLOSED
         for end in (self.a, self.b):
-            self._kill_inside(end.namespace)
-            subprocess.run(["ip", "netns", "del", end.namespace], capture_output=True, check=False)
-
-    @staticmethod
-    def _kill_inside(namespace: str) -> None:
-        proc = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False)
-        for pid in proc.stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+            if end.namespace:
+                remove_namespace(end.namespace)
+        if self.b_in_root:
+            subprocess.run(["ip", "link", "del", self.b.interface], capture_output=True, check=False)
 
     def __enter__(self) -> EmulatedLink:
         return self.open()
@@ -196,8 +220,8 @@ class EmulatedLink:
         return self.a if side == "a" else self.b
 
     def wrap(self, side: str, argv: Sequence[str]) -> list[str]:
-        """``argv`` prefixed to run inside side ``a`` or ``b``'s namespace."""
-        return ["ip", "netns", "exec", self._end(side).namespace, *argv]
+        """``argv`` prefixed to run inside side ``a`` or ``b``'s namespace (as is for a root side)."""
+        return self._namespaced(self._end(side), list(argv))
 
     def popen(self, side: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` inside a namespace; the caller owns (and must reap) the process."""

@@ -145,17 +145,14 @@ def probe_topology(topo: Topology, *, streams: Sequence[int] = DEFAULT_STREAMS,
     pre_inst, dec_inst = first_pair(topo)
     pre, dec = topo.host_of(pre_inst), topo.host_of(dec_inst)
     if topo.link.type == "emulated":
-        from disagg.linkemu import EmulatedLink
+        from disagg.launch.emulation import emulated_link
 
-        if pre.is_remote or dec.is_remote:
-            raise LinkError(f"{topo.file}: an emulated link joins namespaces on this machine; "
-                            f"hosts {pre.name} and {dec.name} must both be local")
-        assert topo.link.rate_bps is not None
-        with EmulatedLink(topo.link.rate_bps) as link:
+        # Exactly the link `disagg up` creates: prefill host in a namespace, decode host in the root one.
+        with emulated_link(topo) as link:
             sender = AgentSide(pre, link.a.address, lambda argv: link.wrap("a", argv))
             receiver = AgentSide(dec, link.b.address, lambda argv: link.wrap("b", argv))
             rates, rtt = measure(sender, receiver, streams=streams, seconds=seconds)
-        path = f"emulated {topo.link.rate_text} (tbf-shaped veth between namespaces)"
+        path = f"emulated {topo.link.rate_text} (tbf-shaped veth, prefill host in a namespace)"
     else:
         opts = tuple(ssh_options)
         sender, receiver = AgentSide(pre, pre.address, ssh_options=opts), AgentSide(dec, dec.address, ssh_options=opts)

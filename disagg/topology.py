@@ -11,6 +11,7 @@ See docs/topology.md for the field reference.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -463,6 +464,9 @@ def _check_ports(topo: Topology, root: Node) -> None:
 
 
 def _check_link(topo: Topology, root: Node) -> None:
+    if topo.link.type == "emulated":
+        _check_emulated(topo, root)
+        return
     if topo.colocated:
         return
     addresses = {topo.hosts[i.host].address for i in topo.instances}
@@ -472,3 +476,43 @@ def _check_link(topo: Topology, root: Node) -> None:
         raise TopologyError(topo.file, _line(root, "link"), "link.type",
                             "loopback, but the prefill and decode hosts have different non-loopback "
                             "addresses; use ethernet, roce or emulated")
+
+
+EMULATION_NETWORK = ipaddress.ip_network("198.18.0.0/15")
+
+
+def _check_emulated(topo: Topology, root: Node) -> None:
+    """An emulated link joins one local prefill host and one local decode host in one /30 of 198.18.0.0/15."""
+    def fail(path: str, message: str) -> TopologyError:
+        return TopologyError(topo.file, _line(root, path), path, message)
+
+    if topo.colocated:
+        raise fail("link.type", "emulated links shape the KV path between prefill and decode; "
+                                "a colocated topology (roles.both) has none")
+    sides = {}
+    for role in ("prefill", "decode"):
+        names = {i.host for i in topo.role(role)}
+        if len(names) != 1:
+            raise fail(f"roles.{role}", f"with an emulated link all {role} instances run on one host")
+        sides[role] = names.pop()
+    if sides["prefill"] == sides["decode"]:
+        raise fail("roles.decode[0].host", "with an emulated link prefill and decode need different hosts")
+    nets = []
+    for name in sides.values():
+        host = topo.hosts[name]
+        if host.is_remote:
+            raise fail(f"hosts.{name}.ssh", "emulated links run both hosts on this machine; remove ssh")
+        try:
+            addr = ipaddress.ip_address(host.address)
+        except ValueError:
+            addr = None
+        if addr is None or addr not in EMULATION_NETWORK:
+            raise fail(f"hosts.{name}.address", f"{host.address} is not in 198.18.0.0/15 "
+                                                "(the range emulated links use, e.g. 198.18.10.1 and 198.18.10.2)")
+        nets.append(ipaddress.ip_network(f"{addr}/30", strict=False))
+        if int(addr) in (int(nets[-1].network_address), int(nets[-1].broadcast_address)):
+            raise fail(f"hosts.{name}.address", f"{host.address} is the network or broadcast address of its /30")
+    if nets[0] != nets[1] or topo.hosts[sides["prefill"]].address == topo.hosts[sides["decode"]].address:
+        raise fail(f"hosts.{sides['decode']}.address",
+                   "the prefill and decode hosts of an emulated link need two addresses in one /30, "
+                   "e.g. 198.18.10.1 and 198.18.10.2")

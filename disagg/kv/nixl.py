@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from disagg.kv.base import VllmKVAdapter, kv_role
+from disagg.launch.emulation import interface_for
 from disagg.topology import HostSpec, InstanceSpec, Topology
 
 # UCX transports per link type. RoCE is left to UCX's own choice (it prefers
@@ -44,6 +45,7 @@ class NixlVllmAdapter(VllmKVAdapter):
         tls = UCX_TLS_BY_LINK.get(topo.link.type)
         if tls:
             env["UCX_TLS"] = tls
-        if topo.link.interface:
-            env["UCX_NET_DEVICES"] = topo.link.interface
+        device = interface_for(topo, host) or topo.link.interface
+        if device:
+            env["UCX_NET_DEVICES"] = device
         return env

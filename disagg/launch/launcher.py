@@ -23,8 +23,11 @@ from disagg.commands.proxy import API_KEY_ENV
 from disagg.deployment import Deployment, EngineLaunch, python_for
 from disagg.errors import EngineStartError, LaunchError, PortInUseError, StateError
 from disagg.launch import processes
+from disagg.launch.emulation import emulated_link
+from disagg.launch.emulation import prefill_host as emulated_prefill_host
 from disagg.launch.health import busy_ports, http_status
 from disagg.launch.state import ProcessRecord, RunState, find_states, load_state, remove_state, run_path, save_state
+from disagg.linkemu import EmulatedLink, remove_namespace
 from disagg.modelgen import ensure_model
 from disagg.topology import iter_ports
 
@@ -63,6 +66,7 @@ class Launcher:
                             run_dir=str(Path(self.topo.run_dir).resolve()), proxy_url=dep.proxy_url,
                             started_at=time.time(), up_pid=os.getpid())
         self.log_dir = run_path(self.run.run_dir, self.topo.name) / "logs"
+        self.link: EmulatedLink | None = None
 
     # -- public -----------------------------------------------------------------
     def up(self) -> RunState:
@@ -76,6 +80,7 @@ class Launcher:
         self._refuse_if_running()
         self._check_ports()
         try:
+            self._open_link()
             if self.topo.model.embedded:
                 ensure_model(self.topo.model.embedded, self.topo.model.path)
             extra_env = self._run_env()
@@ -151,6 +156,17 @@ class Launcher:
             raise PortInUseError("port already in use, nothing was started: " + ", ".join(problems)
                                  + "; stop whatever holds it (or `disagg down`) or change the topology")
 
+    def _open_link(self) -> None:
+        """Create the emulated link (namespace + shaped veth) before any engine starts."""
+        if self.topo.link.type != "emulated":
+            return
+        self.link = emulated_link(self.topo)
+        self.run.namespaces.append(self.link.a.namespace)
+        save_state(self.run)
+        self.link.open()
+        self.echo(f"link: {self.link.a.namespace} ({self.link.a.address}) <-> root namespace "
+                  f"({self.link.b.address}), shaped at {self.topo.link.rate_text} with tc tbf")
+
     def _run_env(self) -> dict[str, str]:
         """Per-run environment for every engine (the KV secret for authenticated connectors)."""
         secret = os.environ.get(KV_SECRET_ENV) or secrets.token_hex(32)
@@ -170,7 +186,10 @@ class Launcher:
         else:
             log_path = self.log_dir / eng.log_name
             log_path.unlink(missing_ok=True)
-            pid, created = processes.start_local(eng.argv, env, log_path)
+            argv = list(eng.argv)
+            if self.link is not None and eng.host.name == emulated_prefill_host(self.topo).name:
+                argv = self.link.wrap("a", argv)  # behind the shaped link
+            pid, created = processes.start_local(argv, env, log_path)
             record = ProcessRecord(name=eng.name, kind="engine", host=eng.host.name, address=eng.host.address,
                                    port=eng.instance.port, url=eng.url, log=str(log_path), pid=pid,
                                    create_time=created)
@@ -270,6 +289,9 @@ def stop_run(run: RunState, *, grace: float, echo: Callable[[str], None]) -> Non
     if failures:
         raise LaunchError("could not stop everything; the state file is kept so `disagg down` can retry:\n"
                           + "\n".join(failures))
+    for namespace in run.namespaces:
+        remove_namespace(namespace)
+        echo(f"link: removed network namespace {namespace}")
     remove_state(run)
 
 

@@ -45,6 +45,7 @@ class RunState:
     started_at: float
     up_pid: int
     processes: list[ProcessRecord] = field(default_factory=list)
+    namespaces: list[str] = field(default_factory=list)   # emulated links: network namespaces to delete
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

@@ -64,8 +64,8 @@ TOPOLOGY = """\
 model: meta-llama/Llama-3.1-8B-Instruct
 link: {{type: emulated, rate: {rate}}}
 hosts:
-  p: {{address: 127.0.0.1, device: cuda, gpu: rtx-4090}}
-  d: {{address: 127.0.0.1, device: cuda, gpu: rtx-4090, kv_memory_gb: 10}}
+  p: {{address: 198.18.20.1, device: cuda, gpu: rtx-4090}}
+  d: {{address: 198.18.20.2, device: cuda, gpu: rtx-4090, kv_memory_gb: 10}}
 roles:
   prefill: [{{host: p, port: 8100}}]
   decode: [{{host: d, port: 8200}}]

@@ -174,3 +174,36 @@ def test_reference_example_in_docs_is_valid() -> None:
     topo = parse_topology(example, "docs/topology.md", run_dir="/tmp/run")
     assert topo.hosts["far"].ssh == "me@far.lan" and topo.hosts["far"].python == "/opt/disagg/.venv/bin/python"
     assert [i.name for i in topo.instances] == ["prefill[0]", "decode[0]"]
+
+
+EMULATED = """\
+model: disagg:tiny
+link: {type: emulated, rate: 1gbit}
+hosts:
+  p: {address: 198.18.10.1}
+  d: {address: 198.18.10.2}
+roles:
+  prefill: [{host: p, port: 8100}]
+  decode: [{host: d, port: 8200}]
+"""
+
+
+def test_emulated_link_is_valid() -> None:
+    topo = parse(EMULATED)
+    assert topo.link.type == "emulated" and topo.link.rate_bps == 1e9
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (("198.18.10.1", "10.0.0.1"),
+     "topo.yaml:4: hosts.p.address: 10.0.0.1 is not in 198.18.0.0/15 (the range emulated links use, "
+     "e.g. 198.18.10.1 and 198.18.10.2)"),
+    (("198.18.10.2", "198.18.11.2"),
+     "topo.yaml:5: hosts.d.address: the prefill and decode hosts of an emulated link need two addresses in one "
+     "/30, e.g. 198.18.10.1 and 198.18.10.2"),
+    (("{host: d, port: 8200}", "{host: p, port: 8200}"),
+     "topo.yaml:8: roles.decode[0].host: with an emulated link prefill and decode need different hosts"),
+    (("198.18.10.1}", "198.18.10.1, ssh: me@p}"),
+     "topo.yaml:4: hosts.p.ssh: emulated links run both hosts on this machine; remove ssh"),
+])
+def test_emulated_link_errors(change: tuple[str, str], message: str) -> None:
+    assert error_of(EMULATED.replace(*change)) == message

@@ -16,15 +16,27 @@ from disagg.launch.state import ProcessRecord, RunState, find_states, load_state
 from disagg.topology import load_topology
 
 
+def _free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
 def _topology(tmp_path: Path, port: int) -> Path:
+    """Prefill on ``port``; every other port free right now."""
+    decode, proxy, kv_p, kv_d = _free_ports(4)
     path = tmp_path / "t.yaml"
     path.write_text(textwrap.dedent(f"""\
         model: disagg:tiny
         hosts: {{local: {{address: 127.0.0.1}}}}
         roles:
-          prefill: [{{port: {port}}}]
-          decode: [{{port: {port + 1}}}]
-        proxy: {{port: {port + 2}}}
+          prefill: [{{port: {port}, kv_port: {kv_p}}}]
+          decode: [{{port: {decode}, kv_port: {kv_d}}}]
+        proxy: {{port: {proxy}}}
         """))
     return path
 
