@@ -20,7 +20,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from disagg.prompts import exact_prompt
-from tests.e2e.engines import Running, get_text, metric_label, metric_value, port_is_free, post_json
+from disagg.promtext import sample_label as metric_label
+from disagg.promtext import sample_sum as metric_value
+from tests.e2e.engines import Running, get_text, port_is_free, post_json
 
 pytestmark = pytest.mark.e2e
 KV_BYTES_PER_TOKEN = 1024  # the embedded tiny model, bf16
