@@ -7,7 +7,15 @@ import random
 import numpy as np
 import pytest
 
-from disagg.bench.metrics import Distribution, compute_metrics, meets_slo, metrics_by_class, percentile, pooled_itls, tpot
+from disagg.bench.metrics import (
+    Distribution,
+    compute_metrics,
+    meets_slo,
+    metrics_by_class,
+    percentile,
+    pooled_itls,
+    tpot,
+)
 from disagg.bench.records import RequestRecord
 from disagg.bench.slo import SLO
 
