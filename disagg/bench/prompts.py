@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -112,12 +113,13 @@ def _estimate(corpus: str, tag: str, want: int, start: int, chars_per_token: flo
     return tag + _cyclic(corpus, start, max(1, round(want * chars_per_token) - len(tag)))
 
 
-async def build_prompts(session: aiohttp.ClientSession, tokenize_url: str | None, model: str,
+async def build_prompts(session: aiohttp.ClientSession, tokenize_urls: Sequence[str], model: str,
                         workload: Workload, classes: list[str],
                         chars_per_token: float = DEFAULT_CHARS_PER_TOKEN, round_index: int = 0) -> list[Prompt]:
     """One prompt per entry of ``classes`` (the class of each request, in order).
 
-    ``tokenize_url`` is the base URL of a server with ``/tokenize`` (None: estimate).
+    ``tokenize_urls``: base URLs of servers that may have ``/tokenize``, tried in
+    order (the first that answers is used); none answering, or empty: estimate.
     Deterministic for a given seed, round and tokenizer; each round (one run of a
     sweep) gets its own tags, hence no prefix-cache hits across runs. Raises DisaggError when a
     class does not fit the server's max_model_len.
@@ -127,11 +129,12 @@ async def build_prompts(session: aiohttp.ClientSession, tokenize_url: str | None
     starts = [rng.randrange(len(corpus)) for _ in classes]
     tok: ServerTokenizer | None = None
     corpus_ids: list[int] = []
-    if tokenize_url:
-        tok = ServerTokenizer(session, tokenize_url, model, chat=workload.api == "chat")
+    for url in tokenize_urls:
+        tok = ServerTokenizer(session, url, model, chat=workload.api == "chat")
         try:
             corpus_ids = await tok.ids(corpus)
             await tok.text(corpus_ids[:4])
+            break
         except (aiohttp.ClientError, DisaggError, KeyError, ValueError):
             tok = None
     if tok is not None and tok.max_model_len:

@@ -39,7 +39,8 @@ class Target:
 
     base_url: str                           # server root, e.g. http://127.0.0.1:8000
     model: str | None = None                # None: the first model of GET /v1/models
-    tokenize_url: str | None = ""           # "" = base_url; None = never tokenize (estimate)
+    tokenize_urls: tuple[str, ...] | None = ()   # servers with /tokenize, tried in order; () = base_url;
+                                                 # None = never tokenize (chars-per-token estimate)
     headers: tuple[tuple[str, str], ...] = ()
     chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
 
@@ -200,11 +201,11 @@ async def run_sweep(target: Target, workload: Workload, steps: Sequence[Step], s
         model = target.model or await resolve_model(session, base)
         for _ in range(warmup):
             await _warm_up(session, base + path, model, workload, headers)
-        tok_url = None if target.tokenize_url is None else (target.tokenize_url or base)
+        tok_urls = () if target.tokenize_urls is None else (target.tokenize_urls or (base,))
         classes = class_sequence(workload)
         runs = []
         for round_index, step in enumerate(steps):
-            prompts = await build_prompts(session, tok_url, model, workload, classes,
+            prompts = await build_prompts(session, tok_urls, model, workload, classes,
                                           chars_per_token=target.chars_per_token, round_index=round_index)
             runs.append(await run_step(session, base + path, model, prompts, workload, step, slo,
                                        headers, progress, percentiles))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,19 +106,31 @@ def free_port() -> int:
 
 
 @pytest.fixture
-async def standin() -> AsyncIterator[StandIn]:
-    """A running stand-in OpenAI server on a free loopback port."""
-    state = StandIn()
-    runner = web.AppRunner(_app(state))
-    await runner.setup()
-    port = free_port()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
-    state.url = f"http://127.0.0.1:{port}"
+async def standin_factory() -> AsyncIterator[Callable[[], Awaitable[StandIn]]]:
+    """Start any number of stand-in OpenAI servers on free loopback ports; all stop at teardown."""
+    runners: list[web.AppRunner] = []
+
+    async def start() -> StandIn:
+        state = StandIn()
+        runner = web.AppRunner(_app(state))
+        await runner.setup()
+        runners.append(runner)
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        state.url = f"http://127.0.0.1:{port}"
+        return state
+
     try:
-        yield state
+        yield start
     finally:
-        await runner.cleanup()
+        for runner in runners:
+            await runner.cleanup()
+
+
+@pytest.fixture
+async def standin(standin_factory: Callable[[], Awaitable[StandIn]]) -> StandIn:
+    """One running stand-in OpenAI server."""
+    return await standin_factory()
 
 
 def synthetic_result(label_seed: int, rates: tuple[float, ...] = (0.5, 1.0, 2.0),

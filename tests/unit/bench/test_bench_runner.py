@@ -44,9 +44,9 @@ def test_request_body_completions_and_chat() -> None:
 async def test_prompts_have_exact_token_counts(standin) -> None:
     w = _workload()
     async with aiohttp.ClientSession() as s:
-        prompts = await build_prompts(s, standin.url, standin.model, w, class_sequence(w))
-        again = await build_prompts(s, standin.url, standin.model, w, class_sequence(w))
-        round2 = await build_prompts(s, standin.url, standin.model, w, class_sequence(w), round_index=1)
+        prompts = await build_prompts(s, [standin.url], standin.model, w, class_sequence(w))
+        again = await build_prompts(s, [standin.url], standin.model, w, class_sequence(w))
+        round2 = await build_prompts(s, [standin.url], standin.model, w, class_sequence(w), round_index=1)
     assert all(p.exact for p in prompts)
     # the stand-in counts characters + BOS
     assert [len(p.text) + 1 for p in prompts] == [w.klass(p.klass).input_len for p in prompts]
@@ -59,7 +59,7 @@ async def test_prompts_fall_back_to_estimate_without_tokenize(standin) -> None:
     standin.tokenize = False
     w = _workload()
     async with aiohttp.ClientSession() as s:
-        prompts = await build_prompts(s, standin.url, standin.model, w, class_sequence(w), chars_per_token=2.0)
+        prompts = await build_prompts(s, [standin.url], standin.model, w, class_sequence(w), chars_per_token=2.0)
     assert not any(p.exact for p in prompts)
     assert [len(p.text) for p in prompts] == [2 * w.klass(p.klass).input_len for p in prompts]
 
@@ -68,7 +68,7 @@ async def test_prompts_reject_classes_beyond_max_model_len(standin) -> None:
     w = _workload(classes=parse_classes("huge=9999", output_len=10))
     async with aiohttp.ClientSession() as s:
         with pytest.raises(DisaggError, match="max_model_len is 10000"):
-            await build_prompts(s, standin.url, standin.model, w, class_sequence(w))
+            await build_prompts(s, [standin.url], standin.model, w, class_sequence(w))
 
 
 async def test_send_request_records_chunks_usage_and_errors(standin) -> None:
@@ -117,7 +117,7 @@ async def test_open_loop_sweep_measures_programmed_latencies(standin, api: str) 
 async def test_closed_loop_keeps_concurrency(standin) -> None:
     standin.tpot = 0.005
     w = _workload(arrival="closed", concurrency=2, num_requests=6)
-    result = await run_sweep(Target(standin.url, tokenize_url=None), w, [Step(concurrency=2)], progress=False)
+    result = await run_sweep(Target(standin.url, tokenize_urls=None), w, [Step(concurrency=2)], progress=False)
     recs = result.runs[0].records
     assert len(recs) == 6 and all(r.success for r in recs)
     for r in recs:                                              # never more than 2 in flight
