@@ -22,6 +22,7 @@ from disagg.errors import DisaggError
 #: modules whose ``add_commands(subparsers)`` registers subcommands
 COMMAND_MODULES = (
     "disagg.commands.basic",      # check, make-model
+    "disagg.commands.bench",      # bench URL, bench compare
     # "disagg.commands.lifecycle",  # up, down, status
 )
 

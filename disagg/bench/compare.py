@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from disagg.bench.metrics import DEFAULT_PERCENTILES
 from disagg.bench.prefill import probe_prefill_rate, record_prefill_rate
 from disagg.bench.report import write_json, write_report
 from disagg.bench.runner import BenchResult, Step, Target, run_sweep
@@ -76,9 +77,11 @@ class TopologyUnderTest:
 
 
 async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[Step], slo: SLO,
-                     progress: bool, probe_count: int) -> tuple[BenchResult, dict[str, Any]]:
+                     progress: bool, probe_count: int, percentiles: Sequence[float],
+                     warmup: int) -> tuple[BenchResult, dict[str, Any]]:
     target = Target(t.proxy_url, model=t.model, tokenize_urls=(t.proxy_url, *t.engine_urls))
-    result = await run_sweep(target, workload, steps, slo, progress=progress)
+    result = await run_sweep(target, workload, steps, slo, progress=progress, warmup=warmup,
+                             percentiles=percentiles)
     measured: dict[str, Any] = {}
     if probe_count > 0:
         longest = max(c.input_len for c in workload.classes)
@@ -93,8 +96,9 @@ async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[S
 
 def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], out_dir: Path,
             slo: SLO = NO_SLO, lifecycle: Lifecycle = cli_lifecycle, progress: bool = True,
-            probe_count: int = 3, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> list[Path]:
-    """Bench every topology in turn and write one report into ``out_dir``; returns the report files."""
+            probe_count: int = 3, percentiles: Sequence[float] = DEFAULT_PERCENTILES, warmup: int = 1,
+            log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, dict[str, Any]]:
+    """Bench every topology in turn and write one report into ``out_dir``; returns the report document."""
     tops = [TopologyUnderTest.load(Path(f)) for f in files]
     labels: dict[str, int] = {}
     doc: dict[str, dict[str, Any]] = {}
@@ -105,7 +109,8 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
         try:
             lifecycle("up", t.file)
             log(f"disagg bench compare: {label}: bench {t.proxy_url} (model {t.model})")
-            result, measured = asyncio.run(_bench_one(t, workload, steps, slo, progress, probe_count))
+            result, measured = asyncio.run(_bench_one(t, workload, steps, slo, progress, probe_count,
+                                                             percentiles, warmup))
         finally:
             log(f"disagg bench compare: {label}: down {t.file}")
             try:
@@ -114,4 +119,5 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
                 log(f"disagg bench compare: {label}: down failed: {exc}")
         doc[label] = {**result.to_dict(), "topology": str(t.file), "prefill_measured": measured}
         write_json(doc, out_dir / "results.json")
-    return write_report(doc, out_dir, title="disagg bench compare: " + ", ".join(doc))
+    write_report(doc, out_dir, title="disagg bench compare: " + ", ".join(doc))
+    return doc

@@ -60,7 +60,12 @@ def isolated(records: Sequence[RequestRecord]) -> list[RequestRecord]:
 def prefill_rate_from_records(records: Sequence[RequestRecord]) -> tuple[float, int] | None:
     """(prompt tokens per second, requests used) over isolated requests whose prompt is at
     least half the longest isolated prompt; None when no request ran alone."""
-    alone = isolated(records)
+    return prefill_rate_from_runs([records])
+
+
+def prefill_rate_from_runs(runs: Sequence[Sequence[RequestRecord]]) -> tuple[float, int] | None:
+    """:func:`prefill_rate_from_records` over several runs (isolation is judged within each run)."""
+    alone = [r for records in runs for r in isolated(records)]
     if not alone:
         return None
     longest = max(r.prompt_tokens for r in alone)

@@ -80,6 +80,31 @@ def markdown_table(doc: Document) -> str:
             f"SLO: {_slo_text(doc) or 'none'}.\n\n" + "\n".join(lines) + "\n")
 
 
+def text_table(doc: Document) -> str:
+    """The same rows as :func:`markdown_table`, aligned for a terminal."""
+    head = ("run", "load", "class", "ok", "fail", "req/s", "tok/s", "TTFT mean", "p50", "p99",
+            "TPOT mean", "p99", "ITL mean", "E2EL p99", "goodput", "SLO met")
+    rows = [head]
+    for label, result in doc.items():
+        for run in result["runs"]:
+            for klass, m in run["metrics"].items():
+                att = m.get("slo_attainment")
+                rows.append((label, run["label"], klass, str(m["completed"]), str(m["failed"]),
+                             f"{m['request_throughput']:.2f}", f"{m['output_throughput']:.1f}",
+                             _fmt(m["ttft"]["mean_ms"]), _fmt(m["ttft"]["median_ms"]),
+                             _fmt(m["ttft"].get("p99_ms")), _fmt(m["tpot"]["mean_ms"]),
+                             _fmt(m["tpot"].get("p99_ms")), _fmt(m["itl"]["mean_ms"]),
+                             _fmt(m["e2el"].get("p99_ms")), _fmt(m.get("goodput"), 2),
+                             "-" if att is None else f"{100 * att:.0f}%"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(cell.rjust(w) if i > 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths,
+                                                                                                   strict=True)))
+             for r in rows]
+    slo = _slo_text(doc)
+    return ("latencies in ms; " + (f"SLO {slo}" if slo else "no SLO (goodput not reported)") + "\n"
+            + "\n".join(lines) + "\n")
+
+
 def write_markdown(doc: Document, path: Path, title: str = "disagg bench report") -> Path:
     """Write a Markdown report with the table and links to the plots."""
     path.parent.mkdir(parents=True, exist_ok=True)

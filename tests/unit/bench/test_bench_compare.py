@@ -48,7 +48,7 @@ def test_topology_under_test(tmp_path: Path) -> None:
     assert t.prefill_engines == (("box", "both[0]", "http://127.0.0.1:18001"),)
 
 
-async def _compare_in_thread(*args: Any, **kwargs: Any) -> list[Path]:
+async def _compare_in_thread(*args: Any, **kwargs: Any) -> dict[str, Any]:
     # compare() runs its own event loop per topology (asyncio.run): call it off the stand-ins' loop
     return await asyncio.to_thread(compare, *args, **kwargs)
 
@@ -66,7 +66,7 @@ async def test_compare_runs_each_topology_between_up_and_down(tmp_path: Path, st
         served = len(proxy_a.bodies) + len(proxy_b.bodies)
         calls.append((action, file.stem, served))
 
-    paths = await _compare_in_thread(files, _workload(), [Step(rate=100.0), Step(rate=200.0)], tmp_path / "out",
+    doc = await _compare_in_thread(files, _workload(), [Step(rate=100.0), Step(rate=200.0)], tmp_path / "out",
                                      lifecycle=lifecycle, progress=False, probe_count=2, log=lambda s: None)
     # up a, (bench a), down a, up b, (bench b), down b -- requests only between each up and down
     assert [(a, f) for a, f, _ in calls] == [("up", "a"), ("down", "a"), ("up", "b"), ("down", "b")]
@@ -79,11 +79,11 @@ async def test_compare_runs_each_topology_between_up_and_down(tmp_path: Path, st
     stored = json.loads((tmp_path / "run" / "measurements" / "prefill.json").read_text())
     assert set(stored["tiny"]) == {"box"} and stored["tiny"]["box"]["prompt_tokens_per_s"] > 0
     assert "straight to both[0]" in stored["tiny"]["box"]["source"]
-    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert json.loads((tmp_path / "out" / "results.json").read_text()) == json.loads(json.dumps(doc))
     assert list(doc) == ["a", "b"] and len(doc["a"]["runs"]) == 2
     assert doc["b"]["runs"][0]["metrics"]["all"]["tpot"]["mean_ms"] > doc["a"]["runs"][0]["metrics"]["all"]["tpot"][
         "mean_ms"]
-    assert {p.name for p in paths} >= {"report.md", "ttft_cdf.png", "goodput_vs_rate.png"}
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"report.md", "ttft_cdf.png", "goodput_vs_rate.png"}
 
 
 async def test_compare_always_brings_the_topology_down(tmp_path: Path) -> None:
