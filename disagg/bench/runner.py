@@ -104,7 +104,7 @@ class BenchResult:
         return {"base_url": self.base_url, "model": self.model, "slo": self.slo.to_dict(),
                 "workload": {"classes": [vars(c) for c in w.classes], "num_requests": w.num_requests,
                              "duration_s": w.duration_s, "arrival": w.arrival, "burstiness": w.burstiness,
-                             "concurrency": w.concurrency, "seed": w.seed, "api": w.api,
+                             "concurrency": w.concurrency, "seed": w.seed, "salt": w.salt, "api": w.api,
                              "ignore_eos": w.ignore_eos, "temperature": w.temperature},
                 "runs": [r.to_dict() for r in self.runs]}
 

@@ -41,6 +41,7 @@ class Workload:
     burstiness: float = 1.0             # gamma shape (1 = Poisson); open loop only
     concurrency: int | None = None      # closed loop: in flight; open loop: optional cap
     seed: int = 0
+    salt: str = ""                      # prefix of every prompt's tag: a new salt defeats the prefix cache
     api: str = "completions"            # completions | chat
     ignore_eos: bool = True
     temperature: float = 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--concurrency", default=None, metavar="C,C,...",
                    help="closed loop: requests in flight (a sweep if several); open loop: one cap")
     w.add_argument("--seed", type=int, default=0, help="fixes the class order, prompts and arrivals (default 0)")
+    w.add_argument("--prompt-salt", default=None, metavar="TEXT",
+                   help="start every prompt's tag with TEXT (default: random per invocation, so a rerun "
+                        "against the same server cannot hit its prefix cache; fix it to repeat prompts exactly)")
     w.add_argument("--api", choices=("completions", "chat"), default="completions",
                    help="/v1/completions (default) or /v1/chat/completions")
     w.add_argument("--model", help="model name to request (default: the first of GET /v1/models)")
@@ -114,7 +118,9 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Workload, list[Step], SLO,
     try:
         workload = Workload(parse_classes(args.classes, args.output_len), num_requests=args.num_requests,
                             duration_s=args.duration, arrival=args.arrival, burstiness=args.burstiness,
-                            concurrency=concurrency[0] if concurrency else None, seed=args.seed, api=args.api,
+                            concurrency=concurrency[0] if concurrency else None, seed=args.seed,
+                            salt=secrets.token_hex(3) + "-" if args.prompt_salt is None else args.prompt_salt,
+                            api=args.api,
                             ignore_eos=args.ignore_eos, temperature=args.temperature, timeout_s=args.timeout)
         slo = parse_slo(args.slo)
         percentiles = tuple(float(q) for q in args.percentiles.split(","))

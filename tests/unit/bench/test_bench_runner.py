@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+from dataclasses import replace
 
 import aiohttp
 import pytest
@@ -47,12 +48,15 @@ async def test_prompts_have_exact_token_counts(standin) -> None:
         prompts = await build_prompts(s, [standin.url], standin.model, w, class_sequence(w))
         again = await build_prompts(s, [standin.url], standin.model, w, class_sequence(w))
         round2 = await build_prompts(s, [standin.url], standin.model, w, class_sequence(w), round_index=1)
+        salted = await build_prompts(s, [standin.url], standin.model, replace(w, salt="q7-"), class_sequence(w))
     assert all(p.exact for p in prompts)
     # the stand-in counts characters + BOS
     assert [len(p.text) + 1 for p in prompts] == [w.klass(p.klass).input_len for p in prompts]
     assert [p.text for p in prompts] == [p.text for p in again]                 # seeded
     assert len({p.text[:12] for p in prompts}) == len(prompts)                  # unique first block
     assert not {p.text for p in prompts} & {p.text for p in round2}             # no cache hits across runs
+    assert all(a.text != b.text for a, b in zip(prompts, salted, strict=True))  # ... nor across invocations
+    assert [len(p.text) for p in salted] == [len(p.text) for p in prompts]
 
 
 async def test_prompts_fall_back_to_estimate_without_tokenize(standin) -> None:
