@@ -109,3 +109,18 @@ async def test_compare_downs_after_a_failed_up(tmp_path: Path) -> None:
         await _compare_in_thread(files, _workload(), [Step(rate=10.0)], tmp_path / "out", lifecycle=lifecycle,
                                  progress=False, log=lambda s: None)
     assert calls == ["up", "down"]
+
+
+async def test_compare_downs_on_ctrl_c(tmp_path: Path) -> None:
+    files = [_topology(tmp_path, "x", "http://127.0.0.1:9", "http://127.0.0.1:10")]
+    calls: list[str] = []
+
+    def lifecycle(action: str, file: Path) -> None:
+        calls.append(action)
+        if action == "up":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        await _compare_in_thread(files, _workload(), [Step(rate=10.0)], tmp_path / "out", lifecycle=lifecycle,
+                                 progress=False, log=lambda s: None)
+    assert calls == ["up", "down"]
