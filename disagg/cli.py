@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "disagg.commands.plan",       # plan
     "disagg.commands.probe_link",  # probe-link
     "disagg.commands.proxy",      # proxy
+    "disagg.commands.bench",      # bench, bench compare
 )
 
 

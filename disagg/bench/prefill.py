@@ -1,0 +1,124 @@
+"""The measured prefill rate of a host, stored for ``disagg plan``.
+
+Two ways to measure it:
+
+- from a run: prompt tokens / TTFT over requests that ran alone (no other
+  request in flight between their send and their first token), taking the
+  longest prompts so fixed overheads weigh least;
+- a probe: a few long prompts at concurrency 1 with ``max_tokens: 1``, sent
+  straight to an engine (for a disaggregated topology, the prefill engine, so
+  the KV handoff is not counted).
+
+Stored in ``<run_dir>/measurements/prefill.json``::
+
+    {"<served model>": {"<host>": {"prompt_tokens_per_s": 1234.5,
+                                   "measured_at": "2026-01-01T00:00:00+00:00",
+                                   "source": "..."}}}
+
+The writer merges (read-modify-write under a lock file), so measurements of
+other models and hosts are kept. NOTE: disagg/measurements.py (another
+branch) owns this format; this writer should be unified with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from disagg.bench.client import COMPLETIONS_PATH, send_request
+from disagg.bench.prompts import build_prompts
+from disagg.bench.records import RequestRecord
+from disagg.bench.workload import PromptClass, Workload
+from disagg.errors import DisaggError
+
+PREFILL_FILE = Path("measurements") / "prefill.json"
+
+
+def isolated(records: Sequence[RequestRecord]) -> list[RequestRecord]:
+    """Successful records with no other request in flight between their send and first token."""
+    out = []
+    for rec in records:
+        first = rec.first_token
+        if not rec.success or first is None:
+            continue
+        overlaps = any(o is not rec and o.send < first and (o.end if o.end is not None else o.send) > rec.send
+                       for o in records)
+        if not overlaps:
+            out.append(rec)
+    return out
+
+
+def prefill_rate_from_records(records: Sequence[RequestRecord]) -> tuple[float, int] | None:
+    """(prompt tokens per second, requests used) over isolated requests whose prompt is at
+    least half the longest isolated prompt; None when no request ran alone."""
+    return prefill_rate_from_runs([records])
+
+
+def prefill_rate_from_runs(runs: Sequence[Sequence[RequestRecord]]) -> tuple[float, int] | None:
+    """:func:`prefill_rate_from_records` over several runs (isolation is judged within each run)."""
+    alone = [r for records in runs for r in isolated(records)]
+    if not alone:
+        return None
+    longest = max(r.prompt_tokens for r in alone)
+    used = [r for r in alone if r.prompt_tokens * 2 >= longest]
+    seconds = sum(r.ttft or 0.0 for r in used)
+    if seconds <= 0:
+        return None
+    return sum(r.prompt_tokens for r in used) / seconds, len(used)
+
+
+async def probe_prefill_rate(base_url: str, model: str, prompt_tokens: int, count: int = 3,
+                             seed: int = 0, timeout_s: float = 600.0) -> float:
+    """Prompt tokens/s over ``count`` prompts of ``prompt_tokens`` sent one at a time with
+    ``max_tokens`` 1 to ``base_url`` (the first prompt, a warm-up, is not counted)."""
+    workload = Workload((PromptClass("probe", prompt_tokens, 1),), num_requests=count + 1, seed=seed,
+                        timeout_s=timeout_s)
+    base = base_url.rstrip("/")
+    async with aiohttp.ClientSession() as session:
+        prompts = await build_prompts(session, [base], model, workload, ["probe"] * (count + 1), round_index=9999)
+        records = []
+        for p in prompts:
+            rec = await send_request(session, base + COMPLETIONS_PATH, p, model, workload, time.perf_counter())
+            if not rec.success:
+                raise DisaggError(f"prefill probe to {base} failed: {rec.error}")
+            records.append(rec)
+    used = records[1:]
+    return sum(r.prompt_tokens for r in used) / sum(r.ttft or 0.0 for r in used)
+
+
+def record_prefill_rate(run_dir: str | Path, model: str, host: str, tokens_per_s: float, source: str,
+                        measured_at: datetime | None = None) -> Path:
+    """Merge one measurement into ``<run_dir>/measurements/prefill.json``; returns the path."""
+    path = Path(run_dir) / PREFILL_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    when = (measured_at or datetime.now(UTC)).isoformat(timespec="seconds")
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data: dict[str, Any] = {}
+        if path.exists():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as exc:
+                raise DisaggError(f"{path}: not valid JSON ({exc}); fix or delete it") from exc
+            if not isinstance(data, dict):
+                raise DisaggError(f"{path}: expected a JSON object of models")
+        data.setdefault(model, {})[host] = {"prompt_tokens_per_s": float(tokens_per_s), "measured_at": when,
+                                            "source": source}
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    return path
+
+
+def run_probe(base_url: str, model: str, prompt_tokens: int, count: int = 3) -> float:
+    """Synchronous :func:`probe_prefill_rate`."""
+    return asyncio.run(probe_prefill_rate(base_url, model, prompt_tokens, count))

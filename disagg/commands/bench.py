@@ -1,0 +1,202 @@
+"""``disagg bench URL`` and ``disagg bench compare TOPOLOGY.yaml ...``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import secrets
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from disagg.bench.compare import compare
+from disagg.bench.metrics import DEFAULT_PERCENTILES
+from disagg.bench.prefill import prefill_rate_from_runs, probe_prefill_rate, record_prefill_rate
+from disagg.bench.prompts import DEFAULT_CHARS_PER_TOKEN
+from disagg.bench.report import text_table, write_json, write_report
+from disagg.bench.runner import Step, Target, run_sweep
+from disagg.bench.slo import SLO, parse_slo
+from disagg.bench.workload import ARRIVALS, DEFAULT_OUTPUT_LEN, Workload, parse_classes
+from disagg.errors import DisaggError
+
+USAGE = ("disagg bench URL [options]\n"
+         "       disagg bench compare TOPOLOGY.yaml [TOPOLOGY.yaml ...] [--out DIR] [options]")
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``bench``."""
+    p = sub.add_parser(
+        "bench", usage=USAGE, help="measure TTFT/TPOT/goodput of an endpoint, or compare topologies",
+        description="Load an OpenAI-compatible endpoint with prompt classes at request rates and report "
+                    "TTFT, TPOT, ITL, E2EL, throughput and goodput (vLLM bench definitions). With "
+                    "'compare', bring each topology up in turn (disagg up --detach), run the identical "
+                    "workload against its proxy, bring it down, and write one report.")
+    p.add_argument("target", metavar="URL|compare", help="endpoint base URL (http://host:port), or 'compare'")
+    p.add_argument("topologies", nargs="*", metavar="TOPOLOGY.yaml", help="with 'compare': the topologies")
+    w = p.add_argument_group("workload")
+    w.add_argument("--classes", metavar="SPEC",
+                   help="prompt classes NAME=INPUT[:OUTPUT][@WEIGHT],... in tokens "
+                        "(default short=128,medium=512,long=2048)")
+    w.add_argument("--output-len", type=int, default=DEFAULT_OUTPUT_LEN,
+                   help=f"answer tokens for classes that give none (default {DEFAULT_OUTPUT_LEN}; "
+                        "exact via ignore_eos)")
+    w.add_argument("--num-requests", "-n", type=int, default=100, help="requests per run (default 100)")
+    w.add_argument("--duration", type=float, metavar="S", help="stop sending new requests after S seconds")
+    w.add_argument("--arrival", choices=ARRIVALS, default="poisson",
+                   help="poisson (default), gamma (see --burstiness) or closed (loop at --concurrency)")
+    w.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape: <1 burstier, >1 more regular (default 1 = Poisson)")
+    w.add_argument("--rates", default=None, metavar="R,R,...",
+                   help="request rates in req/s for a sweep, 'inf' = all at once (default 1)")
+    w.add_argument("--concurrency", default=None, metavar="C,C,...",
+                   help="closed loop: requests in flight (a sweep if several); open loop: one cap")
+    w.add_argument("--seed", type=int, default=0, help="fixes the class order, prompts and arrivals (default 0)")
+    w.add_argument("--prompt-salt", default=None, metavar="TEXT",
+                   help="start every prompt's tag with TEXT (default: random per invocation, so a rerun "
+                        "against the same server cannot hit its prefix cache; fix it to repeat prompts exactly)")
+    w.add_argument("--api", choices=("completions", "chat"), default="completions",
+                   help="/v1/completions (default) or /v1/chat/completions")
+    w.add_argument("--model", help="model name to request (default: the first of GET /v1/models)")
+    w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let answers stop at EOS (lengths then vary)")
+    w.add_argument("--timeout", type=float, default=600.0, help="per request, seconds (default 600)")
+    w.add_argument("--warmup", type=int, default=1, help="warm-up requests before measuring (default 1)")
+    w.add_argument("--tokenize-url", action="append", metavar="URL",
+                   help="server(s) with /tokenize for exact prompt lengths (default: the target)")
+    w.add_argument("--no-tokenize", action="store_true", help="estimate prompt lengths from --chars-per-token")
+    w.add_argument("--chars-per-token", type=float, default=DEFAULT_CHARS_PER_TOKEN)
+    w.add_argument("--header", action="append", default=[], metavar="K=V", help="extra HTTP header")
+    m = p.add_argument_group("metrics and output")
+    m.add_argument("--slo", help="e.g. ttft=2s,tpot=100ms[,e2el=30s]: goodput and attainment")
+    m.add_argument("--percentiles", default=",".join(f"{q:g}" for q in DEFAULT_PERCENTILES),
+                   help="percentiles to report (default 50,90,99)")
+    m.add_argument("--json", type=Path, metavar="FILE", help="write every record and metric as JSON")
+    m.add_argument("--out", type=Path, metavar="DIR",
+                   help="write the report (results.json, report.md, PNG plots) here "
+                        "(compare: default bench-report)")
+    m.add_argument("--label", help="name of this endpoint in the report (default host:port)")
+    m.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+    pf = p.add_argument_group("prefill rate (stored for disagg plan)")
+    pf.add_argument("--prefill-host", metavar="NAME",
+                    help="URL mode: store the measured prefill rate under this topology host name")
+    pf.add_argument("--prefill-probe", type=int, default=None, metavar="N",
+                    help="probe N long prompts at concurrency 1 (compare: default 3 per prefill host, "
+                         "0 = off; URL mode: default 0 = use requests that ran alone)")
+    pf.add_argument("--run-dir", default=".disagg",
+                    help="URL mode: where measurements/prefill.json lives (default .disagg; "
+                         "compare uses each topology's run_dir)")
+    p.set_defaults(handler=cmd_bench)
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        values = [math.inf if v.strip().lower() == "inf" else float(v) for v in text.split(",")]
+    except ValueError:
+        raise DisaggError(f"bad {what} {text!r}: expected comma-separated numbers") from None
+    if not values or any(v <= 0 for v in values):
+        raise DisaggError(f"bad {what} {text!r}: every value must be positive")
+    return values
+
+
+def plan_from_args(args: argparse.Namespace) -> tuple[Workload, list[Step], SLO, tuple[float, ...]]:
+    """The workload, the sweep steps, the SLO and the percentiles the options ask for."""
+    concurrency = [int(c) for c in _floats(args.concurrency, "--concurrency")] if args.concurrency else []
+    if args.arrival == "closed":
+        if args.rates:
+            raise DisaggError("--rates is for open-loop arrivals; a closed loop sweeps --concurrency")
+        if not concurrency:
+            raise DisaggError("--arrival closed needs --concurrency N[,N...]")
+        steps = [Step(concurrency=c) for c in concurrency]
+    else:
+        if len(concurrency) > 1:
+            raise DisaggError("with open-loop arrivals --concurrency is one cap, not a list")
+        cap = concurrency[0] if concurrency else None
+        steps = [Step(rate=r, concurrency=cap) for r in _floats(args.rates or "1", "--rates")]
+    try:
+        workload = Workload(parse_classes(args.classes, args.output_len), num_requests=args.num_requests,
+                            duration_s=args.duration, arrival=args.arrival, burstiness=args.burstiness,
+                            concurrency=concurrency[0] if concurrency else None, seed=args.seed,
+                            salt=secrets.token_hex(3) + "-" if args.prompt_salt is None else args.prompt_salt,
+                            api=args.api,
+                            ignore_eos=args.ignore_eos, temperature=args.temperature, timeout_s=args.timeout)
+        slo = parse_slo(args.slo)
+        percentiles = tuple(float(q) for q in args.percentiles.split(","))
+    except ValueError as exc:
+        raise DisaggError(str(exc)) from None
+    return workload, steps, slo, percentiles
+
+
+def _headers(items: list[str]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise DisaggError(f"bad --header {item!r}: expected KEY=VALUE")
+        out.append((key.strip(), value.strip()))
+    return tuple(out)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``disagg bench URL`` or ``disagg bench compare FILES``."""
+    workload, steps, slo, percentiles = plan_from_args(args)
+    if args.target == "compare":
+        return _cmd_compare(args, workload, steps, slo, percentiles)
+    if args.topologies:
+        raise DisaggError(f"unexpected arguments after the URL: {' '.join(args.topologies)} "
+                          "(topology files go with 'disagg bench compare')")
+    tokenize: tuple[str, ...] | None = None if args.no_tokenize else tuple(args.tokenize_url or ())
+    target = Target(args.target, model=args.model, tokenize_urls=tokenize, headers=_headers(args.header),
+                    chars_per_token=args.chars_per_token)
+    result = asyncio.run(run_sweep(target, workload, steps, slo, progress=args.progress, warmup=args.warmup,
+                                   percentiles=percentiles))
+    label = args.label or urlsplit(result.base_url).netloc
+    doc: dict[str, Any] = {label: result.to_dict()}
+    if not all(run.exact_prompts for run in result.runs):
+        print("note: prompt lengths are estimates (no /tokenize); usage counts are reported", file=sys.stderr)
+    if args.prefill_host:
+        doc[label]["prefill_measured"] = _measure_prefill(args, result.base_url, result.model, workload,
+                                                          [run.records for run in result.runs])
+    print(text_table(doc), end="")
+    if args.json:
+        print(f"wrote {write_json(doc, args.json)}", file=sys.stderr)
+    if args.out:
+        write_report(doc, args.out, title=f"disagg bench {label}")
+        print(f"wrote the report to {args.out}/", file=sys.stderr)
+    return 0
+
+
+def _measure_prefill(args: argparse.Namespace, base_url: str, model: str, workload: Workload,
+                     runs: list[Any]) -> dict[str, Any]:
+    probe = args.prefill_probe or 0
+    longest = max(c.input_len for c in workload.classes)
+    if probe > 0:
+        rate = asyncio.run(probe_prefill_rate(base_url, model, longest, probe, seed=workload.seed))
+        source = f"disagg bench: probe of {probe} prompts of {longest} tokens, max_tokens 1, at {base_url}"
+    else:
+        found = prefill_rate_from_runs(runs)
+        if found is None:
+            print("no request ran alone: prefill rate not stored (use --prefill-probe N)", file=sys.stderr)
+            return {}
+        rate, used = found
+        source = f"disagg bench: TTFT of {used} requests that ran alone at {base_url}"
+    path = record_prefill_rate(args.run_dir, model, args.prefill_host, rate, source)
+    print(f"prefill rate {rate:.0f} prompt tokens/s for {args.prefill_host} stored in {path}", file=sys.stderr)
+    return {args.prefill_host: {"prompt_tokens_per_s": rate, "file": str(path)}}
+
+
+def _cmd_compare(args: argparse.Namespace, workload: Workload, steps: list[Step], slo: SLO,
+                 percentiles: tuple[float, ...]) -> int:
+    if not args.topologies:
+        raise DisaggError("disagg bench compare needs at least one TOPOLOGY.yaml")
+    out = args.out or Path("bench-report")
+    probe = 3 if args.prefill_probe is None else args.prefill_probe
+    doc = compare([Path(f) for f in args.topologies], workload, steps, out, slo=slo, progress=args.progress,
+                  probe_count=probe, percentiles=percentiles, warmup=args.warmup)
+    print(text_table(doc), end="")
+    if args.json:
+        write_json(doc, args.json)
+    print(f"wrote the report to {out}/ (report.md, results.json, PNG plots)", file=sys.stderr)
+    return 0

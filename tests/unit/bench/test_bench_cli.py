@@ -1,0 +1,49 @@
+"""``disagg bench`` on the command line (disagg/commands/bench.py), against the stand-in OpenAI server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from disagg.cli import main
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["http://x:1", "--rates", "0"], "every value must be positive"),
+    (["http://x:1", "--rates", "fast"], "bad --rates"),
+    (["http://x:1", "--arrival", "closed"], "needs --concurrency"),
+    (["http://x:1", "--arrival", "closed", "--concurrency", "2", "--rates", "1"], "--rates is for open-loop"),
+    (["http://x:1", "--concurrency", "1,2"], "one cap"),
+    (["http://x:1", "--slo", "ttft=soon"], "bad duration"),
+    (["http://x:1", "--classes", "a"], "NAME=INPUT"),
+    (["http://x:1", "extra.yaml"], "unexpected arguments after the URL"),
+    (["compare"], "needs at least one TOPOLOGY.yaml"),
+    (["x:1"], "bad endpoint URL"),
+    (["http://x:1", "--header", "novalue"], "bad --header"),
+])
+def test_bad_options_exit_2_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+async def test_bench_url_end_to_end(standin, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", standin.url, "-n", "6", "--classes", "short=20,long=200", "--output-len", "3",
+            "--rates", "100,inf", "--slo", "ttft=1s,tpot=500ms", "--json", str(tmp_path / "r.json"),
+            "--out", str(tmp_path / "rep"), "--no-progress", "--label", "standin",
+            "--prefill-host", "box", "--prefill-probe", "2", "--run-dir", str(tmp_path / "run")]
+    # the CLI runs its own event loop: call it off the stand-in's loop
+    assert await asyncio.to_thread(main, argv) == 0
+    out = capsys.readouterr().out
+    assert "SLO ttft <= 1000 ms, tpot <= 500 ms" in out
+    assert len([line for line in out.splitlines() if line.startswith("standin")]) == 2 * 3   # 2 rates x (all+2)
+    doc = json.loads((tmp_path / "r.json").read_text())
+    runs = doc["standin"]["runs"]
+    assert [r["rate"] for r in runs] == [100.0, "inf"]
+    assert runs[0]["metrics"]["all"]["completed"] == 6 and runs[0]["metrics"]["all"]["slo_attainment"] == 1.0
+    assert (tmp_path / "rep" / "ttft_cdf.png").exists() and (tmp_path / "rep" / "report.md").exists()
+    stored = json.loads((tmp_path / "run" / "measurements" / "prefill.json").read_text())
+    assert stored[standin.model]["box"]["prompt_tokens_per_s"] > 0
+    assert all(b["max_tokens"] == 3 and b["ignore_eos"] for b in standin.bodies[1:13])
