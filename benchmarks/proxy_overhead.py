@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import platform
+import resource
 import signal
 import socket
 import subprocess
@@ -212,17 +213,22 @@ async def bench(args: argparse.Namespace) -> None:
         await wait_health(proxy_url)
         rows = []
         results = {}
+        proxy_ps = psutil.Process(proxy.pid)  # taskset execs: this is the proxy's python process
+        events = (args.requests + 20) * args.tokens
+        cpu_per_event = {}
         for name, url in (("direct", direct_url), ("proxy", proxy_url)):
+            me, them = resource.getrusage(resource.RUSAGE_SELF), sum(proxy_ps.cpu_times()[:2])
             results[name] = await latency(url, args.requests, args.tokens, args.interval_ms)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            client_cpu = after.ru_utime + after.ru_stime - me.ru_utime - me.ru_stime
+            cpu_per_event[name] = (client_cpu / events, (sum(proxy_ps.cpu_times()[:2]) - them) / events)
         for name in ("direct", "proxy"):
             ttft, tok = results[name]
             rows.append((name, pct(ttft, 0.5), pct(ttft, 0.99), pct(tok, 0.5), pct(tok, 0.99)))
         d, p = rows
         rows.append(("added by proxy", *(pv - dv for pv, dv in zip(p[1:], d[1:], strict=True))))
 
-        proxy_ps = psutil.Process(proxy.pid)
-        children = proxy_ps.children(recursive=True)
-        target = children[0] if children else proxy_ps  # taskset execs, so this is the python process
+        target = proxy_ps
         direct_rps, _ = await throughput(up_port, args.concurrency, args.duration, args.stream_tokens)
         cpu_before = sum(target.cpu_times()[:2])
         t0 = time.monotonic()
@@ -246,6 +252,8 @@ async def bench(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|")
     for name, *vals in rows:
         print(f"| {name} | " + " | ".join(fmt_ms(v) for v in vals) + " |")
+    print(f"\nCPU time per streamed event in those runs: client {fmt_ms(cpu_per_event['direct'][0])} ms "
+          f"(direct), proxy process {fmt_ms(cpu_per_event['proxy'][1])} ms (proxied).")
     print(f"\nThroughput: {args.concurrency} concurrent keep-alive clients, {args.stream_tokens} events per "
           f"stream, {args.duration} s; proxy pinned to CPU {args.proxy_cpu}, upstream + client on CPU "
           f"{args.other_cpu}.\n")
