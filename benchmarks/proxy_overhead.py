@@ -11,6 +11,7 @@ share the other core.
 
     python benchmarks/proxy_overhead.py [--requests 300] [--tokens 32]
         [--interval-ms 5] [--concurrency 64] [--duration 10] [--proxy-cpu 0] [--other-cpu 1]
+        [--loop auto|asyncio|uvloop]
 
 Prints a Markdown table (the figures in docs/proxy.md come from it).
 """
@@ -206,7 +207,7 @@ async def bench(args: argparse.Namespace) -> None:
     upstream = start([sys.executable, __file__, "--serve-upstream", str(up_port)], args.other_cpu)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proxy = start([sys.executable, "-m", "disagg", "proxy", "--port", str(proxy_port),
-                   "--decode", f"http://127.0.0.1:{up_port}"], args.proxy_cpu, env)
+                   "--decode", f"http://127.0.0.1:{up_port}", "--loop", args.loop], args.proxy_cpu, env)
     direct_url, proxy_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{proxy_port}"
     try:
         await wait_health(direct_url)
@@ -245,7 +246,8 @@ async def bench(args: argparse.Namespace) -> None:
                 proc.wait()
 
     print(f"# proxy overhead ({platform.machine()}, {os.cpu_count()} cores, load average "
-          f"{os.getloadavg()[0]:.2f}; python {platform.python_version()}, aiohttp {aiohttp.__version__})\n")
+          f"{os.getloadavg()[0]:.2f}; python {platform.python_version()}, aiohttp {aiohttp.__version__}, "
+          f"proxy --loop {args.loop})\n")
     print(f"Latency: {args.requests} sequential streamed requests per target (after 20 warm-up), "
           f"{args.tokens} tokens {args.interval_ms} ms apart; times in ms.\n")
     print("| target | TTFT p50 | TTFT p99 | per-token p50 | per-token p99 |")
@@ -273,6 +275,8 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--proxy-cpu", type=int, default=0)
     parser.add_argument("--other-cpu", type=int, default=1)
+    parser.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                        help="the proxy's event loop (auto: uvloop when installed)")
     parser.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_upstream:
