@@ -11,6 +11,7 @@ share the other core.
 
     python benchmarks/proxy_overhead.py [--requests 300] [--tokens 32]
         [--interval-ms 5] [--concurrency 64] [--duration 10] [--proxy-cpu 0] [--other-cpu 1]
+        [--loop auto|asyncio|uvloop]
 
 Prints a Markdown table (the figures in docs/proxy.md come from it).
 """
@@ -22,6 +23,7 @@ import asyncio
 import json
 import os
 import platform
+import resource
 import signal
 import socket
 import subprocess
@@ -205,24 +207,29 @@ async def bench(args: argparse.Namespace) -> None:
     upstream = start([sys.executable, __file__, "--serve-upstream", str(up_port)], args.other_cpu)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proxy = start([sys.executable, "-m", "disagg", "proxy", "--port", str(proxy_port),
-                   "--decode", f"http://127.0.0.1:{up_port}"], args.proxy_cpu, env)
+                   "--decode", f"http://127.0.0.1:{up_port}", "--loop", args.loop], args.proxy_cpu, env)
     direct_url, proxy_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{proxy_port}"
     try:
         await wait_health(direct_url)
         await wait_health(proxy_url)
         rows = []
         results = {}
+        proxy_ps = psutil.Process(proxy.pid)  # taskset execs: this is the proxy's python process
+        events = (args.requests + 20) * args.tokens
+        cpu_per_event = {}
         for name, url in (("direct", direct_url), ("proxy", proxy_url)):
+            me, them = resource.getrusage(resource.RUSAGE_SELF), sum(proxy_ps.cpu_times()[:2])
             results[name] = await latency(url, args.requests, args.tokens, args.interval_ms)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            client_cpu = after.ru_utime + after.ru_stime - me.ru_utime - me.ru_stime
+            cpu_per_event[name] = (client_cpu / events, (sum(proxy_ps.cpu_times()[:2]) - them) / events)
         for name in ("direct", "proxy"):
             ttft, tok = results[name]
             rows.append((name, pct(ttft, 0.5), pct(ttft, 0.99), pct(tok, 0.5), pct(tok, 0.99)))
         d, p = rows
         rows.append(("added by proxy", *(pv - dv for pv, dv in zip(p[1:], d[1:], strict=True))))
 
-        proxy_ps = psutil.Process(proxy.pid)
-        children = proxy_ps.children(recursive=True)
-        target = children[0] if children else proxy_ps  # taskset execs, so this is the python process
+        target = proxy_ps
         direct_rps, _ = await throughput(up_port, args.concurrency, args.duration, args.stream_tokens)
         cpu_before = sum(target.cpu_times()[:2])
         t0 = time.monotonic()
@@ -239,13 +246,16 @@ async def bench(args: argparse.Namespace) -> None:
                 proc.wait()
 
     print(f"# proxy overhead ({platform.machine()}, {os.cpu_count()} cores, load average "
-          f"{os.getloadavg()[0]:.2f}; python {platform.python_version()}, aiohttp {aiohttp.__version__})\n")
+          f"{os.getloadavg()[0]:.2f}; python {platform.python_version()}, aiohttp {aiohttp.__version__}, "
+          f"proxy --loop {args.loop})\n")
     print(f"Latency: {args.requests} sequential streamed requests per target (after 20 warm-up), "
           f"{args.tokens} tokens {args.interval_ms} ms apart; times in ms.\n")
     print("| target | TTFT p50 | TTFT p99 | per-token p50 | per-token p99 |")
     print("|---|---|---|---|---|")
     for name, *vals in rows:
         print(f"| {name} | " + " | ".join(fmt_ms(v) for v in vals) + " |")
+    print(f"\nCPU time per streamed event in those runs: client {fmt_ms(cpu_per_event['direct'][0])} ms "
+          f"(direct), proxy process {fmt_ms(cpu_per_event['proxy'][1])} ms (proxied).")
     print(f"\nThroughput: {args.concurrency} concurrent keep-alive clients, {args.stream_tokens} events per "
           f"stream, {args.duration} s; proxy pinned to CPU {args.proxy_cpu}, upstream + client on CPU "
           f"{args.other_cpu}.\n")
@@ -265,6 +275,8 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--proxy-cpu", type=int, default=0)
     parser.add_argument("--other-cpu", type=int, default=1)
+    parser.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                        help="the proxy's event loop (auto: uvloop when installed)")
     parser.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_upstream:

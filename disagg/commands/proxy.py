@@ -39,6 +39,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-timeout", type=float, default=d.drain, metavar="S",
                    help="on SIGTERM, how long in-flight requests may finish")
     p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                   help="event loop (default: auto = uvloop when installed)")
     p.set_defaults(handler=cmd_proxy)
 
 
@@ -59,4 +61,4 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
                         format="%(asctime)s disagg-proxy %(levelname)s %(message)s")
-    return run_proxy(config, access_log=args.access_log)
+    return run_proxy(config, access_log=args.access_log, loop=args.loop)

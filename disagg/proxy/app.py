@@ -211,37 +211,43 @@ def _samples(body: dict[str, Any]) -> int:
     return n if isinstance(n, int) and n > 0 else 1
 
 
+async def _open_reply(state: ProxyState, req: GenerationRequest, stack: AsyncExitStack) -> tuple[DecodeReply, str]:
+    """Decode's reply, through the handoff or from decode alone (colocated or
+    fallback), entered on ``stack``; and the metric path it took."""
+    if state.handoff is not None:
+        try:
+            return await stack.enter_async_context(state.handoff.serve(req)), "disaggregated"
+        except PrefillFailed as exc:
+            if state.config.fallback == "never":
+                raise PrefillUnavailable(f"{exc.message}; fallback is 'never', so decode does not "
+                                         "serve the request alone") from exc
+            # a missing prefill pool is logged once, by the health prober
+            level = logging.DEBUG if exc.reason == "no_healthy_prefill" else logging.WARNING
+            log.log(level, "request %s: %s; decode serves it alone", req.request_id, exc.message)
+            state.metrics.fallbacks.labels(exc.reason).inc()
+            path = "fallback"
+    else:
+        path = "colocated"
+    backend, resp = await stack.enter_async_context(
+        state.client().request(state.decode, "POST", req.endpoint, data=req.raw, headers=req.headers))
+    return DecodeReply(backend, resp), path
+
+
 async def _generate(request: web.Request) -> web.StreamResponse:
     """Completions and chat: prefill -> decode, with fallback, or colocated."""
     started = time.perf_counter()
     state = request.app[STATE]
-    config, metrics, upstream = state.config, state.metrics, state.client()
+    metrics, upstream = state.metrics, state.client()
     rid: str = request[REQUEST_ID_KEY]
     raw = await request.read()
     headers = upstream_headers(request.headers, rid)
     headers["Content-Type"] = "application/json"  # the body is JSON, whatever the client labelled it
     req = GenerationRequest(endpoint=request.path, body=_parse_body(raw), raw=raw, headers=headers, request_id=rid)
     label = "chat" if req.endpoint == CHAT else "completions"
-    path = "colocated" if state.handoff is None else "disaggregated"
+    path = "error"
     try:
         async with AsyncExitStack() as stack:
-            reply: DecodeReply | None = None
-            if state.handoff is not None:
-                try:
-                    reply = await stack.enter_async_context(state.handoff.serve(req))
-                except PrefillFailed as exc:
-                    if config.fallback == "never":
-                        raise PrefillUnavailable(f"{exc.message}; fallback is 'never', so decode does not "
-                                                 "serve the request alone") from exc
-                    # a missing prefill pool is logged once, by the health prober
-                    level = logging.DEBUG if exc.reason == "no_healthy_prefill" else logging.WARNING
-                    log.log(level, "request %s: %s; decode serves it alone", rid, exc.message)
-                    metrics.fallbacks.labels(exc.reason).inc()
-                    path = "fallback"
-            if reply is None:
-                backend, resp = await stack.enter_async_context(
-                    upstream.request(state.decode, "POST", req.endpoint, data=raw, headers=req.headers))
-                reply = DecodeReply(backend, resp)
+            reply, path = await _open_reply(state, req, stack)
             resp = reply.response
             if resp.status != 200:
                 path = "error"

@@ -65,6 +65,7 @@ class StandInEngine:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/version", self._version)
         app.router.add_post("/tokenize", self._echo)
+        app.router.add_post("/detokenize", self._echo)
         app.router.add_route("*", "/v1/{tail:.*}", self._echo)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
         await self._runner.setup()
