@@ -117,6 +117,8 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
                 lifecycle("down", t.file)
             except DisaggError as exc:
                 log(f"disagg bench compare: {label}: down failed: {exc}")
+        if not all(run.exact_prompts for run in result.runs):
+            log(f"disagg bench compare: {label}: no /tokenize answered; prompt lengths are estimates")
         doc[label] = {**result.to_dict(), "topology": str(t.file), "prefill_measured": measured}
         write_json(doc, out_dir / "results.json")
     write_report(doc, out_dir, title="disagg bench compare: " + ", ".join(doc))
