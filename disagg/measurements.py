@@ -32,6 +32,7 @@ A missing file means "no measurement"; an unreadable or malformed one is a
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from dataclasses import dataclass
@@ -125,15 +126,18 @@ def store_prefill(run_dir: str | Path, model: str, host: str, prompt_tokens_per_
     if prompt_tokens_per_s <= 0:
         raise ValueError("prompt_tokens_per_s must be positive")
     path = prefill_path(run_dir)
-    data = _read_json(path) or {}
-    if not isinstance(data, dict):
-        raise StateError(f"{path}: expected an object of model names")
-    data.setdefault(model, {})[host] = {
-        "prompt_tokens_per_s": float(prompt_tokens_per_s),
-        "measured_at": measured_at or now_iso(),
-        "source": source,
-    }
-    return _write_json(path, data)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:  # concurrent benches merge, never overwrite
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = _read_json(path) or {}
+        if not isinstance(data, dict):
+            raise StateError(f"{path}: expected an object of model names")
+        data.setdefault(model, {})[host] = {
+            "prompt_tokens_per_s": float(prompt_tokens_per_s),
+            "measured_at": measured_at or now_iso(),
+            "source": source,
+        }
+        return _write_json(path, data)
 
 
 # --- link probe ----------------------------------------------------------------

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg.bench.metrics import DEFAULT_PERCENTILES
-from disagg.bench.prefill import probe_prefill_rate, record_prefill_rate
+from disagg.bench.prefill import probe_prefill_rate
 from disagg.bench.report import write_json, write_report
 from disagg.bench.runner import BenchResult, Step, Target, run_sweep
 from disagg.bench.slo import NO_SLO, SLO
@@ -30,6 +30,7 @@ from disagg.bench.workload import Workload
 from disagg.deployment import plan_deployment
 from disagg.engines.vllm import served_model_name
 from disagg.errors import DisaggError, LaunchError
+from disagg.measurements import store_prefill
 from disagg.topology import load_topology
 
 #: ``lifecycle("up" | "down", topology_file)``; raises DisaggError on failure
@@ -89,7 +90,7 @@ async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[S
             rate = await probe_prefill_rate(url, t.model, longest, probe_count, seed=workload.seed)
             source = (f"disagg bench compare: {probe_count} prompts of {longest} tokens, max_tokens 1, "
                       f"concurrency 1, straight to {engine} at {url} ({t.file})")
-            path = record_prefill_rate(t.run_dir, t.model, host, rate, source)
+            path = store_prefill(t.run_dir, t.model, host, rate, source)
             measured[host] = {"prompt_tokens_per_s": rate, "file": str(path)}
     return result, measured
 

@@ -23,14 +23,9 @@ branch) owns this format; this writer should be unified with it.
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import json
-import os
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
@@ -93,30 +88,6 @@ async def probe_prefill_rate(base_url: str, model: str, prompt_tokens: int, coun
             records.append(rec)
     used = records[1:]
     return sum(r.prompt_tokens for r in used) / sum(r.ttft or 0.0 for r in used)
-
-
-def record_prefill_rate(run_dir: str | Path, model: str, host: str, tokens_per_s: float, source: str,
-                        measured_at: datetime | None = None) -> Path:
-    """Merge one measurement into ``<run_dir>/measurements/prefill.json``; returns the path."""
-    path = Path(run_dir) / PREFILL_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    when = (measured_at or datetime.now(UTC)).isoformat(timespec="seconds")
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        data: dict[str, Any] = {}
-        if path.exists():
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as exc:
-                raise DisaggError(f"{path}: not valid JSON ({exc}); fix or delete it") from exc
-            if not isinstance(data, dict):
-                raise DisaggError(f"{path}: expected a JSON object of models")
-        data.setdefault(model, {})[host] = {"prompt_tokens_per_s": float(tokens_per_s), "measured_at": when,
-                                            "source": source}
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    return path
 
 
 def run_probe(base_url: str, model: str, prompt_tokens: int, count: int = 3) -> float:

@@ -13,13 +13,14 @@ from urllib.parse import urlsplit
 
 from disagg.bench.compare import compare
 from disagg.bench.metrics import DEFAULT_PERCENTILES
-from disagg.bench.prefill import prefill_rate_from_runs, probe_prefill_rate, record_prefill_rate
+from disagg.bench.prefill import prefill_rate_from_runs, probe_prefill_rate
 from disagg.bench.prompts import DEFAULT_CHARS_PER_TOKEN
 from disagg.bench.report import text_table, write_json, write_report
 from disagg.bench.runner import Step, Target, run_sweep
 from disagg.bench.slo import SLO, parse_slo
 from disagg.bench.workload import ARRIVALS, DEFAULT_OUTPUT_LEN, Workload, parse_classes
 from disagg.errors import DisaggError
+from disagg.measurements import store_prefill
 
 USAGE = ("disagg bench URL [options]\n"
          "       disagg bench compare TOPOLOGY.yaml [TOPOLOGY.yaml ...] [--out DIR] [options]")
@@ -182,7 +183,7 @@ def _measure_prefill(args: argparse.Namespace, base_url: str, model: str, worklo
             return {}
         rate, used = found
         source = f"disagg bench: TTFT of {used} requests that ran alone at {base_url}"
-    path = record_prefill_rate(args.run_dir, model, args.prefill_host, rate, source)
+    path = store_prefill(args.run_dir, model, args.prefill_host, rate, source)
     print(f"prefill rate {rate:.0f} prompt tokens/s for {args.prefill_host} stored in {path}", file=sys.stderr)
     return {args.prefill_host: {"prompt_tokens_per_s": rate, "file": str(path)}}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import shlex
 import socket
 import urllib.error
 import urllib.request
@@ -56,10 +57,5 @@ def busy_ports(host: HostSpec, python: str, ports: list[int]) -> list[int]:
         return [p for p in ports if not local_port_free(host.address, p)]
     pairs = ",".join(f"({host.address!r},{p})" for p in ports)
     script = _REMOTE_BIND_CHECK.format(pairs=pairs)
-    out = run_remote(ssh_prefix(host), f"{python} -c \"$(printf %s {_shell_quote(script)})\"")
+    out = run_remote(ssh_prefix(host), f"{shlex.quote(python)} -c {shlex.quote(script)}")
     return [int(p) for p in out.split()]
-
-
-def _shell_quote(text: str) -> str:
-    import shlex
-    return shlex.quote(text)

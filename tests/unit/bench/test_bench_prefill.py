@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from disagg.bench.prefill import isolated, prefill_rate_from_records, probe_prefill_rate, record_prefill_rate
+from disagg.bench.prefill import isolated, prefill_rate_from_records, probe_prefill_rate
 from disagg.bench.records import RequestRecord
 from disagg.errors import DisaggError
+from disagg.measurements import store_prefill
 
 
 def _rec(i: int, send: float, first: float, end: float, tokens: int) -> RequestRecord:
@@ -36,11 +37,11 @@ def test_prefill_rate_uses_longest_isolated_prompts() -> None:
 
 
 def test_record_prefill_rate_merges(tmp_path: Path) -> None:
-    when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
-    path = record_prefill_rate(tmp_path, "tiny", "spark-a", 1234.5, "probe A", measured_at=when)
-    record_prefill_rate(tmp_path, "tiny", "spark-b", 99.0, "probe B", measured_at=when)
-    record_prefill_rate(tmp_path, "llama", "spark-a", 5.0, "probe C", measured_at=when)
-    record_prefill_rate(tmp_path, "tiny", "spark-a", 2000.0, "probe A2", measured_at=when)   # replaces
+    when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC).isoformat()
+    path = store_prefill(tmp_path, "tiny", "spark-a", 1234.5, "probe A", measured_at=when)
+    store_prefill(tmp_path, "tiny", "spark-b", 99.0, "probe B", measured_at=when)
+    store_prefill(tmp_path, "llama", "spark-a", 5.0, "probe C", measured_at=when)
+    store_prefill(tmp_path, "tiny", "spark-a", 2000.0, "probe A2", measured_at=when)   # replaces
     assert path == tmp_path / "measurements" / "prefill.json"
     data = json.loads(path.read_text())
     assert data == {
@@ -55,8 +56,8 @@ def test_record_prefill_rate_merges(tmp_path: Path) -> None:
 def test_record_prefill_rate_refuses_a_corrupt_file(tmp_path: Path) -> None:
     (tmp_path / "measurements").mkdir()
     (tmp_path / "measurements" / "prefill.json").write_text("{not json")
-    with pytest.raises(DisaggError, match=r"prefill\.json: not valid JSON"):
-        record_prefill_rate(tmp_path, "tiny", "h", 1.0, "x")
+    with pytest.raises(DisaggError, match=r"prefill\.json:1: invalid JSON"):
+        store_prefill(tmp_path, "tiny", "h", 1.0, "x")
 
 
 async def test_probe_measures_the_programmed_prefill_rate(standin) -> None:
