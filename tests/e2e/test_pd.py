@@ -58,9 +58,9 @@ def test_handoff_equals_colocated_and_kv_moved(pd: Running, reference: dict[str,
     # The decode engine took the prompt from the transfer, not by recomputing it.
     assert delta("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= tokens - 1
     assert delta("vllm:prompt_tokens_by_source_total", source="local_compute") <= 1
-    # The proxy counted it as a disaggregated request and timed the handoff.
+    # The proxy counted it as a disaggregated request and timed its prefill.
     for metric, labels in (("disagg_proxy_requests_total", {"path": "disaggregated"}),
-                           ("disagg_proxy_handoff_seconds_count", {})):
+                           ("disagg_proxy_prefill_seconds_count", {})):
         grew = metric_value(proxy_after, metric, **labels) - metric_value(proxy_before, metric, **labels)
         assert grew == 1, (metric, grew)
 
