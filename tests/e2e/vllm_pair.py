@@ -70,11 +70,11 @@ class Engine:
 
 
 def start_engine(name: str, model: str, core: int, kv_config: dict[str, Any] | None, env: dict[str, str],
-                 log_dir: Path, args: list[str] | None = None) -> Engine:
+                 log_dir: Path, args: list[str] | None = None, max_model_len: int = 8192) -> Engine:
     """Start ``python -m vllm.entrypoints.openai.api_server`` pinned to ``core``."""
     port = free_port()
     argv = [sys.executable, "-m", API_SERVER_MODULE, "--model", model, "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "8192",
+            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
             "--no-enable-prefix-caching", *(args or [])]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config)]
