@@ -36,6 +36,8 @@ class FetchPlan:
     request_id: str
     remote_block_ids: Sequence[int]
     local_block_ids: Sequence[int]
+    #: the prefill engine's id from kv_transfer_params; checked when given
+    engine_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,9 @@ class FetchResult:
     streams: int
 
 
-def connect(host: str, port: int, secret: bytes, store: BlockStore, opts: FetchOptions) -> socket.socket:
-    """Open, authenticate and layout-check one connection; raises FetchError."""
+def connect(host: str, port: int, secret: bytes, store: BlockStore, opts: FetchOptions,
+            engine_id: str | None = None) -> socket.socket:
+    """Open, authenticate, identity- and layout-check one connection; raises FetchError."""
     where = f"{host}:{port}"
     try:
         sock = socket.create_connection((host, port), timeout=opts.connect_timeout_s)
@@ -73,6 +76,8 @@ def connect(host: str, port: int, secret: bytes, store: BlockStore, opts: FetchO
         ours = store.layout.fingerprint()
         if theirs != ours:
             raise FetchError(f"KV layout of {where} differs from ours: {theirs} != {ours}")
+        if engine_id is not None and hello.get("engine_id") != engine_id:
+            raise FetchError(f"{where} is engine {hello.get('engine_id')!r}, not {engine_id!r} (restarted?)")
         return sock
     except (WireError, OSError) as exc:
         sock.close()
@@ -121,9 +126,9 @@ def fetch(plan: FetchPlan, secret: bytes, store: BlockStore, opts: FetchOptions)
     errors: list[BaseException] = []
     totals = [0] * len(parts)
     try:
-        socks.append(connect(plan.host, plan.port, secret, store, opts))
+        socks.append(connect(plan.host, plan.port, secret, store, opts, plan.engine_id))
         for _ in parts[1:]:
-            socks.append(connect(plan.host, plan.port, secret, store, opts))
+            socks.append(connect(plan.host, plan.port, secret, store, opts, plan.engine_id))
 
         def run(i: int) -> None:
             try:
@@ -175,7 +180,7 @@ def release(sock: socket.socket, plan: FetchPlan) -> bool:
 def release_only(plan: FetchPlan, secret: bytes, store: BlockStore, opts: FetchOptions) -> bool:
     """Release a lease without fetching (decode side hit its own cache or aborted)."""
     try:
-        sock = connect(plan.host, plan.port, secret, store, opts)
+        sock = connect(plan.host, plan.port, secret, store, opts, plan.engine_id)
     except FetchError as exc:
         logger.info("socket KV connector: release of %s skipped: %s", plan.request_id, exc)
         return False

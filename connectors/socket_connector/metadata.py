@@ -25,6 +25,7 @@ class RecvSpec:
     remote_port: int
     remote_tp_size: int
     awaiting: bool
+    remote_engine_id: str | None = None
 
 
 @dataclass

@@ -85,6 +85,7 @@ class SocketScheduler:
             remote_port=int(params["remote_port"]),
             remote_tp_size=int(params.get("tp_size") or 1),
             awaiting=awaiting,
+            remote_engine_id=params.get("remote_engine_id"),
         )
 
     # -- both -------------------------------------------------------------

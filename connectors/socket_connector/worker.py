@@ -83,7 +83,7 @@ class SocketWorker:
 
     def _plan(self, spec: RecvSpec) -> FetchPlan:
         return FetchPlan(spec.remote_host, spec.remote_port + self.tp_rank, spec.remote_request_id,
-                         spec.remote_block_ids, spec.local_block_ids)
+                         spec.remote_block_ids, spec.local_block_ids, spec.remote_engine_id)
 
     def _run_fetch(self, rid: str, spec: RecvSpec) -> None:
         assert self.store is not None

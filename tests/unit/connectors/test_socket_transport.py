@@ -460,3 +460,13 @@ def test_fetch_between_cuda_caches_through_pinned_buffers(served) -> None:
           FetchOptions(streams=2, blocks_per_message=2))
     for name in src:
         assert torch.equal(dst[name][:3].cpu(), src[name][3:6])
+
+
+def test_fetch_from_another_engine_on_the_same_port_is_refused(served) -> None:
+    server, _ = served
+    server.engine_id = "engine-now"
+    server.leases.register("req-1", [1], 30)
+    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
+    with pytest.raises(FetchError, match="not 'engine-before'"):
+        fetch(FetchPlan("127.0.0.1", server.port, "req-1", [1], [1], engine_id="engine-before"), SECRET, store,
+              FetchOptions())
