@@ -25,7 +25,7 @@ from disagg_connectors.socket_connector.auth import AuthError, server_handshake
 from disagg_connectors.socket_connector.counters import TransferCounters
 from disagg_connectors.socket_connector.layout import BlockStore, LayoutError
 from disagg_connectors.socket_connector.leases import LeaseTable
-from disagg_connectors.socket_connector.wire import WireError, recv_frame, send_frame, send_views
+from disagg_connectors.socket_connector.wire import PeerClosed, WireError, recv_frame, send_frame, send_views
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,8 @@ class KVServer:
                     else:
                         self._refuse(conn, peer, f"unknown op {op!r}")
                         return
+            except PeerClosed:
+                return
             except (WireError, OSError) as exc:
                 logger.info("socket KV connector: connection from %s ended: %s", peer, exc)
 

@@ -28,6 +28,10 @@ class WireError(ConnectionError):
     """The peer closed the connection, sent a malformed frame or timed out."""
 
 
+class PeerClosed(WireError):
+    """The peer closed the connection cleanly, between two messages."""
+
+
 def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
     """Send one JSON control frame."""
     body = json.dumps(obj, separators=(",", ":")).encode()
@@ -106,6 +110,8 @@ def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> int:
             except OSError as exc:
                 raise WireError(f"receive failed after {total + got} bytes: {exc}") from exc
             if n == 0:
+                if total + got == 0:
+                    raise PeerClosed("peer closed the connection")
                 raise WireError(f"peer closed the connection after {total + got} bytes (partial transfer)")
             got += n
         total += got

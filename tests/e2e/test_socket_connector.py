@@ -147,6 +147,9 @@ async def test_wrong_secret_and_unknown_request_are_refused(pair: tuple[Engine, 
         send_frame(s, {"op": "fetch", "request_id": "no-such-request", "block_ids": [0, 1], "blocks_per_message": 8})
         reply = recv_frame(s)
     assert reply["ok"] is False and "no-such-request" in reply["error"]
+    # Connector stats reach /metrics with the engine's next step: make one.
+    async with aiohttp.ClientSession() as session:
+        await complete(session, p, SHORT, 1)
     await wait_for(lambda: metric(p.url, "vllm:socket_kv_refused_total") >= refused_before + 2, 10,
                    "refusals to be counted")
     assert "refused unauthenticated connection" in p.log_path.read_text(errors="replace")

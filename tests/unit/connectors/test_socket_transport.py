@@ -24,6 +24,7 @@ from disagg_connectors.socket_connector.leases import LeaseTable
 from disagg_connectors.socket_connector.server import KVServer
 from disagg_connectors.socket_connector.wire import (
     MAX_IOVECS,
+    PeerClosed,
     WireError,
     coalesce,
     recv_frame,
@@ -175,6 +176,13 @@ def test_recv_reports_a_partial_transfer(pair_of_sockets) -> None:
     a.close()
     with pytest.raises(WireError, match="after 100 bytes"):
         recv_into_views(b, [memoryview(bytearray(1000))])
+
+
+def test_close_between_messages_is_clean(pair_of_sockets) -> None:
+    a, b = pair_of_sockets
+    a.close()
+    with pytest.raises(PeerClosed):
+        recv_frame(b)
 
 
 def test_coalesce_merges_adjacent_extents_only() -> None:
