@@ -118,10 +118,12 @@ def fetch(plan: FetchPlan, secret: bytes, store: BlockStore, opts: FetchOptions)
         )
     start = time.perf_counter()
     n = len(plan.local_block_ids)
+    if n == 0:
+        release_only(plan, secret, store, opts)
+        return FetchResult(0, time.perf_counter() - start, 0)
     nstreams = max(1, min(opts.streams, n))
-    step = -(-n // nstreams) if n else 0
-    parts = [(plan.remote_block_ids[i : i + step], plan.local_block_ids[i : i + step])
-             for i in range(0, n, step)] if n else []
+    step = -(-n // nstreams)
+    parts = [(plan.remote_block_ids[i : i + step], plan.local_block_ids[i : i + step]) for i in range(0, n, step)]
     socks: list[socket.socket] = []
     errors: list[BaseException] = []
     totals = [0] * len(parts)
@@ -139,8 +141,7 @@ def fetch(plan: FetchPlan, secret: bytes, store: BlockStore, opts: FetchOptions)
         threads = [threading.Thread(target=run, args=(i,), name=f"kv-socket-fetch-{i}") for i in range(1, len(parts))]
         for t in threads:
             t.start()
-        if parts:
-            run(0)
+        run(0)
         for t in threads:
             t.join()
         if errors:

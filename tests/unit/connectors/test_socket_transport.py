@@ -478,3 +478,12 @@ def test_fetch_from_another_engine_on_the_same_port_is_refused(served) -> None:
     with pytest.raises(FetchError, match="not 'engine-before'"):
         fetch(FetchPlan("127.0.0.1", server.port, "req-1", [1], [1], engine_id="engine-before"), SECRET, store,
               FetchOptions())
+
+
+def test_fetch_of_nothing_just_releases(served) -> None:
+    server, _ = served
+    server.leases.register("req-1", [1], 30)
+    res = fetch(FetchPlan("127.0.0.1", server.port, "req-1", [], []), SECRET,
+                make_store(kv_caches(0, fill=False), NUM_BLOCKS), FetchOptions())
+    assert res.nbytes == 0
+    assert eventually(reaped(server.leases), ({"req-1"}, set())) == ({"req-1"}, set())
