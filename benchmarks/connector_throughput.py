@@ -136,7 +136,7 @@ def run_connector(conn: Connector, link: str, model_dir: Path, sizes: list[int],
     rows = []
     with LINKS[link]() as host:
         p_cfg, d_cfg, p_env, d_env = conn.configs(host, free_port(), free_port())
-        max_len = max(sizes) + 64
+        max_len = 8192  # the embedded models' max_position_embeddings
         p = start_engine(f"{conn.name}-prefill", str(model_dir), 0, p_cfg, p_env, log_dir, max_model_len=max_len)
         d = start_engine(f"{conn.name}-decode", str(model_dir), 1, d_cfg, d_env, log_dir, max_model_len=max_len)
         try:
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, help="where to build the model (default: a temp dir)")
     ap.add_argument("--connectors", default="nixl,socket")
     ap.add_argument("--links", default="loopback", help=f"comma list of {', '.join(LINKS)}")
-    ap.add_argument("--sizes", default="512,2048,8192")
+    ap.add_argument("--sizes", default="512,2048,8000", help="prompt tokens (< 8192, the models' context)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, help="append the Markdown table here")
     args = ap.parse_args(argv)
