@@ -24,7 +24,13 @@ logger = logging.getLogger(__name__)
 
 
 class FetchError(ConnectionError):
-    """A fetch failed; the message names the peer and the request."""
+    """A fetch failed; the message names the peer and the request.
+
+    ``reached_peer`` says whether a connection was authenticated: only then
+    is a later ``release_only`` worth trying.
+    """
+
+    reached_peer: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,8 @@ def fetch(plan: FetchPlan, secret: bytes, store: BlockStore, opts: FetchOptions)
     """Fetch every block of ``plan`` and release the lease; raises FetchError.
 
     The destination blocks are only valid when this returns; on error their
-    contents are undefined (the caller reports the load as failed).
+    contents are undefined: the caller reports the load as failed and then
+    calls ``release_only`` if ``FetchError.reached_peer``.
     """
     if len(plan.remote_block_ids) != len(plan.local_block_ids):
         raise FetchError(
@@ -151,14 +158,10 @@ def fetch(plan: FetchPlan, secret: bytes, store: BlockStore, opts: FetchOptions)
             raise FetchError(f"fetch of request {plan.request_id} from {plan.host}:{plan.port} failed: {exc}") from exc
         release(socks[0], plan)
         return FetchResult(sum(totals), time.perf_counter() - start, len(parts))
-    except FetchError:
-        # A broken stream may hold unread data: release on a fresh connection
-        # (if we ever got in: a refused handshake would only be refused again).
-        if socks:
-            for s in socks:
-                s.close()
-            socks = []
-            release_only(plan, secret, store, opts)
+    except FetchError as exc:
+        # The caller reports the failure first, then releases on a fresh
+        # connection (a broken stream may hold unread data) if we ever got in.
+        exc.reached_peer = bool(socks)
         raise
     finally:
         for s in socks:

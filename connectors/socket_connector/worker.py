@@ -92,6 +92,7 @@ class SocketWorker:
             release_only(plan, self.settings.secret, self.store, self._opts)
             return
         ok = False
+        release_after = False
         try:
             if spec.remote_tp_size != self.tp_size:
                 raise FetchError(f"prefill TP size {spec.remote_tp_size} != decode TP size {self.tp_size}")
@@ -106,12 +107,16 @@ class SocketWorker:
             )
         except FetchError as exc:
             self.counters.add("num_failed_transfers")
+            release_after = exc.reached_peer
             logger.warning("socket KV connector: fetch of %s failed: %s", rid, exc)
         except Exception:
             self.counters.add("num_failed_transfers")
             logger.exception("socket KV connector: fetch of %s crashed", rid)
         finally:
             self._outcomes.put(_Outcome(rid, ok))
+        if release_after:
+            # After reporting: a slow or dead peer must not delay the local recompute.
+            release_only(plan, self.settings.secret, self.store, self._opts)
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         """Requests done sending (released or expired) and done receiving (ok or failed)."""

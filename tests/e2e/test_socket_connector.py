@@ -1,7 +1,7 @@
 """Real vLLM CPU engines handing KV over the socket connector (1P1D on loopback).
 
 The engines start once per module: P (kv_producer, core 0, lease 6 s) and D
-(kv_consumer, core 1, kv_load_failure_policy recompute), both without prefix
+(kv_consumer, core 1, kv_load_failure_policy recompute, I/O timeout 5 s), both without prefix
 caching so the decode engine's own request (no kv_transfer_params) is a
 colocated reference computed locally on the same weights. The handoff is done
 by hand as the proxy does it (REFERENCE.md section 2). The last test kills P.
@@ -10,7 +10,9 @@ by hand as the proxy does it (REFERENCE.md section 2). The last test kills P.
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.e2e
 
 MODULE = "disagg_connectors.socket_connector"
 LEASE_S = 6
+IO_TIMEOUT_S = 5
 SHORT = "The quick brown fox jumps over the lazy dog. "
 LONG = " ".join(f"Item {i}: the river carries stones, songs and {i % 7} old boats." for i in range(50))
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -57,7 +60,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Eng
                          env, root)
         p.extra.update(kv_port=kv_port, secret=secret)
         engines.append(p)
-        d = start_engine("decode", str(model), 1, kv_config("kv_consumer", {"streams": 2}), env, root)
+        d_extra = {"streams": 2, "io_timeout_s": IO_TIMEOUT_S}
+        d = start_engine("decode", str(model), 1, kv_config("kv_consumer", d_extra), env, root)
         engines.append(d)
         wait_healthy(engines)
         yield p, d
@@ -153,6 +157,27 @@ async def test_wrong_secret_and_unknown_request_are_refused(pair: tuple[Engine, 
     await wait_for(lambda: metric(p.url, "vllm:socket_kv_refused_total") >= refused_before + 2, 10,
                    "refusals to be counted")
     assert "refused unauthenticated connection" in p.log_path.read_text(errors="replace")
+
+
+async def test_frozen_prefill_times_out_to_local_recompute_without_leaking(pair: tuple[Engine, Engine]) -> None:
+    """P stops answering (SIGSTOP) after the prefill: D gives up after its I/O timeout and recomputes."""
+    p, d = pair
+    async with aiohttp.ClientSession() as session:
+        reference = await complete(session, d, LONG, 8)
+        failed_before = metric(d.url, "vllm:socket_kv_failed_transfers_total")
+        pre = await complete(session, p, LONG, 1, dict(REMOTE_DECODE))
+        os.killpg(p.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            dec = await complete(session, d, LONG, 8, pre["kv_transfer_params"])
+            elapsed = time.monotonic() - started
+        finally:
+            os.killpg(p.proc.pid, signal.SIGCONT)
+    assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert IO_TIMEOUT_S <= elapsed < IO_TIMEOUT_S + 30, elapsed
+    assert metric(d.url, "vllm:socket_kv_failed_transfers_total") == failed_before + 1
+    # P frees the blocks (D's late release or the lease), nothing leaks.
+    await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S + 20, "P to free the blocks")
 
 
 async def test_prefill_killed_leads_to_local_recompute(pair: tuple[Engine, Engine]) -> None:

@@ -406,8 +406,21 @@ def test_connection_refused_is_a_clean_error() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
-    with pytest.raises(FetchError, match=f"127.0.0.1:{port}"):
+    with pytest.raises(FetchError, match=f"127.0.0.1:{port}") as info:
         fetch(FetchPlan("127.0.0.1", port, "r", [1], [1]), SECRET, store, FetchOptions(connect_timeout_s=1))
+    assert not info.value.reached_peer
+
+
+def test_a_frozen_peer_times_out() -> None:
+    """A listener that accepts (kernel backlog) but never speaks, like a SIGSTOPped engine."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
+    started = time.monotonic()
+    with pytest.raises(FetchError, match="handshake"):
+        fetch(FetchPlan("127.0.0.1", listener.getsockname()[1], "r", [1], [1]), SECRET, store,
+              FetchOptions(io_timeout_s=0.5))
+    assert time.monotonic() - started < 3
+    listener.close()
 
 
 def test_peer_dying_mid_transfer_fails_fast() -> None:
@@ -434,10 +447,12 @@ def test_peer_dying_mid_transfer_fails_fast() -> None:
     t = threading.Thread(target=stand_in, daemon=True)
     t.start()
     started = time.monotonic()
-    with pytest.raises(FetchError, match="partial transfer"):
-        fetch(FetchPlan("127.0.0.1", port, "r", [1, 2, 3], [1, 2, 3]), SECRET, store,
-              FetchOptions(streams=1, io_timeout_s=5))
+    plan = FetchPlan("127.0.0.1", port, "r", [1, 2, 3], [1, 2, 3])
+    with pytest.raises(FetchError, match="partial transfer") as info:
+        fetch(plan, SECRET, store, FetchOptions(streams=1, io_timeout_s=5))
     assert time.monotonic() - started < 3
+    assert info.value.reached_peer
+    assert not release_only(plan, SECRET, store, FetchOptions())  # the stand-in answers "gone"
     t.join(5)
     listener.close()
 
