@@ -43,7 +43,7 @@ def recv_spec(p: SocketWorker, remote_req: str, local: list[int], remote: list[i
                     remote_engine_id="engine-p")
 
 
-def collect(worker: SocketWorker, attr: str, want: str, timeout_s: float = 10.0) -> set[str]:
+def collect(worker: SocketWorker, attr: str, want: str, timeout_s: float = 10.0) -> dict[str, set[str]]:
     """Poll get_transfer_results (as vLLM does every step) until ``want`` shows up in ``attr``."""
     seen: dict[str, set[str]] = {"finished_sending": set(), "finished_recving": set(), "failed_recving": set()}
     deadline = time.monotonic() + timeout_s
@@ -52,17 +52,18 @@ def collect(worker: SocketWorker, attr: str, want: str, timeout_s: float = 10.0)
         for key in seen:
             seen[key] |= getattr(res, key)
         time.sleep(0.02)
-    return seen[attr]
+    return seen
 
 
 def test_fetch_reports_received_then_sent(workers) -> None:
     p, d, p_caches, d_caches = workers
     p.start_load_kv(SocketConnectorMetadata(reqs_to_send={"p1": SendSpec([2, 3], 30)}))
     d.start_load_kv(SocketConnectorMetadata(reqs_to_recv={"d1": recv_spec(p, "p1", [7, 8], [2, 3])}))
-    assert collect(d, "finished_recving", "d1") == {"d1"}
+    assert collect(d, "finished_recving", "d1") == {
+        "finished_sending": set(), "finished_recving": {"d1"}, "failed_recving": set()}
     for name in p_caches:
         assert torch.equal(d_caches[name][7:9], p_caches[name][2:4])
-    assert collect(p, "finished_sending", "p1") == {"p1"}
+    assert collect(p, "finished_sending", "p1")["finished_sending"] == {"p1"}
     drained = d.counters.drain()
     assert drained is not None and drained["bytes_transferred"] == [2 * d.store.layout.block_bytes]
 
@@ -70,7 +71,8 @@ def test_fetch_reports_received_then_sent(workers) -> None:
 def test_failed_fetch_is_reported_finished_and_failed(workers) -> None:
     p, d, _, _ = workers
     d.start_load_kv(SocketConnectorMetadata(reqs_to_recv={"d2": recv_spec(p, "never-leased", [1], [1])}))
-    assert collect(d, "failed_recving", "d2") == {"d2"}
+    seen = collect(d, "failed_recving", "d2")
+    assert seen["failed_recving"] == seen["finished_recving"] == {"d2"}  # vLLM wants failures in both
     drained = d.counters.drain()
     assert drained is not None and drained["num_failed_transfers"] == [1]
 
@@ -78,7 +80,7 @@ def test_failed_fetch_is_reported_finished_and_failed(workers) -> None:
 def test_expired_lease_is_reported_sent_and_counted(workers) -> None:
     p, _, _, _ = workers
     p.start_load_kv(SocketConnectorMetadata(reqs_to_send={"p3": SendSpec([1], 0.2)}))
-    assert collect(p, "finished_sending", "p3") == {"p3"}
+    assert collect(p, "finished_sending", "p3")["finished_sending"] == {"p3"}
     drained = p.counters.drain()
     assert drained is not None and drained["num_kv_expired_reqs"] == [1]
 
@@ -89,4 +91,4 @@ def test_tp_size_mismatch_fails_the_fetch(workers) -> None:
     spec = recv_spec(p, "p4", [1], [1])
     spec.remote_tp_size = 2
     d.start_load_kv(SocketConnectorMetadata(reqs_to_recv={"d4": spec}))
-    assert "d4" in collect(d, "failed_recving", "d4")
+    assert collect(d, "failed_recving", "d4")["failed_recving"] == {"d4"}
