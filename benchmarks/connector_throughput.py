@@ -100,10 +100,13 @@ def prompt_ids(model_dir: Path, n: int) -> list[int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    text = " ".join(f"Line {i}: a quiet harbour keeps {i % 13} boats and {i % 7} gulls." for i in range(n))
-    ids = tok(text).input_ids
-    assert len(ids) >= n, (len(ids), n)
-    return ids[:n]
+    lines = n // 8 + 16
+    while True:
+        text = " ".join(f"Line {i}: a quiet harbour keeps {i % 13} boats and {i % 7} gulls." for i in range(lines))
+        ids = tok(text).input_ids
+        if len(ids) >= n:
+            return ids[:n]
+        lines *= 2
 
 
 async def post(session: aiohttp.ClientSession, eng: Engine, body: dict[str, Any]) -> dict[str, Any]:
