@@ -4,7 +4,9 @@ For each connector the same 1P1D pair of real vLLM CPU engines (P pinned to
 core 0, D to core 1, prefix caching off) serves prompts of each size (exact
 token counts, sent as token ids): P prefills with ``max_tokens: 1`` and
 ``do_remote_decode``, then D gets P's ``kv_transfer_params`` and generates one
-token. Reported per row (median of ``--repeats`` after one warm-up):
+token. P caches prefixes (each prompt is prefilled once, before its repeats);
+D does not, so every repeat moves the whole prompt's KV. Reported per row
+(median of ``--repeats``, after one small warm-up handoff):
 
 - ``xfer ms``: the connector's own transfer time from D's /metrics
   (NIXL: ``vllm:nixl_xfer_time_seconds``, the READ only; socket:
@@ -140,16 +142,20 @@ def run_connector(conn: Connector, link: str, model_dir: Path, sizes: list[int],
     with LINKS[link]() as host:
         p_cfg, d_cfg, p_env, d_env = conn.configs(host, free_port(), free_port())
         max_len = 8192  # the embedded models' max_position_embeddings
-        p = start_engine(f"{conn.name}-prefill", str(model_dir), 0, p_cfg, p_env, log_dir, max_model_len=max_len)
+        # P caches prefixes, so repeats skip the (slow, O(n^2) on one core) prefill; the
+        # handoff still moves every block. D must not, or it would not fetch at all.
+        p = start_engine(f"{conn.name}-prefill", str(model_dir), 0, p_cfg, p_env, log_dir, max_model_len=max_len,
+                         prefix_caching=True)
         d = start_engine(f"{conn.name}-decode", str(model_dir), 1, d_cfg, d_env, log_dir, max_model_len=max_len)
         try:
             wait_healthy([p, d])
 
             async def measure() -> None:
                 async with aiohttp.ClientSession() as session:
+                    await one_handoff(session, p, d, conn, prompt_ids(model_dir, 64))  # warm-up: handshakes
                     for n in sizes:
                         ids = prompt_ids(model_dir, n)
-                        await one_handoff(session, p, d, conn, ids)  # warm-up (handshakes, allocations)
+                        await post(session, p, {"model": "tiny", "prompt": ids, "max_tokens": 1})  # fill P's cache
                         samples = [await one_handoff(session, p, d, conn, ids) for _ in range(repeats)]
                         xfer = statistics.median(s[0] for s in samples)
                         d_ms = statistics.median(s[1] for s in samples)

@@ -70,12 +70,17 @@ class Engine:
 
 
 def start_engine(name: str, model: str, core: int, kv_config: dict[str, Any] | None, env: dict[str, str],
-                 log_dir: Path, args: list[str] | None = None, max_model_len: int = 8192) -> Engine:
-    """Start ``python -m vllm.entrypoints.openai.api_server`` pinned to ``core``."""
+                 log_dir: Path, args: list[str] | None = None, max_model_len: int = 8192,
+                 prefix_caching: bool = False) -> Engine:
+    """Start ``python -m vllm.entrypoints.openai.api_server`` pinned to ``core``.
+
+    Prefix caching is off unless asked for, so a repeated prompt is computed
+    (or transferred) again.
+    """
     port = free_port()
     argv = [sys.executable, "-m", API_SERVER_MODULE, "--model", model, "--served-model-name", "tiny",
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
-            "--no-enable-prefix-caching", *(args or [])]
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", *(args or [])]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config)]
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
