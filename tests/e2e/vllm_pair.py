@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -19,6 +18,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from disagg.promtext import sample_sum
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -113,19 +114,7 @@ def wait_healthy(engines: list[Engine], timeout_s: float = 400) -> None:
             time.sleep(1)
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
-
-
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of a Prometheus metric's samples at ``url``/metrics matching ``labels``."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m or m.group(1) != name:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
+        return sample_sum(r.read().decode(), name, **labels)
