@@ -43,8 +43,12 @@ def kv_config(role: str, extra: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
-    """P and D engines sharing a fresh secret; both process groups killed at the end."""
+def pair(engine_lock: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+    """P and D engines sharing a fresh secret; both process groups killed at the end.
+
+    ``engine_lock`` (tests/e2e/conftest.py) holds the machine-wide engine lock:
+    run this module with plain pytest, not under an outer ``flock``.
+    """
     root = tmp_path_factory.mktemp("socket-e2e")
     model = root / "tiny"
     build_model("tiny", model)
