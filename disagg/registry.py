@@ -21,6 +21,7 @@ ENGINE_ADAPTERS: dict[str, str] = {
 
 VLLM_KV_ADAPTERS: dict[str, str] = {
     "nixl": "disagg.kv.nixl:NixlVllmAdapter",
+    "socket": "disagg.kv.socket:SocketVllmAdapter",
 }
 
 

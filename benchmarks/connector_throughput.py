@@ -1,0 +1,219 @@
+"""NIXL vs the socket connector: KV handoff time and bytes/s, side by side.
+
+For each connector the same 1P1D pair of real vLLM CPU engines (P pinned to
+core 0, D to core 1, prefix caching off) serves prompts of each size (exact
+token counts, sent as token ids): P prefills with ``max_tokens: 1`` and
+``do_remote_decode``, then D gets P's ``kv_transfer_params`` and generates one
+token. P caches prefixes (each prompt is prefilled once, before its repeats);
+D does not, so every repeat moves the whole prompt's KV. Reported per row
+(median of ``--repeats``, after one small warm-up handoff):
+
+- ``xfer ms``: the connector's own transfer time from D's /metrics
+  (NIXL: ``vllm:nixl_xfer_time_seconds``, the READ only; socket:
+  ``vllm:socket_kv_xfer_seconds``, connect + HMAC + data + release);
+- ``MB/s``: KV bytes / xfer time;
+- ``D ms``: D's whole request (schedule, fetch, last-token step), the
+  handoff as a client sees it.
+
+Links: ``loopback`` now. The emulated 1 Gb/s and 2.5 Gb/s rows need the two
+engines in network namespaces joined by a shaped veth pair (``tc tbf``); that
+lives in ``disagg/linkemu.py`` (another branch). ``LINKS`` is the hook: add an
+entry that sets the link up, yields P's address and the wrapper that runs an
+engine inside its namespace, and tears it down.
+
+Run (holds the engine lock; ~10 min)::
+
+    flock /tmp/disagg-engines.lock env PYTHONPATH=$PWD:$PWD/.pypath \\
+        python benchmarks/connector_throughput.py --embedded tiny-kvheavy --out docs/socket-connector-bench.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from disagg.modelgen import EMBEDDED_MODELS, build_model
+from tests.e2e.vllm_pair import Engine, free_port, metric, start_engine, wait_healthy
+
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+@dataclass(frozen=True)
+class Connector:
+    """How to configure one connector for P and D, and read its transfer time."""
+
+    name: str
+    configs: Callable[[str, int, int], tuple[dict[str, Any], dict[str, Any], dict[str, str], dict[str, str]]]
+    xfer_seconds: str  # D-side metric: total seconds
+    xfer_count: str  # D-side metric: number of transfers
+
+
+def nixl_configs(host: str, p_port: int, d_port: int):
+    def cfg(role: str) -> dict[str, Any]:
+        return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+                "kv_connector_extra_config": {"backends": ["UCX"], "num_threads": 1}}
+
+    env = {"UCX_TLS": "tcp,self", "VLLM_NIXL_SIDE_CHANNEL_HOST": host}
+    return (cfg("kv_producer"), cfg("kv_consumer"), {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_port)},
+            {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port)})
+
+
+def socket_configs(host: str, p_port: int, d_port: int, streams: int = 2):
+    def cfg(role: str, extra: dict[str, Any]) -> dict[str, Any]:
+        return {"kv_connector": "SocketKVConnector", "kv_connector_module_path": "disagg_connectors.socket_connector",
+                "kv_role": role, "kv_connector_extra_config": extra}
+
+    env = {"DISAGG_KV_SECRET": secrets.token_hex(32)}
+    return (cfg("kv_producer", {"host": host, "port": p_port}), cfg("kv_consumer", {"streams": streams}), env, env)
+
+
+CONNECTORS = {
+    "nixl": Connector("nixl", nixl_configs, "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count"),
+    "socket": Connector("socket", socket_configs, "vllm:socket_kv_xfer_seconds_total",
+                        "vllm:socket_kv_transfers_total"),
+}
+
+
+@contextlib.contextmanager
+def loopback() -> Iterator[str]:
+    """Both engines on this host's loopback; yields P's address."""
+    yield "127.0.0.1"
+
+
+#: link name -> context manager yielding P's address (emulated links: see module docstring).
+LINKS: dict[str, Callable[[], contextlib.AbstractContextManager[str]]] = {"loopback": loopback}
+
+
+def prompt_ids(model_dir: Path, n: int) -> list[int]:
+    """Exactly ``n`` token ids of varied text."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    lines = n // 8 + 16
+    while True:
+        text = " ".join(f"Line {i}: a quiet harbour keeps {i % 13} boats and {i % 7} gulls." for i in range(lines))
+        ids = tok(text).input_ids
+        if len(ids) >= n:
+            return ids[:n]
+        lines *= 2
+
+
+async def post(session: aiohttp.ClientSession, eng: Engine, body: dict[str, Any]) -> dict[str, Any]:
+    async with session.post(eng.url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=600)) as r:
+        data = await r.json()
+        if r.status != 200:
+            raise RuntimeError(f"{eng.name}: HTTP {r.status}: {data}\n{eng.log_tail()}")
+        return data
+
+
+async def one_handoff(session: aiohttp.ClientSession, p: Engine, d: Engine, conn: Connector,
+                      ids: list[int]) -> tuple[float, float]:
+    """One P->D handoff; returns (connector transfer seconds, D request seconds)."""
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0}
+    pre = await post(session, p, {**body, "kv_transfer_params": dict(REMOTE_DECODE)})
+    secs0, n0 = metric(d.url, conn.xfer_seconds), metric(d.url, conn.xfer_count)
+    started = time.perf_counter()
+    await post(session, d, {**body, "kv_transfer_params": pre["kv_transfer_params"]})
+    d_secs = time.perf_counter() - started
+    deadline = time.monotonic() + 15
+    while metric(d.url, conn.xfer_count) <= n0:  # stats reach /metrics a step later
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{conn.name}: no transfer recorded on D\n{d.log_tail()}")
+        await asyncio.sleep(0.2)
+    return metric(d.url, conn.xfer_seconds) - secs0, d_secs
+
+
+def run_connector(conn: Connector, link: str, model_dir: Path, sizes: list[int], repeats: int,
+                  kv_bytes_per_token: int, log_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    with LINKS[link]() as host:
+        p_cfg, d_cfg, p_env, d_env = conn.configs(host, free_port(), free_port())
+        max_len = 8192  # the embedded models' max_position_embeddings
+        # P caches prefixes, so repeats skip the (slow, O(n^2) on one core) prefill; the
+        # handoff still moves every block. D must not, or it would not fetch at all.
+        p = start_engine(f"{conn.name}-prefill", str(model_dir), 0, p_cfg, p_env, log_dir, max_model_len=max_len,
+                         prefix_caching=True)
+        d = start_engine(f"{conn.name}-decode", str(model_dir), 1, d_cfg, d_env, log_dir, max_model_len=max_len)
+        try:
+            wait_healthy([p, d])
+
+            async def measure() -> None:
+                async with aiohttp.ClientSession() as session:
+                    await one_handoff(session, p, d, conn, prompt_ids(model_dir, 64))  # warm-up: handshakes
+                    for n in sizes:
+                        ids = prompt_ids(model_dir, n)
+                        await post(session, p, {"model": "tiny", "prompt": ids, "max_tokens": 1})  # fill P's cache
+                        samples = [await one_handoff(session, p, d, conn, ids) for _ in range(repeats)]
+                        xfer = statistics.median(s[0] for s in samples)
+                        d_ms = statistics.median(s[1] for s in samples)
+                        nbytes = n * kv_bytes_per_token
+                        rows.append({"link": link, "connector": conn.name, "tokens": n, "MB": nbytes / 1e6,
+                                     "xfer_ms": xfer * 1e3, "MB_s": nbytes / 1e6 / xfer if xfer else 0.0,
+                                     "d_ms": d_ms * 1e3})
+                        print(rows[-1], flush=True)
+
+            asyncio.run(measure())
+        finally:
+            p.stop()
+            d.stop()
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The results as a Markdown table, connectors side by side per size."""
+    lines = ["| link | tokens | KV MB | connector | xfer ms | MB/s | D request ms |",
+             "|---|---:|---:|---|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["link"], r["tokens"], r["connector"])):
+        lines.append(f"| {r['link']} | {r['tokens']} | {r['MB']:.1f} | {r['connector']} | {r['xfer_ms']:.1f} "
+                     f"| {r['MB_s']:.0f} | {r['d_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--embedded", default="tiny-kvheavy", choices=sorted(EMBEDDED_MODELS))
+    ap.add_argument("--model-dir", type=Path, help="where to build the model (default: a temp dir)")
+    ap.add_argument("--connectors", default="nixl,socket")
+    ap.add_argument("--links", default="loopback", help=f"comma list of {', '.join(LINKS)}")
+    ap.add_argument("--sizes", default="512,2048,8000", help="prompt tokens (< 8192, the models' context)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, help="append the Markdown table here")
+    args = ap.parse_args(argv)
+    cfg = EMBEDDED_MODELS[args.embedded]
+    kv_bytes = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * 2
+    work = Path(tempfile.mkdtemp(prefix="connector-bench-"))
+    model_dir = args.model_dir or work / args.embedded
+    if not (model_dir / "config.json").exists():
+        build_model(args.embedded, model_dir)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rows: list[dict[str, Any]] = []
+    for link in args.links.split(","):
+        if link not in LINKS:
+            print(f"link {link!r} not available here (have: {', '.join(LINKS)})", file=sys.stderr)
+            return 2
+        for name in args.connectors.split(","):
+            rows += run_connector(CONNECTORS[name], link, model_dir, sizes, args.repeats, kv_bytes, work)
+    out = table(rows)
+    print(out)
+    if args.out:
+        with args.out.open("a") as f:
+            f.write(out + "\n")
+    print(f"engine logs: {work}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,105 @@
+"""Settings of the socket KV connector, from ``kv_connector_extra_config`` and env.
+
+Keys of ``kv_connector_extra_config`` (all optional):
+
+- ``host``: address the prefill listener binds to and advertises (the host's
+  link address); env ``DISAGG_KV_HOST``; default 127.0.0.1.
+- ``port``: listener port of TP rank 0 (rank r listens on port + r); env
+  ``DISAGG_KV_PORT``; required on a producer.
+- ``secret_env``: name of the env var holding the shared secret (default
+  ``DISAGG_KV_SECRET``). The secret itself never goes in the config, which
+  vLLM logs.
+- ``kv_lease_duration`` (or ``lease_s``): seconds the prefill side keeps a
+  finished request's blocks for the decode side (default 30).
+- ``streams``: parallel TCP connections per fetch (default 2).
+- ``blocks_per_message``: blocks per scatter-gather write (default 64).
+- ``io_timeout_s``, ``connect_timeout_s``: socket timeouts (30 s, 5 s).
+- ``registration_wait_s``: how long the listener waits for a lease it does
+  not know yet before refusing the fetch (5 s).
+- ``max_parallel_fetches``: requests fetched at once on the decode side (4).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from disagg_connectors.socket_connector.auth import check_secret
+
+DEFAULT_SECRET_ENV = "DISAGG_KV_SECRET"
+
+
+class ConfigError(ValueError):
+    """A missing or invalid connector setting; the message names the key."""
+
+
+@dataclass(frozen=True)
+class SocketSettings:
+    """Everything the connector reads from its configuration, validated once."""
+
+    host: str
+    port: int | None
+    secret: bytes
+    lease_s: float = 30.0
+    streams: int = 2
+    blocks_per_message: int = 64
+    io_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    registration_wait_s: float = 5.0
+    max_parallel_fetches: int = 4
+
+    @classmethod
+    def load(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] = os.environ,
+             need_port: bool = False) -> SocketSettings:
+        """Build settings from the extra config and environment; raises ConfigError."""
+        extra = dict(extra or {})
+
+        def num(key: str, default: float, cast: type = float, minimum: float = 0) -> Any:
+            raw = extra.get(key, default)
+            try:
+                value = cast(raw)
+            except (TypeError, ValueError):
+                raise ConfigError(f"kv_connector_extra_config.{key}: expected a number, got {raw!r}") from None
+            if value < minimum:
+                raise ConfigError(f"kv_connector_extra_config.{key}: must be >= {minimum}, got {value}")
+            return value
+
+        secret_env = str(extra.get("secret_env", DEFAULT_SECRET_ENV))
+        raw_secret = env.get(secret_env, "")
+        if not raw_secret:
+            raise ConfigError(
+                f"the socket KV connector needs a shared secret in env {secret_env} "
+                "(`disagg up` generates one per topology)"
+            )
+        try:
+            secret = check_secret(raw_secret.encode())
+        except ValueError as exc:
+            raise ConfigError(f"env {secret_env}: {exc}") from None
+        host = str(extra.get("host") or env.get("DISAGG_KV_HOST") or "127.0.0.1")
+        port_raw = extra.get("port", env.get("DISAGG_KV_PORT"))
+        port: int | None = None
+        if port_raw not in (None, ""):
+            try:
+                port = int(port_raw)  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                raise ConfigError(f"kv_connector_extra_config.port: expected an integer, got {port_raw!r}") from None
+            if not 0 <= port < 65536:
+                raise ConfigError(f"kv_connector_extra_config.port: {port} is not a TCP port")
+        if need_port and port is None:
+            raise ConfigError("the socket KV connector's producer needs kv_connector_extra_config.port "
+                              "or env DISAGG_KV_PORT")
+        lease_key = "lease_s" if "lease_s" in extra else "kv_lease_duration"
+        return cls(
+            host=host,
+            port=port,
+            secret=secret,
+            lease_s=num(lease_key, 30.0, minimum=0.1),
+            streams=num("streams", 2, int, 1),
+            blocks_per_message=num("blocks_per_message", 64, int, 1),
+            io_timeout_s=num("io_timeout_s", 30.0, minimum=0.1),
+            connect_timeout_s=num("connect_timeout_s", 5.0, minimum=0.1),
+            registration_wait_s=num("registration_wait_s", 5.0),
+            max_parallel_fetches=num("max_parallel_fetches", 4, int, 1),
+        )

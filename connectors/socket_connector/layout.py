@@ -1,0 +1,248 @@
+"""Where each KV block lives in memory, and views onto it for the wire.
+
+vLLM hands a connector one tensor per attention layer. Whatever the backend's
+logical shape (CPU: ``[num_blocks, kv_heads, block_size, 2*head]``; CUDA flash
+attention: ``[2, num_blocks, block_size, kv_heads, head]``, possibly with a
+stride order), the memory is dense, so after ordering the dimensions by stride
+every layer is an ``(outer, num_blocks, inner)`` byte array: a block is
+``outer`` contiguous segments of ``inner`` bytes. The byte stream for a list of
+blocks is, per chunk of blocks: for each layer (sorted by name), for each
+outer index, each block's segment in list order. Both sides derive it from the
+block ids alone, so the data needs no per-block headers.
+
+Two stores implement the views: ``DirectStore`` (host memory: CPU KV caches,
+sent from and received into the tensors themselves) and ``StagedStore``
+(accelerator memory: blocks gathered into / scattered from pinned host
+buffers, one chunk at a time).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from disagg_connectors.socket_connector.wire import coalesce
+
+
+class LayoutError(ValueError):
+    """A KV cache tensor this connector cannot address block by block."""
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """One layer's KV cache as an ``(outer, num_blocks, seg_bytes)`` byte array."""
+
+    name: str
+    outer: int
+    num_blocks: int
+    seg_bytes: int
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in this layer."""
+        return self.outer * self.seg_bytes
+
+    def extents(self, block_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """(offset, length) of the given blocks in wire order, adjacent ones merged."""
+        raw = [
+            ((o * self.num_blocks + b) * self.seg_bytes, self.seg_bytes)
+            for o in range(self.outer)
+            for b in block_ids
+        ]
+        return coalesce(raw)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Every layer's layout; equal layouts on both sides make the stream well defined."""
+
+    layers: tuple[LayerLayout, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers."""
+        return sum(layer.block_bytes for layer in self.layers)
+
+    def fingerprint(self) -> list[list[object]]:
+        """A JSON-able summary both sides compare before any data moves."""
+        return [[layer.name, layer.outer, layer.seg_bytes] for layer in self.layers]
+
+    def check_blocks(self, block_ids: Sequence[int]) -> None:
+        """Raise LayoutError for a block id outside the cache."""
+        limit = min((layer.num_blocks for layer in self.layers), default=0)
+        bad = [b for b in block_ids if not 0 <= b < limit]
+        if bad:
+            raise LayoutError(f"block ids out of range [0, {limit}): {bad[:8]}")
+
+
+def block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
+    """The dimension indexing blocks: of those sized ``num_blocks``, the outermost in memory.
+
+    When the attention kernel splits each block into smaller kernel blocks the
+    dimension is ``num_blocks * ratio``; a logical block is then ``ratio``
+    adjacent kernel blocks.
+    """
+    candidates = [d for d in range(tensor.ndim) if tensor.shape[d] == num_blocks]
+    if not candidates:
+        candidates = [d for d in range(tensor.ndim) if tensor.shape[d] % num_blocks == 0 and tensor.shape[d]]
+    if not candidates:
+        raise LayoutError(f"no dimension of size num_blocks={num_blocks} in KV cache of shape {tuple(tensor.shape)}")
+    return max(candidates, key=lambda d: tensor.stride(d))
+
+
+def as_block_bytes(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """View a layer's KV cache as a uint8 ``(outer, num_blocks, inner_bytes)`` tensor (no copy)."""
+    bd = block_dim(tensor, num_blocks)
+    # Physical order: larger strides first; the block dim wins ties so that
+    # size-1 dims never land in front of it by accident.
+    order = sorted(range(tensor.ndim), key=lambda d: (-tensor.stride(d), d != bd))
+    physical = tensor.permute(order)
+    if not physical.is_contiguous():
+        raise LayoutError(
+            f"KV cache of shape {tuple(tensor.shape)} and strides {tensor.stride()} is not dense; "
+            "the socket connector needs each layer in one dense allocation"
+        )
+    pos = order.index(bd)
+    outer = math.prod(physical.shape[:pos])
+    inner = math.prod(physical.shape[pos:]) * tensor.element_size() // num_blocks
+    return physical.reshape(-1).view(torch.uint8).view(outer, num_blocks, inner)
+
+
+def describe(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> tuple[KVLayout, list[torch.Tensor]]:
+    """The layout of vLLM's KV caches plus each layer's byte view, in wire order.
+
+    Layers that share one tensor (KV sharing) are transferred once.
+    """
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    layers: list[LayerLayout] = []
+    views: list[torch.Tensor] = []
+    for name in sorted(kv_caches):
+        tensor = kv_caches[name]
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        view = as_block_bytes(tensor, num_blocks)
+        layers.append(LayerLayout(name, view.shape[0], num_blocks, view.shape[2]))
+        views.append(view)
+    if not layers:
+        raise LayoutError("no KV cache tensors were registered")
+    return KVLayout(tuple(layers)), views
+
+
+def host_memoryview(tensor: torch.Tensor) -> memoryview:
+    """A writable memoryview onto a dense host tensor's bytes (no copy)."""
+    if tensor.device.type != "cpu":
+        raise LayoutError(f"cannot map {tensor.device} memory directly")
+    if not tensor.is_contiguous():
+        raise LayoutError("cannot map a non-contiguous tensor")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+class BlockStore(ABC):
+    """Memory the wire reads blocks from (prefill side) or writes them into (decode side)."""
+
+    layout: KVLayout
+
+    @abstractmethod
+    @contextmanager
+    def reading(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
+        """Views holding ``block_ids`` in wire order, valid inside the block."""
+
+    @abstractmethod
+    @contextmanager
+    def writing(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
+        """Views to fill with ``block_ids`` in wire order; committed when the block exits cleanly."""
+
+
+class DirectStore(BlockStore):
+    """Host KV caches: the views are the tensors' own memory."""
+
+    def __init__(self, layout: KVLayout, views: Sequence[torch.Tensor]):
+        self.layout = layout
+        self._keep = list(views)  # keeps the tensors (and their memory) alive
+        self._regions = [host_memoryview(v) for v in views]
+
+    def _views(self, block_ids: Sequence[int]) -> list[memoryview]:
+        self.layout.check_blocks(block_ids)
+        out: list[memoryview] = []
+        for layer, region in zip(self.layout.layers, self._regions, strict=True):
+            out.extend(region[off : off + length] for off, length in layer.extents(block_ids))
+        return out
+
+    @contextmanager
+    def reading(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
+        yield self._views(block_ids)
+
+    @contextmanager
+    def writing(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
+        yield self._views(block_ids)
+
+
+class StagedStore(BlockStore):
+    """Accelerator KV caches moved through pinned host buffers, one chunk at a time.
+
+    Each thread gets its own staging buffers (grown on demand), so parallel
+    streams never share one.
+    """
+
+    def __init__(self, layout: KVLayout, views: Sequence[torch.Tensor], pin: bool = True):
+        self.layout = layout
+        self._dev = list(views)
+        self._pin = pin and torch.cuda.is_available()
+        self._local = threading.local()
+
+    def _staging(self, nblocks: int) -> list[torch.Tensor]:
+        bufs: list[torch.Tensor] | None = getattr(self._local, "bufs", None)
+        cap: int = getattr(self._local, "cap", 0)
+        if bufs is None or cap < nblocks:
+            bufs = [
+                torch.empty((v.shape[0], nblocks, v.shape[2]), dtype=torch.uint8, pin_memory=self._pin)
+                for v in self._dev
+            ]
+            self._local.bufs, self._local.cap = bufs, nblocks
+        return [b[:, :nblocks, :] for b in bufs]
+
+    def _host_views(self, host: list[torch.Tensor]) -> list[memoryview]:
+        # host[l] is a slice of a (outer, cap, inner) buffer: contiguous per outer row.
+        views: list[memoryview] = []
+        for h in host:
+            views.extend(host_memoryview(h[o]) for o in range(h.shape[0]))
+        return views
+
+    @contextmanager
+    def reading(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
+        self.layout.check_blocks(block_ids)
+        host = self._staging(len(block_ids))
+        for h, d in zip(host, self._dev, strict=True):
+            idx = torch.tensor(list(block_ids), dtype=torch.long, device=d.device)
+            h.copy_(d.index_select(1, idx), non_blocking=False)
+        yield self._host_views(host)
+
+    @contextmanager
+    def writing(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
+        self.layout.check_blocks(block_ids)
+        host = self._staging(len(block_ids))
+        yield self._host_views(host)
+        for h, d in zip(host, self._dev, strict=True):
+            idx = torch.tensor(list(block_ids), dtype=torch.long, device=d.device)
+            d.index_copy_(1, idx, h.to(d.device, non_blocking=False))
+        if d.device.type == "cuda":
+            torch.cuda.synchronize(d.device)
+
+
+def make_store(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> BlockStore:
+    """The right store for where vLLM put the KV caches."""
+    layout, views = describe(kv_caches, num_blocks)
+    if all(v.device.type == "cpu" for v in views):
+        return DirectStore(layout, views)
+    return StagedStore(layout, views)

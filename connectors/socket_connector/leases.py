@@ -1,0 +1,107 @@
+"""Prefill-side leases: which blocks a decode engine may fetch, and until when.
+
+The engine's scheduler keeps a finished request's blocks alive (delay free)
+and the worker registers them here with a time to live. A lease ends when the
+decode side releases it after fetching, or when it expires because the decode
+side never came; either way the worker reports the request as finished
+sending and vLLM frees the blocks. A lease with a fetch in flight never
+expires under it: the fetch's own I/O timeout bounds that.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Lease:
+    """One request's blocks held for a remote fetch."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    deadline: float
+    active: int = 0
+    released: bool = False
+    fetched_bytes: int = 0
+    allowed: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.allowed = frozenset(self.block_ids)
+
+
+class LeaseTable:
+    """Thread-safe lease registry shared by the worker and the listener threads."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._leases: dict[str, Lease] = {}
+        self._done: set[str] = set()
+        self._expired: set[str] = set()
+
+    def register(self, request_id: str, block_ids: Sequence[int], ttl_s: float) -> None:
+        """Hold ``block_ids`` for ``request_id`` for ``ttl_s`` seconds."""
+        with self._cond:
+            self._leases[request_id] = Lease(request_id, tuple(block_ids), self._clock() + ttl_s)
+            self._cond.notify_all()
+
+    def acquire(self, request_id: str, wait_s: float) -> Lease | None:
+        """Start a fetch on ``request_id``; waits up to ``wait_s`` for it to be registered.
+
+        The wait covers the moment between the prefill engine answering the
+        client and its worker learning about the lease (the next engine step).
+        Returns None for an unknown, released or expired request.
+        """
+        deadline = self._clock() + wait_s
+        with self._cond:
+            while True:
+                lease = self._leases.get(request_id)
+                if lease is not None and not lease.released:
+                    lease.active += 1
+                    return lease
+                remaining = deadline - self._clock()
+                if lease is not None or remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def end_fetch(self, lease: Lease, nbytes: int) -> None:
+        """A fetch started with acquire() is over (done or failed)."""
+        with self._cond:
+            lease.active -= 1
+            lease.fetched_bytes += nbytes
+
+    def release(self, request_id: str) -> bool:
+        """The decode side is done with ``request_id``; False if it was not leased."""
+        with self._cond:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.released:
+                return False
+            lease.released = True
+            if lease.active == 0:
+                del self._leases[request_id]
+                self._done.add(request_id)
+            return True
+
+    def reap(self) -> tuple[set[str], set[str]]:
+        """Collect finished leases: (released, expired) request ids, each reported once."""
+        now = self._clock()
+        with self._cond:
+            for rid, lease in list(self._leases.items()):
+                if lease.active:
+                    continue
+                if lease.released:
+                    self._done.add(rid)
+                    del self._leases[rid]
+                elif now >= lease.deadline:
+                    self._expired.add(rid)
+                    del self._leases[rid]
+            done, expired = self._done, self._expired
+            self._done, self._expired = set(), set()
+            return done, expired
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._leases)

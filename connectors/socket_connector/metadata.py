@@ -1,0 +1,44 @@
+"""What the scheduler-side connector tells its workers each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+#: The ``kv_transfer_params`` keys the decode side needs from the prefill side.
+REQUIRED_REMOTE_KEYS = ("remote_request_id", "remote_host", "remote_port", "remote_block_ids")
+
+
+@dataclass
+class RecvSpec:
+    """Decode side: fetch ``remote_block_ids`` of a prefill request into ``local_block_ids``.
+
+    ``local_block_ids`` empty means release only (local cache hit or abort):
+    nothing is awaited.
+    """
+
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int
+    awaiting: bool
+    remote_engine_id: str | None = None
+
+
+@dataclass
+class SendSpec:
+    """Prefill side: hold ``block_ids`` for a decode engine for ``ttl_s`` seconds."""
+
+    block_ids: list[int]
+    ttl_s: float
+
+
+@dataclass
+class SocketConnectorMetadata(KVConnectorMetadata):
+    """One step's new work: fetches to start, leases to register."""
+
+    reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
+    reqs_to_send: dict[str, SendSpec] = field(default_factory=dict)

@@ -1,0 +1,129 @@
+"""Framing for the socket KV connector: JSON control frames and raw block data.
+
+A control frame is a 4-byte big-endian length followed by that many bytes of
+UTF-8 JSON (one object). Block data follows a ``fetch`` reply as a plain byte
+stream whose order both sides derive from the block ids and the KV layout, so
+it carries no per-block headers: the sender writes straight from tensor
+memory (``sendmsg`` over many memoryviews) and the receiver reads straight
+into its destination (``recv_into``).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+#: Largest control frame accepted (block id lists of long prompts fit easily).
+MAX_FRAME_BYTES = 4 << 20
+#: iovecs per sendmsg call; Linux's IOV_MAX is 1024.
+MAX_IOVECS = 512
+
+_LEN = struct.Struct(">I")
+
+
+class WireError(ConnectionError):
+    """The peer closed the connection, sent a malformed frame or timed out."""
+
+
+class PeerClosed(WireError):
+    """The peer closed the connection cleanly, between two messages."""
+
+
+def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
+    """Send one JSON control frame."""
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    if len(body) > MAX_FRAME_BYTES:
+        raise WireError(f"control frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Read exactly ``n`` bytes (small reads only: control data)."""
+    buf = bytearray(n)
+    recv_into_views(sock, [memoryview(buf)])
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> dict[str, Any]:
+    """Receive one JSON control frame; raises WireError on EOF or garbage."""
+    (length,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+    if length > MAX_FRAME_BYTES:
+        raise WireError(f"peer announced a control frame of {length} bytes (max {MAX_FRAME_BYTES})")
+    try:
+        obj = json.loads(recv_exact(sock, length))
+    except ValueError as exc:
+        raise WireError(f"malformed control frame: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise WireError("control frame is not a JSON object")
+    return obj
+
+
+def send_views(sock: socket.socket, views: Sequence[memoryview]) -> int:
+    """Send every byte of ``views`` in order with scatter-gather writes.
+
+    Handles partial writes (``sendmsg`` may stop mid-view) and returns the
+    number of bytes sent. The views are read in place: nothing is copied in
+    user space.
+    """
+    total = 0
+    pending = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views if v.nbytes]
+    i = 0
+    while i < len(pending):
+        batch = pending[i : i + MAX_IOVECS]
+        try:
+            sent = sock.sendmsg(batch)
+        except TimeoutError as exc:
+            raise WireError("timed out sending block data") from exc
+        except OSError as exc:
+            raise WireError(f"sending block data failed: {exc}") from exc
+        total += sent
+        # Skip the fully sent views, trim the partially sent one.
+        while sent:
+            head = pending[i]
+            if sent >= head.nbytes:
+                sent -= head.nbytes
+                i += 1
+            else:
+                pending[i] = head[sent:]
+                sent = 0
+    return total
+
+
+def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> int:
+    """Fill every view in order straight from the socket; returns bytes read.
+
+    Raises WireError if the peer closes before all bytes arrived (a partial
+    transfer) or the socket times out.
+    """
+    total = 0
+    for view in views:
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        got = 0
+        while got < view.nbytes:
+            try:
+                n = sock.recv_into(view[got:])
+            except TimeoutError as exc:
+                raise WireError(f"timed out after {total + got} bytes") from exc
+            except OSError as exc:
+                raise WireError(f"receive failed after {total + got} bytes: {exc}") from exc
+            if n == 0:
+                if total + got == 0:
+                    raise PeerClosed("peer closed the connection")
+                raise WireError(f"peer closed the connection after {total + got} bytes (partial transfer)")
+            got += n
+        total += got
+    return total
+
+
+def coalesce(views: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge (address, length) extents that abut in memory, keeping order."""
+    out: list[tuple[int, int]] = []
+    for addr, length in views:
+        if out and out[-1][0] + out[-1][1] == addr:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((addr, length))
+    return out

@@ -1,0 +1,147 @@
+"""Worker-side half of the socket connector (runs next to the KV caches).
+
+Prefill: owns the listener (TP rank r on port + r) and the lease table;
+reports a request finished sending once the decode side released it or its
+lease expired, so vLLM frees the blocks.
+
+Decode: runs fetches on a small thread pool, straight into the allocated
+blocks; reports each request finished receiving, and failed ones also as
+failed so ``kv_load_failure_policy`` decides (``recompute`` prefills
+locally, ``fail`` errors the request).
+"""
+
+from __future__ import annotations
+
+import queue
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from disagg_connectors.socket_connector.client import FetchError, FetchOptions, FetchPlan, fetch, release_only
+from disagg_connectors.socket_connector.config import SocketSettings
+from disagg_connectors.socket_connector.counters import TransferCounters
+from disagg_connectors.socket_connector.layout import BlockStore, make_store
+from disagg_connectors.socket_connector.leases import LeaseTable
+from disagg_connectors.socket_connector.metadata import RecvSpec, SocketConnectorMetadata
+from disagg_connectors.socket_connector.server import KVServer
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    request_id: str
+    ok: bool
+
+
+class SocketWorker:
+    """One TP rank's transfers."""
+
+    def __init__(self, settings: SocketSettings, engine_id: str, is_producer: bool, tp_rank: int, tp_size: int,
+                 num_blocks: int):
+        self.settings = settings
+        self.engine_id = engine_id
+        self.is_producer = is_producer
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_blocks = num_blocks
+        self.counters = TransferCounters()
+        self.leases = LeaseTable()
+        self.store: BlockStore | None = None
+        self.server: KVServer | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
+        self._opts = FetchOptions(settings.streams, settings.blocks_per_message, settings.connect_timeout_s,
+                                  settings.io_timeout_s)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Map the KV caches; on a producer, start listening."""
+        self.store = make_store(kv_caches, self.num_blocks)
+        logger.info("socket KV connector: %d layers, %d bytes per block, %s store",
+                    len(self.store.layout.layers), self.store.layout.block_bytes, type(self.store).__name__)
+        if self.is_producer:
+            assert self.settings.port is not None
+            self.server = KVServer(
+                self.store, self.leases, self.settings.secret, self.settings.host, self.settings.port + self.tp_rank,
+                engine_id=self.engine_id, rank=self.tp_rank, io_timeout_s=self.settings.io_timeout_s,
+                registration_wait_s=self.settings.registration_wait_s, counters=self.counters,
+            )
+            self.server.start()
+        else:
+            self._pool = ThreadPoolExecutor(self.settings.max_parallel_fetches, thread_name_prefix="kv-socket-fetch")
+
+    def start_load_kv(self, meta: SocketConnectorMetadata) -> None:
+        """Register new leases and start new fetches (never blocks on the network)."""
+        for rid, send in meta.reqs_to_send.items():
+            self.leases.register(rid, send.block_ids, send.ttl_s)
+        for rid, spec in meta.reqs_to_recv.items():
+            if self._pool is None:
+                logger.error("socket KV connector: %s asks this producer to fetch; ignored", rid)
+                continue
+            self._pool.submit(self._run_fetch, rid, spec)
+
+    def _plan(self, spec: RecvSpec) -> FetchPlan:
+        return FetchPlan(spec.remote_host, spec.remote_port + self.tp_rank, spec.remote_request_id,
+                         spec.remote_block_ids, spec.local_block_ids, spec.remote_engine_id)
+
+    def _run_fetch(self, rid: str, spec: RecvSpec) -> None:
+        assert self.store is not None
+        plan = self._plan(spec)
+        if not spec.awaiting:
+            release_only(plan, self.settings.secret, self.store, self._opts)
+            return
+        ok = False
+        release_after = False
+        try:
+            if spec.remote_tp_size != self.tp_size:
+                raise FetchError(f"prefill TP size {spec.remote_tp_size} != decode TP size {self.tp_size}")
+            result = fetch(plan, self.settings.secret, self.store, self._opts)
+            ok = True
+            self.counters.add("transfer_duration", result.seconds)
+            self.counters.add("bytes_transferred", result.nbytes)
+            logger.info(
+                "socket KV connector: fetched %s (%d blocks, %.2f MB) from %s:%d in %.1f ms (%.1f MB/s, %d streams)",
+                rid, len(spec.local_block_ids), result.nbytes / 1e6, plan.host, plan.port, result.seconds * 1e3,
+                result.nbytes / 1e6 / max(result.seconds, 1e-9), result.streams,
+            )
+        except FetchError as exc:
+            self.counters.add("num_failed_transfers")
+            release_after = exc.reached_peer
+            logger.warning("socket KV connector: fetch of %s failed: %s", rid, exc)
+        except Exception:
+            self.counters.add("num_failed_transfers")
+            logger.exception("socket KV connector: fetch of %s crashed", rid)
+        finally:
+            self._outcomes.put(_Outcome(rid, ok))
+        if release_after:
+            # After reporting: a slow or dead peer must not delay the local recompute.
+            release_only(plan, self.settings.secret, self.store, self._opts)
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        """Requests done sending (released or expired) and done receiving (ok or failed)."""
+        results = KVConnectorTransferResults()
+        released, expired = self.leases.reap()
+        for rid in expired:
+            self.counters.add("num_kv_expired_reqs")
+            logger.warning("socket KV connector: lease of %s expired after %.1f s; freeing its blocks",
+                           rid, self.settings.lease_s)
+        results.finished_sending = released | expired
+        while True:
+            try:
+                outcome = self._outcomes.get_nowait()
+            except queue.Empty:
+                break
+            results.finished_recving.add(outcome.request_id)
+            if not outcome.ok:
+                results.failed_recving.add(outcome.request_id)
+        return results
+
+    def shutdown(self) -> None:
+        """Stop the listener and the fetch pool (idempotent)."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

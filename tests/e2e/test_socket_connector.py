@@ -1,0 +1,202 @@
+"""Real vLLM CPU engines handing KV over the socket connector (1P1D on loopback).
+
+The engines start once per module: P (kv_producer, core 0, lease 6 s) and D
+(kv_consumer, core 1, kv_load_failure_policy recompute, I/O timeout 5 s), both without prefix
+caching so the decode engine's own request (no kv_transfer_params) is a
+colocated reference computed locally on the same weights. The handoff is done
+by hand as the proxy does it (REFERENCE.md section 2). The last test kills P.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+
+from disagg.modelgen import build_model
+from tests.e2e.vllm_pair import Engine, metric, start_engine, wait_healthy
+
+pytestmark = pytest.mark.e2e
+
+MODULE = "disagg_connectors.socket_connector"
+LEASE_S = 6
+IO_TIMEOUT_S = 5
+SHORT = "The quick brown fox jumps over the lazy dog. "
+LONG = " ".join(f"Item {i}: the river carries stones, songs and {i % 7} old boats." for i in range(50))
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def kv_config(role: str, extra: dict) -> dict:
+    cfg = {"kv_connector": "SocketKVConnector", "kv_connector_module_path": MODULE, "kv_role": role,
+           "kv_connector_extra_config": extra}
+    if role == "kv_consumer":
+        cfg["kv_load_failure_policy"] = "recompute"
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def pair(engine_lock: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+    """P and D engines sharing a fresh secret; both process groups killed at the end.
+
+    ``engine_lock`` (tests/e2e/conftest.py) holds the machine-wide engine lock:
+    run this module with plain pytest, not under an outer ``flock``.
+    """
+    root = tmp_path_factory.mktemp("socket-e2e")
+    model = root / "tiny"
+    build_model("tiny", model)
+    secret = secrets.token_hex(32)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        kv_port = s.getsockname()[1]
+    env = {"DISAGG_KV_SECRET": secret}
+    engines: list[Engine] = []
+    try:
+        p = start_engine("prefill", str(model), 0,
+                         kv_config("kv_producer", {"host": "127.0.0.1", "port": kv_port, "kv_lease_duration": LEASE_S}),
+                         env, root)
+        p.extra.update(kv_port=kv_port, secret=secret)
+        engines.append(p)
+        d_extra = {"streams": 2, "io_timeout_s": IO_TIMEOUT_S}
+        d = start_engine("decode", str(model), 1, kv_config("kv_consumer", d_extra), env, root)
+        engines.append(d)
+        wait_healthy(engines)
+        yield p, d
+    finally:
+        for eng in engines:
+            eng.stop()
+
+
+async def complete(session: aiohttp.ClientSession, eng: Engine, prompt: str, max_tokens: int,
+                   kv_params: dict | None = None) -> dict:
+    body: dict = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                  "ignore_eos": True}
+    if kv_params is not None:
+        body["kv_transfer_params"] = kv_params
+    async with session.post(eng.url + "/v1/completions", json=body,
+                            timeout=aiohttp.ClientTimeout(total=120)) as r:
+        data = await r.json()
+        assert r.status == 200, f"{eng.name}: HTTP {r.status}: {data}\n{eng.log_tail()}"
+        return data
+
+
+async def handoff(session: aiohttp.ClientSession, p: Engine, d: Engine, prompt: str,
+                  max_tokens: int) -> tuple[dict, dict]:
+    """Prefill on P (max_tokens 1), then decode on D with P's kv_transfer_params verbatim."""
+    pre = await complete(session, p, prompt, 1, dict(REMOTE_DECODE))
+    params = pre.get("kv_transfer_params")
+    assert params and params.get("do_remote_prefill"), f"P returned no handoff params: {pre}"
+    dec = await complete(session, d, prompt, max_tokens, params)
+    return pre, dec
+
+
+async def wait_for(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.5)
+
+
+@pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["short", "long"])
+async def test_decode_matches_colocated_without_recompute(pair: tuple[Engine, Engine], prompt: str) -> None:
+    p, d = pair
+    async with aiohttp.ClientSession() as session:
+        reference = await complete(session, d, prompt, 16)
+        ext_before = metric(d.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        local_before = metric(d.url, "vllm:prompt_tokens_by_source_total", source="local_compute")
+        bytes_before = metric(d.url, "vllm:socket_kv_bytes_received_total")
+        _, dec = await handoff(session, p, d, prompt, 16)
+    n_prompt = reference["usage"]["prompt_tokens"]
+    if prompt is LONG:
+        assert 1000 <= n_prompt <= 2500, n_prompt
+    assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
+    # D loaded the prompt (all but the last token, which vLLM recomputes) over the socket.
+    ext = metric(d.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - ext_before
+    local = metric(d.url, "vllm:prompt_tokens_by_source_total", source="local_compute") - local_before
+    assert ext >= n_prompt - 1 and local <= 1, (ext, local, n_prompt)
+    kv_bytes = metric(d.url, "vllm:socket_kv_bytes_received_total") - bytes_before
+    assert kv_bytes >= n_prompt * 1024, kv_bytes  # tiny model: 1 KiB of KV per token
+    # D released the lease: P's KV usage returns to idle well before the lease ends.
+    await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S - 2, "P to free the blocks")
+
+
+async def test_lease_expiry_frees_blocks(pair: tuple[Engine, Engine]) -> None:
+    p, _ = pair
+    expired_before = metric(p.url, "vllm:socket_kv_expired_reqs_total")
+    async with aiohttp.ClientSession() as session:
+        await complete(session, p, LONG, 1, dict(REMOTE_DECODE))
+    assert metric(p.url, "vllm:kv_cache_usage_perc") > 0, "P should hold the blocks for the decode side"
+    await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S + 10, "the lease to expire")
+    await wait_for(lambda: metric(p.url, "vllm:socket_kv_expired_reqs_total") == expired_before + 1, 10,
+                   "the expiry to be counted")
+
+
+async def test_wrong_secret_and_unknown_request_are_refused(pair: tuple[Engine, Engine]) -> None:
+    from disagg_connectors.socket_connector.auth import AuthError, client_handshake
+    from disagg_connectors.socket_connector.wire import recv_frame, send_frame
+
+    p, _ = pair
+    port, secret = p.extra["kv_port"], p.extra["secret"]
+    refused_before = metric(p.url, "vllm:socket_kv_refused_total")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s, pytest.raises(AuthError):
+        client_handshake(s, b"not-the-secret-at-all-000000000000")
+    # Right secret, but a request P never leased.
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        client_handshake(s, secret.encode())
+        assert recv_frame(s)["ok"]
+        send_frame(s, {"op": "fetch", "request_id": "no-such-request", "block_ids": [0, 1], "blocks_per_message": 8})
+        reply = recv_frame(s)
+    assert reply["ok"] is False and "no-such-request" in reply["error"]
+    # Connector stats reach /metrics with the engine's next step: make one.
+    async with aiohttp.ClientSession() as session:
+        await complete(session, p, SHORT, 1)
+    await wait_for(lambda: metric(p.url, "vllm:socket_kv_refused_total") >= refused_before + 2, 10,
+                   "refusals to be counted")
+    assert "refused unauthenticated connection" in p.log_path.read_text(errors="replace")
+
+
+async def test_frozen_prefill_times_out_to_local_recompute_without_leaking(pair: tuple[Engine, Engine]) -> None:
+    """P stops answering (SIGSTOP) after the prefill: D gives up after its I/O timeout and recomputes."""
+    p, d = pair
+    async with aiohttp.ClientSession() as session:
+        reference = await complete(session, d, LONG, 8)
+        failed_before = metric(d.url, "vllm:socket_kv_failed_transfers_total")
+        pre = await complete(session, p, LONG, 1, dict(REMOTE_DECODE))
+        os.killpg(p.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            dec = await complete(session, d, LONG, 8, pre["kv_transfer_params"])
+            elapsed = time.monotonic() - started
+        finally:
+            os.killpg(p.proc.pid, signal.SIGCONT)
+    assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert IO_TIMEOUT_S <= elapsed < IO_TIMEOUT_S + 30, elapsed
+    assert metric(d.url, "vllm:socket_kv_failed_transfers_total") == failed_before + 1
+    # P frees the blocks (D's late release or the lease), nothing leaks.
+    await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S + 20, "P to free the blocks")
+
+
+async def test_prefill_killed_leads_to_local_recompute(pair: tuple[Engine, Engine]) -> None:
+    """Runs last: P dies after the prefill; D must recompute locally, not hang."""
+    p, d = pair
+    async with aiohttp.ClientSession() as session:
+        reference = await complete(session, d, LONG, 8)
+        failed_before = metric(d.url, "vllm:socket_kv_failed_transfers_total")
+        pre = await complete(session, p, LONG, 1, dict(REMOTE_DECODE))
+        p.stop()
+        started = time.monotonic()
+        dec = await complete(session, d, LONG, 8, pre["kv_transfer_params"])
+        elapsed = time.monotonic() - started
+    assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert elapsed < 60, elapsed
+    assert metric(d.url, "vllm:socket_kv_failed_transfers_total") == failed_before + 1
+    assert d.alive()
+

@@ -1,0 +1,33 @@
+"""Settings of the socket connector from kv_connector_extra_config and env."""
+
+from __future__ import annotations
+
+import pytest
+from disagg_connectors.socket_connector.config import ConfigError, SocketSettings
+
+ENV = {"DISAGG_KV_SECRET": "s" * 64}
+
+
+def test_defaults_and_overrides() -> None:
+    s = SocketSettings.load({"host": "10.0.0.1", "port": 5601, "kv_lease_duration": 12, "streams": 4}, ENV)
+    assert (s.host, s.port, s.lease_s, s.streams, s.secret) == ("10.0.0.1", 5601, 12.0, 4, b"s" * 64)
+    d = SocketSettings.load(None, {**ENV, "DISAGG_KV_HOST": "10.0.0.2", "DISAGG_KV_PORT": "7000"})
+    assert (d.host, d.port, d.lease_s, d.streams) == ("10.0.0.2", 7000, 30.0, 2)
+
+
+def test_secret_is_required_and_named() -> None:
+    with pytest.raises(ConfigError, match="DISAGG_KV_SECRET"):
+        SocketSettings.load({}, {})
+    with pytest.raises(ConfigError, match=r"MY_SECRET.*at least 16"):
+        SocketSettings.load({"secret_env": "MY_SECRET"}, {"MY_SECRET": "short"})
+
+
+def test_producer_needs_a_port() -> None:
+    with pytest.raises(ConfigError, match="port"):
+        SocketSettings.load({}, ENV, need_port=True)
+
+
+@pytest.mark.parametrize(("key", "value"), [("streams", 0), ("port", "x"), ("port", 70000), ("lease_s", "soon")])
+def test_bad_values_name_the_key(key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"kv_connector_extra_config.{key}"):
+        SocketSettings.load({key: value}, ENV)

@@ -1,0 +1,504 @@
+"""The socket connector's transport without engines: auth, framing, partial
+transfers, parallel streams, leases and layouts, over loopback."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from disagg_connectors.socket_connector.auth import AuthError, client_handshake, server_handshake
+from disagg_connectors.socket_connector.client import FetchError, FetchOptions, FetchPlan, fetch, release_only
+from disagg_connectors.socket_connector.counters import TransferCounters
+from disagg_connectors.socket_connector.layout import (
+    DirectStore,
+    LayoutError,
+    StagedStore,
+    as_block_bytes,
+    describe,
+    make_store,
+)
+from disagg_connectors.socket_connector.leases import LeaseTable
+from disagg_connectors.socket_connector.server import KVServer
+from disagg_connectors.socket_connector.wire import (
+    MAX_IOVECS,
+    PeerClosed,
+    WireError,
+    coalesce,
+    recv_frame,
+    recv_into_views,
+    send_frame,
+    send_views,
+)
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+NUM_BLOCKS = 32
+
+
+def kv_caches(seed: int, fill: bool = True) -> dict[str, torch.Tensor]:
+    """Two layers in vLLM's CPU layout [num_blocks, kv_heads, block_size, 2*head] (bf16)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"):
+        t = torch.zeros(NUM_BLOCKS, 2, 16, 128, dtype=torch.bfloat16)
+        if fill:
+            t.copy_(torch.randn(t.shape, generator=g).to(torch.bfloat16))
+        out[name] = t
+    return out
+
+
+@pytest.fixture
+def pair_of_sockets():
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    b.settimeout(5)
+    yield a, b
+    a.close()
+    b.close()
+
+
+# -- authentication -----------------------------------------------------------
+
+def _handshake(server_secret: bytes, client_secret: bytes) -> tuple[BaseException | None, BaseException | None]:
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    b.settimeout(5)
+    errs: list[BaseException | None] = [None, None]
+
+    def srv() -> None:
+        try:
+            server_handshake(a, server_secret)
+        except BaseException as exc:
+            errs[0] = exc
+        finally:
+            a.close()
+
+    t = threading.Thread(target=srv)
+    t.start()
+    try:
+        client_handshake(b, client_secret)
+    except BaseException as exc:
+        errs[1] = exc
+    t.join()
+    b.close()
+    return errs[0], errs[1]
+
+
+def test_auth_succeeds_with_the_shared_secret() -> None:
+    assert _handshake(SECRET, SECRET) == (None, None)
+
+
+def test_auth_refuses_a_wrong_secret_on_both_sides() -> None:
+    srv, cli = _handshake(SECRET, b"another-secret-of-32-bytes-000000")
+    assert isinstance(srv, AuthError)
+    assert isinstance(cli, AuthError) and "auth failed" in str(cli)
+
+
+def test_secret_never_crosses_the_wire() -> None:
+    a, b = socket.socketpair()
+    seen = bytearray()
+    # Relay the client side through a tap that records every byte.
+    c, d = socket.socketpair()
+
+    def relay(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                seen.extend(data)
+                dst.sendall(data)
+        except OSError:
+            pass  # the test closed the sockets
+
+    threads = [threading.Thread(target=relay, args=(b, c)), threading.Thread(target=relay, args=(c, b))]
+    for t in threads:
+        t.daemon = True
+        t.start()
+    srv = threading.Thread(target=server_handshake, args=(a, SECRET))
+    srv.start()
+    client_handshake(d, SECRET)
+    srv.join()
+    assert SECRET not in bytes(seen) and SECRET.hex().encode() not in bytes(seen)
+    assert len(seen) > 64
+    for s in (a, d, b, c):
+        s.shutdown(socket.SHUT_RDWR)
+        s.close()
+    for t in threads:
+        t.join(5)
+
+
+def test_client_rejects_a_peer_speaking_another_protocol(pair_of_sockets) -> None:
+    a, b = pair_of_sockets
+    a.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + b"x" * 40)
+    with pytest.raises(AuthError, match="not a socket KV connector"):
+        client_handshake(b, SECRET)
+
+
+# -- framing ------------------------------------------------------------------
+
+def test_frames_round_trip(pair_of_sockets) -> None:
+    a, b = pair_of_sockets
+    send_frame(a, {"op": "fetch", "block_ids": list(range(1000))})
+    assert recv_frame(b) == {"op": "fetch", "block_ids": list(range(1000))}
+
+
+def test_oversized_and_malformed_frames_are_refused(pair_of_sockets) -> None:
+    a, b = pair_of_sockets
+    a.sendall((1 << 30).to_bytes(4, "big"))
+    with pytest.raises(WireError, match="control frame"):
+        recv_frame(b)
+    a.sendall((3).to_bytes(4, "big") + b"[1]")
+    with pytest.raises(WireError, match="not a JSON object"):
+        recv_frame(b)
+
+
+def test_send_views_handles_partial_writes_and_many_iovecs() -> None:
+    """More views than IOV_MAX and more bytes than the socket buffer: all arrive in order."""
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    payload = bytes(range(256)) * 40 * (MAX_IOVECS * 3)
+    step = 40 * 256 // 4
+    views = [memoryview(payload)[i : i + step] for i in range(0, len(payload), step)]
+    assert len(views) > MAX_IOVECS
+    out = bytearray(len(payload))
+    reader = threading.Thread(target=recv_into_views, args=(b, [memoryview(out)]))
+    reader.start()
+    assert send_views(a, views) == len(payload)
+    reader.join(10)
+    assert bytes(out) == payload
+    a.close()
+    b.close()
+
+
+def test_recv_reports_a_partial_transfer(pair_of_sockets) -> None:
+    a, b = pair_of_sockets
+    a.sendall(b"x" * 100)
+    a.close()
+    with pytest.raises(WireError, match="after 100 bytes"):
+        recv_into_views(b, [memoryview(bytearray(1000))])
+
+
+def test_close_between_messages_is_clean(pair_of_sockets) -> None:
+    a, b = pair_of_sockets
+    a.close()
+    with pytest.raises(PeerClosed):
+        recv_frame(b)
+
+
+def test_coalesce_merges_adjacent_extents_only() -> None:
+    assert coalesce([(0, 10), (10, 5), (20, 5), (25, 5), (0, 1)]) == [(0, 15), (20, 10), (0, 1)]
+
+
+# -- layouts ------------------------------------------------------------------
+
+def test_cpu_layout_is_block_major() -> None:
+    layout, views = describe(kv_caches(0), NUM_BLOCKS)
+    assert [layer.outer for layer in layout.layers] == [1, 1]
+    assert layout.block_bytes == 2 * (2 * 16 * 128 * 2)
+    assert views[0].shape == (1, NUM_BLOCKS, 2 * 16 * 128 * 2)
+
+
+def test_kv_first_layout_has_two_segments_per_block() -> None:
+    """Flash-attention layout [2, num_blocks, block_size, heads, head]: K and V apart."""
+    t = torch.arange(2 * NUM_BLOCKS * 16 * 2 * 8, dtype=torch.float16).view(2, NUM_BLOCKS, 16, 2, 8)
+    v = as_block_bytes(t, NUM_BLOCKS)
+    assert v.shape == (2, NUM_BLOCKS, 16 * 2 * 8 * 2)
+    store = DirectStore(*describe({"l": t}, NUM_BLOCKS))
+    with store.reading([3]) as views:
+        got = b"".join(bytes(x) for x in views)
+    assert got == t[0, 3].numpy().tobytes() + t[1, 3].numpy().tobytes()
+
+
+def test_permuted_layout_follows_the_strides() -> None:
+    """A stride order (HND-style permutation) is read in physical order."""
+    base = torch.randn(NUM_BLOCKS, 4, 16, 8)  # physical: blocks, heads, tokens, dim
+    logical = base.permute(0, 2, 1, 3)  # logical: blocks, tokens, heads, dim
+    v = as_block_bytes(logical, NUM_BLOCKS)
+    assert torch.equal(v[0, 5].view(torch.float32), base[5].reshape(-1))
+
+
+def test_block_dim_ambiguity_prefers_the_outermost() -> None:
+    t = torch.zeros(NUM_BLOCKS, 2, NUM_BLOCKS, 4)
+    assert as_block_bytes(t, NUM_BLOCKS).shape == (1, NUM_BLOCKS, 2 * NUM_BLOCKS * 4 * 4)
+
+
+def test_kernel_block_split_is_grouped() -> None:
+    t = torch.zeros(NUM_BLOCKS * 2, 2, 8, 4)
+    assert as_block_bytes(t, NUM_BLOCKS).shape == (1, NUM_BLOCKS, 2 * 2 * 8 * 4 * 4)
+
+
+def test_layout_errors_name_the_problem() -> None:
+    with pytest.raises(LayoutError, match="num_blocks=7"):
+        as_block_bytes(torch.zeros(5, 3), 7)
+    store = make_store(kv_caches(0), NUM_BLOCKS)
+    with pytest.raises(LayoutError, match="out of range"), store.reading([NUM_BLOCKS]):
+        pass
+
+
+def test_staged_store_round_trips_through_host_buffers() -> None:
+    """The accelerator path (gather -> host -> scatter), exercised on CPU tensors."""
+    src_caches, dst_caches = kv_caches(1), kv_caches(2, fill=False)
+    src = StagedStore(*describe(src_caches, NUM_BLOCKS), pin=False)
+    dst = StagedStore(*describe(dst_caches, NUM_BLOCKS), pin=False)
+    with src.reading([4, 9]) as views:
+        data = [bytes(v) for v in views]
+    with dst.writing([1, 2]) as views:
+        for v, d in zip(views, data, strict=True):
+            v[:] = d
+    for name in src_caches:
+        assert torch.equal(dst_caches[name][1], src_caches[name][4])
+        assert torch.equal(dst_caches[name][2], src_caches[name][9])
+        assert not dst_caches[name][3].any()
+
+
+# -- leases -------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_lease_expires_unless_fetched_and_is_reported_once() -> None:
+    clock = FakeClock()
+    table = LeaseTable(clock)
+    table.register("a", [1, 2], 30)
+    table.register("b", [3], 30)
+    lease = table.acquire("b", 0)
+    assert lease is not None
+    clock.now += 31
+    assert table.reap() == (set(), {"a"})  # b has a fetch in flight: not expired under it
+    table.end_fetch(lease, 10)
+    assert table.reap() == (set(), {"b"})
+    assert table.reap() == (set(), set())
+    assert table.acquire("a", 0) is None
+
+
+def test_release_ends_a_lease_after_its_fetches() -> None:
+    table = LeaseTable()
+    table.register("a", [1], 30)
+    lease = table.acquire("a", 0)
+    assert lease is not None
+    assert table.release("a")
+    assert table.reap() == (set(), set())  # fetch still running
+    table.end_fetch(lease, 1)
+    assert table.reap() == ({"a"}, set())
+    assert not table.release("a")
+
+
+def test_acquire_waits_for_a_late_registration() -> None:
+    table = LeaseTable()
+    threading.Timer(0.2, table.register, args=("late", [1], 30)).start()
+    started = time.monotonic()
+    assert table.acquire("late", 5) is not None
+    assert time.monotonic() - started < 2
+    assert table.acquire("never", 0.1) is None
+
+
+# -- whole fetches over a real listener ----------------------------------------
+
+def eventually(probe, expected, timeout_s: float = 5.0):
+    """Poll ``probe()`` until it returns ``expected`` (server threads finish a moment
+    after the client has its answer); returns the last value."""
+    deadline = time.monotonic() + timeout_s
+    while (value := probe()) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
+
+
+def reaped(table: LeaseTable):
+    """Accumulate reap() results, so polling does not lose a reported lease."""
+    done: set[str] = set()
+    expired: set[str] = set()
+
+    def probe() -> tuple[set[str], set[str]]:
+        d, e = table.reap()
+        done.update(d)
+        expired.update(e)
+        return done, expired
+
+    return probe
+
+
+@pytest.fixture
+def served():
+    """A listener on 127.0.0.1 serving kv_caches(7); yields (server, caches)."""
+    caches = kv_caches(7)
+    leases = LeaseTable()
+    server = KVServer(make_store(caches, NUM_BLOCKS), leases, SECRET, "127.0.0.1", 0,
+                      registration_wait_s=0.2, io_timeout_s=5, counters=TransferCounters())
+    server.start()
+    yield server, caches
+    server.close()
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+@pytest.mark.parametrize("per_msg", [1, 4, 64])
+def test_fetch_copies_exactly_the_leased_blocks(served, streams: int, per_msg: int) -> None:
+    server, src = served
+    remote = [5, 6, 7, 20, 21, 2, 30]
+    local = [0, 1, 2, 10, 11, 12, 31]
+    server.leases.register("req-1", remote, 30)
+    dst = kv_caches(0, fill=False)
+    store = make_store(dst, NUM_BLOCKS)
+    result = fetch(FetchPlan("127.0.0.1", server.port, "req-1", remote, local), SECRET, store,
+                   FetchOptions(streams=streams, blocks_per_message=per_msg, io_timeout_s=5))
+    assert result.nbytes == len(remote) * store.layout.block_bytes
+    assert result.streams == min(streams, len(remote))
+    for name in src:
+        for r, loc in zip(remote, local, strict=True):
+            assert torch.equal(dst[name][loc], src[name][r]), (name, r, loc)
+        assert not dst[name][3].any()
+    # Released: P reports it done, and a second fetch is refused.
+    assert eventually(reaped(server.leases), ({"req-1"}, set())) == ({"req-1"}, set())
+    with pytest.raises(FetchError, match="refused request req-1"):
+        fetch(FetchPlan("127.0.0.1", server.port, "req-1", remote, local), SECRET, store, FetchOptions())
+
+
+def test_fetch_with_a_wrong_secret_is_refused_and_counted(served) -> None:
+    server, _ = served
+    server.leases.register("req-1", [1], 30)
+    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
+    with pytest.raises(FetchError, match="auth"):
+        fetch(FetchPlan("127.0.0.1", server.port, "req-1", [1], [1]), b"x" * 32, store, FetchOptions())
+    refused: list[float] = []
+    assert eventually(lambda: refused.extend((server.counters.drain() or {}).get("num_refused", [])) or refused,
+                      [1]) == [1]
+    assert len(server.leases) == 1  # the lease is untouched
+
+
+def test_fetch_of_blocks_outside_the_lease_is_refused(served) -> None:
+    server, _ = served
+    server.leases.register("req-1", [1, 2], 30)
+    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
+    with pytest.raises(FetchError, match="not leased"):
+        fetch(FetchPlan("127.0.0.1", server.port, "req-1", [1, 3], [1, 3]), SECRET, store, FetchOptions())
+
+
+def test_unknown_request_is_refused(served) -> None:
+    server, _ = served
+    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
+    with pytest.raises(FetchError, match="unknown, released or expired request ghost"):
+        fetch(FetchPlan("127.0.0.1", server.port, "ghost", [1], [1]), SECRET, store, FetchOptions())
+
+
+def test_layout_mismatch_fails_before_any_data(served) -> None:
+    server, _ = served
+    server.leases.register("req-1", [1], 30)
+    other = {"model.layers.0.self_attn.attn": torch.zeros(NUM_BLOCKS, 2, 16, 64, dtype=torch.bfloat16)}
+    with pytest.raises(FetchError, match="layout"):
+        fetch(FetchPlan("127.0.0.1", server.port, "req-1", [1], [1]), SECRET, make_store(other, NUM_BLOCKS),
+              FetchOptions())
+
+
+def test_release_only_frees_the_lease(served) -> None:
+    server, _ = served
+    server.leases.register("req-1", [1], 30)
+    plan = FetchPlan("127.0.0.1", server.port, "req-1", [1], [])
+    assert release_only(plan, SECRET, make_store(kv_caches(0, fill=False), NUM_BLOCKS), FetchOptions())
+    assert eventually(reaped(server.leases), ({"req-1"}, set())) == ({"req-1"}, set())
+
+
+def test_connection_refused_is_a_clean_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
+    with pytest.raises(FetchError, match=f"127.0.0.1:{port}") as info:
+        fetch(FetchPlan("127.0.0.1", port, "r", [1], [1]), SECRET, store, FetchOptions(connect_timeout_s=1))
+    assert not info.value.reached_peer
+
+
+def test_a_frozen_peer_times_out() -> None:
+    """A listener that accepts (kernel backlog) but never speaks, like a SIGSTOPped engine."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
+    started = time.monotonic()
+    with pytest.raises(FetchError, match="handshake"):
+        fetch(FetchPlan("127.0.0.1", listener.getsockname()[1], "r", [1], [1]), SECRET, store,
+              FetchOptions(io_timeout_s=0.5))
+    assert time.monotonic() - started < 3
+    listener.close()
+
+
+def test_peer_dying_mid_transfer_fails_fast() -> None:
+    """A stand-in prefill server (fault injection: no real engine can be cut mid-stream on cue)
+    authenticates, announces the data, sends half of it and closes."""
+    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def stand_in() -> None:
+        for _ in range(2):  # the fetch, then the client's best-effort release
+            conn, _ = listener.accept()
+            with conn:
+                server_handshake(conn, SECRET)
+                send_frame(conn, {"ok": True, "layout": store.layout.fingerprint()})
+                msg = recv_frame(conn)
+                if msg["op"] != "fetch":
+                    send_frame(conn, {"ok": False, "error": "gone"})
+                    continue
+                n = len(msg["block_ids"]) * store.layout.block_bytes
+                send_frame(conn, {"ok": True, "nbytes": n})
+                conn.sendall(b"\0" * (n // 2))
+
+    t = threading.Thread(target=stand_in, daemon=True)
+    t.start()
+    started = time.monotonic()
+    plan = FetchPlan("127.0.0.1", port, "r", [1, 2, 3], [1, 2, 3])
+    with pytest.raises(FetchError, match="partial transfer") as info:
+        fetch(plan, SECRET, store, FetchOptions(streams=1, io_timeout_s=5))
+    assert time.monotonic() - started < 3
+    assert info.value.reached_peer
+    assert not release_only(plan, SECRET, store, FetchOptions())  # the stand-in answers "gone"
+    t.join(5)
+    listener.close()
+
+
+def test_listener_binds_only_the_given_address() -> None:
+    server = KVServer(make_store(kv_caches(0), NUM_BLOCKS), LeaseTable(), SECRET, "127.0.0.1", 0)
+    server.start()
+    try:
+        assert server._sock is not None and server._sock.getsockname()[0] == "127.0.0.1"
+    finally:
+        server.close()
+    busy = socket.create_server(("127.0.0.1", 0))
+    with pytest.raises(OSError, match=r"cannot listen on 127\.0\.0\.1:"):
+        KVServer(make_store(kv_caches(0), NUM_BLOCKS), LeaseTable(), SECRET, "127.0.0.1",
+                 busy.getsockname()[1]).start()
+    busy.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (absent hardware)")
+def test_fetch_between_cuda_caches_through_pinned_buffers(served) -> None:
+    """The accelerator path end to end: CPU source served, CUDA destination filled via pinned staging."""
+    server, src = served
+    server.leases.register("req-1", [3, 4, 5], 30)
+    dst = {k: torch.zeros_like(v, device="cuda") for k, v in src.items()}
+    store = make_store(dst, NUM_BLOCKS)
+    assert isinstance(store, StagedStore)
+    fetch(FetchPlan("127.0.0.1", server.port, "req-1", [3, 4, 5], [0, 1, 2]), SECRET, store,
+          FetchOptions(streams=2, blocks_per_message=2))
+    for name in src:
+        assert torch.equal(dst[name][:3].cpu(), src[name][3:6])
+
+
+def test_fetch_from_another_engine_on_the_same_port_is_refused(served) -> None:
+    server, _ = served
+    server.engine_id = "engine-now"
+    server.leases.register("req-1", [1], 30)
+    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
+    with pytest.raises(FetchError, match="not 'engine-before'"):
+        fetch(FetchPlan("127.0.0.1", server.port, "req-1", [1], [1], engine_id="engine-before"), SECRET, store,
+              FetchOptions())
+
+
+def test_fetch_of_nothing_just_releases(served) -> None:
+    server, _ = served
+    server.leases.register("req-1", [1], 30)
+    res = fetch(FetchPlan("127.0.0.1", server.port, "req-1", [], []), SECRET,
+                make_store(kv_caches(0, fill=False), NUM_BLOCKS), FetchOptions())
+    assert res.nbytes == 0
+    assert eventually(reaped(server.leases), ({"req-1"}, set())) == ({"req-1"}, set())
