@@ -3,15 +3,14 @@
 Pull mode like NIXL: the prefill engine keeps a finished request's blocks
 under a lease and listens on ``host.address:kv_port``; the decode engine
 fetches them over authenticated TCP. Both engines need the same shared secret
-in ``DISAGG_KV_SECRET``: ``disagg up`` generates one per topology
-(``generate_secret()``) and puts it in its own environment before planning,
-so the plan carries it to every engine's env (never into argv, which vLLM
-and ``ps`` show).
+in ``DISAGG_KV_SECRET``: ``disagg up`` generates one per run
+(``generate_secret()``) and adds it to every engine's environment when it
+starts them (never to argv, which vLLM and ``ps`` show); the plan that
+``disagg check`` prints names the variable, not a value.
 """
 
 from __future__ import annotations
 
-import os
 import secrets
 from typing import Any
 
@@ -55,10 +54,5 @@ class SocketVllmAdapter(VllmKVAdapter):
         return config
 
     def env(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, str]:
-        secret = os.environ.get(SECRET_ENV, "")
-        if not secret:
-            raise PlanError(
-                f"connector socket needs a shared secret in env {SECRET_ENV} when planning "
-                "(`disagg up` generates one per topology)"
-            )
-        return {SECRET_ENV: secret}
+        # The secret is per run: the launcher adds SECRET_ENV when it starts the engines.
+        return {}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import os
-import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from pathlib import Path
 from disagg.commands.proxy import API_KEY_ENV
 from disagg.deployment import Deployment, EngineLaunch, python_for
 from disagg.errors import EngineStartError, LaunchError, PortInUseError, StateError
+from disagg.kv.socket import SECRET_ENV, generate_secret
 from disagg.launch import processes
 from disagg.launch.emulation import emulated_link
 from disagg.launch.emulation import prefill_host as emulated_prefill_host
@@ -31,8 +31,6 @@ from disagg.linkemu import EmulatedLink, remove_namespace
 from disagg.modelgen import ensure_model
 from disagg.topology import iter_ports
 
-#: environment variable carrying the per-run KV-transfer secret to engines
-KV_SECRET_ENV = "DISAGG_KV_SECRET"
 STOP_ORDER = {"proxy": 0, "decode": 1, "both": 2, "prefill": 3}
 
 
@@ -168,9 +166,10 @@ class Launcher:
                   f"({self.link.b.address}), shaped at {self.topo.link.rate_text} with tc tbf")
 
     def _run_env(self) -> dict[str, str]:
-        """Per-run environment for every engine (the KV secret for authenticated connectors)."""
-        secret = os.environ.get(KV_SECRET_ENV) or secrets.token_hex(32)
-        return {KV_SECRET_ENV: secret} if self.topo.connector == "socket" and not self.topo.colocated else {}
+        """Per-run environment for every engine: a fresh shared secret for the socket connector."""
+        if self.topo.connector == "socket" and not self.topo.colocated:
+            return {SECRET_ENV: generate_secret()}
+        return {}
 
     def _start_engine(self, eng: EngineLaunch, extra_env: dict[str, str]) -> _Pending:
         env = {**dict(eng.env), **extra_env}
