@@ -17,10 +17,12 @@ if TYPE_CHECKING:
 
 ENGINE_ADAPTERS: dict[str, str] = {
     "vllm": "disagg.engines.vllm:VllmEngine",
+    "sglang": "disagg.engines.sglang:SglangEngine",
 }
 
 VLLM_KV_ADAPTERS: dict[str, str] = {
     "nixl": "disagg.kv.nixl:NixlVllmAdapter",
+    "lmcache": "disagg.kv.lmcache:LmcacheVllmAdapter",
 }
 
 

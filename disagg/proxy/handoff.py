@@ -102,11 +102,13 @@ class Handoff(ABC):
     engine: ClassVar[str]
 
     def __init__(self, upstream: Upstream, prefill: BackendPool, decode: BackendPool,
-                 metrics: ProxyMetrics) -> None:
+                 metrics: ProxyMetrics, options: Mapping[str, str] | None = None) -> None:
         self.upstream = upstream
         self.prefill = prefill
         self.decode = decode
         self.metrics = metrics
+        #: the proxy's ``--handoff-option`` settings (engine-specific)
+        self.options: Mapping[str, str] = dict(options or {})
 
     @abstractmethod
     def serve(self, req: GenerationRequest) -> AbstractAsyncContextManager[DecodeReply]:
@@ -201,6 +203,8 @@ class VllmHandoff(Handoff):
 #: ``--engine`` value -> "module:Class" of its handoff (imported on use)
 HANDOFFS: dict[str, str] = {
     "vllm": "disagg.proxy.handoff:VllmHandoff",
+    "sglang": "disagg.proxy.sglang_handoff:SglangHandoff",
+    "vllm-lmcache": "disagg.proxy.lmcache_handoff:LmcacheHandoff",
 }
 
 
