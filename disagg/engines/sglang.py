@@ -26,7 +26,7 @@ from __future__ import annotations
 from disagg.engines.base import EngineAdapter
 from disagg.engines.vllm import served_model_name
 from disagg.errors import PlanError
-from disagg.kv.nixl import UCX_TLS_BY_LINK
+from disagg.kv.ucx import ucx_tls
 from disagg.topology import HostSpec, InstanceSpec, Topology
 
 LAUNCH_MODULE = "sglang.launch_server"
@@ -88,7 +88,7 @@ class SglangEngine(EngineAdapter):
             if backend == "mooncake" and topo.link.type in TCP_LINKS:
                 env["MC_FORCE_TCP"] = "1"
             if backend == "nixl":
-                tls = UCX_TLS_BY_LINK.get(topo.link.type)
+                tls = ucx_tls(topo, host)
                 if tls:
                     env["UCX_TLS"] = tls
         env.update(dict(inst.env))
