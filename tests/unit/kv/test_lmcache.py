@@ -92,7 +92,7 @@ def test_different_hash_seeds_are_refused() -> None:
 
 def test_receiver_port_clash_is_refused() -> None:
     text = BASE.replace("port: 8200, kv_port: 7300", "port: 7302, kv_port: 7300")
-    with pytest.raises(PlanError, match="LMCache receiver port 10.0.0.2:7302 clashes with roles.decode"):
+    with pytest.raises(PlanError, match=r"LMCache receiver port 10\.0\.0\.2:7302 clashes with roles\.decode"):
         engines(text=text)
 
 
@@ -103,7 +103,7 @@ def test_notification_port_clash_is_refused() -> None:
 
 
 def test_wildcard_proxy_with_remote_hosts_needs_an_address() -> None:
-    with pytest.raises(PlanError, match="set proxy.host to this machine's address"):
+    with pytest.raises(PlanError, match=r"set proxy\.host to this machine's address"):
         engines(proxy="0.0.0.0")
 
 

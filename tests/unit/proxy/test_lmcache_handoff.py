@@ -139,12 +139,12 @@ async def test_waits_for_one_notice_per_tp_rank(pair, http) -> None:
     async with asyncio.timeout(LIMIT_S):
         async with http.post(server.url + "/v1/completions", json={"prompt": "x"}) as resp:
             assert (await resp.json())["served_by"] == "decode"
-    assert d.order == ["decode"]
+    assert d.order == ["decode"] and len(p.received) == 1
 
 
 async def test_missing_notice_falls_back_to_decode_alone(pair, http) -> None:
     short = ProxyTimeouts(connect=1.0, request=0.5, health_interval=0.1, health_timeout=1.0, drain=1.0)
-    p, d, server = await pair(notices=1, tp=2, timeouts=short)     # 1 of 2 notices arrives
+    _p, d, server = await pair(notices=1, tp=2, timeouts=short)     # 1 of 2 notices arrives
     async with asyncio.timeout(LIMIT_S):
         async with http.post(server.url + "/v1/completions", json={"prompt": "x"}) as resp:
             assert resp.status == 200
