@@ -134,6 +134,7 @@ def lmcache_config(topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[s
     device = "cuda" if host.device == "cuda" else "cpu"
     cfg: dict[str, Any] = {
         "local_cpu": False,
+        "save_unfull_chunk": True,     # P/D must move partial chunks too (LMCache forces it)
         "enable_pd": True,
         "transfer_channel": "nixl",
         "pd_buffer_size": BUFFER_BYTES[device],
@@ -141,7 +142,7 @@ def lmcache_config(topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[s
         "nixl_backends": ["UCX"],
     }
     if inst.role == "prefill":
-        cfg.update(save_unfull_chunk=True, pd_role="sender",
+        cfg.update(pd_role="sender",
                    pd_proxy_host=notify_host(topo), pd_proxy_port=notify_port(topo))
     else:
         rp = receiver_ports(topo, inst)

@@ -61,9 +61,9 @@ def test_yaml_sender_and_receiver() -> None:
     (dname, dtext), = e["decode[0]"].files
     assert (pname, dname) == ("prefill-0.lmcache.yaml", "decode-0.lmcache.yaml")
     sender, receiver = yaml.safe_load(ptext), yaml.safe_load(dtext)
-    assert sender == {"local_cpu": False, "enable_pd": True, "transfer_channel": "nixl",
+    assert sender == {"local_cpu": False, "save_unfull_chunk": True, "enable_pd": True, "transfer_channel": "nixl",
                       "pd_buffer_size": 1 << 30, "pd_buffer_device": "cuda", "nixl_backends": ["UCX"],
-                      "save_unfull_chunk": True, "pd_role": "sender",
+                      "pd_role": "sender",
                       "pd_proxy_host": "10.0.0.9", "pd_proxy_port": 8001}
     assert receiver["pd_role"] == "receiver" and receiver["pd_peer_host"] == "10.0.0.2"
     assert (receiver["pd_peer_init_port"], receiver["pd_peer_alloc_port"]) == ([7300, 7301], [7302, 7303])
