@@ -46,7 +46,10 @@ def sglang_server_args(eng: EngineLaunch) -> Any:
     argv = list(eng.argv)
     if argv[1:3] != ["-m", "sglang.launch_server"]:
         raise EngineCheckError(f"{eng.name}: not an SGLang command line: {argv[:3]}")
-    return prepare_server_args(argv[3:])
+    try:
+        return prepare_server_args(argv[3:])
+    except SystemExit as exc:  # argparse rejected a flag or value (its message went to stderr)
+        raise EngineCheckError(f"{eng.name}: SGLang's parser rejected the command line (exit {exc.code})") from None
 
 
 def check_sglang(eng: EngineLaunch) -> dict[str, Any]:
