@@ -177,3 +177,20 @@ async def test_prompt_logprobs_merged_whole_and_streamed(sglang, proxy, http) ->
     assert whole["meta_info"]["input_token_logprobs"] == expected
     assert all(json.loads(e)["meta_info"]["input_token_logprobs"] == expected for e in events[:-1])
     assert len(events) == 4 and events[-1] == "[DONE]"
+
+
+def test_handoff_options_cli_round_trip() -> None:
+    from disagg.cli import build_parser
+    from disagg.commands.proxy import config_from_args, parse_handoff_options
+    from disagg.proxy import ProxyConfig
+
+    config = ProxyConfig(decode=("http://d:1",), prefill=("http://p:1",), engine="sglang",
+                         handoff_options=(("bootstrap_ports", "8998"),))
+    assert config.to_argv()[-2:] == ["--handoff-option", "bootstrap_ports=8998"]
+    assert config_from_args(build_parser().parse_args(config.to_argv())).handoff_options == \
+        (("bootstrap_ports", "8998"),)
+    for bad in (["novalue"], ["=1"]):
+        with pytest.raises(ProxyError, match="KEY=VALUE"):
+            parse_handoff_options(bad)
+    with pytest.raises(ProxyError, match="distinct"):
+        ProxyConfig(decode=("http://d:1",), handoff_options=(("a", "1"), ("a", "2")))
