@@ -7,6 +7,8 @@
 # Usage (single-GPU machine, a small model already on local disk):
 #   benchmarks/gpu/verify.sh /models/Qwen2.5-0.5B-Instruct
 # Env: VERIFY_WORK (venvs, topologies, logs; default .disagg/gpu-verify),
+#      VERIFY_MOONCAKE (default mooncake-transfer-engine-cuda13; -cuda12 stacks:
+#      mooncake-transfer-engine),
 #      VERIFY_BUDGET_S (default 480), SKIP_INSTALL=1 (reuse the venvs as they are).
 # Exits non-zero on any failure; everything it started is taken down.
 set -euo pipefail
@@ -40,7 +42,9 @@ install() {
 }
 if [ "${SKIP_INSTALL:-0}" != 1 ]; then
   log "installing sglang (+mooncake) and vllm (+lmcache, nixl) into $WORK/venv-*"
-  install "$WORK/venv-sglang" sglang mooncake-transfer-engine > "$WORK/install-sglang.log" 2>&1 & a=$!
+  # sglang 0.5.x brings torch for CUDA 13; Mooncake's matching wheel is the -cuda13 one
+  install "$WORK/venv-sglang" sglang "${VERIFY_MOONCAKE:-mooncake-transfer-engine-cuda13}" \
+    > "$WORK/install-sglang.log" 2>&1 & a=$!
   install "$WORK/venv-vllm" vllm lmcache nixl > "$WORK/install-vllm.log" 2>&1 & b=$!
   wait $a || fail "pip install sglang failed: $(tail -3 "$WORK/install-sglang.log")"
   wait $b || fail "pip install vllm lmcache failed: $(tail -3 "$WORK/install-vllm.log")"
