@@ -72,6 +72,23 @@ def check_sglang(eng: EngineLaunch) -> dict[str, Any]:
     return seen
 
 
+def resolve_sglang(eng: EngineLaunch) -> dict[str, Any]:
+    """Run SGLang's whole argument resolution (every validation hook, the P/D one
+    included) on ``eng``'s argv; needs the model's config on local disk.
+    Returns the resolved disaggregation settings."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    args = sglang_server_args(eng)
+    try:
+        args.resolve_once()
+    except (ValueError, AssertionError) as exc:
+        raise EngineCheckError(f"{eng.name}: SGLang's resolution rejected the arguments: {exc}") from None
+    view = resolving_view(args)
+    keys = ("disaggregation_mode", "disaggregation_transfer_backend", "disaggregation_bootstrap_port",
+            "disaggregation_ib_device", "device", "disable_radix_cache")
+    return {k: getattr(view, k) for k in keys}
+
+
 def check_lmcache(eng: EngineLaunch) -> dict[str, Any]:
     """Load ``eng``'s LMCache YAML with LMCache's loader; return key -> loaded value; raise if any differs."""
     from lmcache.v1.config import LMCacheEngineConfig, load_engine_config_with_overrides

@@ -6,7 +6,9 @@ Usage (from the repository root, in a venv that has the engine installed):
     PYTHONPATH=$PWD VENV/bin/python scripts/check_engine_configs.py topologies/lmcache-1p1d.yaml
 
 Prints every instance's parsed values; exits 1 if the engine disagrees,
-2 if the engine is not installed in this interpreter.
+2 if the engine is not installed in this interpreter. For SGLang topologies
+whose model is on local disk it also runs SGLang's whole argument resolution
+(all validation hooks, the P/D one included) and prints the resolved values.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import sys
+from pathlib import Path
 
 from disagg.deployment import plan_deployment
-from disagg.enginecheck import EngineCheckError, check_lmcache, check_sglang
+from disagg.enginecheck import EngineCheckError, check_lmcache, check_sglang, resolve_sglang
 from disagg.topology import load_topology
 
 
@@ -42,6 +45,14 @@ def main(argv: list[str]) -> int:
                 continue
             print(f"ok   {path} {eng.name} ({package} {version}): "
                   + ", ".join(f"{k}={v!r}" for k, v in values.items()))
+            if topo.engine == "sglang" and Path(topo.model.path, "config.json").exists():
+                try:
+                    resolved = resolve_sglang(eng)
+                except EngineCheckError as exc:
+                    print(f"FAIL {path} {eng.name}: {exc}")
+                    status = 1
+                    continue
+                print("     resolved: " + ", ".join(f"{k}={v!r}" for k, v in resolved.items()))
     return status
 
 
