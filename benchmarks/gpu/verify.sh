@@ -33,6 +33,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
+command -v nvidia-smi >/dev/null && nvidia-smi -L | grep -q GPU || fail "no NVIDIA GPU visible (nvidia-smi -L)"
+ldconfig -p | grep -q libibverbs.so.1 || fail "Mooncake needs libibverbs1 (apt-get install libibverbs1), even for TCP"
+
 # --- 1. packages: one venv per engine (sglang and lmcache pin different grpcio)
 install() {
   local venv=$1; shift
