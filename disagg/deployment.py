@@ -8,6 +8,7 @@ from __future__ import annotations
 import shlex
 import sys
 from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 
 from disagg.registry import engine_adapter
 from disagg.topology import HostSpec, InstanceSpec, Topology
@@ -22,6 +23,8 @@ class EngineLaunch:
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...]      # set on top of the inherited environment
     health_path: str
+    #: config files written into the run directory on its host before start (name, contents)
+    files: tuple[tuple[str, str], ...] = ()
 
     @property
     def name(self) -> str:
@@ -72,6 +75,14 @@ def python_for(host: HostSpec) -> str:
     return "python3" if host.is_remote else sys.executable
 
 
+def host_run_dir(topo: Topology, host: HostSpec) -> str:
+    """The topology's run directory on ``host``: ``<run_dir>/runs/<name>`` here (absolute),
+    ``<workdir>/runs/<name>`` on a remote host (relative paths start at the SSH login's home)."""
+    if host.is_remote:
+        return str(PurePosixPath(host.workdir or ".disagg") / "runs" / topo.name)
+    return str(Path(topo.run_dir).resolve() / "runs" / topo.name)
+
+
 def plan_deployment(topo: Topology) -> Deployment:
     """Resolve every instance of ``topo`` into an :class:`EngineLaunch`."""
     adapter = engine_adapter(topo.engine)
@@ -80,8 +91,10 @@ def plan_deployment(topo: Topology) -> Deployment:
         host = topo.hosts[inst.host]
         argv = adapter.argv(topo, inst, host, python_for(host))
         env = adapter.env(topo, inst, host)
+        files = adapter.files(topo, inst, host)
         engines.append(EngineLaunch(instance=inst, host=host, argv=tuple(argv),
-                                    env=tuple(sorted(env.items())), health_path=adapter.health_path))
+                                    env=tuple(sorted(env.items())), health_path=adapter.health_path,
+                                    files=tuple(sorted(files.items()))))
     return Deployment(topology=topo, engines=tuple(engines))
 
 
@@ -114,8 +127,14 @@ def describe(dep: Deployment) -> str:
             lines.append(f"  {eng.name}: {eng.url} ({ports}{pin})")
             lines.append("    env:  " + (" ".join(f"{k}={shlex.quote(v)}" for k, v in eng.env) or "(none)"))
             lines.append("    argv: " + " ".join(shlex.quote(a) for a in eng.argv))
+            for fname, text in eng.files:
+                lines.append(f"    file: {fname}")
+                lines += [f"      | {line}" for line in text.splitlines()]
     ports = sorted({(e.host.address, p) for e in dep.engines
                     for p in (e.instance.port, e.instance.kv_port) if p})
     ports.append((topo.proxy.host, topo.proxy.port))
+    from disagg.launch.frontend import frontend_argv  # the launcher's module; imports nothing heavy
+
+    lines.append(f"proxy ({topo.proxy.kind}): " + " ".join(shlex.quote(a) for a in frontend_argv(dep)))
     lines.append("ports: " + ", ".join(f"{a}:{p}" for a, p in ports))
     return "\n".join(lines)

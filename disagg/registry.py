@@ -17,11 +17,13 @@ if TYPE_CHECKING:
 
 ENGINE_ADAPTERS: dict[str, str] = {
     "vllm": "disagg.engines.vllm:VllmEngine",
+    "sglang": "disagg.engines.sglang:SglangEngine",
 }
 
 VLLM_KV_ADAPTERS: dict[str, str] = {
     "nixl": "disagg.kv.nixl:NixlVllmAdapter",
     "socket": "disagg.kv.socket:SocketVllmAdapter",
+    "lmcache": "disagg.kv.lmcache:LmcacheVllmAdapter",
 }
 
 

@@ -21,13 +21,13 @@ from disagg.errors import TopologyError
 from disagg.yamlsrc import Fields, Node, load_yaml, node_int, parse_yaml
 
 ENGINES = ("vllm", "sglang")
-CONNECTORS = ("nixl", "lmcache", "socket")
+CONNECTORS = ("nixl", "lmcache", "socket", "mooncake")
 LINK_TYPES = ("loopback", "ethernet", "roce", "emulated")
 ROLES = ("prefill", "decode", "both")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 FALLBACKS = ("local", "never")
-PROXY_KINDS = ("builtin",)
+PROXY_KINDS = ("builtin", "vllm-router", "sglang-router")
 EMBEDDED_MODEL_PREFIX = "disagg:"
 
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)\s*$", re.IGNORECASE)

@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 
+from disagg.errors import ProxyError
 from disagg.proxy.config import FALLBACKS, ProxyConfig, ProxyTimeouts
 
 #: environment variable read when ``--api-key`` is not given (keeps the key out of ``ps``)
@@ -41,6 +42,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                    help="event loop (default: auto = uvloop when installed)")
+    p.add_argument("--handoff-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="engine-specific handoff setting, repeatable (sglang: bootstrap_ports=P1,P2 "
+                        "one per --prefill URL)")
     p.set_defaults(handler=cmd_proxy)
 
 
@@ -51,7 +55,19 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
                              drain=args.drain_timeout)
     return ProxyConfig(decode=tuple(args.decode), prefill=tuple(args.prefill), host=args.host, port=args.port,
                        engine=args.engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                       fallback=args.fallback, timeouts=timeouts)
+                       fallback=args.fallback, timeouts=timeouts,
+                       handoff_options=parse_handoff_options(args.handoff_option))
+
+
+def parse_handoff_options(items: list[str]) -> tuple[tuple[str, str], ...]:
+    """``["bootstrap_ports=8998"]`` -> ``(("bootstrap_ports", "8998"),)``; raises ProxyError."""
+    out = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ProxyError(f"--handoff-option {item!r}: expected KEY=VALUE")
+        out.append((key.strip(), value.strip()))
+    return tuple(out)
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:

@@ -30,6 +30,11 @@ class EngineAdapter(ABC):
     def env(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, str]:
         """Environment variables to set on top of the inherited environment."""
 
+    def files(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, str]:
+        """Config files written into the run directory on the instance's host before it
+        starts: file name -> contents (default none)."""
+        return {}
+
 
 def cpu_list(cpus: tuple[int, ...]) -> str:
     """``(0, 1, 2, 5)`` -> ``"0-2,5"`` (the form VLLM_CPU_OMP_THREADS_BIND and taskset take)."""

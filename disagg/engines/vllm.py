@@ -56,3 +56,8 @@ class VllmEngine(EngineAdapter):
             env.update(vllm_kv_adapter(topo.connector).env(topo, inst, host))
         env.update(dict(inst.env))
         return env
+
+    def files(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, str]:
+        if inst.role == "both":
+            return {}
+        return vllm_kv_adapter(topo.connector).files(topo, inst, host)

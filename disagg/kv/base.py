@@ -29,6 +29,10 @@ class VllmKVAdapter(ABC):
     def env(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, str]:
         """Environment variables the connector needs in this instance."""
 
+    def files(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, str]:
+        """Config files the instance needs: name in the run directory -> contents (default none)."""
+        return {}
+
 
 def kv_role(inst: InstanceSpec) -> str:
     """vLLM's kv_role for a disaggregated role."""

@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import enum
 import os
-import sys
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from disagg.commands.proxy import API_KEY_ENV
-from disagg.deployment import Deployment, EngineLaunch, python_for
+from disagg.deployment import Deployment, EngineLaunch, host_run_dir, python_for
 from disagg.errors import EngineStartError, LaunchError, PortInUseError, StateError
 from disagg.kv.socket import SECRET_ENV, generate_secret
 from disagg.launch import processes
 from disagg.launch.emulation import emulated_link
 from disagg.launch.emulation import prefill_host as emulated_prefill_host
+from disagg.launch.frontend import frontend_argv
 from disagg.launch.health import busy_ports, http_status
 from disagg.launch.state import ProcessRecord, RunState, find_states, load_state, remove_state, run_path, save_state
 from disagg.linkemu import EmulatedLink, remove_namespace
@@ -171,13 +172,30 @@ class Launcher:
             return {SECRET_ENV: generate_secret()}
         return {}
 
+    def _write_files(self, eng: EngineLaunch) -> None:
+        """Write the engine's config files into the run directory on its host."""
+        if not eng.files:
+            return
+        directory = host_run_dir(self.topo, eng.host)
+        if eng.host.is_remote:
+            script = f"mkdir -p {shlex.quote(directory)}"
+            for name, text in eng.files:
+                script += f" && printf %s {shlex.quote(text)} > {shlex.quote(directory + '/' + name)}"
+            processes.run_remote(processes.ssh_prefix(eng.host), script)
+        else:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            for name, text in eng.files:
+                (Path(directory) / name).write_text(text)
+        self.echo(f"{eng.name}: wrote {', '.join(n for n, _ in eng.files)} in {eng.host.name}:{directory}")
+
     def _start_engine(self, eng: EngineLaunch, extra_env: dict[str, str]) -> _Pending:
         env = {**dict(eng.env), **extra_env}
+        self._write_files(eng)
         if eng.host.is_remote:
             workdir = eng.host.workdir or ".disagg"
             log = f"{workdir}/runs/{self.topo.name}/logs/{eng.log_name}"
             shell = EngineLaunch(eng.instance, eng.host, eng.argv, tuple(sorted(env.items())),
-                                 eng.health_path).shell_command()
+                                 eng.health_path, eng.files).shell_command()
             pid = processes.start_remote(eng.host, shell, log)
             record = ProcessRecord(name=eng.name, kind="engine", host=eng.host.name, address=eng.host.address,
                                    port=eng.instance.port, url=eng.url, log=log, pid=pid,
@@ -229,18 +247,7 @@ class Launcher:
             time.sleep(self.poll_interval)
 
     def _proxy_argv(self) -> list[str]:
-        topo = self.topo
-        argv = [sys.executable, "-m", "disagg", "proxy", "--host", topo.proxy.host, "--port", str(topo.proxy.port),
-                "--engine", topo.engine, "--fallback", topo.proxy.fallback,
-                "--connect-timeout", str(topo.timeouts.connect),
-                "--request-timeout", str(topo.timeouts.request),
-                "--health-interval", str(topo.timeouts.health_interval)]
-        if topo.colocated:
-            argv += ["--decode", *(e.url for e in self.dep.role("both"))]
-        else:
-            argv += ["--prefill", *(e.url for e in self.dep.role("prefill"))]
-            argv += ["--decode", *(e.url for e in self.dep.role("decode"))]
-        return argv
+        return frontend_argv(self.dep)
 
     def _proxy_env(self) -> dict[str, str]:
         # The API key travels in the environment, never in argv (visible in ps).

@@ -115,7 +115,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     session = make_session(t)
     state.upstream = Upstream(session, t, state.metrics)
     if state.prefill is not None and state.handoff_cls is not None:
-        state.handoff = state.handoff_cls(state.upstream, state.prefill, state.decode, state.metrics)
+        try:  # a handoff checks its options and may bind sockets
+            state.handoff = state.handoff_cls(state.upstream, state.prefill, state.decode, state.metrics,
+                                              options=dict(state.config.handoff_options))
+        except BaseException:
+            await session.close()
+            raise
     pools = [p for p in (state.prefill, state.decode) if p is not None]
     prober = HealthProber(pools, session, t.health_interval, t.health_timeout)
     await prober.probe_all()
@@ -126,6 +131,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         probing.cancel()
         with suppress(asyncio.CancelledError):
             await probing
+        if state.handoff is not None:
+            await state.handoff.aclose()
         state.handoff = None
         state.upstream = None
         await session.close()

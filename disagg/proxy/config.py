@@ -62,6 +62,9 @@ class ProxyConfig:
     api_key: str | None = None
     fallback: str = "local"
     timeouts: ProxyTimeouts = field(default_factory=ProxyTimeouts)
+    #: engine-specific handoff settings (``--handoff-option KEY=VALUE``), e.g.
+    #: SGLang's ``bootstrap_ports``; each handoff reads the keys it needs
+    handoff_options: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -78,6 +81,9 @@ class ProxyConfig:
             raise ProxyError(f"proxy port {self.port} is not in 0..65535")
         if self.api_key is not None and not self.api_key:
             raise ProxyError("api_key must not be empty (leave it unset for no key)")
+        keys = [k for k, _ in self.handoff_options]
+        if any(not k for k in keys) or len(set(keys)) != len(keys):
+            raise ProxyError(f"handoff options need distinct non-empty keys, got {', '.join(keys) or '(none)'}")
 
     @property
     def colocated(self) -> bool:
@@ -109,4 +115,6 @@ class ProxyConfig:
                  "--drain-timeout", str(t.drain)]
         if self.api_key:
             argv += ["--api-key", self.api_key]
+        for key, value in self.handoff_options:
+            argv += ["--handoff-option", f"{key}={value}"]
         return argv

@@ -102,11 +102,16 @@ class Handoff(ABC):
     engine: ClassVar[str]
 
     def __init__(self, upstream: Upstream, prefill: BackendPool, decode: BackendPool,
-                 metrics: ProxyMetrics) -> None:
+                 metrics: ProxyMetrics, options: Mapping[str, str] | None = None) -> None:
         self.upstream = upstream
         self.prefill = prefill
         self.decode = decode
         self.metrics = metrics
+        #: the proxy's ``--handoff-option`` settings (engine-specific)
+        self.options: Mapping[str, str] = dict(options or {})
+
+    async def aclose(self) -> None:  # noqa: B027 (optional hook, most handoffs hold nothing)
+        """Release what the handoff holds beyond requests (sockets); the proxy calls it on shutdown."""
 
     @abstractmethod
     def serve(self, req: GenerationRequest) -> AbstractAsyncContextManager[DecodeReply]:
@@ -133,11 +138,13 @@ class VllmHandoff(Handoff):
         "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
     @staticmethod
-    def prefill_body(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    def prefill_body(endpoint: str, body: Mapping[str, Any],
+                     kv_transfer_params: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """What prefill receives: the client's request computing one token, not streamed.
 
         ``n`` is 1: the prompt's KV is the same for every sample, and extra
         samples would each pin prefill blocks that no decode ever pulls.
+        ``kv_transfer_params`` replaces NIXL's (other connectors' handoffs).
         """
         out = dict(body)
         for key in ("stream_options", "min_tokens"):
@@ -148,7 +155,8 @@ class VllmHandoff(Handoff):
             out["max_completion_tokens"] = 1
         if "n" in out:
             out["n"] = 1
-        out["kv_transfer_params"] = dict(VllmHandoff.PREFILL_KV_PARAMS)
+        out["kv_transfer_params"] = dict(VllmHandoff.PREFILL_KV_PARAMS if kv_transfer_params is None
+                                         else kv_transfer_params)
         return out
 
     @staticmethod
@@ -158,12 +166,13 @@ class VllmHandoff(Handoff):
         out["kv_transfer_params"] = dict(kv_transfer_params)
         return out
 
-    async def run_prefill(self, req: GenerationRequest) -> dict[str, Any]:
+    async def run_prefill(self, req: GenerationRequest,
+                          kv_transfer_params: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Prefill on the best prefill backend; returns the ``kv_transfer_params`` it answered.
 
         Raises :class:`PrefillFailed` (fallback possible) or :class:`EngineErrorReply`.
         """
-        data = json.dumps(self.prefill_body(req.endpoint, req.body)).encode()
+        data = json.dumps(self.prefill_body(req.endpoint, req.body, kv_transfer_params)).encode()
         started = time.perf_counter()
         try:
             async with self.upstream.request(self.prefill, "POST", req.endpoint, data=data,
@@ -201,6 +210,8 @@ class VllmHandoff(Handoff):
 #: ``--engine`` value -> "module:Class" of its handoff (imported on use)
 HANDOFFS: dict[str, str] = {
     "vllm": "disagg.proxy.handoff:VllmHandoff",
+    "sglang": "disagg.proxy.sglang_handoff:SglangHandoff",
+    "vllm-lmcache": "disagg.proxy.lmcache_handoff:LmcacheHandoff",
 }
 
 

@@ -110,7 +110,8 @@ def test_emulated_link_needs_rate() -> None:
 
 def test_bad_choice_lists_the_choices() -> None:
     msg = error_of(GOOD.replace("connector: nixl", "connector: nixel"))
-    assert msg == "topo.yaml:3: connector: expected one of nixl, lmcache, socket, got 'nixel' (did you mean 'nixl'?)"
+    assert msg == ("topo.yaml:3: connector: expected one of nixl, lmcache, socket, mooncake, got 'nixel' "
+                   "(did you mean 'nixl'?)")
 
 
 def test_unknown_host() -> None:

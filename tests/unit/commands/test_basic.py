@@ -26,8 +26,29 @@ def test_check_each_example(path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["check", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"topology {path.stem} ")
-    assert "vllm.entrypoints.openai.api_server" in out
-    assert "ports: " in out
+    engine_module = ("sglang.launch_server" if "engine    sglang" in out
+                     else "vllm.entrypoints.openai.api_server")
+    assert engine_module in out
+    assert "ports: " in out and "proxy (builtin): " in out
+
+
+def test_sglang_example_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(ROOT / "topologies/sglang-1p1d.yaml")]) == 0
+    out = capsys.readouterr().out
+    argv = _argv_of(out, "prefill[0]")
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    assert argv[argv.index("--disaggregation-bootstrap-port") + 1] == "8998"
+    assert _env_of(out, "decode[0]")["MC_FORCE_TCP"] == "1"
+    assert "--handoff-option bootstrap_ports=8998" in out
+
+
+def test_lmcache_example_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(ROOT / "topologies/lmcache-1p1d.yaml")]) == 0
+    out = capsys.readouterr().out
+    cfg = json.loads(_argv_of(out, "decode[0]")[_argv_of(out, "decode[0]").index("--kv-transfer-config") + 1])
+    assert cfg["kv_connector"] == "LMCacheConnectorV1" and cfg["kv_role"] == "kv_consumer"
+    assert _env_of(out, "prefill[0]")["LMCACHE_CONFIG_FILE"].endswith("runs/lmcache-1p1d/prefill-0.lmcache.yaml")
+    assert "      | pd_peer_init_port: [7300]" in out and "--engine vllm-lmcache" in out
 
 
 def _argv_of(out: str, name: str) -> list[str]:

@@ -1,0 +1,92 @@
+"""Helper of benchmarks/gpu/verify.sh: greedy outputs through a proxy, and
+"did KV move" from the engines' Prometheus metrics.
+
+    python verify_run.py generate URL MODEL OUT.json       # greedy completions of PROMPTS
+    python verify_run.py compare REF.json GOT.json          # exit 1 unless equal
+    python verify_run.py kv-moved ENGINE PREFILL_URL DECODE_URL   # exit 1 unless KV moved
+
+Standard library only, so it runs in any of the script's venvs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import urllib.request
+
+#: long enough to span several KV blocks / LMCache chunks (256 tokens)
+PROMPTS = [
+    "Explain, step by step, how a bicycle gear system trades force for speed. " * 12,
+    "List the planets of the solar system and one fact about each. " * 10,
+    "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 8,
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n" * 15,
+]
+MAX_TOKENS = 32
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """Sum of every sample per metric name (labels folded)."""
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def generate(url: str, model: str, out: str) -> int:
+    texts = []
+    for prompt in PROMPTS:
+        reply = _post(url.rstrip("/") + "/v1/completions",
+                      {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+        texts.append(reply["choices"][0]["text"])
+    with open(out, "w") as fh:
+        json.dump(texts, fh, indent=1)
+    print(f"generated {len(texts)} completions -> {out}")
+    return 0
+
+
+def compare(ref: str, got: str) -> int:
+    with open(ref) as fh:
+        a = json.load(fh)
+    with open(got) as fh:
+        b = json.load(fh)
+    bad = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    for i in bad:
+        print(f"prompt {i}: colocated {a[i]!r}\n          disaggregated {b[i]!r}")
+    print("greedy outputs equal" if not bad else f"{len(bad)} of {len(a)} outputs differ")
+    return 1 if bad else 0
+
+
+def kv_moved(engine: str, prefill: str, decode: str) -> int:
+    p, d = _metrics(prefill), _metrics(decode)
+    if engine == "sglang":
+        # decode-mode SGLang cannot prefill by itself: answers mean KV arrived;
+        # the prefill side also reports what it sent
+        failed = p.get("sglang:num_transfer_failed_reqs_total", 0) + d.get("sglang:num_transfer_failed_reqs_total", 0)
+        prompt = p.get("sglang:prompt_tokens_total", 0)
+        sent_mb = p.get("sglang:kv_transfer_total_mb", 0)
+        print(f"sglang prefill prompt tokens {prompt:.0f}, kv_transfer_total_mb {sent_mb:.3f}, failed {failed:.0f}")
+        return 0 if prompt > 0 and failed == 0 else 1
+    hits = d.get("vllm:external_prefix_cache_hits_total", 0)
+    queries = d.get("vllm:external_prefix_cache_queries_total", 0)
+    print(f"vllm decode external (connector) prefix-cache hits {hits:.0f} of {queries:.0f} queried tokens")
+    return 0 if hits > 0 else 1
+
+
+def main(argv: list[str]) -> int:
+    cmd, args = argv[0], argv[1:]
+    return {"generate": generate, "compare": compare, "kv-moved": kv_moved}[cmd](*args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

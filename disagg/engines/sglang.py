@@ -1,0 +1,95 @@
+"""Stock SGLang (``python -m sglang.launch_server``) as an engine.
+
+Flag names are SGLang's own (checked against sglang 0.5.23's
+``srt/arg_groups/fields/*.py`` and its ServerArgs CLI parser; see
+``scripts/check_engine_configs.py``).
+
+Connector -> ``--disaggregation-transfer-backend``:
+
+- ``connector: mooncake`` -> ``mooncake``. On links without RDMA (loopback,
+  ethernet, emulated) the env ``MC_FORCE_TCP=1`` makes Mooncake use its TCP
+  transport; SGLang compares the value with ``"1"`` exactly
+  (``mooncake_transfer_engine.py``), so ``true`` would not do. On ``roce``
+  links ``--disaggregation-ib-device`` names the link's ``interface`` (an HCA
+  such as ``mlx5_0``).
+- ``connector: nixl`` -> ``nixl`` (UCX). TCP-only links pin ``UCX_TLS`` to
+  TCP as for vLLM; on ``roce`` the HCA goes to ``--disaggregation-ib-device``.
+- ``lmcache`` and ``socket`` are vLLM connectors: a :class:`PlanError`.
+
+Each prefill instance's bootstrap server listens on its ``kv_port``
+(``--disaggregation-bootstrap-port``); the proxy sends that port with every
+request (``bootstrap_port``), so decode instances need none.
+"""
+
+from __future__ import annotations
+
+from disagg.engines.base import EngineAdapter
+from disagg.engines.vllm import served_model_name
+from disagg.errors import PlanError
+from disagg.kv.ucx import ucx_tls
+from disagg.topology import HostSpec, InstanceSpec, Topology
+
+LAUNCH_MODULE = "sglang.launch_server"
+#: topology connector -> SGLang transfer backend
+TRANSFER_BACKENDS = {"mooncake": "mooncake", "nixl": "nixl"}
+#: links where Mooncake must use TCP (no RDMA device between the hosts)
+TCP_LINKS = ("loopback", "ethernet", "emulated")
+
+
+def transfer_backend(topo: Topology) -> str:
+    """The ``--disaggregation-transfer-backend`` for the topology's connector."""
+    try:
+        return TRANSFER_BACKENDS[topo.connector]
+    except KeyError:
+        raise PlanError(f"{topo.file}: connector {topo.connector!r} does not work with engine sglang; "
+                        f"use one of {', '.join(TRANSFER_BACKENDS)}") from None
+
+
+class SglangEngine(EngineAdapter):
+    """``python -m sglang.launch_server`` per role instance (role ``both``: a plain server)."""
+
+    name = "sglang"
+    health_path = "/health"
+
+    def argv(self, topo: Topology, inst: InstanceSpec, host: HostSpec, python: str) -> list[str]:
+        model = topo.model
+        argv = [python, "-m", LAUNCH_MODULE,
+                "--model-path", model.path,
+                "--served-model-name", served_model_name(topo),
+                "--host", host.address,
+                "--port", str(inst.port),
+                "--enable-metrics"]
+        if model.dtype != "auto":
+            argv += ["--dtype", model.dtype]
+        if model.max_model_len:
+            argv += ["--context-length", str(model.max_model_len)]
+        if host.device == "cpu":
+            argv += ["--device", "cpu"]
+        elif len(inst.gpus) > 1:
+            argv += ["--tp-size", str(len(inst.gpus))]
+        if inst.role != "both":
+            argv += ["--disaggregation-mode", inst.role,
+                     "--disaggregation-transfer-backend", transfer_backend(topo)]
+            if inst.role == "prefill":
+                if inst.kv_port is None:  # the topology assigns one to every prefill instance
+                    raise PlanError(f"{topo.file}: {inst.name} has no kv_port for its bootstrap server")
+                argv += ["--disaggregation-bootstrap-port", str(inst.kv_port)]
+            if topo.link.type == "roce" and topo.link.interface:
+                argv += ["--disaggregation-ib-device", topo.link.interface]
+        argv += list(inst.args)
+        return argv
+
+    def env(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if host.device != "cpu" and inst.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in inst.gpus)
+        if inst.role != "both":
+            backend = transfer_backend(topo)
+            if backend == "mooncake" and topo.link.type in TCP_LINKS:
+                env["MC_FORCE_TCP"] = "1"
+            if backend == "nixl":
+                tls = ucx_tls(topo, host)
+                if tls:
+                    env["UCX_TLS"] = tls
+        env.update(dict(inst.env))
+        return env

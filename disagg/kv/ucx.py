@@ -1,0 +1,20 @@
+"""UCX transport selection for connectors that move KV over UCX (NIXL)."""
+
+from __future__ import annotations
+
+from disagg.kv.nixl import UCX_TLS_BY_LINK
+from disagg.topology import HostSpec, Topology
+
+#: extra transports when the KV buffers live in GPU memory: staging copies,
+#: and CUDA IPC between GPUs of one machine (LMCache's own examples use both)
+CUDA_TLS = {"loopback": "cuda_ipc,cuda_copy", "ethernet": "cuda_copy", "emulated": "cuda_copy"}
+
+
+def ucx_tls(topo: Topology, host: HostSpec) -> str | None:
+    """``UCX_TLS`` for this host on the topology's link (None: leave UCX's own choice, e.g. RoCE)."""
+    tls = UCX_TLS_BY_LINK.get(topo.link.type)
+    if tls is None:
+        return None
+    if host.device == "cuda":
+        return f"{CUDA_TLS[topo.link.type]},{tls}"
+    return tls

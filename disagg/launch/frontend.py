@@ -1,0 +1,103 @@
+"""The front door's command line: the built-in proxy, or a Rust router from PyPI.
+
+``proxy.kind`` in the topology picks it:
+
+- ``builtin``: ``python -m disagg proxy`` with the handoff of the topology's
+  engine and connector (``--engine vllm | sglang | vllm-lmcache``) and its
+  ``--handoff-option`` settings (SGLang: the prefill bootstrap ports; LMCache:
+  decode receiver ports and the notification port).
+- ``vllm-router`` (PyPI ``vllm-router``, module ``vllm_router.launch_router``):
+  ``--vllm-pd-disaggregation --prefill URL --decode URL`` (its default KV
+  connector is NIXL, the only one it shares with disagg).
+- ``sglang-router`` (PyPI ``sglang-router``, module
+  ``sglang_router.launch_router``): ``--pd-disaggregation --prefill URL
+  BOOTSTRAP_PORT --decode URL``.
+
+Colocated topologies give the routers ``--worker-urls`` (plain load balancing).
+The routers are started with the interpreter that runs disagg; install them
+there (``pip install vllm-router`` / ``sglang-router``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from disagg.deployment import Deployment
+from disagg.errors import PlanError
+
+ROUTER_MODULES = {"vllm-router": "vllm_router.launch_router", "sglang-router": "sglang_router.launch_router"}
+#: proxy kind -> the engine it can route P/D requests for
+ROUTER_ENGINES = {"vllm-router": "vllm", "sglang-router": "sglang"}
+
+
+def handoff_engine(dep: Deployment) -> str:
+    """The built-in proxy's ``--engine`` (the handoff protocol) for this deployment."""
+    topo = dep.topology
+    if topo.engine == "vllm" and topo.connector == "lmcache" and not topo.colocated:
+        return "vllm-lmcache"
+    return topo.engine
+
+
+def handoff_options(dep: Deployment) -> list[tuple[str, str]]:
+    """The built-in proxy's ``--handoff-option`` pairs for this deployment."""
+    topo = dep.topology
+    if topo.colocated:
+        return []
+    if topo.engine == "sglang":
+        return [("bootstrap_ports", ",".join(str(e.instance.kv_port) for e in dep.role("prefill")))]
+    if handoff_engine(dep) == "vllm-lmcache":
+        from disagg.kv.lmcache import proxy_options
+
+        return list(proxy_options(topo))
+    return []
+
+
+def builtin_argv(dep: Deployment) -> list[str]:
+    """``python -m disagg proxy ...`` for this deployment."""
+    topo = dep.topology
+    t = topo.timeouts
+    argv = [sys.executable, "-m", "disagg", "proxy", "--host", topo.proxy.host, "--port", str(topo.proxy.port),
+            "--engine", handoff_engine(dep), "--fallback", topo.proxy.fallback,
+            "--connect-timeout", str(t.connect), "--request-timeout", str(t.request),
+            "--health-interval", str(t.health_interval)]
+    if topo.colocated:
+        return [*argv, "--decode", *(e.url for e in dep.role("both"))]
+    argv += ["--prefill", *(e.url for e in dep.role("prefill"))]
+    argv += ["--decode", *(e.url for e in dep.role("decode"))]
+    for key, value in handoff_options(dep):
+        argv += ["--handoff-option", f"{key}={value}"]
+    return argv
+
+
+def router_argv(dep: Deployment, python: str | None = None) -> list[str]:
+    """The Rust router's command line for ``proxy.kind`` vllm-router or sglang-router."""
+    topo = dep.topology
+    kind = topo.proxy.kind
+    if ROUTER_ENGINES[kind] != topo.engine:
+        raise PlanError(f"{topo.file}: proxy.kind {kind} routes engine {ROUTER_ENGINES[kind]}, "
+                        f"but the topology's engine is {topo.engine}")
+    if kind == "vllm-router" and not topo.colocated and topo.connector != "nixl":
+        raise PlanError(f"{topo.file}: proxy.kind vllm-router speaks vLLM's NIXL handoff; "
+                        f"connector {topo.connector} needs proxy.kind builtin")
+    if topo.proxy.api_key:
+        raise PlanError(f"{topo.file}: proxy.api_key is enforced by the builtin proxy only; "
+                        f"remove it or use proxy.kind builtin instead of {kind}")
+    argv = [python or sys.executable, "-m", ROUTER_MODULES[kind],
+            "--host", topo.proxy.host, "--port", str(topo.proxy.port)]
+    if topo.colocated:
+        return [*argv, "--worker-urls", *(e.url for e in dep.role("both"))]
+    argv.append("--vllm-pd-disaggregation" if kind == "vllm-router" else "--pd-disaggregation")
+    for eng in dep.role("prefill"):
+        argv += ["--prefill", eng.url]
+        if kind == "sglang-router":
+            argv.append(str(eng.instance.kv_port))
+    for eng in dep.role("decode"):
+        argv += ["--decode", eng.url]
+    return argv
+
+
+def frontend_argv(dep: Deployment) -> list[str]:
+    """The front door's command line for the topology's ``proxy.kind``."""
+    if dep.topology.proxy.kind == "builtin":
+        return builtin_argv(dep)
+    return router_argv(dep)

@@ -1,0 +1,81 @@
+"""The front door's command line per proxy.kind (builtin proxy, vllm-router, sglang-router)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from disagg.deployment import plan_deployment
+from disagg.errors import PlanError, TopologyError
+from disagg.launch.frontend import frontend_argv
+from disagg.topology import parse_topology
+
+TEXT = """\
+model: {path: /models/m}
+engine: ENGINE
+connector: CONNECTOR
+proxy: {host: 127.0.0.1, port: 9000, kind: KIND}
+hosts: {h: {address: 127.0.0.1}}
+roles:
+  prefill:
+    - {host: h, port: 8100, kv_port: 8998}
+    - {host: h, port: 8101, kv_port: 8999}
+  decode:
+    - {host: h, port: 8200}
+"""
+
+
+def argv(kind: str = "builtin", engine: str = "vllm", connector: str = "nixl", text: str = TEXT) -> list[str]:
+    topo = parse_topology(textwrap.dedent(text).replace("ENGINE", engine).replace("CONNECTOR", connector)
+                          .replace("KIND", kind), "t.yaml", run_dir="/tmp/run")
+    return frontend_argv(plan_deployment(topo))
+
+
+def test_builtin_vllm_has_no_handoff_options() -> None:
+    a = argv()
+    assert a[1:4] == ["-m", "disagg", "proxy"] and "--handoff-option" not in a
+    assert a[a.index("--prefill") + 1:a.index("--prefill") + 3] == ["http://127.0.0.1:8100", "http://127.0.0.1:8101"]
+
+
+def test_builtin_sglang_passes_bootstrap_ports_in_prefill_order() -> None:
+    a = argv(engine="sglang", connector="mooncake")
+    assert a[a.index("--engine") + 1] == "sglang"
+    assert a[a.index("--handoff-option") + 1] == "bootstrap_ports=8998,8999"
+
+
+def test_vllm_router_pd_flags() -> None:
+    a = argv(kind="vllm-router")
+    assert a[1:3] == ["-m", "vllm_router.launch_router"]
+    assert a[3:] == ["--host", "127.0.0.1", "--port", "9000", "--vllm-pd-disaggregation",
+                     "--prefill", "http://127.0.0.1:8100", "--prefill", "http://127.0.0.1:8101",
+                     "--decode", "http://127.0.0.1:8200"]
+
+
+def test_sglang_router_pd_flags_carry_bootstrap_ports() -> None:
+    a = argv(kind="sglang-router", engine="sglang", connector="mooncake")
+    assert a[1:3] == ["-m", "sglang_router.launch_router"]
+    assert a[7:] == ["--pd-disaggregation", "--prefill", "http://127.0.0.1:8100", "8998",
+                     "--prefill", "http://127.0.0.1:8101", "8999", "--decode", "http://127.0.0.1:8200"]
+
+
+def test_router_for_the_other_engine_is_refused() -> None:
+    with pytest.raises(PlanError, match=r"proxy\.kind sglang-router routes engine sglang"):
+        argv(kind="sglang-router")
+    with pytest.raises(PlanError, match=r"connector lmcache needs proxy\.kind builtin"):
+        argv(kind="vllm-router", connector="lmcache")
+
+
+def test_colocated_router_gets_worker_urls() -> None:
+    text = """\
+    model: {path: /models/m}
+    proxy: {kind: vllm-router}
+    hosts: {h: {address: 127.0.0.1}}
+    roles: {both: [{host: h, port: 8300}, {host: h, port: 8301}]}
+    """
+    assert argv(text=text)[-3:] == ["--worker-urls", "http://127.0.0.1:8300", "http://127.0.0.1:8301"]
+
+
+def test_unknown_kind_names_the_choices() -> None:
+    with pytest.raises(TopologyError, match="sglang-router"):
+        argv(kind="nginx")
