@@ -82,18 +82,18 @@ def test_client_disconnect_aborts_decode(pd: Running, tokenizer: Tokenizer) -> N
     assert metric_value(before, "vllm:num_requests_running") == 1
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    # The decode engine records the request as aborted (not finished by length), and
-    # well before the 4000 tokens could have been generated.
+    # The decode engine stops the request long before its 4000 tokens: nothing runs any
+    # more, and it generated only a small part of them (vLLM does not count aborts as finished).
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         after = get_text(decode + "/metrics")
         if metric_value(after, "vllm:num_requests_running") == 0:
             break
         time.sleep(0.25)
-    aborted = (metric_value(after, "vllm:request_success_total", finished_reason="abort")
-               - metric_value(before, "vllm:request_success_total", finished_reason="abort"))
+    generated = (metric_value(after, "vllm:generation_tokens_total")
+                 - metric_value(before, "vllm:generation_tokens_total"))
     assert metric_value(after, "vllm:num_requests_running") == 0
-    assert aborted == 1
+    assert generated < 2000, generated
     assert metric_value(get_text(pd.engines["prefill[0]"] + "/metrics"), "vllm:num_requests_running") == 0
 
 
