@@ -5,17 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from disagg.kv.base import VllmKVAdapter, kv_role
+from disagg.kv.ucx import ucx_tls
 from disagg.launch.emulation import interface_for
 from disagg.topology import HostSpec, InstanceSpec, Topology
-
-# UCX transports per link type. RoCE is left to UCX's own choice (it prefers
-# RDMA); every TCP-only link is pinned to tcp so UCX never probes devices the
-# hosts do not share.
-UCX_TLS_BY_LINK = {
-    "loopback": "tcp,self",
-    "ethernet": "tcp,self",
-    "emulated": "tcp,self",
-}
 
 
 class NixlVllmAdapter(VllmKVAdapter):
@@ -42,7 +34,7 @@ class NixlVllmAdapter(VllmKVAdapter):
             "VLLM_NIXL_SIDE_CHANNEL_HOST": host.address,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(inst.kv_port),
         }
-        tls = UCX_TLS_BY_LINK.get(topo.link.type)
+        tls = ucx_tls(topo, host)  # GPU buffers also need cuda_copy over TCP
         if tls:
             env["UCX_TLS"] = tls
         device = interface_for(topo, host) or topo.link.interface

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from disagg.kv.nixl import UCX_TLS_BY_LINK
 from disagg.topology import HostSpec, Topology
+
+# UCX transports per link type. RoCE is left to UCX's own choice (it prefers
+# RDMA); every TCP-only link is pinned to tcp so UCX never probes devices the
+# hosts do not share.
+UCX_TLS_BY_LINK = {
+    "loopback": "tcp,self",
+    "ethernet": "tcp,self",
+    "emulated": "tcp,self",
+}
 
 #: extra transports when the KV buffers live in GPU memory: staging copies,
 #: and CUDA IPC between GPUs of one machine (LMCache's own examples use both)
