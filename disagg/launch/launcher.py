@@ -97,20 +97,26 @@ class Launcher:
         return self.run
 
     def supervise(self, should_stop: Callable[[], bool]) -> int:
-        """Foreground mode: watch every process until ``should_stop()`` or one dies.
+        """Foreground mode: watch every process until ``should_stop()`` or the service is lost.
 
-        Returns 0 when asked to stop, 1 when a process died (its log tail is shown).
+        An engine that dies is reported once with its log tail; serving goes on while
+        the proxy and at least one decode (or colocated) engine live: the proxy routes
+        around a lost prefill engine. Returns 0 when asked to stop, 1 when the proxy or
+        the last decode engine died.
         """
-        status = 0
+        reported: set[str] = set()
         while not should_stop():
-            dead = next((r for r in self.run.processes if not self._alive(r)), None)
-            if dead is not None:
+            for dead in (r for r in self.run.processes if r.name not in reported and not self._alive(r)):
+                reported.add(dead.name)
                 self.echo(f"error: {dead.name} on {dead.address}:{dead.port} exited; last lines of {dead.log}:\n"
                           + processes.log_tail(dead))
-                status = 1
-                break
+            servers = [r for r in self.run.processes if r.name.startswith(("decode[", "both["))]
+            if "proxy" in reported or all(r.name in reported for r in servers):
+                self.echo("error: the service is lost (" + ("the proxy" if "proxy" in reported
+                                                            else "every decode engine") + " exited); stopping")
+                return 1
             time.sleep(self.poll_interval)
-        return status
+        return 0
 
     def stop(self, *, grace: float | None = None) -> None:
         """Stop every process this launcher started (idempotent)."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import sys
 import textwrap
 from pathlib import Path
 
@@ -12,6 +15,7 @@ from disagg.cli import main
 from disagg.commands.proxy import API_KEY_ENV
 from disagg.deployment import plan_deployment
 from disagg.launch.launcher import Launcher
+from disagg.launch.processes import start_local, stop_local
 from disagg.launch.state import ProcessRecord, RunState, find_states, load_state, save_state
 from disagg.topology import load_topology
 
@@ -128,3 +132,33 @@ def test_proxy_command_for_colocated_replicas(tmp_path: Path) -> None:
     assert "--prefill" not in argv
     assert argv[argv.index("--decode"):] == ["--decode", "http://127.0.0.1:8300", "http://127.0.0.2:8300"]
     assert launcher._proxy_env() == {}
+
+
+def test_supervise_survives_a_lost_prefill_but_not_the_last_decode(tmp_path: Path) -> None:
+    launcher = _launcher(tmp_path, """\
+        roles:
+          prefill: [{host: a, port: 8100}]
+          decode: [{host: b, port: 8200}]
+        """)
+    launcher.poll_interval = 0.05
+    lines: list[str] = []
+    launcher.echo = lines.append
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    for name in ("prefill[0]", "decode[0]", "proxy"):
+        log = tmp_path / f"{name}.log"
+        pid, created = start_local(sleeper, {}, log)
+        launcher.run.processes.append(ProcessRecord(name=name, kind="engine", host="a", address="127.0.0.1",
+                                                    port=1, url="http://x", log=str(log), pid=pid,
+                                                    create_time=created))
+    by_name = {r.name: r for r in launcher.run.processes}
+    try:
+        os.kill(by_name["prefill[0]"].pid, signal.SIGKILL)
+        checks = iter(range(40))
+        assert launcher.supervise(lambda: next(checks, None) is None) == 0  # still serving
+        assert sum("prefill[0] on 127.0.0.1:1 exited" in line for line in lines) == 1  # reported once
+        os.kill(by_name["decode[0]"].pid, signal.SIGKILL)
+        assert launcher.supervise(lambda: False) == 1
+        assert lines[-1] == "error: the service is lost (every decode engine exited); stopping"
+    finally:
+        for rec in launcher.run.processes:
+            stop_local(rec, grace=1.0)
