@@ -34,6 +34,7 @@ def _remote_topology(path: Path, model: Path, host: SshHost, port: int, proxy_po
             ssh: {host.user}@{host.address}
             ssh_port: {host.port}
             ssh_key: {host.key}
+            ssh_options: [UserKnownHostsFile={workdir.parent / "known_hosts"}]
             python: {sys.executable}
             workdir: {workdir}
         roles:
