@@ -23,8 +23,8 @@ engine inside its namespace, and tears it down.
 
 Run (holds the engine lock; ~10 min)::
 
-    flock /tmp/disagg-engines.lock env PYTHONPATH=$PWD:$PWD/.pypath \\
-        python benchmarks/connector_throughput.py --embedded tiny-kvheavy --out docs/socket-connector-bench.md
+    flock /tmp/disagg-engines.lock .venv/bin/python benchmarks/connector_throughput.py \\
+        --embedded tiny-kvheavy --out docs/socket-connector-bench.md
 """
 
 from __future__ import annotations

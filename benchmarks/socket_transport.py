@@ -6,7 +6,7 @@ and 4 streams over loopback (or ``--host``). This is the ceiling the connector
 can reach inside vLLM on this machine (REFERENCE.md section 5: one Python TCP
 stream over loopback moved 4.3-5.2 GB/s).
 
-    PYTHONPATH=$PWD:$PWD/.pypath python benchmarks/socket_transport.py --mib 256
+    .venv/bin/python benchmarks/socket_transport.py --mib 256
 """
 
 from __future__ import annotations
