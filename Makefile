@@ -15,11 +15,11 @@ serve: install
 
 test: install
 	@bash scripts/system-deps.sh
-	$(PY) -m ruff check disagg connectors tests benchmarks
+	$(PY) -m ruff check disagg connectors tests benchmarks scripts
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
-	$(PY) -m ruff check disagg connectors tests benchmarks
+	$(PY) -m ruff check disagg connectors tests benchmarks scripts
 
 check: install
 	$(PY) -m disagg check topologies/*.yaml
