@@ -145,6 +145,14 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay out, write the PNG and free the figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _grid(plt: Any, panels: int) -> tuple[Any, list[Any]]:
     cols = min(panels, 3)
     rows = math.ceil(panels / cols)
@@ -182,10 +190,7 @@ def plot_cdf(doc: Document, metric: str, path: Path) -> Path:
         ax.grid(True, alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_goodput(doc: Document, path: Path) -> Path:
@@ -211,10 +216,7 @@ def plot_goodput(doc: Document, path: Path) -> Path:
         ax.grid(True, alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_p99(doc: Document, path: Path) -> Path:
@@ -235,10 +237,7 @@ def plot_p99(doc: Document, path: Path) -> Path:
         ax.grid(True, alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def write_report(doc: Document, out_dir: Path, title: str = "disagg bench report") -> list[Path]:
