@@ -26,7 +26,7 @@ from disagg.launch import processes
 from disagg.launch.emulation import emulated_link
 from disagg.launch.emulation import prefill_host as emulated_prefill_host
 from disagg.launch.frontend import frontend_argv
-from disagg.launch.health import busy_ports, http_status
+from disagg.launch.health import busy_ports, http_status, local_port_free
 from disagg.launch.state import ProcessRecord, RunState, find_states, load_state, remove_state, run_path, save_state
 from disagg.linkemu import EmulatedLink, remove_namespace
 from disagg.modelgen import ensure_model
@@ -86,7 +86,7 @@ class Launcher:
             t0 = time.monotonic()
             pending = [self._start_engine(eng, extra_env) for eng in self.dep.engines]
             self._wait_healthy(pending, t0)
-            self._start_proxy(t0)
+            self._start_proxy()
             self.echo(f"ready: {self.dep.proxy_url} (OpenAI-compatible; {len(self.dep.engines)} engines, "
                       f"up in {time.monotonic() - t0:.0f} s; logs in {self.log_dir})")
         except BaseException:
@@ -153,7 +153,6 @@ class Launcher:
                 busy = set(busy_ports(host, python_for(host), [p for p, _ in ports]))
                 address = host.address
             else:  # the proxy on an address that is no topology host: this machine
-                from disagg.launch.health import local_port_free
                 address = self.topo.proxy.host
                 busy = {p for p, _ in ports if not local_port_free(address, p)}
             problems += [f"{address}:{p} ({where})" for p, where in ports if p in busy]
@@ -259,7 +258,7 @@ class Launcher:
         # The API key travels in the environment, never in argv (visible in ps).
         return {API_KEY_ENV: self.topo.proxy.api_key} if self.topo.proxy.api_key else {}
 
-    def _start_proxy(self, t0: float) -> None:
+    def _start_proxy(self) -> None:
         topo = self.topo
         log_path = self.log_dir / "proxy.log"
         log_path.unlink(missing_ok=True)
