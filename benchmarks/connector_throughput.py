@@ -15,16 +15,18 @@ D does not, so every repeat moves the whole prompt's KV. Reported per row
 - ``D ms``: D's whole request (schedule, fetch, last-token step), the
   handoff as a client sees it.
 
-Links: ``loopback`` now. The emulated 1 Gb/s and 2.5 Gb/s rows need the two
-engines in network namespaces joined by a shaped veth pair (``tc tbf``); that
-lives in ``disagg/linkemu.py`` (another branch). ``LINKS`` is the hook: add an
-entry that sets the link up, yields P's address and the wrapper that runs an
-engine inside its namespace, and tears it down.
+Links: ``loopback`` (both engines on this host's loopback) and ``1gbit`` /
+``2.5gbit``: P runs in a network namespace of its own behind a veth pair
+shaped with ``tc tbf`` at that rate in both directions
+(:class:`disagg.linkemu.EmulatedLink`, as ``link: {type: emulated}`` in a
+topology), D stays in the root namespace, and all KV traffic crosses the
+shaped veth (NIXL: ``UCX_NET_DEVICES`` names each side's veth). Emulated
+links need root. ``% of link`` is MB/s over the shaped rate.
 
-Run (holds the engine lock; ~10 min)::
+Run (holds the engine lock; ~25 min for all three links)::
 
     flock /tmp/disagg-engines.lock .venv/bin/python benchmarks/connector_throughput.py \\
-        --embedded tiny-kvheavy --out docs/socket-connector-bench.md
+        --embedded tiny-kvheavy --links loopback,1gbit,2.5gbit
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ from typing import Any
 
 import aiohttp
 
+from disagg.linkemu import EmulatedLink
 from disagg.modelgen import EMBEDDED_MODELS, build_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests.e2e
 from tests.e2e.vllm_pair import Engine, free_port, metric, start_engine, wait_healthy
 
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -56,28 +61,32 @@ class Connector:
     """How to configure one connector for P and D, and read its transfer time."""
 
     name: str
-    configs: Callable[[str, int, int], tuple[dict[str, Any], dict[str, Any], dict[str, str], dict[str, str]]]
+    configs: Callable[[Placement, int, int], tuple[dict[str, Any], dict[str, Any], dict[str, str], dict[str, str]]]
     xfer_seconds: str  # D-side metric: total seconds
     xfer_count: str  # D-side metric: number of transfers
 
 
-def nixl_configs(host: str, p_port: int, d_port: int):
+def nixl_configs(link: Placement, p_port: int, d_port: int):
     def cfg(role: str) -> dict[str, Any]:
         return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
                 "kv_connector_extra_config": {"backends": ["UCX"], "num_threads": 1}}
 
-    env = {"UCX_TLS": "tcp,self", "VLLM_NIXL_SIDE_CHANNEL_HOST": host}
-    return (cfg("kv_producer"), cfg("kv_consumer"), {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_port)},
-            {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port)})
+    def env(host: str, port: int, device: str | None) -> dict[str, str]:
+        out = {"UCX_TLS": "tcp,self", "VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+        return {**out, "UCX_NET_DEVICES": device} if device else out
+
+    return (cfg("kv_producer"), cfg("kv_consumer"), env(link.p_host, p_port, link.p_device),
+            env(link.d_host, d_port, link.d_device))
 
 
-def socket_configs(host: str, p_port: int, d_port: int, streams: int = 2):
+def socket_configs(link: Placement, p_port: int, d_port: int, streams: int = 2):
     def cfg(role: str, extra: dict[str, Any]) -> dict[str, Any]:
         return {"kv_connector": "SocketKVConnector", "kv_connector_module_path": "disagg_connectors.socket_connector",
                 "kv_role": role, "kv_connector_extra_config": extra}
 
     env = {"DISAGG_KV_SECRET": secrets.token_hex(32)}
-    return (cfg("kv_producer", {"host": host, "port": p_port}), cfg("kv_consumer", {"streams": streams}), env, env)
+    return (cfg("kv_producer", {"host": link.p_host, "port": p_port}), cfg("kv_consumer", {"streams": streams}),
+            env, env)
 
 
 CONNECTORS = {
@@ -87,14 +96,39 @@ CONNECTORS = {
 }
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the two engines run on a link: addresses, UCX devices and P's command wrapper."""
+
+    p_host: str
+    d_host: str
+    rate_bps: float | None = None  # None: unshaped
+    p_wrap: Callable[[list[str]], list[str]] | None = None
+    p_device: str | None = None
+    d_device: str | None = None
+
+
 @contextlib.contextmanager
-def loopback() -> Iterator[str]:
-    """Both engines on this host's loopback; yields P's address."""
-    yield "127.0.0.1"
+def loopback() -> Iterator[Placement]:
+    """Both engines on this host's loopback."""
+    yield Placement("127.0.0.1", "127.0.0.1")
 
 
-#: link name -> context manager yielding P's address (emulated links: see module docstring).
-LINKS: dict[str, Callable[[], contextlib.AbstractContextManager[str]]] = {"loopback": loopback}
+def emulated(rate_bps: float) -> Callable[[], contextlib.AbstractContextManager[Placement]]:
+    """P in a namespace behind a tbf-shaped veth at ``rate_bps``, D in the root namespace."""
+
+    @contextlib.contextmanager
+    def link() -> Iterator[Placement]:
+        with EmulatedLink(rate_bps, b_in_root=True) as emu:
+            yield Placement(emu.a.address, emu.b.address, rate_bps, lambda argv: emu.wrap("a", argv),
+                            emu.a.interface, emu.b.interface)
+
+    return link
+
+
+#: link name -> context manager giving the engines' placement.
+LINKS: dict[str, Callable[[], contextlib.AbstractContextManager[Placement]]] = {
+    "loopback": loopback, "1gbit": emulated(1e9), "2.5gbit": emulated(2.5e9)}
 
 
 def prompt_ids(model_dir: Path, n: int) -> list[int]:
@@ -139,19 +173,21 @@ async def one_handoff(session: aiohttp.ClientSession, p: Engine, d: Engine, conn
 def run_connector(conn: Connector, link: str, model_dir: Path, sizes: list[int], repeats: int,
                   kv_bytes_per_token: int, log_dir: Path) -> list[dict[str, Any]]:
     rows = []
-    with LINKS[link]() as host:
-        p_cfg, d_cfg, p_env, d_env = conn.configs(host, free_port(), free_port())
+    with LINKS[link]() as place:
+        p_cfg, d_cfg, p_env, d_env = conn.configs(place, free_port(), free_port())
         max_len = 8192  # the embedded models' max_position_embeddings
         # P caches prefixes, so repeats skip the (slow, O(n^2) on one core) prefill; the
         # handoff still moves every block. D must not, or it would not fetch at all.
         p = start_engine(f"{conn.name}-prefill", str(model_dir), 0, p_cfg, p_env, log_dir, max_model_len=max_len,
-                         prefix_caching=True)
+                         prefix_caching=True, host=place.p_host, wrap=place.p_wrap)
         d = start_engine(f"{conn.name}-decode", str(model_dir), 1, d_cfg, d_env, log_dir, max_model_len=max_len)
         try:
             wait_healthy([p, d])
 
             async def measure() -> None:
-                async with aiohttp.ClientSession() as session:
+                # force_close: uvicorn drops idle keep-alive connections after 5 s, and a reused
+                # one can die under the next request (ServerDisconnectedError)
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
                     await one_handoff(session, p, d, conn, prompt_ids(model_dir, 64))  # warm-up: handshakes
                     for n in sizes:
                         ids = prompt_ids(model_dir, n)
@@ -160,9 +196,11 @@ def run_connector(conn: Connector, link: str, model_dir: Path, sizes: list[int],
                         xfer = statistics.median(s[0] for s in samples)
                         d_ms = statistics.median(s[1] for s in samples)
                         nbytes = n * kv_bytes_per_token
+                        mb_s = nbytes / 1e6 / xfer if xfer else 0.0
                         rows.append({"link": link, "connector": conn.name, "tokens": n, "MB": nbytes / 1e6,
-                                     "xfer_ms": xfer * 1e3, "MB_s": nbytes / 1e6 / xfer if xfer else 0.0,
-                                     "d_ms": d_ms * 1e3})
+                                     "xfer_ms": xfer * 1e3, "MB_s": mb_s,
+                                     "link_pct": 100 * mb_s * 8e6 / place.rate_bps if place.rate_bps else None,
+                                     "d_ms": d_ms * 1e3, "samples_ms": [round(s[0] * 1e3, 1) for s in samples]})
                         print(rows[-1], flush=True)
 
             asyncio.run(measure())
@@ -174,11 +212,14 @@ def run_connector(conn: Connector, link: str, model_dir: Path, sizes: list[int],
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The results as a Markdown table, connectors side by side per size."""
-    lines = ["| link | tokens | KV MB | connector | xfer ms | MB/s | D request ms |",
-             "|---|---:|---:|---|---:|---:|---:|"]
-    for r in sorted(rows, key=lambda r: (r["link"], r["tokens"], r["connector"])):
+    lines = ["| link | tokens | KV MB | connector | xfer ms | MB/s | % of link | D request ms | xfer samples ms |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---|"]
+    order = list(LINKS)
+    for r in sorted(rows, key=lambda r: (order.index(r["link"]), r["tokens"], r["connector"])):
+        pct = "-" if r["link_pct"] is None else f"{r['link_pct']:.0f}%"
+        samples = ", ".join(f"{v:g}" for v in r["samples_ms"])
         lines.append(f"| {r['link']} | {r['tokens']} | {r['MB']:.1f} | {r['connector']} | {r['xfer_ms']:.1f} "
-                     f"| {r['MB_s']:.0f} | {r['d_ms']:.1f} |")
+                     f"| {r['MB_s']:.0f} | {pct} | {r['d_ms']:.1f} | {samples} |")
     return "\n".join(lines)
 
 

@@ -24,49 +24,17 @@ import sys
 
 from disagg.deployment import Deployment
 from disagg.errors import PlanError
+from disagg.proxy.config import ProxyConfig
 
 ROUTER_MODULES = {"vllm-router": "vllm_router.launch_router", "sglang-router": "sglang_router.launch_router"}
 #: proxy kind -> the engine it can route P/D requests for
 ROUTER_ENGINES = {"vllm-router": "vllm", "sglang-router": "sglang"}
 
 
-def handoff_engine(dep: Deployment) -> str:
-    """The built-in proxy's ``--engine`` (the handoff protocol) for this deployment."""
-    topo = dep.topology
-    if topo.engine == "vllm" and topo.connector == "lmcache" and not topo.colocated:
-        return "vllm-lmcache"
-    return topo.engine
-
-
-def handoff_options(dep: Deployment) -> list[tuple[str, str]]:
-    """The built-in proxy's ``--handoff-option`` pairs for this deployment."""
-    topo = dep.topology
-    if topo.colocated:
-        return []
-    if topo.engine == "sglang":
-        return [("bootstrap_ports", ",".join(str(e.instance.kv_port) for e in dep.role("prefill")))]
-    if handoff_engine(dep) == "vllm-lmcache":
-        from disagg.kv.lmcache import proxy_options
-
-        return list(proxy_options(topo))
-    return []
-
-
 def builtin_argv(dep: Deployment) -> list[str]:
-    """``python -m disagg proxy ...`` for this deployment."""
-    topo = dep.topology
-    t = topo.timeouts
-    argv = [sys.executable, "-m", "disagg", "proxy", "--host", topo.proxy.host, "--port", str(topo.proxy.port),
-            "--engine", handoff_engine(dep), "--fallback", topo.proxy.fallback,
-            "--connect-timeout", str(t.connect), "--request-timeout", str(t.request),
-            "--health-interval", str(t.health_interval)]
-    if topo.colocated:
-        return [*argv, "--decode", *(e.url for e in dep.role("both"))]
-    argv += ["--prefill", *(e.url for e in dep.role("prefill"))]
-    argv += ["--decode", *(e.url for e in dep.role("decode"))]
-    for key, value in handoff_options(dep):
-        argv += ["--handoff-option", f"{key}={value}"]
-    return argv
+    """``python -m disagg proxy ...`` for this deployment; the API key is left to the
+    environment (``DISAGG_PROXY_API_KEY``), never the command line."""
+    return [sys.executable, "-m", "disagg", *ProxyConfig.from_deployment(dep).to_argv(with_api_key=False)]
 
 
 def router_argv(dep: Deployment, python: str | None = None) -> list[str]:

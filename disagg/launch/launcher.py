@@ -33,6 +33,8 @@ from disagg.modelgen import ensure_model
 from disagg.topology import iter_ports
 
 STOP_ORDER = {"proxy": 0, "decode": 1, "both": 2, "prefill": 3}
+#: variables passed to remote engines over ssh's stdin, never on a command line
+SECRET_ENVS = frozenset({SECRET_ENV})
 
 
 class LauncherState(enum.Enum):
@@ -199,9 +201,10 @@ class Launcher:
         if eng.host.is_remote:
             workdir = eng.host.workdir or ".disagg"
             log = f"{workdir}/runs/{self.topo.name}/logs/{eng.log_name}"
-            shell = EngineLaunch(eng.instance, eng.host, eng.argv, tuple(sorted(env.items())),
-                                 eng.health_path, eng.files).shell_command()
-            pid = processes.start_remote(eng.host, shell, log)
+            secret = {k: v for k, v in env.items() if k in SECRET_ENVS}
+            public = tuple(sorted((k, v) for k, v in env.items() if k not in SECRET_ENVS))
+            shell = EngineLaunch(eng.instance, eng.host, eng.argv, public, eng.health_path, eng.files).shell_command()
+            pid = processes.start_remote(eng.host, shell, log, secret_env=secret)
             record = ProcessRecord(name=eng.name, kind="engine", host=eng.host.name, address=eng.host.address,
                                    port=eng.instance.port, url=eng.url, log=log, pid=pid,
                                    ssh=processes.ssh_prefix(eng.host))

@@ -14,6 +14,7 @@ import shlex
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import psutil
@@ -39,11 +40,11 @@ def ssh_prefix(host: HostSpec) -> list[str]:
     return [*argv, host.ssh]
 
 
-def run_remote(prefix: list[str], command: str, *, timeout: float = 60.0) -> str:
-    """Run a shell command over SSH; return stdout or raise RemoteCommandError."""
+def run_remote(prefix: list[str], command: str, *, timeout: float = 60.0, stdin_text: str | None = None) -> str:
+    """Run a shell command over SSH (``stdin_text`` on its stdin); return stdout or raise RemoteCommandError."""
     try:
-        done = subprocess.run([*prefix, command], capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
+        stdin = {"input": stdin_text} if stdin_text is not None else {"stdin": subprocess.DEVNULL}
+        done = subprocess.run([*prefix, command], capture_output=True, text=True, timeout=timeout, **stdin)
     except subprocess.TimeoutExpired as exc:
         raise RemoteCommandError(f"{prefix[-1]}: command timed out after {timeout:.0f} s: {command}") from exc
     except OSError as exc:
@@ -68,13 +69,24 @@ def start_local(argv: list[str] | tuple[str, ...], env: dict[str, str], log: Pat
     return proc.pid, created
 
 
-def start_remote(host: HostSpec, command: str, log: str) -> int:
-    """Start a shell ``command`` on ``host`` under setsid, output to ``log``; return its pid (= pgid)."""
+def start_remote(host: HostSpec, command: str, log: str, secret_env: Mapping[str, str] | None = None) -> int:
+    """Start a shell ``command`` on ``host`` under setsid, output to ``log``; return its pid (= pgid).
+
+    ``secret_env`` variables reach the command's environment through ssh's
+    stdin (one ``read`` per variable), never through a command line that the
+    remote ``ps`` or shell history could show.
+    """
     log_dir = os.path.dirname(log) or "."
+    secrets = sorted((secret_env or {}).items())
+    for name, value in secrets:
+        if not name.isidentifier() or "\n" in value:
+            raise ValueError(f"secret variable {name!r}: needs an identifier name and a one-line value")
+    reads = "".join(f"IFS= read -r {name} || exit 1; export {name}; " for name, _ in secrets)
     # `mkdir ... || exit` first: a list before `&` would be backgrounded whole and keep the ssh channel open.
-    script = (f"mkdir -p {shlex.quote(log_dir)} || exit 1; "
+    script = (f"mkdir -p {shlex.quote(log_dir)} || exit 1; {reads}"
               f"setsid sh -c {shlex.quote(f'exec {command}')} >>{shlex.quote(log)} 2>&1 </dev/null & echo $!")
-    out = run_remote(ssh_prefix(host), script).strip()
+    stdin_text = "".join(f"{value}\n" for _, value in secrets) if secrets else None
+    out = run_remote(ssh_prefix(host), script, stdin_text=stdin_text).strip()
     try:
         return int(out.splitlines()[-1])
     except (ValueError, IndexError) as exc:

@@ -46,6 +46,29 @@ def normalize_url(url: str, what: str) -> str:
     return url.strip().rstrip("/")
 
 
+def handoff_engine(dep: Deployment) -> str:
+    """The proxy's ``engine`` (the handoff protocol) for a planned topology."""
+    topo = dep.topology
+    if topo.engine == "vllm" and topo.connector == "lmcache" and not topo.colocated:
+        return "vllm-lmcache"
+    return topo.engine
+
+
+def handoff_options(dep: Deployment) -> tuple[tuple[str, str], ...]:
+    """The proxy's handoff options for a planned topology (SGLang: the prefill
+    bootstrap ports; vLLM + LMCache: decode receiver ports and the notify port)."""
+    topo = dep.topology
+    if topo.colocated:
+        return ()
+    if topo.engine == "sglang":
+        return (("bootstrap_ports", ",".join(str(e.instance.kv_port) for e in dep.role("prefill"))),)
+    if handoff_engine(dep) == "vllm-lmcache":
+        from disagg.kv.lmcache import proxy_options
+
+        return tuple(proxy_options(topo))
+    return ()
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """Everything the proxy needs.
@@ -98,13 +121,18 @@ class ProxyConfig:
         return cls(
             decode=tuple(e.url for e in dep.role("decode") + dep.role("both")),
             prefill=tuple(e.url for e in dep.role("prefill")),
-            host=topo.proxy.host, port=topo.proxy.port, engine=topo.engine,
+            host=topo.proxy.host, port=topo.proxy.port, engine=handoff_engine(dep),
             api_key=topo.proxy.api_key, fallback=topo.proxy.fallback,
             timeouts=timeouts or ProxyTimeouts(connect=t.connect, request=t.request,
-                                               health_interval=t.health_interval))
+                                               health_interval=t.health_interval),
+            handoff_options=handoff_options(dep))
 
-    def to_argv(self) -> list[str]:
-        """The ``disagg proxy ...`` arguments (after ``disagg``) that rebuild this config."""
+    def to_argv(self, *, with_api_key: bool = True) -> list[str]:
+        """The ``disagg proxy ...`` arguments (after ``disagg``) that rebuild this config.
+
+        ``with_api_key=False`` leaves the key out, for a caller that passes it
+        in the environment instead (``ps`` shows every process's argv).
+        """
         t = self.timeouts
         argv = ["proxy", "--host", self.host, "--port", str(self.port)]
         if self.prefill:
@@ -113,7 +141,7 @@ class ProxyConfig:
                  "--connect-timeout", str(t.connect), "--request-timeout", str(t.request),
                  "--health-interval", str(t.health_interval), "--health-timeout", str(t.health_timeout),
                  "--drain-timeout", str(t.drain)]
-        if self.api_key:
+        if self.api_key and with_api_key:
             argv += ["--api-key", self.api_key]
         for key, value in self.handoff_options:
             argv += ["--handoff-option", f"{key}={value}"]

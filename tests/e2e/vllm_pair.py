@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,11 @@ class Engine:
     proc: subprocess.Popen
     log_path: Path
     extra: dict[str, Any] = field(default_factory=dict)
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def log_tail(self, n: int = 40) -> str:
         """The last lines of the engine's log, for error messages."""
@@ -72,15 +74,18 @@ class Engine:
 
 def start_engine(name: str, model: str, core: int, kv_config: dict[str, Any] | None, env: dict[str, str],
                  log_dir: Path, args: list[str] | None = None, max_model_len: int = 8192,
-                 prefix_caching: bool = False) -> Engine:
+                 prefix_caching: bool = False, host: str = "127.0.0.1",
+                 wrap: Callable[[list[str]], list[str]] | None = None) -> Engine:
     """Start ``python -m vllm.entrypoints.openai.api_server`` pinned to ``core``.
 
     Prefix caching is off unless asked for, so a repeated prompt is computed
-    (or transferred) again.
+    (or transferred) again. ``host`` is the address the API server binds;
+    ``wrap`` prefixes the command line (e.g. to run it inside a network
+    namespace with ``ip netns exec``).
     """
     port = free_port()
     argv = [sys.executable, "-m", API_SERVER_MODULE, "--model", model, "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
+            "--host", host, "--port", str(port), "--max-model-len", str(max_model_len),
             "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", *(args or [])]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config)]
@@ -88,9 +93,11 @@ def start_engine(name: str, model: str, core: int, kv_config: dict[str, Any] | N
                 "OMP_NUM_THREADS": "1", **env}
     log_path = log_dir / f"{name}.log"
     log = open(log_path, "wb")
+    if wrap is not None:
+        argv = wrap(argv)
     proc = subprocess.Popen(argv, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
-    return Engine(name, port, proc, log_path)
+    return Engine(name, port, proc, log_path, host=host)
 
 
 def wait_healthy(engines: list[Engine], timeout_s: float = 400) -> None:

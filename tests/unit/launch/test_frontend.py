@@ -44,6 +44,22 @@ def test_builtin_sglang_passes_bootstrap_ports_in_prefill_order() -> None:
     assert a[a.index("--handoff-option") + 1] == "bootstrap_ports=8998,8999"
 
 
+def test_builtin_argv_rebuilds_the_topologys_proxy_config_without_the_api_key(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from disagg.cli import build_parser
+    from disagg.commands.proxy import API_KEY_ENV, config_from_args
+    from disagg.proxy.config import ProxyConfig
+
+    text = TEXT.replace("kind: KIND}", "kind: builtin, api_key: s3cret}")
+    topo = parse_topology(text.replace("ENGINE", "sglang").replace("CONNECTOR", "mooncake"), "t.yaml",
+                          run_dir="/tmp/run")
+    dep = plan_deployment(topo)
+    a = frontend_argv(dep)
+    assert "s3cret" not in a and "--api-key" not in a
+    monkeypatch.setenv(API_KEY_ENV, "s3cret")  # what the launcher puts in the proxy's environment
+    assert config_from_args(build_parser().parse_args(a[3:])) == ProxyConfig.from_deployment(dep)
+
+
 def test_vllm_router_pd_flags() -> None:
     a = argv(kind="vllm-router")
     assert a[1:3] == ["-m", "vllm_router.launch_router"]

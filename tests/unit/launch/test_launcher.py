@@ -130,7 +130,8 @@ def test_proxy_command_for_colocated_replicas(tmp_path: Path) -> None:
         """)
     argv = launcher._proxy_argv()
     assert "--prefill" not in argv
-    assert argv[argv.index("--decode"):] == ["--decode", "http://127.0.0.1:8300", "http://127.0.0.2:8300"]
+    assert argv[argv.index("--decode"):argv.index("--decode") + 3] == ["--decode", "http://127.0.0.1:8300",
+                                                                      "http://127.0.0.2:8300"]
     assert launcher._proxy_env() == {}
 
 

@@ -78,3 +78,32 @@ def test_log_tail_limits_lines(tmp_path: Path) -> None:
 
 def test_missing_log_is_reported(tmp_path: Path) -> None:
     assert processes.log_tail(_record(1, 0.0, tmp_path / "none.log")).startswith("(no log at ")
+
+
+def test_remote_secret_travels_on_stdin_not_on_the_command_line(tmp_path: Path, monkeypatch) -> None:
+    """start_remote with a local `sh -c` standing in for ssh: the secret reaches the command's
+    environment, and neither the remote script (what ssh puts on the far side's command line)
+    nor the command shows it."""
+    from disagg.topology import HostSpec
+
+    sent: list[list[str]] = []
+    real_run = processes.subprocess.run
+
+    def fake_run(argv, **kwargs):
+        sent.append(argv)
+        return real_run(argv, **kwargs)
+
+    monkeypatch.setattr(processes, "ssh_prefix", lambda host: ["sh", "-c"])
+    monkeypatch.setattr(processes.subprocess, "run", fake_run)
+    out = tmp_path / "env.txt"
+    secret = "ab12" * 16
+    command = f"sh -c 'printf %s \"$DISAGG_KV_SECRET\" > {out}'"
+    host = HostSpec(name="far", address="198.18.5.2", ssh="user@far")
+    pid = processes.start_remote(host, command, str(tmp_path / "logs" / "e.log"),
+                                 secret_env={"DISAGG_KV_SECRET": secret})
+    assert pid > 0
+    deadline = time.monotonic() + 10
+    while not (out.exists() and out.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert out.read_text() == secret
+    assert sent and all(secret not in " ".join(argv) for argv in sent)
