@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from disagg_connectors.nixl_cpu_affinity import ENABLED as NIXL_CPU_AFFINITY_OWN_CORES
+from disagg_connectors.nixl_cpu_affinity import ENV as NIXL_CPU_AFFINITY_ENV
+
 from disagg.kv.base import VllmKVAdapter, kv_role
 from disagg.kv.ucx import ucx_tls
 from disagg.launch.emulation import interface_for
@@ -40,4 +43,9 @@ class NixlVllmAdapter(VllmKVAdapter):
         device = interface_for(topo, host) or topo.link.interface
         if device:
             env["UCX_NET_DEVICES"] = device
+        if host.device == "cpu" and inst.cpus:
+            # vLLM's NIXL worker moves its compute thread to the machine's last core
+            # unless told otherwise; keep it on the engine's own cores
+            # (connectors/nixl_cpu_affinity.py, a vLLM general plugin).
+            env[NIXL_CPU_AFFINITY_ENV] = NIXL_CPU_AFFINITY_OWN_CORES
         return env

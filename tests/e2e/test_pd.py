@@ -34,6 +34,22 @@ def test_up_reports_ready(pd: Running) -> None:
     assert get_text(pd.proxy_url + "/health", timeout=10) is not None
 
 
+def test_each_engine_computes_on_its_own_core(pd: Running) -> None:
+    """The workers' compute threads stay on the topology's `cpus` ([0] and [1]).
+
+    Stock vLLM's NIXL worker moves its compute thread to the machine's last core
+    (here: the decode engine's) whatever VLLM_CPU_OMP_THREADS_BIND says; the
+    launcher's DISAGG_NIXL_CPU_AFFINITY=own-cores plugin keeps it home.
+    """
+    expected = {"prefill[0]": {0}, "decode[0]": {1}}
+    seen: dict[str, list[set[int]]] = {}
+    for rec in pd.state().processes:
+        if rec.name in expected:
+            workers = [p for p in psutil.Process(rec.pid).children(recursive=True) if p.name() == "VLLM::Worker"]
+            seen[rec.name] = [os.sched_getaffinity(w.pid) for w in workers]  # the main (compute) thread
+    assert seen == {name: [cores] for name, cores in expected.items()}
+
+
 @pytest.mark.parametrize("name", ["short", "long"])
 def test_handoff_equals_colocated_and_kv_moved(pd: Running, reference: dict[str, str],
                                                requests_: dict[str, dict], name: str) -> None:
