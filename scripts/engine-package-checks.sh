@@ -38,7 +38,9 @@ log() { echo "engine-package-checks: $*" >&2; }
 build() {
     local name=$1 dir=$root/$1
     local want
+    # .venv's own install stamp too: a changed .venv re-runs the shadowing check.
     want="${REQS[$name]} python=$("$py" -c 'import sys; print(sys.version.split()[0])')"
+    want="$want venv=$(cat "$venv/.disagg-install-stamp" 2>/dev/null || true)"
     if [ -f "$dir/.stamp" ] && [ "$(cat "$dir/.stamp")" = "$want" ]; then
         return 0
     fi
