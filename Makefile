@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 TOPOLOGY ?= topologies/local-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint check
+.PHONY: install serve test engine-checks lint check
 
 install:
 	@bash scripts/install.sh
@@ -16,7 +16,13 @@ serve: install
 test: install
 	@bash scripts/system-deps.sh
 	$(PY) -m ruff check disagg connectors tests benchmarks scripts
+	@VENV=$(VENV) bash scripts/engine-package-checks.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# SGLang's and LMCache's own parsers on our argv/YAML, in small side directories
+# (.disagg/pkgcheck/) next to .venv; `test` runs this too.
+engine-checks: install
+	@VENV=$(VENV) bash scripts/engine-package-checks.sh
 
 lint: install
 	$(PY) -m ruff check disagg connectors tests benchmarks scripts

@@ -5,6 +5,9 @@ Usage (from the repository root, in a venv that has the engine installed):
     PYTHONPATH=$PWD VENV/bin/python scripts/check_engine_configs.py topologies/sglang-1p1d.yaml
     PYTHONPATH=$PWD VENV/bin/python scripts/check_engine_configs.py topologies/lmcache-1p1d.yaml
 
+``scripts/engine-package-checks.sh`` (run by ``make test``) runs it for both
+example topologies with .venv's Python and each package in a side directory.
+
 Prints every instance's parsed values; exits 1 if the engine disagrees,
 2 if the engine is not installed in this interpreter. For SGLang topologies
 whose model is on local disk it also runs SGLang's whole argument resolution

@@ -94,8 +94,8 @@ def test_colocated_is_a_plain_server_on_cpu() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
-                    reason="package sglang is not installed (run scripts/check_engine_configs.py in a venv "
-                           "with sglang; see docs/engines.md)")
+                    reason="package sglang is not in this interpreter; `make test` runs this test with sglang "
+                           "via scripts/engine-package-checks.sh (docs/engines.md)")
 def test_argv_parses_with_sglangs_own_parser() -> None:
     from disagg.enginecheck import check_sglang
 

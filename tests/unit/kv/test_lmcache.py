@@ -116,8 +116,8 @@ def test_proxy_gets_receivers_and_notify_options() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("lmcache") is None,
-                    reason="package lmcache is not installed (run scripts/check_engine_configs.py in a venv "
-                           "with lmcache; see docs/engines.md)")
+                    reason="package lmcache is not in this interpreter; `make test` runs this test with lmcache "
+                           "via scripts/engine-package-checks.sh (docs/engines.md)")
 def test_yaml_loads_with_lmcaches_own_loader() -> None:
     from disagg.enginecheck import check_lmcache
 
