@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from disagg_connectors.nixl_cpu_affinity import ENABLED as NIXL_CPU_AFFINITY_OWN_CORES
+from disagg_connectors.nixl_cpu_affinity import ENV as NIXL_CPU_AFFINITY_ENV
 
 from disagg.linkemu import EmulatedLink
 from disagg.modelgen import EMBEDDED_MODELS, build_model
@@ -72,7 +74,9 @@ def nixl_configs(link: Placement, p_port: int, d_port: int):
                 "kv_connector_extra_config": {"backends": ["UCX"], "num_threads": 1}}
 
     def env(host: str, port: int, device: str | None) -> dict[str, str]:
-        out = {"UCX_TLS": "tcp,self", "VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+        # as `disagg up` plans it: the compute thread stays on the engine's core (disagg/kv/nixl.py)
+        out = {"UCX_TLS": "tcp,self", "VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
+               NIXL_CPU_AFFINITY_ENV: NIXL_CPU_AFFINITY_OWN_CORES}
         return {**out, "UCX_NET_DEVICES": device} if device else out
 
     return (cfg("kv_producer"), cfg("kv_consumer"), env(link.p_host, p_port, link.p_device),

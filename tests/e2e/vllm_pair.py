@@ -123,5 +123,5 @@ def wait_healthy(engines: list[Engine], timeout_s: float = 400) -> None:
 
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of a Prometheus metric's samples at ``url``/metrics matching ``labels``."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
         return sample_sum(r.read().decode(), name, **labels)
