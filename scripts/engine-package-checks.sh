@@ -20,7 +20,7 @@ root=.disagg/pkgcheck
 
 # Pins: the engine package + what its parser imports beyond .venv (found by trying).
 declare -A REQS=(
-    [sglang]="sglang==0.5.23 ipython==9.18.1 traitlets==5.16.1"  # sglang.utils imports IPython
+    [sglang]="sglang==0.5.23 ipython==9.18.1 traitlets==5.16.1 orjson==3.13.0"  # sglang.utils: IPython; srt.utils: orjson
     [lmcache]="lmcache==0.5.6"
 )
 declare -A TESTS=(
