@@ -78,7 +78,7 @@ def write_topology(path: Path, model: Path, *, proxy_port: int, roles: str, conn
                    extra: str = "") -> Path:
     """A topology file for the tests on one machine (loopback)."""
     path.write_text(textwrap.dedent(f"""\
-        model: {{path: {model}, max_model_len: 4096, served_name: tiny}}
+        model: {{path: {model}, max_model_len: 8192, served_name: tiny}}
         engine: vllm
         connector: {connector}
         link: {{type: loopback}}
