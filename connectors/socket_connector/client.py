@@ -2,8 +2,10 @@
 
 The block list is split into ``streams`` consecutive parts, each fetched on
 its own authenticated connection in its own thread, straight into the
-destination blocks. After all parts (success or not) the lease is released on
-the first connection, so the prefill engine frees its blocks at once.
+destination blocks. ``PeerConnections`` keeps those connections open between
+fetches (the TCP and HMAC handshakes are paid once per connection, not per
+request), and the lease is released after the fetch, off the request's
+critical path, so the prefill engine frees its blocks at once.
 """
 
 from __future__ import annotations
@@ -13,14 +15,25 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from disagg_connectors.socket_connector.auth import client_handshake
 from disagg_connectors.socket_connector.layout import BlockStore
 from disagg_connectors.socket_connector.server import chunks
-from disagg_connectors.socket_connector.wire import WireError, recv_frame, recv_into_views, send_frame
+from disagg_connectors.socket_connector.wire import (
+    WireError,
+    recv_frame,
+    recv_into_views,
+    send_frame,
+    set_io_timeout,
+    wait_readable,
+)
 
 logger = logging.getLogger(__name__)
+
+#: An idle pooled connection older than this is closed instead of reused
+#: (the prefill side drops connections idle for twice as long).
+MAX_IDLE_S = 60.0
 
 
 class FetchError(ConnectionError):
@@ -66,15 +79,18 @@ class FetchResult:
 
 
 def connect(host: str, port: int, secret: bytes, store: BlockStore, opts: FetchOptions,
-            engine_id: str | None = None) -> socket.socket:
-    """Open, authenticate, identity- and layout-check one connection; raises FetchError."""
+            engine_id: str | None = None) -> tuple[socket.socket, str]:
+    """Open, authenticate, identity- and layout-check one connection; raises FetchError.
+
+    Returns the socket and the engine id the prefill side announced.
+    """
     where = f"{host}:{port}"
     try:
         sock = socket.create_connection((host, port), timeout=opts.connect_timeout_s)
     except OSError as exc:
         raise FetchError(f"cannot connect to prefill KV listener {where}: {exc}") from exc
     try:
-        sock.settimeout(opts.io_timeout_s)
+        set_io_timeout(sock, opts.io_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         client_handshake(sock, secret)
         hello = recv_frame(sock)
@@ -82,9 +98,10 @@ def connect(host: str, port: int, secret: bytes, store: BlockStore, opts: FetchO
         ours = store.layout.fingerprint()
         if theirs != ours:
             raise FetchError(f"KV layout of {where} differs from ours: {theirs} != {ours}")
-        if engine_id is not None and hello.get("engine_id") != engine_id:
-            raise FetchError(f"{where} is engine {hello.get('engine_id')!r}, not {engine_id!r} (restarted?)")
-        return sock
+        announced = str(hello.get("engine_id"))
+        if engine_id is not None and announced != engine_id:
+            raise FetchError(f"{where} is engine {announced!r}, not {engine_id!r} (restarted?)")
+        return sock, announced
     except (WireError, OSError) as exc:
         sock.close()
         raise FetchError(f"handshake with {where} failed: {exc}") from exc
@@ -93,100 +110,200 @@ def connect(host: str, port: int, secret: bytes, store: BlockStore, opts: FetchO
         raise
 
 
-def _fetch_part(sock: socket.socket, plan: FetchPlan, remote: Sequence[int], local: Sequence[int],
-                store: BlockStore, opts: FetchOptions) -> int:
-    where = f"{plan.host}:{plan.port}"
-    send_frame(sock, {"op": "fetch", "request_id": plan.request_id, "block_ids": list(remote),
-                      "blocks_per_message": opts.blocks_per_message})
-    reply = recv_frame(sock)
-    if not reply.get("ok"):
-        raise FetchError(f"{where} refused request {plan.request_id}: {reply.get('error')}")
-    expected = int(reply.get("nbytes", -1))
-    if expected != len(local) * store.layout.block_bytes:
-        raise FetchError(f"{where} announced {expected} bytes for {len(local)} blocks")
-    got = 0
-    for part in chunks(local, opts.blocks_per_message):
-        with store.writing(part) as views:
-            got += recv_into_views(sock, views)
-    return got
+@dataclass
+class _Conn:
+    sock: socket.socket
+    engine_id: str
+    reused: bool = False
+    idle_since: float = field(default_factory=time.monotonic)
 
 
-def fetch(plan: FetchPlan, secret: bytes, store: BlockStore, opts: FetchOptions) -> FetchResult:
-    """Fetch every block of ``plan`` and release the lease; raises FetchError.
+class PeerConnections:
+    """Authenticated connections to prefill listeners, kept open between fetches.
 
-    The destination blocks are only valid when this returns; on error their
-    contents are undefined: the caller reports the load as failed and then
-    calls ``release_only`` if ``FetchError.reached_peer``.
+    Thread-safe: parallel streams and parallel fetches each check out their
+    own connection. A connection goes back to the pool only after a complete
+    exchange; any error closes it. A pooled connection the prefill side has
+    closed meanwhile (restart, idle timeout) is noticed before use, or, if it
+    breaks before the fetch was answered, replaced once by a new one.
     """
-    if len(plan.remote_block_ids) != len(plan.local_block_ids):
-        raise FetchError(
-            f"request {plan.request_id}: {len(plan.remote_block_ids)} remote blocks "
-            f"for {len(plan.local_block_ids)} local blocks"
-        )
-    start = time.perf_counter()
-    n = len(plan.local_block_ids)
-    if n == 0:
-        release_only(plan, secret, store, opts)
-        return FetchResult(0, time.perf_counter() - start, 0)
-    nstreams = max(1, min(opts.streams, n))
-    step = -(-n // nstreams)
-    parts = [(plan.remote_block_ids[i : i + step], plan.local_block_ids[i : i + step]) for i in range(0, n, step)]
-    socks: list[socket.socket] = []
-    errors: list[BaseException] = []
-    totals = [0] * len(parts)
-    try:
-        socks.append(connect(plan.host, plan.port, secret, store, opts, plan.engine_id))
-        for _ in parts[1:]:
-            socks.append(connect(plan.host, plan.port, secret, store, opts, plan.engine_id))
+
+    def __init__(self, secret: bytes, store: BlockStore, opts: FetchOptions, max_idle_per_peer: int = 8):
+        self._secret = secret
+        self._store = store
+        self.opts = opts
+        self._max_idle = max_idle_per_peer
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> PeerConnections:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every idle connection (checked-out ones close when their fetch ends)."""
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.sock.close()
+
+    def idle_count(self) -> int:
+        """Connections waiting in the pool (for tests and logs)."""
+        with self._lock:
+            return sum(len(c) for c in self._idle.values())
+
+    def _open(self, host: str, port: int, engine_id: str | None) -> _Conn:
+        sock, announced = connect(host, port, self._secret, self._store, self.opts, engine_id)
+        return _Conn(sock, announced)
+
+    def _checkout(self, host: str, port: int, engine_id: str | None) -> _Conn:
+        stale: list[_Conn] = []
+        found: _Conn | None = None
+        with self._lock:
+            idle = self._idle.get((host, port), [])
+            while idle and found is None:
+                conn = idle.pop()
+                usable = (time.monotonic() - conn.idle_since < MAX_IDLE_S
+                          and (engine_id is None or conn.engine_id == engine_id)
+                          and not wait_readable(conn.sock, 0))  # data or EOF on an idle line: the peer left
+                if usable:
+                    conn.reused = True
+                    found = conn
+                else:
+                    stale.append(conn)
+        for conn in stale:
+            conn.sock.close()
+        return found if found is not None else self._open(host, port, engine_id)
+
+    def _checkin(self, host: str, port: int, conn: _Conn) -> None:
+        conn.idle_since = time.monotonic()
+        with self._lock:
+            idle = self._idle.setdefault((host, port), [])
+            if len(idle) < self._max_idle:
+                idle.append(conn)
+                return
+        conn.sock.close()
+
+    def _exchange(self, plan: FetchPlan, conn: _Conn, request: dict) -> dict:
+        """Send ``request`` and read the reply; a stale pooled connection is replaced once."""
+        try:
+            send_frame(conn.sock, request)
+            return recv_frame(conn.sock)
+        except (WireError, OSError):
+            if not conn.reused:
+                raise
+        # The prefill side closed this idle connection: nothing was done there; retry on a new one.
+        conn.sock.close()
+        fresh = self._open(plan.host, plan.port, plan.engine_id)
+        conn.sock, conn.engine_id, conn.reused = fresh.sock, fresh.engine_id, False
+        send_frame(conn.sock, request)
+        return recv_frame(conn.sock)
+
+    def _fetch_part(self, plan: FetchPlan, remote: Sequence[int], local: Sequence[int]) -> int:
+        where = f"{plan.host}:{plan.port}"
+        opts = self.opts
+        conn = self._checkout(plan.host, plan.port, plan.engine_id)  # a FetchError here: never reached the peer
+        try:
+            reply = self._exchange(plan, conn, {"op": "fetch", "request_id": plan.request_id,
+                                                "block_ids": list(remote),
+                                                "blocks_per_message": opts.blocks_per_message})
+            if not reply.get("ok"):
+                raise FetchError(f"{where} refused request {plan.request_id}: {reply.get('error')}")
+            expected = int(reply.get("nbytes", -1))
+            if expected != len(local) * self._store.layout.block_bytes:
+                raise FetchError(f"{where} announced {expected} bytes for {len(local)} blocks")
+            got = 0
+            for part in chunks(local, opts.blocks_per_message):
+                with self._store.writing(part) as views:
+                    got += recv_into_views(conn.sock, views)
+        except BaseException as exc:
+            conn.sock.close()
+            if isinstance(exc, (WireError, OSError)) and not isinstance(exc, FetchError):
+                err = FetchError(f"fetch of request {plan.request_id} from {where} failed: {exc}")
+                err.reached_peer = True
+                raise err from exc
+            if isinstance(exc, FetchError):
+                exc.reached_peer = True
+            raise
+        self._checkin(plan.host, plan.port, conn)
+        return got
+
+    def fetch(self, plan: FetchPlan) -> FetchResult:
+        """Fetch every block of ``plan``; raises FetchError. Does not release the lease.
+
+        The destination blocks are only valid when this returns; on error their
+        contents are undefined. Either way the caller then calls ``release``
+        (after reporting a failure, if ``FetchError.reached_peer``).
+        """
+        if len(plan.remote_block_ids) != len(plan.local_block_ids):
+            raise FetchError(
+                f"request {plan.request_id}: {len(plan.remote_block_ids)} remote blocks "
+                f"for {len(plan.local_block_ids)} local blocks"
+            )
+        start = time.perf_counter()
+        n = len(plan.local_block_ids)
+        if n == 0:
+            return FetchResult(0, 0.0, 0)
+        nstreams = max(1, min(self.opts.streams, n))
+        step = -(-n // nstreams)
+        parts = [(plan.remote_block_ids[i : i + step], plan.local_block_ids[i : i + step])
+                 for i in range(0, n, step)]
+        errors: list[BaseException] = []
+        totals = [0] * len(parts)
 
         def run(i: int) -> None:
             try:
-                totals[i] = _fetch_part(socks[i], plan, parts[i][0], parts[i][1], store, opts)
+                totals[i] = self._fetch_part(plan, parts[i][0], parts[i][1])
             except BaseException as exc:  # reported below with the peer named
                 errors.append(exc)
 
-        threads = [threading.Thread(target=run, args=(i,), name=f"kv-socket-fetch-{i}") for i in range(1, len(parts))]
+        threads = [threading.Thread(target=run, args=(i,), name=f"kv-socket-fetch-{i}")
+                   for i in range(1, len(parts))]
         for t in threads:
             t.start()
         run(0)
         for t in threads:
             t.join()
         if errors:
-            exc = errors[0]
-            if isinstance(exc, FetchError):
-                raise exc
-            raise FetchError(f"fetch of request {plan.request_id} from {plan.host}:{plan.port} failed: {exc}") from exc
-        release(socks[0], plan)
+            first = next((e for e in errors if isinstance(e, FetchError)), None)
+            if first is None:
+                first = FetchError(f"fetch of request {plan.request_id} from {plan.host}:{plan.port} failed: "
+                                   f"{errors[0]}")
+                first.__cause__ = errors[0]
+            first.reached_peer = any(getattr(e, "reached_peer", False) for e in errors)
+            raise first
         return FetchResult(sum(totals), time.perf_counter() - start, len(parts))
-    except FetchError as exc:
-        # The caller reports the failure first, then releases on a fresh
-        # connection (a broken stream may hold unread data) if we ever got in.
-        exc.reached_peer = bool(socks)
-        raise
-    finally:
-        for s in socks:
-            s.close()
 
-
-def release(sock: socket.socket, plan: FetchPlan) -> bool:
-    """Tell the prefill side it may free the request's blocks (best effort)."""
-    try:
-        send_frame(sock, {"op": "release", "request_id": plan.request_id})
-        ok = bool(recv_frame(sock).get("ok"))
-        send_frame(sock, {"op": "bye"})
+    def release(self, plan: FetchPlan) -> bool:
+        """Tell the prefill side it may free the request's blocks (best effort)."""
+        try:
+            conn = self._checkout(plan.host, plan.port, plan.engine_id)
+        except FetchError as exc:
+            logger.info("socket KV connector: release of %s skipped: %s", plan.request_id, exc)
+            return False
+        try:
+            ok = bool(self._exchange(plan, conn, {"op": "release", "request_id": plan.request_id}).get("ok"))
+        except (WireError, OSError, FetchError) as exc:
+            conn.sock.close()
+            logger.info("socket KV connector: could not release %s on %s:%d: %s",
+                        plan.request_id, plan.host, plan.port, exc)
+            return False
+        self._checkin(plan.host, plan.port, conn)
         return ok
-    except (WireError, OSError) as exc:
-        logger.info("socket KV connector: could not release %s on %s:%d: %s",
-                    plan.request_id, plan.host, plan.port, exc)
-        return False
+
+
+def fetch(plan: FetchPlan, secret: bytes, store: BlockStore, opts: FetchOptions) -> FetchResult:
+    """One fetch on new connections, then release the lease (tools and tests)."""
+    with PeerConnections(secret, store, opts) as conns:
+        result = conns.fetch(plan)
+        conns.release(plan)
+        return result
 
 
 def release_only(plan: FetchPlan, secret: bytes, store: BlockStore, opts: FetchOptions) -> bool:
-    """Release a lease without fetching (decode side hit its own cache or aborted)."""
-    try:
-        sock = connect(plan.host, plan.port, secret, store, opts, plan.engine_id)
-    except FetchError as exc:
-        logger.info("socket KV connector: release of %s skipped: %s", plan.request_id, exc)
-        return False
-    with sock:
-        return release(sock, plan)
+    """Release a lease on a new connection, without fetching."""
+    with PeerConnections(secret, store, opts) as conns:
+        return conns.release(plan)

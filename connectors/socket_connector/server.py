@@ -10,8 +10,10 @@ Protocol after the HMAC handshake (see auth.py), all control frames JSON:
     server -> {"ok": true}
     client -> {"op": "bye"}
 
-One thread accepts; each connection gets its own thread, so a decode engine's
-parallel streams are served in parallel.
+A connection carries any number of fetches and releases: decode engines keep
+theirs open between requests (``client.PeerConnections``), and one idle for
+``idle_timeout_s`` is closed here. One thread accepts; each connection gets
+its own thread, so a decode engine's parallel streams are served in parallel.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ from disagg_connectors.socket_connector.auth import AuthError, server_handshake
 from disagg_connectors.socket_connector.counters import TransferCounters
 from disagg_connectors.socket_connector.layout import BlockStore, LayoutError
 from disagg_connectors.socket_connector.leases import LeaseTable
-from disagg_connectors.socket_connector.wire import PeerClosed, WireError, recv_frame, send_frame, send_views
+from disagg_connectors.socket_connector.wire import (
+    PeerClosed,
+    WireError,
+    recv_frame,
+    send_frame,
+    send_views,
+    set_io_timeout,
+    wait_readable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +60,7 @@ class KVServer:
         rank: int = 0,
         io_timeout_s: float = 30.0,
         registration_wait_s: float = 5.0,
+        idle_timeout_s: float = 120.0,
         counters: TransferCounters | None = None,
     ):
         self.store = store
@@ -59,6 +70,7 @@ class KVServer:
         self.engine_id, self.rank = engine_id, rank
         self.io_timeout_s = io_timeout_s
         self.registration_wait_s = registration_wait_s
+        self.idle_timeout_s = idle_timeout_s
         self.counters = counters or TransferCounters()
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
@@ -114,7 +126,7 @@ class KVServer:
     def _serve(self, conn: socket.socket, addr: tuple) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         with conn:
-            conn.settimeout(self.io_timeout_s)
+            set_io_timeout(conn, self.io_timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
                 server_handshake(conn, self._secret)
@@ -132,6 +144,8 @@ class KVServer:
                      "rank": self.rank},
                 )
                 while not self._stop.is_set():
+                    if not wait_readable(conn, self.idle_timeout_s):
+                        return  # idle too long: the client opens a new connection when it needs one
                     msg = recv_frame(conn)
                     op = msg.get("op")
                     if op == "fetch":

@@ -11,6 +11,7 @@ into its destination (``recv_into``).
 from __future__ import annotations
 
 import json
+import select
 import socket
 import struct
 from collections.abc import Sequence
@@ -22,6 +23,9 @@ MAX_FRAME_BYTES = 4 << 20
 MAX_IOVECS = 512
 
 _LEN = struct.Struct(">I")
+_TIMEVAL = struct.Struct("@ll")
+#: What a blocking socket raises when SO_RCVTIMEO / SO_SNDTIMEO expire.
+_TIMED_OUT = (TimeoutError, BlockingIOError)
 
 
 class WireError(ConnectionError):
@@ -30,6 +34,29 @@ class WireError(ConnectionError):
 
 class PeerClosed(WireError):
     """The peer closed the connection cleanly, between two messages."""
+
+
+def set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Make ``sock`` blocking with kernel-side send and receive timeouts.
+
+    A socket with a Python timeout is non-blocking underneath, so every
+    partial read returns to Python (and waits for the GIL, which an engine's
+    busy loop holds). A blocking socket with ``SO_RCVTIMEO`` lets one
+    ``recv_into(MSG_WAITALL)`` fill a whole block in the kernel. The timeout
+    then bounds each wait for progress, not the whole transfer.
+    """
+    sock.settimeout(None)
+    whole = int(seconds)
+    tv = _TIMEVAL.pack(whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def wait_readable(sock: socket.socket, seconds: float) -> bool:
+    """True once ``sock`` has data (or EOF) to read, False after ``seconds``."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(int(seconds * 1000)))
 
 
 def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
@@ -75,7 +102,7 @@ def send_views(sock: socket.socket, views: Sequence[memoryview]) -> int:
         batch = pending[i : i + MAX_IOVECS]
         try:
             sent = sock.sendmsg(batch)
-        except TimeoutError as exc:
+        except _TIMED_OUT as exc:
             raise WireError("timed out sending block data") from exc
         except OSError as exc:
             raise WireError(f"sending block data failed: {exc}") from exc
@@ -95,7 +122,9 @@ def send_views(sock: socket.socket, views: Sequence[memoryview]) -> int:
 def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> int:
     """Fill every view in order straight from the socket; returns bytes read.
 
-    Raises WireError if the peer closes before all bytes arrived (a partial
+    Each view is asked for whole (``MSG_WAITALL``): on a blocking socket (see
+    ``set_io_timeout``) the kernel fills it before returning. Raises
+    WireError if the peer closes before all bytes arrived (a partial
     transfer) or the socket times out.
     """
     total = 0
@@ -104,8 +133,8 @@ def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> int:
         got = 0
         while got < view.nbytes:
             try:
-                n = sock.recv_into(view[got:])
-            except TimeoutError as exc:
+                n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+            except _TIMED_OUT as exc:
                 raise WireError(f"timed out after {total + got} bytes") from exc
             except OSError as exc:
                 raise WireError(f"receive failed after {total + got} bytes: {exc}") from exc

@@ -5,9 +5,10 @@ reports a request finished sending once the decode side released it or its
 lease expired, so vLLM frees the blocks.
 
 Decode: runs fetches on a small thread pool, straight into the allocated
-blocks; reports each request finished receiving, and failed ones also as
-failed so ``kv_load_failure_policy`` decides (``recompute`` prefills
-locally, ``fail`` errors the request).
+blocks, over connections kept open between requests; reports each request
+finished receiving (failed ones also as failed, so ``kv_load_failure_policy``
+decides: ``recompute`` prefills locally, ``fail`` errors the request), and
+only then releases the prefill side's lease.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from disagg_connectors.socket_connector.client import FetchError, FetchOptions, FetchPlan, fetch, release_only
+from disagg_connectors.socket_connector.client import FetchError, FetchOptions, FetchPlan, PeerConnections
 from disagg_connectors.socket_connector.config import SocketSettings
 from disagg_connectors.socket_connector.counters import TransferCounters
 from disagg_connectors.socket_connector.layout import BlockStore, make_store
@@ -51,6 +52,7 @@ class SocketWorker:
         self.store: BlockStore | None = None
         self.server: KVServer | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._conns: PeerConnections | None = None
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._opts = FetchOptions(settings.streams, settings.blocks_per_message, settings.connect_timeout_s,
                                   settings.io_timeout_s)
@@ -70,6 +72,8 @@ class SocketWorker:
             self.server.start()
         else:
             self._pool = ThreadPoolExecutor(self.settings.max_parallel_fetches, thread_name_prefix="kv-socket-fetch")
+            self._conns = PeerConnections(self.settings.secret, self.store, self._opts,
+                                          max_idle_per_peer=self.settings.streams * self.settings.max_parallel_fetches)
 
     def start_load_kv(self, meta: SocketConnectorMetadata) -> None:
         """Register new leases and start new fetches (never blocks on the network)."""
@@ -86,17 +90,18 @@ class SocketWorker:
                          spec.remote_block_ids, spec.local_block_ids, spec.remote_engine_id)
 
     def _run_fetch(self, rid: str, spec: RecvSpec) -> None:
-        assert self.store is not None
+        conns = self._conns
+        assert conns is not None
         plan = self._plan(spec)
         if not spec.awaiting:
-            release_only(plan, self.settings.secret, self.store, self._opts)
+            conns.release(plan)
             return
         ok = False
-        release_after = False
+        release = True
         try:
             if spec.remote_tp_size != self.tp_size:
                 raise FetchError(f"prefill TP size {spec.remote_tp_size} != decode TP size {self.tp_size}")
-            result = fetch(plan, self.settings.secret, self.store, self._opts)
+            result = conns.fetch(plan)
             ok = True
             self.counters.add("transfer_duration", result.seconds)
             self.counters.add("bytes_transferred", result.nbytes)
@@ -107,16 +112,16 @@ class SocketWorker:
             )
         except FetchError as exc:
             self.counters.add("num_failed_transfers")
-            release_after = exc.reached_peer
+            release = exc.reached_peer
             logger.warning("socket KV connector: fetch of %s failed: %s", rid, exc)
         except Exception:
             self.counters.add("num_failed_transfers")
             logger.exception("socket KV connector: fetch of %s crashed", rid)
         finally:
             self._outcomes.put(_Outcome(rid, ok))
-        if release_after:
-            # After reporting: a slow or dead peer must not delay the local recompute.
-            release_only(plan, self.settings.secret, self.store, self._opts)
+        if release:
+            # After reporting: the request goes on (or recomputes) while the prefill side frees its blocks.
+            conns.release(plan)
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         """Requests done sending (released or expired) and done receiving (ok or failed)."""
@@ -145,3 +150,6 @@ class SocketWorker:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        if self._conns is not None:
+            self._conns.close()
+            self._conns = None

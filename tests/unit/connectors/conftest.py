@@ -19,3 +19,5 @@ if _spec is None or Path(_spec.__file__ or "").resolve().parent != _ROOT:
     module = importlib.util.module_from_spec(spec)
     sys.modules["disagg_connectors"] = module
     spec.loader.exec_module(module)
+
+from tests.unit.connectors.kvdata import served  # noqa: E402,F401  (the listener fixture)

@@ -10,8 +10,6 @@ import time
 import pytest
 import torch
 from disagg_connectors.socket_connector.auth import AuthError, client_handshake, server_handshake
-from disagg_connectors.socket_connector.client import FetchError, FetchOptions, FetchPlan, fetch, release_only
-from disagg_connectors.socket_connector.counters import TransferCounters
 from disagg_connectors.socket_connector.layout import (
     DirectStore,
     LayoutError,
@@ -21,7 +19,6 @@ from disagg_connectors.socket_connector.layout import (
     make_store,
 )
 from disagg_connectors.socket_connector.leases import LeaseTable
-from disagg_connectors.socket_connector.server import KVServer
 from disagg_connectors.socket_connector.wire import (
     MAX_IOVECS,
     PeerClosed,
@@ -33,20 +30,7 @@ from disagg_connectors.socket_connector.wire import (
     send_views,
 )
 
-SECRET = b"0123456789abcdef0123456789abcdef"
-NUM_BLOCKS = 32
-
-
-def kv_caches(seed: int, fill: bool = True) -> dict[str, torch.Tensor]:
-    """Two layers in vLLM's CPU layout [num_blocks, kv_heads, block_size, 2*head] (bf16)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name in ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"):
-        t = torch.zeros(NUM_BLOCKS, 2, 16, 128, dtype=torch.bfloat16)
-        if fill:
-            t.copy_(torch.randn(t.shape, generator=g).to(torch.bfloat16))
-        out[name] = t
-    return out
+from tests.unit.connectors.kvdata import NUM_BLOCKS, SECRET, kv_caches
 
 
 @pytest.fixture
@@ -297,208 +281,3 @@ def test_acquire_waits_for_a_late_registration() -> None:
     assert table.acquire("never", 0.1) is None
 
 
-# -- whole fetches over a real listener ----------------------------------------
-
-def eventually(probe, expected, timeout_s: float = 5.0):
-    """Poll ``probe()`` until it returns ``expected`` (server threads finish a moment
-    after the client has its answer); returns the last value."""
-    deadline = time.monotonic() + timeout_s
-    while (value := probe()) != expected and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return value
-
-
-def reaped(table: LeaseTable):
-    """Accumulate reap() results, so polling does not lose a reported lease."""
-    done: set[str] = set()
-    expired: set[str] = set()
-
-    def probe() -> tuple[set[str], set[str]]:
-        d, e = table.reap()
-        done.update(d)
-        expired.update(e)
-        return done, expired
-
-    return probe
-
-
-@pytest.fixture
-def served():
-    """A listener on 127.0.0.1 serving kv_caches(7); yields (server, caches)."""
-    caches = kv_caches(7)
-    leases = LeaseTable()
-    server = KVServer(make_store(caches, NUM_BLOCKS), leases, SECRET, "127.0.0.1", 0,
-                      registration_wait_s=0.2, io_timeout_s=5, counters=TransferCounters())
-    server.start()
-    yield server, caches
-    server.close()
-
-
-@pytest.mark.parametrize("streams", [1, 3])
-@pytest.mark.parametrize("per_msg", [1, 4, 64])
-def test_fetch_copies_exactly_the_leased_blocks(served, streams: int, per_msg: int) -> None:
-    server, src = served
-    remote = [5, 6, 7, 20, 21, 2, 30]
-    local = [0, 1, 2, 10, 11, 12, 31]
-    server.leases.register("req-1", remote, 30)
-    dst = kv_caches(0, fill=False)
-    store = make_store(dst, NUM_BLOCKS)
-    result = fetch(FetchPlan("127.0.0.1", server.port, "req-1", remote, local), SECRET, store,
-                   FetchOptions(streams=streams, blocks_per_message=per_msg, io_timeout_s=5))
-    assert result.nbytes == len(remote) * store.layout.block_bytes
-    assert result.streams == min(streams, len(remote))
-    for name in src:
-        for r, loc in zip(remote, local, strict=True):
-            assert torch.equal(dst[name][loc], src[name][r]), (name, r, loc)
-        assert not dst[name][3].any()
-    # Released: P reports it done, and a second fetch is refused.
-    assert eventually(reaped(server.leases), ({"req-1"}, set())) == ({"req-1"}, set())
-    with pytest.raises(FetchError, match="refused request req-1"):
-        fetch(FetchPlan("127.0.0.1", server.port, "req-1", remote, local), SECRET, store, FetchOptions())
-
-
-def test_fetch_with_a_wrong_secret_is_refused_and_counted(served) -> None:
-    server, _ = served
-    server.leases.register("req-1", [1], 30)
-    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
-    with pytest.raises(FetchError, match="auth"):
-        fetch(FetchPlan("127.0.0.1", server.port, "req-1", [1], [1]), b"x" * 32, store, FetchOptions())
-    refused: list[float] = []
-    assert eventually(lambda: refused.extend((server.counters.drain() or {}).get("num_refused", [])) or refused,
-                      [1]) == [1]
-    assert len(server.leases) == 1  # the lease is untouched
-
-
-def test_fetch_of_blocks_outside_the_lease_is_refused(served) -> None:
-    server, _ = served
-    server.leases.register("req-1", [1, 2], 30)
-    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
-    with pytest.raises(FetchError, match="not leased"):
-        fetch(FetchPlan("127.0.0.1", server.port, "req-1", [1, 3], [1, 3]), SECRET, store, FetchOptions())
-
-
-def test_unknown_request_is_refused(served) -> None:
-    server, _ = served
-    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
-    with pytest.raises(FetchError, match="unknown, released or expired request ghost"):
-        fetch(FetchPlan("127.0.0.1", server.port, "ghost", [1], [1]), SECRET, store, FetchOptions())
-
-
-def test_layout_mismatch_fails_before_any_data(served) -> None:
-    server, _ = served
-    server.leases.register("req-1", [1], 30)
-    other = {"model.layers.0.self_attn.attn": torch.zeros(NUM_BLOCKS, 2, 16, 64, dtype=torch.bfloat16)}
-    with pytest.raises(FetchError, match="layout"):
-        fetch(FetchPlan("127.0.0.1", server.port, "req-1", [1], [1]), SECRET, make_store(other, NUM_BLOCKS),
-              FetchOptions())
-
-
-def test_release_only_frees_the_lease(served) -> None:
-    server, _ = served
-    server.leases.register("req-1", [1], 30)
-    plan = FetchPlan("127.0.0.1", server.port, "req-1", [1], [])
-    assert release_only(plan, SECRET, make_store(kv_caches(0, fill=False), NUM_BLOCKS), FetchOptions())
-    assert eventually(reaped(server.leases), ({"req-1"}, set())) == ({"req-1"}, set())
-
-
-def test_connection_refused_is_a_clean_error() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
-    with pytest.raises(FetchError, match=f"127.0.0.1:{port}") as info:
-        fetch(FetchPlan("127.0.0.1", port, "r", [1], [1]), SECRET, store, FetchOptions(connect_timeout_s=1))
-    assert not info.value.reached_peer
-
-
-def test_a_frozen_peer_times_out() -> None:
-    """A listener that accepts (kernel backlog) but never speaks, like a SIGSTOPped engine."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
-    started = time.monotonic()
-    with pytest.raises(FetchError, match="handshake"):
-        fetch(FetchPlan("127.0.0.1", listener.getsockname()[1], "r", [1], [1]), SECRET, store,
-              FetchOptions(io_timeout_s=0.5))
-    assert time.monotonic() - started < 3
-    listener.close()
-
-
-def test_peer_dying_mid_transfer_fails_fast() -> None:
-    """A stand-in prefill server (fault injection: no real engine can be cut mid-stream on cue)
-    authenticates, announces the data, sends half of it and closes."""
-    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-
-    def stand_in() -> None:
-        for _ in range(2):  # the fetch, then the client's best-effort release
-            conn, _ = listener.accept()
-            with conn:
-                server_handshake(conn, SECRET)
-                send_frame(conn, {"ok": True, "layout": store.layout.fingerprint()})
-                msg = recv_frame(conn)
-                if msg["op"] != "fetch":
-                    send_frame(conn, {"ok": False, "error": "gone"})
-                    continue
-                n = len(msg["block_ids"]) * store.layout.block_bytes
-                send_frame(conn, {"ok": True, "nbytes": n})
-                conn.sendall(b"\0" * (n // 2))
-
-    t = threading.Thread(target=stand_in, daemon=True)
-    t.start()
-    started = time.monotonic()
-    plan = FetchPlan("127.0.0.1", port, "r", [1, 2, 3], [1, 2, 3])
-    with pytest.raises(FetchError, match="partial transfer") as info:
-        fetch(plan, SECRET, store, FetchOptions(streams=1, io_timeout_s=5))
-    assert time.monotonic() - started < 3
-    assert info.value.reached_peer
-    assert not release_only(plan, SECRET, store, FetchOptions())  # the stand-in answers "gone"
-    t.join(5)
-    listener.close()
-
-
-def test_listener_binds_only_the_given_address() -> None:
-    server = KVServer(make_store(kv_caches(0), NUM_BLOCKS), LeaseTable(), SECRET, "127.0.0.1", 0)
-    server.start()
-    try:
-        assert server._sock is not None and server._sock.getsockname()[0] == "127.0.0.1"
-    finally:
-        server.close()
-    busy = socket.create_server(("127.0.0.1", 0))
-    with pytest.raises(OSError, match=r"cannot listen on 127\.0\.0\.1:"):
-        KVServer(make_store(kv_caches(0), NUM_BLOCKS), LeaseTable(), SECRET, "127.0.0.1",
-                 busy.getsockname()[1]).start()
-    busy.close()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (absent hardware)")
-def test_fetch_between_cuda_caches_through_pinned_buffers(served) -> None:
-    """The accelerator path end to end: CPU source served, CUDA destination filled via pinned staging."""
-    server, src = served
-    server.leases.register("req-1", [3, 4, 5], 30)
-    dst = {k: torch.zeros_like(v, device="cuda") for k, v in src.items()}
-    store = make_store(dst, NUM_BLOCKS)
-    assert isinstance(store, StagedStore)
-    fetch(FetchPlan("127.0.0.1", server.port, "req-1", [3, 4, 5], [0, 1, 2]), SECRET, store,
-          FetchOptions(streams=2, blocks_per_message=2))
-    for name in src:
-        assert torch.equal(dst[name][:3].cpu(), src[name][3:6])
-
-
-def test_fetch_from_another_engine_on_the_same_port_is_refused(served) -> None:
-    server, _ = served
-    server.engine_id = "engine-now"
-    server.leases.register("req-1", [1], 30)
-    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
-    with pytest.raises(FetchError, match="not 'engine-before'"):
-        fetch(FetchPlan("127.0.0.1", server.port, "req-1", [1], [1], engine_id="engine-before"), SECRET, store,
-              FetchOptions())
-
-
-def test_fetch_of_nothing_just_releases(served) -> None:
-    server, _ = served
-    server.leases.register("req-1", [1], 30)
-    res = fetch(FetchPlan("127.0.0.1", server.port, "req-1", [], []), SECRET,
-                make_store(kv_caches(0, fill=False), NUM_BLOCKS), FetchOptions())
-    assert res.nbytes == 0
-    assert eventually(reaped(server.leases), ({"req-1"}, set())) == ({"req-1"}, set())
