@@ -76,6 +76,8 @@ class FetchResult:
     nbytes: int
     seconds: float
     streams: int
+    #: until the last stream had the prefill side's answer (connection, lease lookup); the rest is data
+    answered_s: float = 0.0
 
 
 def connect(host: str, port: int, secret: bytes, store: BlockStore, opts: FetchOptions,
@@ -202,7 +204,8 @@ class PeerConnections:
         send_frame(conn.sock, request)
         return recv_frame(conn.sock)
 
-    def _fetch_part(self, plan: FetchPlan, remote: Sequence[int], local: Sequence[int]) -> int:
+    def _fetch_part(self, plan: FetchPlan, remote: Sequence[int], local: Sequence[int]) -> tuple[int, float]:
+        """Fetch one stream's blocks; returns (bytes, perf_counter when the prefill side answered)."""
         where = f"{plan.host}:{plan.port}"
         opts = self.opts
         conn = self._checkout(plan.host, plan.port, plan.engine_id)  # a FetchError here: never reached the peer
@@ -210,6 +213,7 @@ class PeerConnections:
             reply = self._exchange(plan, conn, {"op": "fetch", "request_id": plan.request_id,
                                                 "block_ids": list(remote),
                                                 "blocks_per_message": opts.blocks_per_message})
+            answered = time.perf_counter()
             if not reply.get("ok"):
                 raise FetchError(f"{where} refused request {plan.request_id}: {reply.get('error')}")
             expected = int(reply.get("nbytes", -1))
@@ -229,7 +233,7 @@ class PeerConnections:
                 exc.reached_peer = True
             raise
         self._checkin(plan.host, plan.port, conn)
-        return got
+        return got, answered
 
     def fetch(self, plan: FetchPlan) -> FetchResult:
         """Fetch every block of ``plan``; raises FetchError. Does not release the lease.
@@ -253,10 +257,11 @@ class PeerConnections:
                  for i in range(0, n, step)]
         errors: list[BaseException] = []
         totals = [0] * len(parts)
+        answered = [start] * len(parts)
 
         def run(i: int) -> None:
             try:
-                totals[i] = self._fetch_part(plan, parts[i][0], parts[i][1])
+                totals[i], answered[i] = self._fetch_part(plan, parts[i][0], parts[i][1])
             except BaseException as exc:  # reported below with the peer named
                 errors.append(exc)
 
@@ -275,7 +280,7 @@ class PeerConnections:
                 first.__cause__ = errors[0]
             first.reached_peer = any(getattr(e, "reached_peer", False) for e in errors)
             raise first
-        return FetchResult(sum(totals), time.perf_counter() - start, len(parts))
+        return FetchResult(sum(totals), time.perf_counter() - start, len(parts), max(answered) - start)
 
     def release(self, plan: FetchPlan) -> bool:
         """Tell the prefill side it may free the request's blocks (best effort)."""

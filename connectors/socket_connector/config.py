@@ -17,6 +17,10 @@ Keys of ``kv_connector_extra_config`` (all optional):
 - ``registration_wait_s``: how long the listener waits for a lease it does
   not know yet before refusing the fetch (5 s).
 - ``max_parallel_fetches``: requests fetched at once on the decode side (4).
+- ``gil_switch_interval_ms``: the engine worker's ``sys.setswitchinterval``
+  (default 0.5; 0 leaves Python's 5 ms). While a request waits for its KV,
+  the engine's loop keeps the GIL busy; each return of a transfer thread from
+  a system call then waits up to this long for the GIL.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class SocketSettings:
     connect_timeout_s: float = 5.0
     registration_wait_s: float = 5.0
     max_parallel_fetches: int = 4
+    gil_switch_interval_ms: float = 0.5
 
     @classmethod
     def load(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] = os.environ,
@@ -102,4 +107,5 @@ class SocketSettings:
             connect_timeout_s=num("connect_timeout_s", 5.0, minimum=0.1),
             registration_wait_s=num("registration_wait_s", 5.0),
             max_parallel_fetches=num("max_parallel_fetches", 4, int, 1),
+            gil_switch_interval_ms=num("gil_switch_interval_ms", 0.5),
         )

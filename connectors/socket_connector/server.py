@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
 from disagg_connectors.socket_connector.auth import AuthError, server_handshake
@@ -173,7 +174,9 @@ class KVServer:
         except (TypeError, ValueError):
             self._refuse(conn, peer, f"malformed fetch for request {rid}")
             return False
+        asked = time.perf_counter()
         lease = self.leases.acquire(rid, self.registration_wait_s)
+        waited = time.perf_counter() - asked
         if lease is None:
             self._refuse(conn, peer, f"unknown, released or expired request {rid}")
             return False
@@ -192,6 +195,9 @@ class KVServer:
                 with self.store.reading(part) as views:
                     sent += send_views(conn, views)
             self.counters.add("bytes_served", sent)
+            logger.info("socket KV connector: served %s (%d blocks, %.2f MB) to %s in %.1f ms "
+                        "(%.1f ms of it waiting for the lease)", rid, len(block_ids), sent / 1e6, peer,
+                        (time.perf_counter() - asked) * 1e3, waited * 1e3)
             return True
         finally:
             self.leases.end_fetch(lease, sent)

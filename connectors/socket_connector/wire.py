@@ -26,6 +26,8 @@ _LEN = struct.Struct(">I")
 _TIMEVAL = struct.Struct("@ll")
 #: What a blocking socket raises when SO_RCVTIMEO / SO_SNDTIMEO expire.
 _TIMED_OUT = (TimeoutError, BlockingIOError)
+#: Flags of the block-data reads (see recv_into_views).
+RECV_FLAGS = socket.MSG_WAITALL
 
 
 class WireError(ConnectionError):
@@ -107,44 +109,51 @@ def send_views(sock: socket.socket, views: Sequence[memoryview]) -> int:
         except OSError as exc:
             raise WireError(f"sending block data failed: {exc}") from exc
         total += sent
-        # Skip the fully sent views, trim the partially sent one.
-        while sent:
-            head = pending[i]
-            if sent >= head.nbytes:
-                sent -= head.nbytes
-                i += 1
-            else:
-                pending[i] = head[sent:]
-                sent = 0
+        i = _advance(pending, i, sent)
     return total
 
 
 def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> int:
     """Fill every view in order straight from the socket; returns bytes read.
 
-    Each view is asked for whole (``MSG_WAITALL``): on a blocking socket (see
-    ``set_io_timeout``) the kernel fills it before returning. Raises
+    Scatter-gather reads of up to MAX_IOVECS views with ``MSG_WAITALL``: on a
+    blocking socket (see ``set_io_timeout``) the kernel fills them all before
+    returning, so a whole message of blocks costs one system call and one
+    return to Python (whose GIL an engine's busy loop may hold). Raises
     WireError if the peer closes before all bytes arrived (a partial
     transfer) or the socket times out.
     """
     total = 0
-    for view in views:
-        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        got = 0
-        while got < view.nbytes:
-            try:
-                n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
-            except _TIMED_OUT as exc:
-                raise WireError(f"timed out after {total + got} bytes") from exc
-            except OSError as exc:
-                raise WireError(f"receive failed after {total + got} bytes: {exc}") from exc
-            if n == 0:
-                if total + got == 0:
-                    raise PeerClosed("peer closed the connection")
-                raise WireError(f"peer closed the connection after {total + got} bytes (partial transfer)")
-            got += n
-        total += got
+    pending = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views if v.nbytes]
+    i = 0
+    while i < len(pending):
+        batch = pending[i : i + MAX_IOVECS]
+        try:
+            n = sock.recvmsg_into(batch, 0, RECV_FLAGS)[0]
+        except _TIMED_OUT as exc:
+            raise WireError(f"timed out after {total} bytes") from exc
+        except OSError as exc:
+            raise WireError(f"receive failed after {total} bytes: {exc}") from exc
+        if n == 0:
+            if total == 0:
+                raise PeerClosed("peer closed the connection")
+            raise WireError(f"peer closed the connection after {total} bytes (partial transfer)")
+        total += n
+        i = _advance(pending, i, n)
     return total
+
+
+def _advance(pending: list[memoryview], i: int, done: int) -> int:
+    """Skip the views ``done`` bytes fill from ``pending[i]`` on, trimming a partly done one."""
+    while done:
+        head = pending[i]
+        if done >= head.nbytes:
+            done -= head.nbytes
+            i += 1
+        else:
+            pending[i] = head[done:]
+            done = 0
+    return i
 
 
 def coalesce(views: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

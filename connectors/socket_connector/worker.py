@@ -14,6 +14,7 @@ only then releases the prefill side's lease.
 from __future__ import annotations
 
 import queue
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -59,9 +60,13 @@ class SocketWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map the KV caches; on a producer, start listening."""
+        if self.settings.gil_switch_interval_ms > 0:
+            # Transfer threads return to Python once per message; let them in quickly.
+            sys.setswitchinterval(self.settings.gil_switch_interval_ms / 1000)
         self.store = make_store(kv_caches, self.num_blocks)
-        logger.info("socket KV connector: %d layers, %d bytes per block, %s store",
-                    len(self.store.layout.layers), self.store.layout.block_bytes, type(self.store).__name__)
+        logger.info("socket KV connector: %d layers, %d bytes per block, %s store, GIL switch interval %.2f ms",
+                    len(self.store.layout.layers), self.store.layout.block_bytes, type(self.store).__name__,
+                    sys.getswitchinterval() * 1000)
         if self.is_producer:
             assert self.settings.port is not None
             self.server = KVServer(
@@ -106,9 +111,10 @@ class SocketWorker:
             self.counters.add("transfer_duration", result.seconds)
             self.counters.add("bytes_transferred", result.nbytes)
             logger.info(
-                "socket KV connector: fetched %s (%d blocks, %.2f MB) from %s:%d in %.1f ms (%.1f MB/s, %d streams)",
+                "socket KV connector: fetched %s (%d blocks, %.2f MB) from %s:%d in %.1f ms (%.1f MB/s, %d streams; "
+                "answered after %.1f ms)",
                 rid, len(spec.local_block_ids), result.nbytes / 1e6, plan.host, plan.port, result.seconds * 1e3,
-                result.nbytes / 1e6 / max(result.seconds, 1e-9), result.streams,
+                result.nbytes / 1e6 / max(result.seconds, 1e-9), result.streams, result.answered_s * 1e3,
             )
         except FetchError as exc:
             self.counters.add("num_failed_transfers")

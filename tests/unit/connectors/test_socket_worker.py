@@ -3,6 +3,7 @@ process, driven by the metadata the scheduler half would send."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -19,6 +20,14 @@ def caches(fill: bool) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     return {f"layers.{i}": (torch.randn(NUM_BLOCKS, 2, 16, 64, generator=g) if fill
                             else torch.zeros(NUM_BLOCKS, 2, 16, 64)).to(torch.bfloat16) for i in range(2)}
+
+
+@pytest.fixture(autouse=True)
+def switch_interval():
+    """Workers set the process's GIL switch interval: restore it after each test."""
+    before = sys.getswitchinterval()
+    yield before
+    sys.setswitchinterval(before)
 
 
 @pytest.fixture
@@ -92,3 +101,15 @@ def test_tp_size_mismatch_fails_the_fetch(workers) -> None:
     spec.remote_tp_size = 2
     d.start_load_kv(SocketConnectorMetadata(reqs_to_recv={"d4": spec}))
     assert collect(d, "failed_recving", "d4")["failed_recving"] == {"d4"}
+
+
+@pytest.mark.parametrize(("configured_ms", "expected_s"), [(None, 0.0005), (2, 0.002), (0, 0.005)])
+def test_worker_shortens_the_gil_switch_interval(configured_ms: float | None, expected_s: float) -> None:
+    sys.setswitchinterval(0.005)
+    extra = {} if configured_ms is None else {"gil_switch_interval_ms": configured_ms}
+    d = SocketWorker(SocketSettings.load(extra, ENV), "engine-d", False, 0, 1, NUM_BLOCKS)
+    d.register_kv_caches(caches(False))
+    try:
+        assert sys.getswitchinterval() == pytest.approx(expected_s)
+    finally:
+        d.shutdown()
