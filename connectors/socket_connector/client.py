@@ -34,8 +34,6 @@ logger = logging.getLogger(__name__)
 #: An idle pooled connection older than this is closed instead of reused
 #: (the prefill side drops connections idle for twice as long).
 MAX_IDLE_S = 60.0
-#: Block data wakes the receiving thread once this much has arrived (see wire.recv_into_views).
-WAKE_BYTES = 1 << 20
 
 
 class FetchError(ConnectionError):
@@ -224,7 +222,7 @@ class PeerConnections:
             got = 0
             for part in chunks(local, opts.blocks_per_message):
                 with self._store.writing(part) as views:
-                    got += recv_into_views(conn.sock, views, WAKE_BYTES)
+                    got += recv_into_views(conn.sock, views)
         except BaseException as exc:
             conn.sock.close()
             if isinstance(exc, (WireError, OSError)) and not isinstance(exc, FetchError):

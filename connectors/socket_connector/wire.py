@@ -10,7 +10,6 @@ into its destination (``recv_into``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import select
 import socket
@@ -114,47 +113,33 @@ def send_views(sock: socket.socket, views: Sequence[memoryview]) -> int:
     return total
 
 
-def recv_into_views(sock: socket.socket, views: Sequence[memoryview], wake_bytes: int = 0) -> int:
+def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> int:
     """Fill every view in order straight from the socket; returns bytes read.
 
-    Scatter-gather reads of up to MAX_IOVECS views at a time. With
-    ``wake_bytes`` (block data), the kernel wakes this thread only once that
-    many bytes wait (``SO_RCVLOWAT``, never more than what is still due, and
-    back to 1 at the end): on a core shared with a busy engine every wakeup
-    can wait for a scheduler slice, so fewer, larger reads finish sooner.
-    Without it (control frames) each read asks for the whole batch
-    (``MSG_WAITALL``). Raises WireError if the peer closes before all bytes
-    arrived (a partial transfer) or the socket times out.
+    Scatter-gather reads of up to MAX_IOVECS views with ``MSG_WAITALL``: on a
+    blocking socket (see ``set_io_timeout``) the kernel fills them all before
+    returning, so a whole message of blocks costs one system call and one
+    return to Python (whose GIL an engine's busy loop may hold). Raises
+    WireError if the peer closes before all bytes arrived (a partial
+    transfer) or the socket times out.
     """
     total = 0
     pending = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views if v.nbytes]
-    due = sum(v.nbytes for v in pending)
-    lowat = 1
     i = 0
-    try:
-        while i < len(pending):
-            batch = pending[i : i + MAX_IOVECS]
-            if wake_bytes > 1:
-                want = max(1, min(wake_bytes, due - total))
-                if want != lowat:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                    lowat = want
-            try:
-                n = sock.recvmsg_into(batch, 0, 0 if wake_bytes > 1 else RECV_FLAGS)[0]
-            except _TIMED_OUT as exc:
-                raise WireError(f"timed out after {total} bytes") from exc
-            except OSError as exc:
-                raise WireError(f"receive failed after {total} bytes: {exc}") from exc
-            if n == 0:
-                if total == 0:
-                    raise PeerClosed("peer closed the connection")
-                raise WireError(f"peer closed the connection after {total} bytes (partial transfer)")
-            total += n
-            i = _advance(pending, i, n)
-    finally:
-        if lowat != 1:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+    while i < len(pending):
+        batch = pending[i : i + MAX_IOVECS]
+        try:
+            n = sock.recvmsg_into(batch, 0, RECV_FLAGS)[0]
+        except _TIMED_OUT as exc:
+            raise WireError(f"timed out after {total} bytes") from exc
+        except OSError as exc:
+            raise WireError(f"receive failed after {total} bytes: {exc}") from exc
+        if n == 0:
+            if total == 0:
+                raise PeerClosed("peer closed the connection")
+            raise WireError(f"peer closed the connection after {total} bytes (partial transfer)")
+        total += n
+        i = _advance(pending, i, n)
     return total
 
 
