@@ -223,14 +223,17 @@ class PeerConnections:
             for part in chunks(local, opts.blocks_per_message):
                 with self._store.writing(part) as views:
                     got += recv_into_views(conn.sock, views)
-        except BaseException as exc:
+        except FetchError as exc:  # a subclass of OSError: before the clause below
             conn.sock.close()
-            if isinstance(exc, (WireError, OSError)) and not isinstance(exc, FetchError):
-                err = FetchError(f"fetch of request {plan.request_id} from {where} failed: {exc}")
-                err.reached_peer = True
-                raise err from exc
-            if isinstance(exc, FetchError):
-                exc.reached_peer = True
+            exc.reached_peer = True
+            raise
+        except (WireError, OSError) as exc:
+            conn.sock.close()
+            err = FetchError(f"fetch of request {plan.request_id} from {where} failed: {exc}")
+            err.reached_peer = True
+            raise err from exc
+        except BaseException:
+            conn.sock.close()
             raise
         self._checkin(plan.host, plan.port, conn)
         return got, answered

@@ -26,8 +26,6 @@ _LEN = struct.Struct(">I")
 _TIMEVAL = struct.Struct("@ll")
 #: What a blocking socket raises when SO_RCVTIMEO / SO_SNDTIMEO expire.
 _TIMED_OUT = (TimeoutError, BlockingIOError)
-#: Flags of the block-data reads (see recv_into_views).
-RECV_FLAGS = socket.MSG_WAITALL
 
 
 class WireError(ConnectionError):
@@ -129,7 +127,7 @@ def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> int:
     while i < len(pending):
         batch = pending[i : i + MAX_IOVECS]
         try:
-            n = sock.recvmsg_into(batch, 0, RECV_FLAGS)[0]
+            n = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
         except _TIMED_OUT as exc:
             raise WireError(f"timed out after {total} bytes") from exc
         except OSError as exc:
