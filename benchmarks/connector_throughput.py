@@ -34,6 +34,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import functools
+import json
 import secrets
 import signal
 import statistics
@@ -84,10 +87,11 @@ def nixl_configs(link: Placement, p_port: int, d_port: int):
             env(link.d_host, d_port, link.d_device))
 
 
-def socket_configs(link: Placement, p_port: int, d_port: int, streams: int = 2):
-    def cfg(role: str, extra: dict[str, Any]) -> dict[str, Any]:
+def socket_configs(link: Placement, p_port: int, d_port: int, streams: int = 2,
+                   extra: dict[str, Any] | None = None):
+    def cfg(role: str, own: dict[str, Any]) -> dict[str, Any]:
         return {"kv_connector": "SocketKVConnector", "kv_connector_module_path": "disagg_connectors.socket_connector",
-                "kv_role": role, "kv_connector_extra_config": extra}
+                "kv_role": role, "kv_connector_extra_config": {**own, **(extra or {})}}
 
     env = {"DISAGG_KV_SECRET": secrets.token_hex(32)}
     return (cfg("kv_producer", {"host": link.p_host, "port": p_port}), cfg("kv_consumer", {"streams": streams}),
@@ -237,7 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="512,2048,8000", help="prompt tokens (< 8192, the models' context)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, help="append the Markdown table here")
+    ap.add_argument("--socket-extra", type=json.loads, default=None, metavar="JSON",
+                    help='extra kv_connector_extra_config for both socket engines, e.g. \'{"idle_wait_ms": 0}\'')
     args = ap.parse_args(argv)
+    if args.socket_extra:
+        CONNECTORS["socket"] = dataclasses.replace(
+            CONNECTORS["socket"], configs=functools.partial(socket_configs, extra=args.socket_extra))
     # `kill` (SIGTERM) unwinds like Ctrl-C: engines stopped, namespaces removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = EMBEDDED_MODELS[args.embedded]

@@ -21,6 +21,12 @@ Keys of ``kv_connector_extra_config`` (all optional):
   (default 0.5; 0 leaves Python's 5 ms). While a request waits for its KV,
   the engine's loop keeps the GIL busy; each return of a transfer thread from
   a system call then waits up to this long for the GIL.
+- ``idle_wait_ms``: on a step that scheduled no tokens while this worker has
+  transfers in flight, wait up to this long for one to end before handing the
+  step back (default 2; 0 = return at once). vLLM steps an engine that only
+  waits for KV in a tight loop, which takes the CPU and the GIL from the
+  transfer threads; the cost is that a request arriving meanwhile is seen up
+  to this much later.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class SocketSettings:
     registration_wait_s: float = 5.0
     max_parallel_fetches: int = 4
     gil_switch_interval_ms: float = 0.5
+    idle_wait_ms: float = 2.0
 
     @classmethod
     def load(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] = os.environ,
@@ -108,4 +115,5 @@ class SocketSettings:
             registration_wait_s=num("registration_wait_s", 5.0),
             max_parallel_fetches=num("max_parallel_fetches", 4, int, 1),
             gil_switch_interval_ms=num("gil_switch_interval_ms", 0.5),
+            idle_wait_ms=num("idle_wait_ms", 2.0),
         )

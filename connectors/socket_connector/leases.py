@@ -72,6 +72,7 @@ class LeaseTable:
         with self._cond:
             lease.active -= 1
             lease.fetched_bytes += nbytes
+            self._cond.notify_all()
 
     def release(self, request_id: str) -> bool:
         """The decode side is done with ``request_id``; False if it was not leased."""
@@ -83,24 +84,42 @@ class LeaseTable:
             if lease.active == 0:
                 del self._leases[request_id]
                 self._done.add(request_id)
+            self._cond.notify_all()
             return True
 
-    def reap(self) -> tuple[set[str], set[str]]:
-        """Collect finished leases: (released, expired) request ids, each reported once."""
-        now = self._clock()
+    def reap(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
+        """Collect finished leases: (released, expired) request ids, each reported once.
+
+        With ``wait_s`` > 0 and leases outstanding but none finished, waits up
+        to that long for one to be released or to expire.
+        """
+        deadline = self._clock() + wait_s
         with self._cond:
-            for rid, lease in list(self._leases.items()):
-                if lease.active:
-                    continue
-                if lease.released:
-                    self._done.add(rid)
-                    del self._leases[rid]
-                elif now >= lease.deadline:
-                    self._expired.add(rid)
-                    del self._leases[rid]
+            while True:
+                next_expiry = self._collect(self._clock())
+                remaining = deadline - self._clock()
+                if self._done or self._expired or not self._leases or remaining <= 0:
+                    break
+                self._cond.wait(min(remaining, max(next_expiry - self._clock(), 0.0)))
             done, expired = self._done, self._expired
             self._done, self._expired = set(), set()
             return done, expired
+
+    def _collect(self, now: float) -> float:
+        """Move ended leases to the done/expired sets; returns the next deadline (caller holds the lock)."""
+        next_expiry = float("inf")
+        for rid, lease in list(self._leases.items()):
+            if lease.active:
+                continue
+            if lease.released:
+                self._done.add(rid)
+                del self._leases[rid]
+            elif now >= lease.deadline:
+                self._expired.add(rid)
+                del self._leases[rid]
+            else:
+                next_expiry = min(next_expiry, lease.deadline)
+        return next_expiry
 
     def __len__(self) -> int:
         with self._cond:

@@ -38,7 +38,13 @@ class SendSpec:
 
 @dataclass
 class SocketConnectorMetadata(KVConnectorMetadata):
-    """One step's new work: fetches to start, leases to register."""
+    """One step's new work: fetches to start, leases to register.
+
+    ``idle_step``: the scheduler scheduled no tokens this step (vLLM steps an
+    engine that only waits for KV transfers in a tight loop); the worker may
+    then wait briefly for a transfer to end instead of returning at once.
+    """
 
     reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
     reqs_to_send: dict[str, SendSpec] = field(default_factory=dict)
+    idle_step: bool = False

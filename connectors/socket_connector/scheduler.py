@@ -89,9 +89,10 @@ class SocketScheduler:
         )
 
     # -- both -------------------------------------------------------------
-    def build_connector_meta(self) -> SocketConnectorMetadata:
-        """Hand this step's new fetches and leases to the workers."""
-        meta = SocketConnectorMetadata(reqs_to_recv=self._need_recv, reqs_to_send=self._need_send)
+    def build_connector_meta(self, idle_step: bool = False) -> SocketConnectorMetadata:
+        """Hand this step's new fetches and leases to the workers (``idle_step``: no tokens scheduled)."""
+        meta = SocketConnectorMetadata(reqs_to_recv=self._need_recv, reqs_to_send=self._need_send,
+                                       idle_step=idle_step)
         self._need_recv, self._need_send = {}, {}
         return meta
 

@@ -55,6 +55,7 @@ class SocketWorker:
         self._pool: ThreadPoolExecutor | None = None
         self._conns: PeerConnections | None = None
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
+        self._fetches_in_flight = 0  # submitted and awaited, outcome not yet reported (engine thread only)
         self._opts = FetchOptions(settings.streams, settings.blocks_per_message, settings.connect_timeout_s,
                                   settings.io_timeout_s)
 
@@ -89,6 +90,8 @@ class SocketWorker:
                 logger.error("socket KV connector: %s asks this producer to fetch; ignored", rid)
                 continue
             self._pool.submit(self._run_fetch, rid, spec)
+            if spec.awaiting:
+                self._fetches_in_flight += 1
 
     def _plan(self, spec: RecvSpec) -> FetchPlan:
         return FetchPlan(spec.remote_host, spec.remote_port + self.tp_rank, spec.remote_request_id,
@@ -129,20 +132,29 @@ class SocketWorker:
             # After reporting: the request goes on (or recomputes) while the prefill side frees its blocks.
             conns.release(plan)
 
-    def get_transfer_results(self) -> KVConnectorTransferResults:
-        """Requests done sending (released or expired) and done receiving (ok or failed)."""
+    def get_transfer_results(self, idle_step: bool = False) -> KVConnectorTransferResults:
+        """Requests done sending (released or expired) and done receiving (ok or failed).
+
+        On an ``idle_step`` (no tokens scheduled) with transfers in flight and
+        none ended, waits up to ``idle_wait_ms`` for one instead of handing
+        the CPU straight back to the engine's spinning loop.
+        """
+        wait_s = self.settings.idle_wait_ms / 1000 if idle_step else 0.0
         results = KVConnectorTransferResults()
-        released, expired = self.leases.reap()
+        released, expired = self.leases.reap(wait_s)
         for rid in expired:
             self.counters.add("num_kv_expired_reqs")
             logger.warning("socket KV connector: lease of %s expired after %.1f s; freeing its blocks",
                            rid, self.settings.lease_s)
         results.finished_sending = released | expired
+        wait_s = wait_s if self._fetches_in_flight else 0.0
         while True:
             try:
-                outcome = self._outcomes.get_nowait()
+                outcome = self._outcomes.get(timeout=wait_s) if wait_s > 0 else self._outcomes.get_nowait()
             except queue.Empty:
                 break
+            wait_s = 0.0
+            self._fetches_in_flight -= 1
             results.finished_recving.add(outcome.request_id)
             if not outcome.ok:
                 results.failed_recving.add(outcome.request_id)

@@ -12,7 +12,7 @@ def test_defaults_and_overrides() -> None:
     s = SocketSettings.load({"host": "10.0.0.1", "port": 5601, "kv_lease_duration": 12, "streams": 4}, ENV)
     assert (s.host, s.port, s.lease_s, s.streams, s.secret) == ("10.0.0.1", 5601, 12.0, 4, b"s" * 64)
     d = SocketSettings.load(None, {**ENV, "DISAGG_KV_HOST": "10.0.0.2", "DISAGG_KV_PORT": "7000"})
-    assert (d.host, d.port, d.lease_s, d.streams) == ("10.0.0.2", 7000, 30.0, 2)
+    assert (d.host, d.port, d.lease_s, d.streams, d.idle_wait_ms) == ("10.0.0.2", 7000, 30.0, 2, 2.0)
 
 
 def test_secret_is_required_and_named() -> None:

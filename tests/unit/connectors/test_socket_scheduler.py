@@ -41,6 +41,7 @@ def test_prefill_keeps_blocks_and_names_its_listener() -> None:
     meta = s.build_connector_meta()
     assert meta.reqs_to_send["req-1"].block_ids == [7, 8, 9] and meta.reqs_to_send["req-1"].ttl_s == 9
     assert s.build_connector_meta().reqs_to_send == {}  # handed over once
+    assert not meta.idle_step and s.build_connector_meta(idle_step=True).idle_step
 
 
 def test_aborted_prefill_frees_at_once() -> None:

@@ -281,3 +281,28 @@ def test_acquire_waits_for_a_late_registration() -> None:
     assert table.acquire("never", 0.1) is None
 
 
+
+
+def timed_reap(table: LeaseTable, wait_s: float) -> tuple[tuple[set[str], set[str]], float]:
+    started = time.monotonic()
+    result = table.reap(wait_s)
+    return result, time.monotonic() - started
+
+
+def test_reap_waits_only_while_leases_are_outstanding() -> None:
+    table = LeaseTable()
+    assert timed_reap(table, 5)[1] < 0.5  # nothing leased: nothing to wait for
+    table.register("held", [1], 30)
+    result, took = timed_reap(table, 0.1)
+    assert result == (set(), set()) and took >= 0.09  # nothing ended: waited the whole time
+
+
+def test_reap_returns_as_soon_as_a_lease_is_released_or_expires() -> None:
+    table = LeaseTable()
+    table.register("a", [1], 30)
+    threading.Timer(0.1, table.release, args=("a",)).start()
+    result, took = timed_reap(table, 5)
+    assert result == ({"a"}, set()) and took < 2
+    table.register("b", [2], 0.1)
+    result, took = timed_reap(table, 5)
+    assert result == (set(), {"b"}) and took < 2

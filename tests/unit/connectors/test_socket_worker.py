@@ -3,6 +3,7 @@ process, driven by the metadata the scheduler half would send."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -101,6 +102,22 @@ def test_tp_size_mismatch_fails_the_fetch(workers) -> None:
     spec.remote_tp_size = 2
     d.start_load_kv(SocketConnectorMetadata(reqs_to_recv={"d4": spec}))
     assert collect(d, "failed_recving", "d4")["failed_recving"] == {"d4"}
+
+
+def test_idle_step_waits_for_the_transfer_instead_of_returning_at_once(workers) -> None:
+    p, d, _, _ = workers
+    for worker in (p, d):  # long enough that one call must cover the whole fetch
+        worker.settings = dataclasses.replace(worker.settings, idle_wait_ms=5000)
+    started = time.monotonic()
+    assert d.get_transfer_results(idle_step=True).finished_recving == set()  # nothing in flight: no wait
+    assert p.get_transfer_results(idle_step=True).finished_sending == set()
+    assert time.monotonic() - started < 1
+    p.start_load_kv(SocketConnectorMetadata(reqs_to_send={"p5": SendSpec([2, 3], 30)}))
+    d.start_load_kv(SocketConnectorMetadata(reqs_to_recv={"d5": recv_spec(p, "p5", [7, 8], [2, 3])}))
+    assert d.get_transfer_results(idle_step=False).finished_recving == set()  # busy step: returns at once
+    assert d.get_transfer_results(idle_step=True).finished_recving == {"d5"}  # idle step: waited for it
+    assert p.get_transfer_results(idle_step=True).finished_sending == {"p5"}
+    assert time.monotonic() - started < 4
 
 
 @pytest.mark.parametrize(("configured_ms", "expected_s"), [(None, 0.0005), (2, 0.002), (0, 0.005)])
