@@ -191,18 +191,17 @@ class PeerConnections:
 
     def _exchange(self, plan: FetchPlan, conn: _Conn, request: dict) -> dict:
         """Send ``request`` and read the reply; a stale pooled connection is replaced once."""
-        try:
-            send_frame(conn.sock, request)
-            return recv_frame(conn.sock)
-        except (WireError, OSError):
-            if not conn.reused:
-                raise
-        # The prefill side closed this idle connection: nothing was done there; retry on a new one.
-        conn.sock.close()
-        fresh = self._open(plan.host, plan.port, plan.engine_id)
-        conn.sock, conn.engine_id, conn.reused = fresh.sock, fresh.engine_id, False
-        send_frame(conn.sock, request)
-        return recv_frame(conn.sock)
+        while True:
+            try:
+                send_frame(conn.sock, request)
+                return recv_frame(conn.sock)
+            except (WireError, OSError):
+                if not conn.reused:
+                    raise
+            # The prefill side closed this idle connection: nothing was done there; retry on a new one.
+            conn.sock.close()
+            fresh = self._open(plan.host, plan.port, plan.engine_id)
+            conn.sock, conn.engine_id, conn.reused = fresh.sock, fresh.engine_id, False
 
     def _fetch_part(self, plan: FetchPlan, remote: Sequence[int], local: Sequence[int]) -> tuple[int, float]:
         """Fetch one stream's blocks; returns (bytes, perf_counter when the prefill side answered)."""
