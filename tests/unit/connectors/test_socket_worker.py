@@ -104,6 +104,23 @@ def test_tp_size_mismatch_fails_the_fetch(workers) -> None:
     assert collect(d, "failed_recving", "d4")["failed_recving"] == {"d4"}
 
 
+def test_a_crashed_fetch_is_reported_failed_and_still_frees_the_lease(workers, monkeypatch) -> None:
+    p, d, _, _ = workers
+    p.start_load_kv(SocketConnectorMetadata(reqs_to_send={"p6": SendSpec([1], 30)}))
+    assert d._conns is not None
+
+    def crash(plan):
+        raise RuntimeError("bug in the fetch path")
+
+    monkeypatch.setattr(d._conns, "fetch", crash)
+    d.start_load_kv(SocketConnectorMetadata(reqs_to_recv={"d6": recv_spec(p, "p6", [1], [1])}))
+    assert collect(d, "failed_recving", "d6")["failed_recving"] == {"d6"}
+    # released by D long before the 30 s lease would expire, and counted as released, not expired
+    assert collect(p, "finished_sending", "p6", timeout_s=5)["finished_sending"] == {"p6"}
+    drained = p.counters.drain()
+    assert drained is None or "num_kv_expired_reqs" not in drained
+
+
 def test_idle_step_waits_for_the_transfer_instead_of_returning_at_once(workers) -> None:
     p, d, _, _ = workers
     for worker in (p, d):  # long enough that one call must cover the whole fetch
