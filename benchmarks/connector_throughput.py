@@ -23,6 +23,11 @@ topology), D stays in the root namespace, and all KV traffic crosses the
 shaped veth (NIXL: ``UCX_NET_DEVICES`` names each side's veth). Emulated
 links need root. ``% of link`` is MB/s over the shaped rate.
 
+Each engine's ``--kv-transfer-config`` and env come from the planner's own
+connector adapters (``disagg/kv/``), as ``disagg up`` would start them
+(:func:`planned_engines`); ``--socket-extra`` adds settings to the socket
+connector's for A/B runs.
+
 Run (holds the engine lock; ~25 min for all three links)::
 
     flock /tmp/disagg-engines.lock .venv/bin/python benchmarks/connector_throughput.py \\
@@ -34,10 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
-import functools
 import json
-import secrets
 import signal
 import statistics
 import sys
@@ -49,11 +51,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from disagg_connectors.nixl_cpu_affinity import ENABLED as NIXL_CPU_AFFINITY_OWN_CORES
-from disagg_connectors.nixl_cpu_affinity import ENV as NIXL_CPU_AFFINITY_ENV
 
+from disagg.kv.socket import SECRET_ENV, generate_secret
 from disagg.linkemu import EmulatedLink
 from disagg.modelgen import EMBEDDED_MODELS, build_model
+from disagg.registry import vllm_kv_adapter
+from disagg.topology import HostSpec, InstanceSpec, LinkSpec, ModelSpec, Topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests.e2e
 from tests.e2e.vllm_pair import Engine, free_port, metric, start_engine, wait_healthy
@@ -64,45 +67,48 @@ REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_e
 
 @dataclass(frozen=True)
 class Connector:
-    """How to configure one connector for P and D, and read its transfer time."""
+    """One connector under test: its topology name and the D-side metrics of its transfers."""
 
-    name: str
-    configs: Callable[[Placement, int, int], tuple[dict[str, Any], dict[str, Any], dict[str, str], dict[str, str]]]
+    name: str  # the topology's ``connector:`` value
     xfer_seconds: str  # D-side metric: total seconds
     xfer_count: str  # D-side metric: number of transfers
 
 
-def nixl_configs(link: Placement, p_port: int, d_port: int):
-    def cfg(role: str) -> dict[str, Any]:
-        return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
-                "kv_connector_extra_config": {"backends": ["UCX"], "num_threads": 1}}
-
-    def env(host: str, port: int, device: str | None) -> dict[str, str]:
-        # as `disagg up` plans it: the compute thread stays on the engine's core (disagg/kv/nixl.py)
-        out = {"UCX_TLS": "tcp,self", "VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
-               NIXL_CPU_AFFINITY_ENV: NIXL_CPU_AFFINITY_OWN_CORES}
-        return {**out, "UCX_NET_DEVICES": device} if device else out
-
-    return (cfg("kv_producer"), cfg("kv_consumer"), env(link.p_host, p_port, link.p_device),
-            env(link.d_host, d_port, link.d_device))
-
-
-def socket_configs(link: Placement, p_port: int, d_port: int, streams: int = 2,
-                   extra: dict[str, Any] | None = None):
-    def cfg(role: str, own: dict[str, Any]) -> dict[str, Any]:
-        return {"kv_connector": "SocketKVConnector", "kv_connector_module_path": "disagg_connectors.socket_connector",
-                "kv_role": role, "kv_connector_extra_config": {**own, **(extra or {})}}
-
-    env = {"DISAGG_KV_SECRET": secrets.token_hex(32)}
-    return (cfg("kv_producer", {"host": link.p_host, "port": p_port}), cfg("kv_consumer", {"streams": streams}),
-            env, env)
-
-
 CONNECTORS = {
-    "nixl": Connector("nixl", nixl_configs, "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count"),
-    "socket": Connector("socket", socket_configs, "vllm:socket_kv_xfer_seconds_total",
-                        "vllm:socket_kv_transfers_total"),
+    "nixl": Connector("nixl", "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count"),
+    "socket": Connector("socket", "vllm:socket_kv_xfer_seconds_total", "vllm:socket_kv_transfers_total"),
 }
+
+
+def planned_engines(connector: str, place: Placement, p_port: int, d_port: int,
+                    socket_extra: dict[str, Any] | None = None
+                    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], dict[str, str]]:
+    """P's and D's ``--kv-transfer-config`` and env, as ``disagg up`` plans them for this placement.
+
+    The planner sees a plain Ethernet link between P (core 0) and D (core 1);
+    the benchmark shapes it itself, so it names the veth devices for UCX. The
+    socket connector's secret is generated here as ``disagg up`` does.
+    """
+    hosts = {"p": HostSpec("p", place.p_host), "d": HostSpec("d", place.d_host)}
+    p_inst = InstanceSpec("prefill", 0, "p", 0, p_port, cpus=(0,))
+    d_inst = InstanceSpec("decode", 0, "d", 0, d_port, cpus=(1,))
+    topo = Topology(file="<connector_throughput>", name="bench", model=ModelSpec("bench", "bench", None),
+                    engine="vllm", connector=connector,
+                    link=LinkSpec("loopback" if place.rate_bps is None else "ethernet"),
+                    hosts=hosts, instances=(p_inst, d_inst))
+    adapter = vllm_kv_adapter(connector)
+    configs = [adapter.transfer_config(topo, inst, hosts[inst.host]) for inst in (p_inst, d_inst)]
+    envs = [adapter.env(topo, inst, hosts[inst.host]) for inst in (p_inst, d_inst)]
+    if connector == "nixl":
+        for env, device in zip(envs, (place.p_device, place.d_device), strict=True):
+            if device:
+                env["UCX_NET_DEVICES"] = device
+    if connector == "socket":
+        secret = generate_secret()
+        for env, cfg in zip(envs, configs, strict=True):
+            env[SECRET_ENV] = secret
+            cfg["kv_connector_extra_config"].update(socket_extra or {})
+    return configs[0], configs[1], envs[0], envs[1]
 
 
 @dataclass(frozen=True)
@@ -180,10 +186,11 @@ async def one_handoff(session: aiohttp.ClientSession, p: Engine, d: Engine, conn
 
 
 def run_connector(conn: Connector, link: str, model_dir: Path, sizes: list[int], repeats: int,
-                  kv_bytes_per_token: int, log_dir: Path) -> list[dict[str, Any]]:
+                  kv_bytes_per_token: int, log_dir: Path,
+                  socket_extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     rows = []
     with LINKS[link]() as place:
-        p_cfg, d_cfg, p_env, d_env = conn.configs(place, free_port(), free_port())
+        p_cfg, d_cfg, p_env, d_env = planned_engines(conn.name, place, free_port(), free_port(), socket_extra)
         max_len = 8192  # the embedded models' max_position_embeddings
         # P caches prefixes, so repeats skip the (slow, O(n^2) on one core) prefill; the
         # handoff still moves every block. D must not, or it would not fetch at all.
@@ -244,9 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--socket-extra", type=json.loads, default=None, metavar="JSON",
                     help='extra kv_connector_extra_config for both socket engines, e.g. \'{"idle_wait_ms": 0}\'')
     args = ap.parse_args(argv)
-    if args.socket_extra:
-        CONNECTORS["socket"] = dataclasses.replace(
-            CONNECTORS["socket"], configs=functools.partial(socket_configs, extra=args.socket_extra))
     # `kill` (SIGTERM) unwinds like Ctrl-C: engines stopped, namespaces removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = EMBEDDED_MODELS[args.embedded]
@@ -262,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"link {link!r} not available here (have: {', '.join(LINKS)})", file=sys.stderr)
             return 2
         for name in args.connectors.split(","):
-            rows += run_connector(CONNECTORS[name], link, model_dir, sizes, args.repeats, kv_bytes, work)
+            rows += run_connector(CONNECTORS[name], link, model_dir, sizes, args.repeats, kv_bytes, work,
+                                  args.socket_extra)
     out = table(rows)
     print(out)
     if args.out:
