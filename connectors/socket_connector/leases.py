@@ -96,11 +96,12 @@ class LeaseTable:
         deadline = self._clock() + wait_s
         with self._cond:
             while True:
-                next_expiry = self._collect(self._clock())
-                remaining = deadline - self._clock()
+                now = self._clock()
+                next_expiry = self._collect(now)  # > now: anything due is collected
+                remaining = deadline - now
                 if self._done or self._expired or not self._leases or remaining <= 0:
                     break
-                self._cond.wait(min(remaining, max(next_expiry - self._clock(), 0.0)))
+                self._cond.wait(min(remaining, next_expiry - now))
             done, expired = self._done, self._expired
             self._done, self._expired = set(), set()
             return done, expired
