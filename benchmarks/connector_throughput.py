@@ -52,7 +52,7 @@ from typing import Any
 
 import aiohttp
 
-from disagg.kv.socket import SECRET_ENV, generate_secret
+from disagg.launch.launcher import per_run_env
 from disagg.linkemu import EmulatedLink
 from disagg.modelgen import EMBEDDED_MODELS, build_model
 from disagg.registry import vllm_kv_adapter
@@ -87,7 +87,7 @@ def planned_engines(connector: str, place: Placement, p_port: int, d_port: int,
 
     The planner sees a plain Ethernet link between P (core 0) and D (core 1);
     the benchmark shapes it itself, so it names the veth devices for UCX. The
-    socket connector's secret is generated here as ``disagg up`` does.
+    socket connector's secret comes from the launcher's per-run env.
     """
     hosts = {"p": HostSpec("p", place.p_host), "d": HostSpec("d", place.d_host)}
     p_inst = InstanceSpec("prefill", 0, "p", 0, p_port, cpus=(0,))
@@ -99,14 +99,13 @@ def planned_engines(connector: str, place: Placement, p_port: int, d_port: int,
     adapter = vllm_kv_adapter(connector)
     configs = [adapter.transfer_config(topo, inst, hosts[inst.host]) for inst in (p_inst, d_inst)]
     envs = [adapter.env(topo, inst, hosts[inst.host]) for inst in (p_inst, d_inst)]
-    if connector == "nixl":
-        for env, device in zip(envs, (place.p_device, place.d_device), strict=True):
-            if device:
-                env["UCX_NET_DEVICES"] = device
+    run_env = per_run_env(topo)
+    for env, device in zip(envs, (place.p_device, place.d_device), strict=True):
+        env.update(run_env)
+        if connector == "nixl" and device:
+            env["UCX_NET_DEVICES"] = device
     if connector == "socket":
-        secret = generate_secret()
-        for env, cfg in zip(envs, configs, strict=True):
-            env[SECRET_ENV] = secret
+        for cfg in configs:
             cfg["kv_connector_extra_config"].update(socket_extra or {})
     return configs[0], configs[1], envs[0], envs[1]
 

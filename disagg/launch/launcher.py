@@ -30,11 +30,18 @@ from disagg.launch.health import busy_ports, http_status, local_port_free
 from disagg.launch.state import ProcessRecord, RunState, find_states, load_state, remove_state, run_path, save_state
 from disagg.linkemu import EmulatedLink, remove_namespace
 from disagg.modelgen import ensure_model
-from disagg.topology import iter_ports
+from disagg.topology import Topology, iter_ports
 
 STOP_ORDER = {"proxy": 0, "decode": 1, "both": 2, "prefill": 3}
 #: variables passed to remote engines over ssh's stdin, never on a command line
 SECRET_ENVS = frozenset({SECRET_ENV})
+
+
+def per_run_env(topo: Topology) -> dict[str, str]:
+    """Per-run environment for every engine: a fresh shared secret for the socket connector."""
+    if topo.connector == "socket" and not topo.colocated:
+        return {SECRET_ENV: generate_secret()}
+    return {}
 
 
 class LauncherState(enum.Enum):
@@ -84,7 +91,7 @@ class Launcher:
             self._open_link()
             if self.topo.model.embedded:
                 ensure_model(self.topo.model.embedded, self.topo.model.path)
-            extra_env = self._run_env()
+            extra_env = per_run_env(self.topo)
             t0 = time.monotonic()
             pending = [self._start_engine(eng, extra_env) for eng in self.dep.engines]
             self._wait_healthy(pending, t0)
@@ -172,12 +179,6 @@ class Launcher:
         self.link.open()
         self.echo(f"link: {self.link.a.namespace} ({self.link.a.address}) <-> root namespace "
                   f"({self.link.b.address}), shaped at {self.topo.link.rate_text} with tc tbf")
-
-    def _run_env(self) -> dict[str, str]:
-        """Per-run environment for every engine: a fresh shared secret for the socket connector."""
-        if self.topo.connector == "socket" and not self.topo.colocated:
-            return {SECRET_ENV: generate_secret()}
-        return {}
 
     def _write_files(self, eng: EngineLaunch) -> None:
         """Write the engine's config files into the run directory on its host."""
