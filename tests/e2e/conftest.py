@@ -22,6 +22,7 @@ from disagg.modelgen import build_model
 from disagg.prompts import exact_prompt, load_tokenizer
 from tests.e2e.engines import (
     ENGINE_ARGS,
+    ENGINE_KEY,
     Running,
     bring_up,
     bring_up_foreground,
@@ -90,8 +91,8 @@ def requests_(tokenizer: Tokenizer) -> dict[str, dict]:
 
 def _answer(url: str, body: dict) -> str:
     if "messages" in body:
-        return post_json(url + "/v1/chat/completions", body)["choices"][0]["message"]["content"]
-    return post_json(url + "/v1/completions", body)["choices"][0]["text"]
+        return post_json(url + "/v1/chat/completions", body, key=ENGINE_KEY)["choices"][0]["message"]["content"]
+    return post_json(url + "/v1/completions", body, key=ENGINE_KEY)["choices"][0]["text"]
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,11 @@ from disagg.launch.state import RunState, load_state
 ROOT = Path(__file__).resolve().parents[2]
 # Every engine in the tests: one pinned core, small KV cache, no torch.compile.
 ENGINE_ARGS = '["-O0", "--max-num-seqs", "8"]'
+#: The engine key every e2e deployment runs with (`disagg up` takes it from
+#: DISAGG_ENGINE_KEY instead of generating one), so tests can reach engines
+#: directly the way only the proxy may.
+ENGINE_KEY = "e2e-engine-key-0123456789abcdef"
+ENGINE_ENV = {"DISAGG_ENGINE_KEY": ENGINE_KEY}
 
 
 def free_ports(count: int) -> list[int]:
@@ -42,7 +47,7 @@ def free_ports(count: int) -> list[int]:
 def disagg(*args: str, timeout: float = 900, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run the real CLI in a subprocess (``python -m disagg ...``)."""
     return subprocess.run([sys.executable, "-m", "disagg", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+                          timeout=timeout, cwd=ROOT, env={**os.environ, **ENGINE_ENV, **(env or {})})
 
 
 @dataclass
@@ -109,7 +114,7 @@ def bring_up_foreground(topology: Path, run_dir: Path, timeout: float = 900) -> 
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "disagg", "up", str(topology), "--run-dir", str(run_dir)],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **ENGINE_ENV})
     deadline = time.monotonic() + timeout
     while "serving; Ctrl-C stops every process" not in log.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -119,9 +124,12 @@ def bring_up_foreground(topology: Path, run_dir: Path, timeout: float = 900) -> 
     return _running(topology, run_dir, log.read_text(), proc)
 
 
-def post_json(url: str, body: dict, timeout: float = 300) -> dict:
-    """POST JSON, return the decoded reply (raises on HTTP errors)."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+def post_json(url: str, body: dict, timeout: float = 300, key: str | None = None) -> dict:
+    """POST JSON, return the decoded reply (raises on HTTP errors); ``key``: a bearer token."""
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.load(resp)
 
