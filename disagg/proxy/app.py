@@ -20,7 +20,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from disagg.proxy.backends import BackendPool, HealthProber
+from disagg.proxy.batch import serve_batch
 from disagg.proxy.config import ProxyConfig
 from disagg.proxy.errors import (
     BadRequest,
@@ -36,19 +37,20 @@ from disagg.proxy.errors import (
     Unauthorized,
     error_response,
 )
-from disagg.proxy.handoff import (
-    CHAT,
-    COMPLETIONS,
-    DecodeReply,
-    EngineErrorReply,
-    GenerationRequest,
-    Handoff,
-    PrefillFailed,
-    handoff_class,
-)
+from disagg.proxy.handoff import DecodeReply, EngineErrorReply, Handoff, PrefillFailed, handoff_class
 from disagg.proxy.headers import REQUEST_ID, downstream_headers, upstream_headers
 from disagg.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from disagg.proxy.relay import StreamTiming, is_event_stream, observe_stream, relay_stream, relay_whole
+from disagg.proxy.routes import (
+    CHAT,
+    COMPLETIONS,
+    GenerationRequest,
+    PromptRoute,
+    RequestPlan,
+    RoutePath,
+    plan_request,
+    strip_kv_params,
+)
 from disagg.proxy.upstream import Upstream, make_session
 
 log = logging.getLogger("disagg.proxy")
@@ -206,6 +208,8 @@ async def _forward(request: web.Request) -> web.StreamResponse:
 def _parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest("request body is not valid JSON: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -213,17 +217,21 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _samples(body: dict[str, Any]) -> int:
+def _samples(body: Mapping[str, Any]) -> int:
     n = body.get("n")
     return n if isinstance(n, int) and n > 0 else 1
 
 
-async def _open_reply(state: ProxyState, req: GenerationRequest, stack: AsyncExitStack) -> tuple[DecodeReply, str]:
-    """Decode's reply, through the handoff or from decode alone (colocated or
-    fallback), entered on ``stack``; and the metric path it took."""
-    if state.handoff is not None:
+async def _open_reply(state: ProxyState, route: PromptRoute, stack: AsyncExitStack) -> DecodeReply:
+    """Decode's reply for one route, entered on ``stack``: through the handoff (``split``),
+    or from decode alone (``local``, and ``split`` when prefill failed and fallback allows);
+    sets ``route.served``."""
+    req = route.request
+    if route.path is RoutePath.SPLIT and state.handoff is not None:
         try:
-            return await stack.enter_async_context(state.handoff.serve(req)), "disaggregated"
+            reply = await stack.enter_async_context(state.handoff.serve(route))
+            route.served = "disaggregated"
+            return reply
         except PrefillFailed as exc:
             if state.config.fallback == "never":
                 raise PrefillUnavailable(f"{exc.message}; fallback is 'never', so decode does not "
@@ -232,47 +240,76 @@ async def _open_reply(state: ProxyState, req: GenerationRequest, stack: AsyncExi
             level = logging.DEBUG if exc.reason == "no_healthy_prefill" else logging.WARNING
             log.log(level, "request %s: %s; decode serves it alone", req.request_id, exc.message)
             state.metrics.fallbacks.labels(exc.reason).inc()
-            path = "fallback"
+            route.served = "fallback"
+    elif route.reason == "colocated":
+        route.served = "colocated"
     else:
-        path = "colocated"
+        route.served = "local"
+        state.metrics.local_routes.labels(route.reason).inc()
     backend, resp = await stack.enter_async_context(
         state.client().request(state.decode, "POST", req.endpoint, data=req.raw, headers=req.headers))
-    return DecodeReply(backend, resp), path
+    route.decode = backend
+    return DecodeReply(backend, resp)
+
+
+def _request_path(plan: RequestPlan) -> str:
+    """The ``requests_total`` path label of a served request: how its routes were served
+    (``fallback`` or ``local`` if any route was, else the routes' common label)."""
+    served = {r.served for r in plan.routes}
+    for label in ("fallback", "local"):
+        if label in served:
+            return label
+    return served.pop() if len(served) == 1 else "disaggregated"
+
+
+def _client_request(request: web.Request, raw: bytes) -> GenerationRequest:
+    """The client's generation request as engines may see it: without client ``kv_transfer_params``."""
+    rid: str = request[REQUEST_ID_KEY]
+    headers = upstream_headers(request.headers, rid)
+    headers["Content-Type"] = "application/json"  # the body is JSON, whatever the client labelled it
+    body, stripped = strip_kv_params(_parse_body(raw))
+    if stripped:
+        log.info("request %s: removed client-supplied kv_transfer_params", rid)
+        raw = json.dumps(body).encode()
+    return GenerationRequest(endpoint=request.path, body=body, raw=raw, headers=headers, request_id=rid)
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
-    """Completions and chat: prefill -> decode, with fallback, or colocated."""
+    """Completions and chat: one route per prompt (prefill -> decode, or decode alone), replies joined."""
     started = time.perf_counter()
     state = request.app[STATE]
     metrics, upstream = state.metrics, state.client()
     rid: str = request[REQUEST_ID_KEY]
-    raw = await request.read()
-    headers = upstream_headers(request.headers, rid)
-    headers["Content-Type"] = "application/json"  # the body is JSON, whatever the client labelled it
-    req = GenerationRequest(endpoint=request.path, body=_parse_body(raw), raw=raw, headers=headers, request_id=rid)
+    req = _client_request(request, await request.read())
+    plan = plan_request(req, split=state.handoff is not None,
+                        local=state.handoff is None or state.handoff.serves_local)
     label = "chat" if req.endpoint == CHAT else "completions"
     path = "error"
     try:
+        timing = StreamTiming(started)
+        if plan.batched:
+            out = await serve_batch(request, plan, lambda route, stack: _open_reply(state, route, stack),
+                                    upstream, timing)
+            if out.status == 200 and not timing.broken:
+                path = _request_path(plan)
+                if req.stream:
+                    observe_stream(metrics, timing, None, len(plan.routes))
+            return out
         async with AsyncExitStack() as stack:
-            reply, path = await _open_reply(state, req, stack)
+            route = plan.routes[0]
+            reply = await _open_reply(state, route, stack)
             resp = reply.response
-            if resp.status != 200:
-                path = "error"
             if is_event_stream(resp):
-                timing = StreamTiming(started)
                 out = await relay_stream(request, upstream, reply.backend, resp, rid, timing)
-                if timing.broken:
-                    path = "error"
-                else:
+                if not timing.broken and resp.status == 200:
                     observe_stream(metrics, timing, reply.prefill_done, _samples(req.body))
             else:
                 out = await relay_whole(upstream, reply.backend, resp, rid)
             if reply.companion is not None:
                 await reply.companion
+            if resp.status == 200 and not timing.broken:
+                path = _request_path(plan)
         return out
-    except BaseException:
-        path = "error"
-        raise
     finally:
         metrics.requests.labels(label, path).inc()
         metrics.e2e.observe(time.perf_counter() - started)

@@ -1,10 +1,10 @@
 """Prefill -> decode handoff protocols, one class per engine family.
 
-The proxy calls :meth:`Handoff.serve` once per generation request when it has
-a prefill pool. A handoff decides what prefill and decode receive and in
-which order; the proxy relays the decode reply it yields, falls back to
-decode alone when it raises :class:`PrefillFailed`, and turns any other
-error into the client's error.
+The proxy calls :meth:`Handoff.serve` once per ``split`` route (one prompt of a
+client request: :mod:`disagg.proxy.routes`) when it has a prefill pool. A
+handoff decides what prefill and decode receive and in which order; the
+proxy relays the decode reply it yields, falls back to decode alone when it
+raises :class:`PrefillFailed`, and turns any other error into the client's error.
 
 - :class:`VllmHandoff` (sequential, NixlConnector pull mode): prefill with
   ``max_tokens: 1`` and ``kv_transfer_params.do_remote_decode``, then decode
@@ -34,26 +34,21 @@ from disagg.errors import ProxyError
 from disagg.proxy.backends import Backend, BackendPool
 from disagg.proxy.errors import ProxyHTTPError, UpstreamError
 from disagg.proxy.metrics import ProxyMetrics
+from disagg.proxy.routes import CHAT, COMPLETIONS, GenerationRequest, PromptRoute
 from disagg.proxy.upstream import Upstream
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One client generation request, as the proxy received it (never mutated)."""
-
-    endpoint: str                       # COMPLETIONS or CHAT
-    body: Mapping[str, Any]             # the parsed JSON object
-    raw: bytes                          # the exact bytes the client sent
-    headers: Mapping[str, str]          # end-to-end headers for engines (X-Request-Id set)
-    request_id: str
-
-    @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream"))
-
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "HANDOFFS",
+    "DecodeReply",
+    "EngineErrorReply",
+    "GenerationRequest",
+    "Handoff",
+    "PrefillFailed",
+    "VllmHandoff",
+    "handoff_class",
+]
 
 @dataclass
 class DecodeReply:
@@ -100,6 +95,9 @@ class Handoff(ABC):
 
     #: the ``--engine`` value this protocol serves
     engine: ClassVar[str]
+    #: whether a decode engine of this family can serve a request alone
+    #: (``local`` routes, fallback); if not, every route goes through :meth:`serve`
+    serves_local: ClassVar[bool] = True
 
     def __init__(self, upstream: Upstream, prefill: BackendPool, decode: BackendPool,
                  metrics: ProxyMetrics, options: Mapping[str, str] | None = None) -> None:
@@ -114,11 +112,14 @@ class Handoff(ABC):
         """Release what the handoff holds beyond requests (sockets); the proxy calls it on shutdown."""
 
     @abstractmethod
-    def serve(self, req: GenerationRequest) -> AbstractAsyncContextManager[DecodeReply]:
-        """Run the handoff for one request; yield decode's reply while the proxy relays it.
+    def serve(self, route: PromptRoute) -> AbstractAsyncContextManager[DecodeReply]:
+        """Run the handoff for one route (``route.request``: one prompt); yield decode's reply
+        while the proxy relays it.
 
-        Called by the proxy once per generation request, concurrently for many
-        requests. Raises :class:`PrefillFailed` before anything reached decode
+        Called by the proxy once per ``split`` route, concurrently for many
+        routes; records the engines it used in ``route.prefill`` / ``route.decode``
+        (and the prompt's ``route.kv_transfer_params`` where the protocol has
+        them). Raises :class:`PrefillFailed` before anything reached decode
         when prefill is unusable (the proxy then applies its fallback policy),
         :class:`EngineErrorReply` to hand an engine's 4xx to the client, and
         :class:`~disagg.proxy.errors.ProxyHTTPError` for decode failures. On
@@ -166,17 +167,20 @@ class VllmHandoff(Handoff):
         out["kv_transfer_params"] = dict(kv_transfer_params)
         return out
 
-    async def run_prefill(self, req: GenerationRequest,
+    async def run_prefill(self, route: PromptRoute,
                           kv_transfer_params: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Prefill on the best prefill backend; returns the ``kv_transfer_params`` it answered.
+        """Prefill ``route``'s prompt on the best prefill backend (recorded in ``route.prefill``);
+        returns the ``kv_transfer_params`` it answered.
 
         Raises :class:`PrefillFailed` (fallback possible) or :class:`EngineErrorReply`.
         """
+        req = route.request
         data = json.dumps(self.prefill_body(req.endpoint, req.body, kv_transfer_params)).encode()
         started = time.perf_counter()
         try:
             async with self.upstream.request(self.prefill, "POST", req.endpoint, data=data,
                                              headers=req.headers) as (backend, resp):
+                route.prefill = backend
                 if 400 <= resp.status < 500:
                     body = await self.upstream.read(backend, resp)
                     raise EngineErrorReply(backend.url, resp.status, body, resp.headers)
@@ -197,13 +201,16 @@ class VllmHandoff(Handoff):
         return params
 
     @asynccontextmanager
-    async def serve(self, req: GenerationRequest) -> AsyncIterator[DecodeReply]:
-        """Prefill, then decode with the returned ``kv_transfer_params``."""
-        params = await self.run_prefill(req)
+    async def serve(self, route: PromptRoute) -> AsyncIterator[DecodeReply]:
+        """Prefill, then decode with the ``kv_transfer_params`` this prompt's prefill returned."""
+        req = route.request
+        params = await self.run_prefill(route)
+        route.kv_transfer_params = params
         prefill_done = time.perf_counter()
         data = json.dumps(self.decode_body(req.body, params)).encode()
         async with self.upstream.request(self.decode, "POST", req.endpoint, data=data,
                                          headers=req.headers) as (backend, resp):
+            route.decode = backend
             yield DecodeReply(backend, resp, prefill_done=prefill_done)
 
 

@@ -43,8 +43,9 @@ import zmq.asyncio
 from disagg.errors import ProxyError
 from disagg.proxy.backends import BackendPool
 from disagg.proxy.errors import NoHealthyBackend, UpstreamConnectError
-from disagg.proxy.handoff import DecodeReply, GenerationRequest, PrefillFailed, VllmHandoff
+from disagg.proxy.handoff import DecodeReply, PrefillFailed, VllmHandoff
 from disagg.proxy.metrics import ProxyMetrics
+from disagg.proxy.routes import PromptRoute
 from disagg.proxy.upstream import Upstream, finish
 
 log = logging.getLogger("disagg.proxy")
@@ -161,15 +162,17 @@ class LmcacheHandoff(VllmHandoff):
                                 "receiver_alloc_port": list(rec.alloc_ports)}}
 
     @asynccontextmanager
-    async def serve(self, req: GenerationRequest) -> AsyncIterator[DecodeReply]:
+    async def serve(self, route: PromptRoute) -> AsyncIterator[DecodeReply]:
         """Choose decode, prefill into its receiver, wait for the notices, then decode."""
+        req = route.request
         backend = self.decode.pick()
         if backend is None:
             raise NoHealthyBackend(f"no healthy decode instance: {self.decode.describe()}")
         rec = self.receivers[backend.url]
         req_id = f"disagg-{req.request_id}-{uuid.uuid4().hex[:8]}"
+        route.decode = backend
         with self.decode.lease(backend):
-            await self.run_prefill(req, self.transfer_params(req_id, rec))
+            await self.run_prefill(route, self.transfer_params(req_id, rec))
             prefill_done = time.perf_counter()
             if not await self.notices.wait(req_id, len(rec.init_ports), self.upstream.timeouts.request):
                 raise PrefillFailed("no_kv_notice", f"no LMCache notice for {req_id} within "

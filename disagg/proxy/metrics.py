@@ -6,6 +6,10 @@ Names (all prefixed ``disagg_proxy_``):
 - ``requests_total{endpoint, path}``: generation requests by how they were
   served: ``disaggregated`` (prefill then decode), ``fallback`` (decode alone
   because prefill failed), ``colocated`` (one whole server), ``error``.
+  ``local`` (decode alone by choice: see :mod:`disagg.proxy.routes`); a batch
+  counts once (``fallback`` or ``local`` if any of its prompts was).
+- ``local_routes_total{reason}``: prompts the decode engine computed itself by
+  choice (n, prompt_logprobs, max_tokens_0, prompt_embeds, prompt_shape).
 - ``fallbacks_total{reason}``: why prefill was skipped (connect, timeout,
   status, disconnected, bad_reply, no_kv_params, no_healthy_prefill).
 - ``upstream_errors_total{role, kind}``.
@@ -32,7 +36,7 @@ TOKEN_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
-PATHS = ("disaggregated", "fallback", "colocated", "error")
+PATHS = ("disaggregated", "fallback", "local", "colocated", "error")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -47,6 +51,8 @@ class ProxyMetrics:
                                 ["endpoint", "path"], registry=r)
         self.fallbacks = Counter("disagg_proxy_fallbacks", "Requests served by decode alone, by reason",
                                  ["reason"], registry=r)
+        self.local_routes = Counter("disagg_proxy_local_routes", "Prompts the decode engine computed itself, by reason",
+                                    ["reason"], registry=r)
         self.upstream_errors = Counter("disagg_proxy_upstream_errors", "Failed engine requests",
                                        ["role", "kind"], registry=r)
         self.ttft = Histogram("disagg_proxy_ttft_seconds", "Time to first streamed event, at the proxy",

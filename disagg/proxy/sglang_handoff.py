@@ -40,6 +40,7 @@ from disagg.proxy.backends import Backend, BackendPool
 from disagg.proxy.errors import NoHealthyBackend, PrefillUnavailable, UpstreamBadReply, UpstreamConnectError
 from disagg.proxy.handoff import DecodeReply, EngineErrorReply, GenerationRequest, Handoff
 from disagg.proxy.metrics import ProxyMetrics
+from disagg.proxy.routes import PromptRoute
 from disagg.proxy.upstream import Upstream, finish
 
 log = logging.getLogger("disagg.proxy")
@@ -174,6 +175,7 @@ class SglangHandoff(Handoff):
     """SGLang prefill and decode in parallel, joined by a bootstrap room."""
 
     engine = "sglang"
+    serves_local = False
 
     def __init__(self, upstream: Upstream, prefill: BackendPool, decode: BackendPool,
                  metrics: ProxyMetrics, options: Mapping[str, str] | None = None) -> None:
@@ -213,8 +215,9 @@ class SglangHandoff(Handoff):
             decode.close()
 
     @asynccontextmanager
-    async def serve(self, req: GenerationRequest) -> AsyncIterator[DecodeReply]:
+    async def serve(self, route: PromptRoute) -> AsyncIterator[DecodeReply]:
         """Send to one prefill and one decode at once; yield decode's reply."""
+        req = route.request
         p_backend = self.prefill.pick()
         if p_backend is None:
             raise PrefillUnavailable(f"no healthy prefill instance: {self.prefill.describe()} "
@@ -222,6 +225,7 @@ class SglangHandoff(Handoff):
         d_backend = self.decode.pick()
         if d_backend is None:
             raise NoHealthyBackend(f"no healthy decode instance: {self.decode.describe()}")
+        route.prefill, route.decode = p_backend, d_backend
         host = urlsplit(p_backend.url).hostname or ""
         room = random.getrandbits(ROOM_BITS)
         data = json.dumps(bootstrap_body(req.body, host, self.ports[p_backend.url], room)).encode()

@@ -48,6 +48,8 @@ class StandInEngine:
     hang: bool = False                      # never answer generation
     no_kv_params: bool = False              # prefill answers without kv_transfer_params
     gate: asyncio.Event | None = None       # stream: wait for it after the first event
+    prompt_text: bool = False               # tokens carry the (string) prompt: ``<prompt>:tok0 ``
+    fail_on_prompt: str | None = None       # answer 400 to a request whose prompt is this string
     received: list[Received] = field(default_factory=list)
     running: int = 0                        # generation requests in progress
     aborted: int = 0                        # generation requests cancelled by the caller leaving
@@ -119,8 +121,12 @@ class StandInEngine:
             return web.json_response({"error": {"message": f"{self.name} failed on purpose", "type": "StandInError",
                                                 "param": None, "code": self.fail_status}},
                                      status=self.fail_status)
+        if self.fail_on_prompt is not None and body.get("prompt") == self.fail_on_prompt:
+            return web.json_response({"error": {"message": "prompt refused", "type": "BadRequestError",
+                                                "param": None, "code": 400}}, status=400)
         params = body.get("kv_transfer_params") or {}
         chat = request.path.endswith("/chat/completions")
+        tag = f"{body.get('prompt')}:" if self.prompt_text and isinstance(body.get("prompt"), str) else ""
         if params.get("do_remote_decode"):
             kv = None if self.no_kv_params else {
                 "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [7, 8],
@@ -131,7 +137,7 @@ class StandInEngine:
                                       "kv_transfer_params": kv})
         n = int(body.get("n") or 1)
         if not body.get("stream"):
-            text = "".join(f"tok{i} " for i in range(self.tokens))
+            text = "".join(f"{tag}tok{i} " for i in range(self.tokens))
             return web.json_response({"id": f"cmpl-{rid}", "object": "chat.completion" if chat else "text_completion",
                                       "model": "tiny", "served_by": self.name,
                                       "choices": [self._choice(chat, i, text) for i in range(n)],
@@ -146,7 +152,7 @@ class StandInEngine:
                     assert request.transport is not None
                     request.transport.close()
                     return resp
-                choice = self._choice(chat, i, f"tok{t} ", delta=True)
+                choice = self._choice(chat, i, f"{tag}tok{t} ", delta=True)
                 chunk = {"id": f"cmpl-{rid}", "model": "tiny", "choices": [choice]}
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 sent += 1

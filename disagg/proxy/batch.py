@@ -1,0 +1,244 @@
+"""Serving a batch: one route per prompt, concurrently, joined into one reply.
+
+Called by :func:`disagg.proxy.app._generate` for a plan with several routes
+(a ``/v1/completions`` list ``prompt``). Each route runs in a task of its own
+(:class:`_RouteRun`): it opens its reply through ``open_route`` (the same
+function the proxy uses for a single route: handoff, fallback or decode
+alone), then reads it whole, or feeds its SSE events into one queue. At most
+``max_parallel`` routes of one request run at once.
+
+The client gets exactly what one vLLM server returns for the batch
+(:mod:`disagg.proxy.merge`):
+
+- An error before any output (a prompt over the context, a bad field) is
+  the reply of the lowest-numbered prompt that failed, with its status and
+  body, and the other routes are cancelled; vLLM checks every prompt before
+  it starts, so nothing is streamed first. (Beyond ``max_parallel`` prompts
+  in a streamed batch, a later prompt's error arrives as vLLM's in-stream
+  error event instead.)
+- Streamed: the events of all prompts as they come, re-indexed, one usage
+  chunk, one ``[DONE]``; an engine failing mid-stream gives vLLM's error
+  event, then ``[DONE]``, and the other routes are cancelled.
+
+A client that leaves cancels the handler; every route task is cancelled and
+closes its engine requests (which aborts them in the engines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack, suppress
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDictProxy
+
+from disagg.proxy.backends import Backend
+from disagg.proxy.errors import CLIENT_ERRORS, UpstreamBadReply, sse_error_event
+from disagg.proxy.handoff import DecodeReply
+from disagg.proxy.headers import downstream_headers
+from disagg.proxy.merge import (
+    batch_id,
+    is_error_event,
+    is_usage_chunk,
+    merge_replies,
+    merge_usage_chunks,
+    reindex,
+)
+from disagg.proxy.relay import StreamTiming, is_event_stream
+from disagg.proxy.routes import PromptRoute, RequestPlan
+from disagg.proxy.upstream import Upstream
+from disagg.sse import DONE_EVENT, SSEError, SSEParser, encode_event, encode_json_event
+
+log = logging.getLogger("disagg.proxy")
+
+#: routes of one client request served at once
+MAX_PARALLEL_ROUTES = 32
+
+OpenRoute = Callable[[PromptRoute, AsyncExitStack], Awaitable[DecodeReply]]
+
+
+@dataclass
+class _Opened:
+    """A route's reply status and headers; ``body`` when it is not a stream to merge."""
+
+    status: int
+    headers: CIMultiDictProxy[str]
+    body: bytes | None = None
+
+
+#: a queue item: (route index, event data or None at the route's end, or raw bytes of a final error event)
+_Item = tuple[int, Any]
+
+
+class _RouteRun:
+    """One route of the batch, run in its own task."""
+
+    def __init__(self, route: PromptRoute, open_route: OpenRoute, upstream: Upstream,
+                 limit: asyncio.Semaphore, queue: asyncio.Queue[_Item] | None) -> None:
+        self.route = route
+        self._open_route = open_route
+        self._upstream = upstream
+        self._limit = limit
+        self._queue = queue      # None: read the reply whole
+        self.opened: asyncio.Future[_Opened] = asyncio.get_running_loop().create_future()
+
+    async def run(self) -> None:
+        try:
+            async with self._limit, AsyncExitStack() as stack:
+                reply = await self._open_route(self.route, stack)
+                resp = reply.response
+                if self._queue is None or resp.status != 200:
+                    body = await self._upstream.read(reply.backend, resp)
+                    self.opened.set_result(_Opened(resp.status, resp.headers, body))
+                    return
+                if not is_event_stream(resp):
+                    raise UpstreamBadReply(reply.backend.url, "answered a streamed request without a stream")
+                self.opened.set_result(_Opened(resp.status, resp.headers))
+                await self._pump(reply.backend, resp.content)
+        except asyncio.CancelledError:
+            if not self.opened.done():
+                self.opened.cancel()
+            raise
+        except Exception as exc:
+            if not self.opened.done():
+                self.opened.set_exception(exc)
+            elif self._queue is not None:
+                log.warning("request %s: %s", self.route.request.request_id, exc)
+                self._queue.put_nowait((self.route.index, sse_error_event(502, f"batch prompt failed: {exc}")))
+        finally:
+            if self._queue is not None and self.opened.done() and not self.opened.cancelled() \
+                    and self.opened.exception() is None:
+                self._queue.put_nowait((self.route.index, None))
+
+    async def _pump(self, backend: Backend, content: Any) -> None:
+        """Every event of this route's stream into the queue (parsed JSON, or raw data)."""
+        assert self._queue is not None
+        parser = SSEParser()
+        while True:
+            try:
+                chunk = await content.readany()
+            except CLIENT_ERRORS as exc:
+                err = self._upstream.failed(backend, exc)
+                log.warning("decode stream broke: %s", err.message)
+                self._queue.put_nowait((self.route.index, sse_error_event(err.status, f"decode stream broke: "
+                                                                                      f"{err.message}")))
+                return
+            if not chunk:
+                return
+            try:
+                events = parser.feed(chunk)
+            except SSEError as exc:
+                raise UpstreamBadReply(backend.url, str(exc)) from None
+            for event in events:
+                if event.done:
+                    continue
+                try:
+                    value = event.json()
+                except ValueError:
+                    value = event.data
+                self._queue.put_nowait((self.route.index, value))
+
+
+async def _first_failure(runs: list[_RouteRun]) -> _Opened | None:
+    """Wait until every route has answered; the lowest-numbered failure, if any (the rest cancelled).
+
+    Raises the exception of the lowest-numbered route that raised one (a
+    proxy error the front door turns into the client's error).
+    """
+    pending = {r.opened for r in runs}
+    while pending:
+        _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        failed = [r for r in runs if r.opened.done() and not r.opened.cancelled()
+                  and (r.opened.exception() is not None or r.opened.result().status != 200)]
+        if failed:
+            first = failed[0]
+            exc = first.opened.exception()
+            if exc is not None:
+                raise exc
+            return first.opened.result()
+    return None
+
+
+async def serve_batch(request: web.Request, plan: RequestPlan, open_route: OpenRoute, upstream: Upstream,
+                      timing: StreamTiming, max_parallel: int = MAX_PARALLEL_ROUTES) -> web.StreamResponse:
+    """Serve every route of ``plan`` and answer the client as one vLLM server would."""
+    rid = plan.request.request_id
+    queue: asyncio.Queue[_Item] | None = asyncio.Queue() if plan.request.stream else None
+    limit = asyncio.Semaphore(max_parallel)
+    runs = [_RouteRun(route, open_route, upstream, limit, queue) for route in plan.routes]
+    tasks = [asyncio.create_task(run.run(), name=f"disagg-route-{rid}-{run.route.index}") for run in runs]
+    try:
+        failure = await _first_failure(runs)
+        if failure is not None:
+            return web.Response(status=failure.status, body=failure.body,
+                                headers=downstream_headers(failure.headers, rid))
+        first = runs[0].opened.result()
+        if queue is None:
+            replies = [_json_object(run) for run in runs]
+            merged = json.dumps(merge_replies(replies, rid)).encode()
+            return web.Response(status=200, body=merged, headers=downstream_headers(first.headers, rid))
+        return await _stream(request, queue, len(runs), first, rid, timing)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with suppress(BaseException):
+                await task
+
+
+def _json_object(run: _RouteRun) -> dict[str, Any]:
+    body = run.opened.result().body or b""
+    try:
+        value = json.loads(body)
+    except ValueError as exc:
+        raise UpstreamBadReply(run.route.decode.url if run.route.decode else "decode",
+                               f"unreadable reply ({exc})") from None
+    if not isinstance(value, dict):
+        raise UpstreamBadReply("decode", f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+async def _stream(request: web.Request, queue: asyncio.Queue[_Item], routes: int, first: _Opened, rid: str,
+                  timing: StreamTiming) -> web.StreamResponse:
+    """Relay the routes' events as they come, re-indexed; one usage chunk and one ``[DONE]`` at the end."""
+    out = web.StreamResponse(status=200, headers=downstream_headers(first.headers, rid))
+    await out.prepare(request)
+    reply_id = batch_id(rid)
+    usage: dict[int, dict[str, Any]] = {}
+    ended = 0
+    while ended < routes:
+        index, value = await queue.get()
+        if value is None:
+            ended += 1
+            continue
+        if isinstance(value, bytes) and value.startswith(b"data: "):  # a route's final error event
+            timing.broken = True
+            await out.write(value)
+            await out.write_eof()
+            return out
+        if isinstance(value, dict) and is_usage_chunk(value):
+            usage[index] = value
+            continue
+        if isinstance(value, dict) and is_error_event(value):
+            timing.broken = True
+            await out.write(encode_json_event(value) + DONE_EVENT)
+            await out.write_eof()
+            return out
+        data = encode_json_event(reindex(value, index, reply_id)) if isinstance(value, dict) else encode_event(value)
+        await out.write(data)
+        now = time.perf_counter()
+        if timing.first is None:
+            timing.first = now
+        timing.token_events += 1
+        timing.last = now
+    if usage:
+        await out.write(encode_json_event(merge_usage_chunks([usage[i] for i in sorted(usage)], rid)))
+    await out.write(DONE_EVENT)
+    await out.write_eof()
+    return out

@@ -1,0 +1,213 @@
+"""Per-prompt routes: how each prompt of a client's generation request reaches the engines.
+
+The proxy turns every ``/v1/completions`` and ``/v1/chat/completions`` request
+into a :class:`RequestPlan` of one :class:`PromptRoute` per prompt, before any
+engine sees it (:func:`plan_request`). A route names its *path*:
+
+- ``split``: prefill on a prefill engine, the prompt's KV over the link, decode
+  on a decode engine (the handoff fills in ``prefill``, ``decode`` and the
+  prompt's own ``kv_transfer_params`` as it goes);
+- ``local``: the decode engine computes the prompt itself (colocated proxies,
+  and requests the KV handoff cannot serve exactly).
+
+Why one route per prompt: vLLM answers a list ``prompt`` with ONE
+``kv_transfer_params``, the first prompt's, so a batch sent whole through a
+prefill engine would hand every prompt's decode the first prompt's KV. Each
+prompt of a batch therefore becomes a request of its own (a *sub-request*);
+:mod:`disagg.proxy.merge` joins their replies into the single server's reply.
+
+What goes ``local`` (with the reason, a metric label):
+
+- ``n``: ``n > 1`` (or beam search). One prefill serves every sample on a
+  single server; through the handoff, vLLM's parallel sampling would give all
+  samples the one prompt's ``kv_transfer_params`` and they would race for one
+  lease. The decode engine prefills once and samples ``n`` times, exactly as a
+  single server does; no lease is taken.
+- ``prompt_logprobs``: vLLM does not compute prompt logprobs for tokens whose KV
+  was transferred; so also ``echo`` with ``logprobs`` (which needs them).
+- ``max_tokens_0``: nothing to decode.
+- ``prompt_shape``: a ``prompt`` the proxy does not recognise (not a string,
+  token ids, or a list of either); the decode engine answers with its own error
+  or result, exactly as a single server.
+- ``colocated``: the proxy has no prefill pool.
+
+Client-supplied ``kv_transfer_params`` (top level, or inside ``vllm_xargs``) are
+removed from every request on every path (:func:`strip_kv_params`): only the
+proxy may tell an engine where KV lives.
+
+Callers: :func:`disagg.proxy.app._generate` plans each request; handoffs
+(:mod:`disagg.proxy.handoff`) serve ``split`` routes and record the engines
+they used; later routing policies may set ``path``, ``prefill`` and
+``decode`` before the handoff runs.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from multidict import CIMultiDict
+
+from disagg.proxy.headers import REQUEST_ID
+
+if TYPE_CHECKING:
+    from disagg.proxy.backends import Backend
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+#: the request field an engine's KV connector reads (also accepted inside ``vllm_xargs``)
+KV_PARAMS = "kv_transfer_params"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation request as an engine should receive it (never mutated).
+
+    For a client's whole request ``body``/``raw`` are what the client sent,
+    less any ``kv_transfer_params``; for a sub-request of a batch, the same
+    with one prompt.
+    """
+
+    endpoint: str                       # COMPLETIONS or CHAT
+    body: Mapping[str, Any]             # the parsed JSON object
+    raw: bytes                          # ``body`` as bytes (the client's own bytes when unchanged)
+    headers: Mapping[str, str]          # end-to-end headers for engines (X-Request-Id set)
+    request_id: str
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    def with_body(self, body: Mapping[str, Any], request_id: str) -> GenerationRequest:
+        """A copy carrying ``body`` (serialised anew) under ``request_id``."""
+        headers = CIMultiDict(self.headers)
+        headers[REQUEST_ID] = request_id
+        return replace(self, body=body, raw=json.dumps(body).encode(), headers=headers, request_id=request_id)
+
+
+class RoutePath(enum.StrEnum):
+    """How one prompt is served."""
+
+    SPLIT = "split"     # prefill engine -> KV over the link -> decode engine
+    LOCAL = "local"     # the decode engine computes the prompt itself
+
+
+@dataclass
+class PromptRoute:
+    """One prompt's way through the engines.
+
+    ``index`` is the prompt's position in the client's request (its replies'
+    choice indices start at ``index * choices``). ``path`` and ``reason`` are
+    decided by :func:`plan_request` (a routing policy may change them before
+    serving); ``prefill``, ``decode`` and ``kv_transfer_params`` are filled in
+    by whoever serves the route; ``served`` says how it was finally served
+    (``disaggregated``, ``fallback``, ``local``, ``colocated``: the proxy's
+    ``requests_total`` path labels).
+    """
+
+    index: int
+    request: GenerationRequest
+    path: RoutePath
+    reason: str = ""
+    prefill: Backend | None = None
+    decode: Backend | None = None
+    kv_transfer_params: dict[str, Any] | None = field(default=None, repr=False)
+    served: str = ""
+
+
+@dataclass
+class RequestPlan:
+    """All routes of one client request; ``batched``: replies must be merged."""
+
+    request: GenerationRequest
+    routes: list[PromptRoute]
+
+    @property
+    def batched(self) -> bool:
+        return len(self.routes) > 1
+
+
+_ABSENT = object()
+
+
+def strip_kv_params(body: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+    """``body`` without client-supplied ``kv_transfer_params``; and whether any was there.
+
+    vLLM reads them from the top level and from ``vllm_xargs`` (which become
+    the request's ``extra_args``).
+    """
+    out = dict(body)
+    changed = out.pop(KV_PARAMS, _ABSENT) is not _ABSENT
+    xargs = out.get("vllm_xargs")
+    if isinstance(xargs, Mapping) and KV_PARAMS in xargs:
+        out["vllm_xargs"] = {k: v for k, v in xargs.items() if k != KV_PARAMS}
+        changed = True
+    return out, changed
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def batch_prompts(body: Mapping[str, Any]) -> list[Any] | None:
+    """The prompts of a completions batch (two or more), or None for one prompt.
+
+    Raises ``ValueError`` for a ``prompt`` that is none of the shapes vLLM
+    accepts (a string, token ids, a list of strings, a list of token-id lists).
+    """
+    prompt = body.get("prompt")
+    if prompt is None or isinstance(prompt, str) or _is_token_ids(prompt):
+        return None
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError("prompt shape")
+    if all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt):
+        return prompt if len(prompt) > 1 else None
+    raise ValueError("prompt shape")
+
+
+def local_reason(endpoint: str, body: Mapping[str, Any]) -> str | None:
+    """Why a request cannot be served exactly through the KV handoff (see the module doc), or None."""
+    if body.get("n") not in (None, 1) or body.get("use_beam_search"):  # also "2", which vLLM coerces
+        return "n"
+    if body.get("prompt_logprobs") is not None:
+        return "prompt_logprobs"
+    if endpoint == COMPLETIONS and body.get("echo") and body.get("logprobs") is not None:
+        return "prompt_logprobs"
+    if body.get("max_tokens") == 0 or body.get("max_completion_tokens") == 0:
+        return "max_tokens_0"
+    if endpoint == COMPLETIONS and body.get("prompt_embeds") is not None:
+        return "prompt_embeds"
+    return None
+
+
+def plan_request(req: GenerationRequest, *, split: bool, local: bool = True) -> RequestPlan:
+    """The routes of one client request (``split``: a prefill pool exists; ``local``: decode
+    engines can serve a prompt alone, which SGLang's cannot: there every prompt goes ``split``).
+
+    ``req`` must already be stripped of client ``kv_transfer_params``.
+    A batch whose prompts can go ``split`` becomes one sub-request per prompt
+    (``X-Request-Id`` ``<id>-<index>``, so engines never see one id twice);
+    everything else is one route carrying the request whole.
+    """
+    if not split:
+        return RequestPlan(req, [PromptRoute(0, req, RoutePath.LOCAL, "colocated")])
+    reason = local_reason(req.endpoint, req.body)
+    prompts: Sequence[Any] | None = None
+    if reason is None and req.endpoint == COMPLETIONS:
+        try:
+            prompts = batch_prompts(req.body)
+        except ValueError:
+            reason = "prompt_shape"
+    if reason is not None and not local:
+        return RequestPlan(req, [PromptRoute(0, req, RoutePath.SPLIT, reason)])
+    if reason is not None:
+        return RequestPlan(req, [PromptRoute(0, req, RoutePath.LOCAL, reason)])
+    if prompts is None:
+        return RequestPlan(req, [PromptRoute(0, req, RoutePath.SPLIT)])
+    routes = [PromptRoute(i, req.with_body({**req.body, "prompt": p}, f"{req.request_id}-{i}"), RoutePath.SPLIT)
+              for i, p in enumerate(prompts)]
+    return RequestPlan(req, routes)
