@@ -197,12 +197,30 @@ async def _forward(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     upstream = state.client()
     rid: str = request[REQUEST_ID_KEY]
-    data = await request.read() if request.body_exists else None
+    data = _without_kv_params(await request.read(), rid) if request.body_exists else None
     async with upstream.request(state.decode, request.method, request.path_qs, data=data,
                                 headers=upstream_headers(request.headers, rid)) as (backend, resp):
         if is_event_stream(resp):
             return await relay_stream(request, upstream, backend, resp, rid, StreamTiming(time.perf_counter()))
         return await relay_whole(upstream, backend, resp, rid)
+
+
+def _without_kv_params(raw: bytes, rid: str) -> bytes:
+    """A pass-through body without client ``kv_transfer_params``, when it is a JSON object
+    (other bodies go as they are: an engine reads no KV instructions from them)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest("request body is not valid JSON: nested too deeply") from None
+    except (ValueError, UnicodeDecodeError):
+        return raw
+    if not isinstance(body, dict):
+        return raw
+    body, stripped = strip_kv_params(body)
+    if not stripped:
+        return raw
+    log.info("request %s: removed client-supplied kv_transfer_params", rid)
+    return json.dumps(body).encode()
 
 
 def _parse_body(raw: bytes) -> dict[str, Any]:
