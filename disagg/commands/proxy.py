@@ -12,6 +12,9 @@ from disagg.proxy.config import FALLBACKS, ProxyConfig, ProxyTimeouts
 
 #: environment variable read when ``--api-key`` is not given (keeps the key out of ``ps``)
 API_KEY_ENV = "DISAGG_PROXY_API_KEY"
+#: the engine key the proxy sends to every engine (``Authorization: Bearer KEY``); ``disagg up``
+#: puts the run's key here, and takes it from here instead of generating one when it is set
+ENGINE_KEY_ENV = "DISAGG_ENGINE_KEY"
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +33,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", default="vllm", help="engine family, selects the handoff (default: vllm)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV} if set)")
+    p.add_argument("--engine-key", default=None,
+                   help=f"send 'Authorization: Bearer KEY' with every request to an engine "
+                        f"(default: ${ENGINE_KEY_ENV} if set; prefer the variable, ps shows arguments)")
     p.add_argument("--fallback", choices=FALLBACKS, default="local",
                    help="when prefill fails: 'local' lets decode serve alone, 'never' answers 503")
     p.add_argument("--connect-timeout", type=float, default=d.connect, metavar="S")
@@ -55,6 +61,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
                              drain=args.drain_timeout)
     return ProxyConfig(decode=tuple(args.decode), prefill=tuple(args.prefill), host=args.host, port=args.port,
                        engine=args.engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                       engine_key=args.engine_key or os.environ.get(ENGINE_KEY_ENV) or None,
                        fallback=args.fallback, timeouts=timeouts,
                        handoff_options=parse_handoff_options(args.handoff_option))
 

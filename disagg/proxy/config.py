@@ -32,6 +32,20 @@ class ProxyTimeouts:
                 raise ProxyError(f"proxy timeout {name} must be > 0 seconds, got {value!r}")
 
 
+def check_key(value: str | None, what: str) -> str | None:
+    """``value`` if it can be a bearer token (non-empty printable ASCII, no spaces), or None; else ProxyError.
+
+    The message names ``what`` (the setting or variable), never the value.
+    """
+    if value is None:
+        return None
+    if not value:
+        raise ProxyError(f"{what} must not be empty (leave it unset for no key)")
+    if not all("!" <= ch <= "~" for ch in value):
+        raise ProxyError(f"{what} must be printable ASCII without spaces (it goes in an Authorization header)")
+    return value
+
+
 def normalize_url(url: str, what: str) -> str:
     """``http://host:port`` without a trailing slash; raises :class:`ProxyError` naming ``what``."""
     parts = urlsplit(url.strip())
@@ -83,6 +97,9 @@ class ProxyConfig:
     port: int = 8000
     engine: str = "vllm"
     api_key: str | None = None
+    #: sent as ``Authorization: Bearer KEY`` with every request to an engine (``disagg up``
+    #: generates one per run and guards the engines with it); like ``api_key``, never in argv
+    engine_key: str | None = field(default=None, repr=False)
     fallback: str = "local"
     timeouts: ProxyTimeouts = field(default_factory=ProxyTimeouts)
     #: engine-specific handoff settings (``--handoff-option KEY=VALUE``), e.g.
@@ -104,6 +121,7 @@ class ProxyConfig:
             raise ProxyError(f"proxy port {self.port} is not in 0..65535")
         if self.api_key is not None and not self.api_key:
             raise ProxyError("api_key must not be empty (leave it unset for no key)")
+        check_key(self.engine_key, "engine_key")
         keys = [k for k, _ in self.handoff_options]
         if any(not k for k in keys) or len(set(keys)) != len(keys):
             raise ProxyError(f"handoff options need distinct non-empty keys, got {', '.join(keys) or '(none)'}")
@@ -130,8 +148,9 @@ class ProxyConfig:
     def to_argv(self, *, with_api_key: bool = True) -> list[str]:
         """The ``disagg proxy ...`` arguments (after ``disagg``) that rebuild this config.
 
-        ``with_api_key=False`` leaves the key out, for a caller that passes it
-        in the environment instead (``ps`` shows every process's argv).
+        ``with_api_key=False`` leaves both keys (``api_key`` and ``engine_key``)
+        out, for a caller that passes them in the environment instead (``ps``
+        shows every process's argv).
         """
         t = self.timeouts
         argv = ["proxy", "--host", self.host, "--port", str(self.port)]
@@ -143,6 +162,8 @@ class ProxyConfig:
                  "--drain-timeout", str(t.drain)]
         if self.api_key and with_api_key:
             argv += ["--api-key", self.api_key]
+        if self.engine_key and with_api_key:
+            argv += ["--engine-key", self.engine_key]
         for key, value in self.handoff_options:
             argv += ["--handoff-option", f"{key}={value}"]
         return argv

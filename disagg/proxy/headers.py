@@ -20,8 +20,9 @@ HOP_BY_HOP: frozenset[str] = frozenset({
 })
 
 #: also dropped towards an engine: the client library sets its own Host and
-#: length, and the proxy may rewrite the body
-_NOT_UPSTREAM: frozenset[str] = HOP_BY_HOP | {"host", "content-length", "expect"}
+#: length, and the proxy may rewrite the body; the client's credentials are
+#: for the proxy alone (``Upstream`` sends the engine key instead, if any)
+_NOT_UPSTREAM: frozenset[str] = HOP_BY_HOP | {"host", "content-length", "expect", "authorization"}
 
 #: also dropped towards the client: aiohttp writes its own framing and Date/Server
 _NOT_DOWNSTREAM: frozenset[str] = HOP_BY_HOP | {"content-length", "date", "server"}
@@ -42,7 +43,8 @@ def _filter(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str
 
 
 def upstream_headers(client_headers: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
-    """The client's end-to-end headers for an engine, with ``X-Request-Id`` set."""
+    """The client's end-to-end headers for an engine, with ``X-Request-Id`` set
+    (never ``Authorization`` or ``Proxy-Authorization``)."""
     out = _filter(client_headers, _NOT_UPSTREAM)
     out[REQUEST_ID] = request_id
     return out

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+from multidict import CIMultiDict
 
 from disagg.proxy.backends import Backend, BackendPool
 from disagg.proxy.config import ProxyTimeouts
@@ -40,12 +41,29 @@ def make_session(timeouts: ProxyTimeouts) -> aiohttp.ClientSession:
 
 
 class Upstream:
-    """Sends requests to backends of a pool and maps every failure."""
+    """Sends requests to backends of a pool and maps every failure.
 
-    def __init__(self, session: aiohttp.ClientSession, timeouts: ProxyTimeouts, metrics: ProxyMetrics) -> None:
+    Every engine request goes through :meth:`send`, which sets
+    ``Authorization: Bearer <engine_key>`` when the proxy has an engine key
+    (``ProxyConfig.engine_key``) and drops any other credentials.
+    """
+
+    def __init__(self, session: aiohttp.ClientSession, timeouts: ProxyTimeouts, metrics: ProxyMetrics,
+                 engine_key: str | None = None) -> None:
         self.session = session
         self.timeouts = timeouts
         self._metrics = metrics
+        self._authorization = f"Bearer {engine_key}" if engine_key else None
+
+    def engine_headers(self, headers: Mapping[str, str]) -> CIMultiDict[str]:
+        """``headers`` as sent to an engine: the engine key's ``Authorization``, or none at all
+        (a caller's ``Authorization`` or ``Proxy-Authorization`` never reaches an engine)."""
+        out = CIMultiDict(headers)
+        for name in ("Authorization", "Proxy-Authorization"):
+            out.popall(name, None)
+        if self._authorization is not None:
+            out["Authorization"] = self._authorization
+        return out
 
     async def send(self, backend: Backend, method: str, path: str, *, data: bytes | None,
                    headers: Mapping[str, str]) -> aiohttp.ClientResponse:
@@ -55,8 +73,8 @@ class Upstream:
         it to abort the engine's work.
         """
         try:
-            return await self.session.request(method, backend.url + path, data=data, headers=headers,
-                                              allow_redirects=False)
+            return await self.session.request(method, backend.url + path, data=data,
+                                              headers=self.engine_headers(headers), allow_redirects=False)
         except CLIENT_ERRORS as exc:
             raise self.failed(backend, exc) from exc
 

@@ -24,6 +24,9 @@ def test_urls_are_normalized_and_mode_follows_prefill() -> None:
     ({"decode": ("http://d:1", "http://d:1/")}, "decode URLs repeat"),
     ({"decode": ("http://d:1",), "fallback": "sometimes"}, "fallback must be one of local, never"),
     ({"decode": ("http://d:1",), "api_key": ""}, "api_key must not be empty"),
+    ({"decode": ("http://d:1",), "engine_key": ""}, "engine_key must not be empty"),
+    ({"decode": ("http://d:1",), "engine_key": "two words"}, "engine_key must be printable ASCII without spaces"),
+    ({"decode": ("http://d:1",), "engine_key": "line\nbreak"}, "engine_key must be printable ASCII"),
 ])
 def test_invalid_config_names_the_field(kwargs: dict, needle: str) -> None:
     with pytest.raises(ProxyError, match=needle.replace("?", r"\?")):
@@ -45,12 +48,35 @@ def test_unknown_engine_is_refused_when_building_the_app() -> None:
 
 def test_cli_arguments_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DISAGG_PROXY_API_KEY", raising=False)
+    monkeypatch.delenv("DISAGG_ENGINE_KEY", raising=False)
     cfg = ProxyConfig(decode=("http://d:2", "http://d:3"), prefill=("http://p:1",), host="0.0.0.0", port=9000,
-                      api_key="k", fallback="never",
+                      api_key="k", engine_key="ek", fallback="never",
                       timeouts=ProxyTimeouts(connect=1.5, request=30, health_interval=0.5, health_timeout=2,
                                              drain=4))
     args = build_parser().parse_args(cfg.to_argv())
     assert config_from_args(args) == cfg
+
+
+def test_without_keys_the_argv_has_neither_and_the_environment_supplies_both(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = ProxyConfig(decode=("http://d:2",), api_key="client-secret", engine_key="engine-secret")
+    argv = cfg.to_argv(with_api_key=False)
+    assert not any("secret" in a for a in argv) and "--api-key" not in argv and "--engine-key" not in argv
+    monkeypatch.setenv("DISAGG_PROXY_API_KEY", "client-secret")
+    monkeypatch.setenv("DISAGG_ENGINE_KEY", "engine-secret")
+    assert config_from_args(build_parser().parse_args(argv)) == cfg
+    assert "engine-secret" not in repr(cfg)
+
+
+def test_engine_key_from_environment_or_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DISAGG_ENGINE_KEY", raising=False)
+    assert config_from_args(build_parser().parse_args(["proxy", "--decode", "http://d:1"])).engine_key is None
+    monkeypatch.setenv("DISAGG_ENGINE_KEY", "")  # empty is unset
+    assert config_from_args(build_parser().parse_args(["proxy", "--decode", "http://d:1"])).engine_key is None
+    monkeypatch.setenv("DISAGG_ENGINE_KEY", "from-env")
+    assert config_from_args(build_parser().parse_args(["proxy", "--decode", "http://d:1"])).engine_key == "from-env"
+    args = build_parser().parse_args(["proxy", "--decode", "http://d:1", "--engine-key", "flag"])
+    assert config_from_args(args).engine_key == "flag"
 
 
 def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""Hop-by-hop headers never cross the proxy; X-Request-Id always does."""
+"""Hop-by-hop headers and the client's credentials never cross the proxy; X-Request-Id always does."""
 
 from __future__ import annotations
 
@@ -19,7 +19,15 @@ def test_upstream_drops_hop_by_hop_and_connection_listed() -> None:
                           "Content-Length": "10", "Authorization": "Bearer k", "User-Agent": "openai",
                           "X-Request-Id": "old"})
     out = upstream_headers(client, "rid-1")
-    assert dict(out) == {"Authorization": "Bearer k", "User-Agent": "openai", "X-Request-Id": "rid-1"}
+    assert dict(out) == {"User-Agent": "openai", "X-Request-Id": "rid-1"}
+
+
+def test_upstream_never_carries_the_clients_credentials() -> None:
+    client = CIMultiDict([("authorization", "Bearer client-key"), ("AUTHORIZATION", "Basic dTpw"),
+                          ("Proxy-Authorization", "Basic cDpx"), ("Content-Type", "application/json")])
+    out = upstream_headers(client, "rid-3")
+    assert "Authorization" not in out and "Proxy-Authorization" not in out
+    assert dict(out) == {"Content-Type": "application/json", "X-Request-Id": "rid-3"}
 
 
 def test_downstream_keeps_end_to_end_headers() -> None:
