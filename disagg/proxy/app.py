@@ -115,7 +115,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     t = state.config.timeouts
     session = make_session(t)
-    state.upstream = Upstream(session, t, state.metrics)
+    state.upstream = Upstream(session, t, state.metrics, engine_key=state.config.engine_key)
     if state.prefill is not None and state.handoff_cls is not None:
         try:  # a handoff checks its options and may bind sockets
             state.handoff = state.handoff_cls(state.upstream, state.prefill, state.decode, state.metrics,
@@ -149,6 +149,27 @@ def _authorized(state: ProxyState, request: web.Request) -> bool:
     return secrets.compare_digest(hashlib.sha256(token.strip().encode()).digest(), state.api_key_hash)
 
 
+#: CORS preflight answer, as vLLM's (Starlette's) CORS middleware gives it with its
+#: defaults (any origin, any method, any header, no credentials)
+CORS_METHODS = "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
+CORS_MAX_AGE = "600"
+
+
+def _preflight(request: web.Request, headers: dict[str, str]) -> web.Response:
+    """``OPTIONS``: answered here, never forwarded (an engine only ever sees the proxy's requests).
+
+    A CORS preflight (``Origin`` and ``Access-Control-Request-Method``) gets 200 with the
+    allow headers; any other ``OPTIONS`` gets 405, as from vLLM.
+    """
+    if "Origin" not in request.headers or "Access-Control-Request-Method" not in request.headers:
+        return error_response(405, f"Method Not Allowed: OPTIONS {request.path}", headers)
+    cors = {**headers, "Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": CORS_METHODS,
+            "Access-Control-Max-Age": CORS_MAX_AGE}
+    if wanted := request.headers.get("Access-Control-Request-Headers"):
+        cors["Access-Control-Allow-Headers"] = wanted
+    return web.Response(status=200, text="OK", headers=cors)
+
+
 @web.middleware
 async def _front_door(request: web.Request,
                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
@@ -157,6 +178,8 @@ async def _front_door(request: web.Request,
     request[REQUEST_ID_KEY] = request_id
     headers = {REQUEST_ID: request_id}
     try:
+        if request.method == "OPTIONS":
+            return _preflight(request, headers)
         if not _authorized(request.app[STATE], request):
             raise Unauthorized("invalid or missing API key (send Authorization: Bearer KEY)")
         return await handler(request)

@@ -148,3 +148,18 @@ async def test_deeply_nested_json_is_a_bad_request(standin, proxy, http) -> None
         assert resp.status == 400
         assert (await resp.json())["error"]["type"] == "BadRequestError"
     assert d.generations() == []
+
+
+async def test_options_is_answered_by_the_proxy(standin, proxy, http) -> None:
+    d = await standin("D")
+    server = await proxy(decode=[d.url], api_key="k")
+    preflight = {"Origin": "http://example.test", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    async with http.options(server.url + "/v1/completions", headers=preflight, data=b'{"prompt": "x"}') as resp:
+        assert resp.status == 200
+        assert resp.headers["Access-Control-Allow-Origin"] == "*"
+        assert "POST" in resp.headers["Access-Control-Allow-Methods"]
+        assert resp.headers["Access-Control-Allow-Headers"] == "authorization,content-type"
+    async with http.options(server.url + "/v1/models") as resp:
+        assert resp.status == 405
+    assert d.received == [], "OPTIONS never reaches an engine"
