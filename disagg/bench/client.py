@@ -19,6 +19,7 @@ import aiohttp
 from disagg.bench.prompts import Prompt
 from disagg.bench.records import RequestRecord
 from disagg.bench.workload import Workload
+from disagg.sse import SSEError, SSEParser
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
@@ -39,20 +40,6 @@ def request_body(prompt: Prompt, model: str, workload: Workload) -> dict[str, An
     return body
 
 
-def _sse_events(buffer: bytearray) -> list[str]:
-    """Pop every complete SSE event's data payload from ``buffer``."""
-    events = []
-    while True:
-        cut = buffer.find(b"\n\n")
-        if cut < 0:
-            return events
-        raw = bytes(buffer[:cut]).decode("utf-8", errors="replace")
-        del buffer[:cut + 2]
-        data = [line[5:].lstrip() for line in raw.splitlines() if line.startswith("data:")]
-        if data:
-            events.append("\n".join(data))
-
-
 async def send_request(session: aiohttp.ClientSession, url: str, prompt: Prompt, model: str,
                        workload: Workload, t0: float, headers: dict[str, str] | None = None) -> RequestRecord:
     """Send one streaming request to ``url`` (the full endpoint URL); times are relative to ``t0``."""
@@ -67,14 +54,13 @@ async def send_request(session: aiohttp.ClientSession, url: str, prompt: Prompt,
                 text = (await resp.text())[:300]
                 rec.error = f"HTTP {resp.status}: {text}"
                 return rec
-            buffer = bytearray()
+            parser = SSEParser()
             async for piece in resp.content.iter_any():
                 now = time.perf_counter() - t0
-                buffer.extend(piece.replace(b"\r\n", b"\n"))
-                for payload in _sse_events(buffer):
-                    if payload == "[DONE]":
+                for event in parser.feed(piece):
+                    if event.done:
                         continue
-                    data = json.loads(payload)
+                    data = event.json()
                     if "error" in data and not data.get("choices"):
                         rec.error = f"stream error: {json.dumps(data['error'])[:300]}"
                         continue
@@ -86,7 +72,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, prompt: Prompt,
                             rec.prompt_tokens = int(usage["prompt_tokens"])
             if not rec.chunk_times and rec.error is None:
                 rec.error = "the stream ended without a token chunk"
-    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (TimeoutError, aiohttp.ClientError, SSEError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:300]
     rec.output_tokens = int(usage_out) if usage_out is not None else len(rec.chunk_times)
     return rec

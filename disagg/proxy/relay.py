@@ -15,11 +15,10 @@ from disagg.proxy.errors import CLIENT_ERRORS, sse_error_event
 from disagg.proxy.headers import downstream_headers
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.upstream import Upstream
+from disagg.sse import SSEError, SSEParser
 
 log = logging.getLogger("disagg.proxy")
 
-_DATA = b"data:"
-_DONE = b"[DONE]"
 _USAGE_ONLY = b'"choices":[]'
 
 
@@ -58,6 +57,7 @@ async def relay_stream(request: web.Request, upstream: Upstream, backend: Backen
     out = web.StreamResponse(status=resp.status, headers=downstream_headers(resp.headers, request_id))
     await out.prepare(request)
     content = resp.content
+    parser: SSEParser | None = SSEParser()
     while True:
         try:
             chunk = await content.readany()
@@ -73,15 +73,17 @@ async def relay_stream(request: web.Request, upstream: Upstream, backend: Backen
         await out.write(chunk)
         if timing.first is None:
             timing.first = now
-        events = chunk.count(_DATA)
+        if parser is None:
+            continue
+        try:
+            events = sum(1 for e in parser.feed(chunk) if not e.done and _USAGE_ONLY not in e.data)
+        except SSEError as exc:  # still relayed as it is; only the timing stops
+            log.warning("decode stream: %s; token timing stops for this request", exc)
+            parser = None
+            continue
         if events:
-            if _DONE in chunk:
-                events -= 1
-            if _USAGE_ONLY in chunk:
-                events -= 1
-            if events > 0:
-                timing.token_events += events
-                timing.last = now
+            timing.token_events += events
+            timing.last = now
     await out.write_eof()
     return out
 

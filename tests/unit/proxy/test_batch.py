@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import ClassVar
 
 from proxy_standin import read_events, wait_for
 
@@ -163,3 +164,38 @@ async def test_options_is_answered_by_the_proxy(standin, proxy, http) -> None:
     async with http.options(server.url + "/v1/models") as resp:
         assert resp.status == 405
     assert d.received == [], "OPTIONS never reaches an engine"
+
+
+async def test_relay_counts_events_split_across_reads(http) -> None:
+    """The relay counts token events whatever the read boundaries (here: 3 bytes per read)."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from disagg.proxy.relay import StreamTiming, relay_stream
+
+    events = b"".join(b'data: {"choices":[{"index":0,"text":"t%d"}]}\n\n' % i for i in range(5))
+    stream = events + b'data: {"choices":[],"usage":{}}\n\ndata: [DONE]\n\n'
+
+    class Pieces:
+        at = 0
+
+        async def readany(self) -> bytes:
+            piece = stream[self.at:self.at + 3]
+            self.at += 3
+            return piece
+
+    class Resp:
+        status = 200
+        headers: ClassVar[dict[str, str]] = {}
+        content = Pieces()
+
+    timing = StreamTiming(0.0)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await relay_stream(request, None, None, Resp(), "rid", timing)  # type: ignore[arg-type]
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    async with TestServer(app) as server, http.get(server.make_url("/")) as resp:
+        assert await resp.read() == stream
+    assert timing.token_events == 5
