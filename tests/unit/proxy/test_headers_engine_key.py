@@ -63,9 +63,6 @@ async def test_pool_requests_carry_the_engine_key(standin, session) -> None:
     assert engine.received[0].headers["X-Request-Id"] == "rid-2"
 
 
-# Strict: passes (and so fails here) once disagg/proxy/app.py builds its Upstream with
-# engine_key=config.engine_key; then drop the marker.
-@pytest.mark.xfail(strict=True, reason="app.py does not pass ProxyConfig.engine_key to Upstream yet")
 async def test_the_proxy_sends_its_engine_key_on_every_engine_request(standin, proxy, http) -> None:
     p, d = await standin("P"), await standin("D")
     server = await proxy([p.url], [d.url], engine_key="e-key")
