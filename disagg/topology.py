@@ -119,6 +119,7 @@ class ProxySpec:
     api_key: str | None = None
     fallback: str = "local"
     kind: str = "builtin"
+    max_concurrency: int | None = None  # requests served at once; more get 429 (None: the proxy's default)
 
 
 @dataclass(frozen=True)
@@ -372,12 +373,13 @@ def _instance(node: Node, role: str, index: int, hosts: dict[str, HostSpec]) -> 
 def _proxy(node: Node | None) -> ProxySpec:
     if node is None:
         return ProxySpec()
-    f = Fields(node, "a mapping with host, port, api_key, fallback")
+    f = Fields(node, "a mapping with host, port, api_key, fallback, max_concurrency")
     spec = ProxySpec(host=f.str("host", "127.0.0.1") or "127.0.0.1",
                      port=f.int("port", 8000, minimum=1, maximum=65535) or 8000,
                      api_key=f.str("api_key"),
                      fallback=f.choice("fallback", FALLBACKS, "local"),
-                     kind=f.choice("kind", PROXY_KINDS, "builtin"))
+                     kind=f.choice("kind", PROXY_KINDS, "builtin"),
+                     max_concurrency=f.int("max_concurrency", minimum=1))
     f.done()
     return spec
 

@@ -8,7 +8,7 @@ import logging
 import os
 
 from disagg.errors import ProxyError
-from disagg.proxy.config import FALLBACKS, ProxyConfig, ProxyTimeouts
+from disagg.proxy.config import DEFAULT_MAX_CONCURRENCY, FALLBACKS, ProxyConfig, ProxyTimeouts
 
 #: environment variable read when ``--api-key`` is not given (keeps the key out of ``ps``)
 API_KEY_ENV = "DISAGG_PROXY_API_KEY"
@@ -38,6 +38,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         f"(default: ${ENGINE_KEY_ENV} if set; prefer the variable, ps shows arguments)")
     p.add_argument("--fallback", choices=FALLBACKS, default="local",
                    help="when prefill fails: 'local' lets decode serve alone, 'never' answers 503")
+    p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY, metavar="N",
+                   help=f"requests served at once; more are answered 429 with Retry-After "
+                        f"(default: {DEFAULT_MAX_CONCURRENCY})")
     p.add_argument("--connect-timeout", type=float, default=d.connect, metavar="S")
     p.add_argument("--request-timeout", type=float, default=d.request, metavar="S",
                    help="longest wait for an engine's reply or the next chunk of its stream")
@@ -62,7 +65,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(decode=tuple(args.decode), prefill=tuple(args.prefill), host=args.host, port=args.port,
                        engine=args.engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                        engine_key=args.engine_key or os.environ.get(ENGINE_KEY_ENV) or None,
-                       fallback=args.fallback, timeouts=timeouts,
+                       fallback=args.fallback, max_concurrency=args.max_concurrency, timeouts=timeouts,
                        handoff_options=parse_handoff_options(args.handoff_option))
 
 

@@ -34,6 +34,7 @@ from disagg.proxy.errors import (
     BadRequest,
     PrefillUnavailable,
     ProxyHTTPError,
+    TooManyRequests,
     Unauthorized,
     error_response,
 )
@@ -58,6 +59,9 @@ log = logging.getLogger("disagg.proxy")
 #: paths that need the API key (as vLLM: /health, /metrics, /version stay open)
 GUARDED_PREFIXES = ("/v1",)
 
+#: paths the concurrency cap never refuses (the proxy's own probes)
+UNCAPPED_PATHS = frozenset({"/health", "/metrics"})
+
 #: largest client request body (long prompts, base64 images)
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
@@ -74,6 +78,8 @@ class ProxyState:
     upstream: Upstream | None = None
     handoff: Handoff | None = None
     api_key_hash: bytes | None = field(default=None, repr=False)
+    #: client requests being served (the concurrency cap counts these)
+    active: int = 0
 
     def client(self) -> Upstream:
         """The upstream client (only while the app runs)."""
@@ -180,9 +186,22 @@ async def _front_door(request: web.Request,
     try:
         if request.method == "OPTIONS":
             return _preflight(request, headers)
-        if not _authorized(request.app[STATE], request):
+        state = request.app[STATE]
+        if not _authorized(state, request):
             raise Unauthorized("invalid or missing API key (send Authorization: Bearer KEY)")
-        return await handler(request)
+        if request.path in UNCAPPED_PATHS:
+            return await handler(request)
+        if state.active >= state.config.max_concurrency:
+            state.metrics.rejected.labels("concurrency").inc()
+            raise TooManyRequests(f"the proxy is serving {state.active} requests, its limit "
+                                  f"(max_concurrency); retry after {TooManyRequests.retry_after_s} s")
+        state.active += 1
+        state.metrics.active.inc()
+        try:
+            return await handler(request)
+        finally:
+            state.active -= 1
+            state.metrics.active.dec()
     except ProxyHTTPError as exc:
         return exc.response(headers)
     except EngineErrorReply as exc:

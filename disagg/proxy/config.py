@@ -14,6 +14,11 @@ if TYPE_CHECKING:
 
 FALLBACKS = ("local", "never")
 
+#: client requests the proxy serves at once before it answers 429 (generation and
+#: pass-through; /health and /metrics never count): far above what one pair of
+#: engines runs at once (vLLM's --max-num-seqs), so only a flood is refused
+DEFAULT_MAX_CONCURRENCY = 1024
+
 
 @dataclass(frozen=True)
 class ProxyTimeouts:
@@ -101,6 +106,8 @@ class ProxyConfig:
     #: generates one per run and guards the engines with it); like ``api_key``, never in argv
     engine_key: str | None = field(default=None, repr=False)
     fallback: str = "local"
+    #: requests served at once; one more is answered 429 with Retry-After
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
     timeouts: ProxyTimeouts = field(default_factory=ProxyTimeouts)
     #: engine-specific handoff settings (``--handoff-option KEY=VALUE``), e.g.
     #: SGLang's ``bootstrap_ports``; each handoff reads the keys it needs
@@ -117,6 +124,9 @@ class ProxyConfig:
                 raise ProxyError(f"{role} URLs repeat: {', '.join(urls)}")
         if self.fallback not in FALLBACKS:
             raise ProxyError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
+        if isinstance(self.max_concurrency, bool) or not isinstance(self.max_concurrency, int) \
+                or self.max_concurrency < 1:
+            raise ProxyError(f"max_concurrency must be a whole number >= 1, got {self.max_concurrency!r}")
         if not 0 <= self.port <= 65535:
             raise ProxyError(f"proxy port {self.port} is not in 0..65535")
         if self.api_key is not None and not self.api_key:
@@ -141,6 +151,7 @@ class ProxyConfig:
             prefill=tuple(e.url for e in dep.role("prefill")),
             host=topo.proxy.host, port=topo.proxy.port, engine=handoff_engine(dep),
             api_key=topo.proxy.api_key, fallback=topo.proxy.fallback,
+            max_concurrency=topo.proxy.max_concurrency or DEFAULT_MAX_CONCURRENCY,
             timeouts=timeouts or ProxyTimeouts(connect=t.connect, request=t.request,
                                                health_interval=t.health_interval),
             handoff_options=handoff_options(dep))
@@ -157,6 +168,7 @@ class ProxyConfig:
         if self.prefill:
             argv += ["--prefill", *self.prefill]
         argv += ["--decode", *self.decode, "--engine", self.engine, "--fallback", self.fallback,
+                 "--max-concurrency", str(self.max_concurrency),
                  "--connect-timeout", str(t.connect), "--request-timeout", str(t.request),
                  "--health-interval", str(t.health_interval), "--health-timeout", str(t.health_timeout),
                  "--drain-timeout", str(t.drain)]

@@ -7,6 +7,7 @@ client exceptions become proxy errors.
     └── ProxyHTTPError                  an error the client sees; carries its status
         ├── BadRequest                  400: unreadable client request
         ├── Unauthorized                401: missing or wrong API key
+        ├── TooManyRequests             429: over the concurrency cap (Retry-After)
         ├── NoHealthyBackend            503: no healthy instance of a role
         ├── PrefillUnavailable          503: prefill failed and fallback is "never"
         └── UpstreamError               an engine could not be used
@@ -34,6 +35,7 @@ from disagg.errors import ProxyError
 _ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    429: "RateLimitError",
     404: "NotFoundError",
     500: "InternalServerError",
     502: "BadGatewayError",
@@ -83,6 +85,16 @@ class BadRequest(ProxyHTTPError):
 
 class Unauthorized(ProxyHTTPError):
     status = 401
+
+
+class TooManyRequests(ProxyHTTPError):
+    status = 429
+    #: the ``Retry-After`` the client is given, seconds
+    retry_after_s = 1
+
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        return error_response(self.status, self.message, {**(headers or {}),
+                                                          "Retry-After": str(self.retry_after_s)})
 
 
 class NoHealthyBackend(ProxyHTTPError):

@@ -13,6 +13,9 @@ Names (all prefixed ``disagg_proxy_``):
 - ``fallbacks_total{reason}``: why prefill was skipped (connect, timeout,
   status, disconnected, bad_reply, no_kv_params, no_healthy_prefill).
 - ``upstream_errors_total{role, kind}``.
+- ``rejected_total{reason}``: requests refused before any engine saw them
+  (``concurrency``: over ``max_concurrency``, answered 429).
+- ``active_requests``: client requests being served now.
 - ``ttft_seconds``: request arrival -> first streamed event sent (streaming only).
 - ``tpot_seconds``: (last token event - first) / (token events - 1), streaming, n=1.
 - ``e2e_seconds``: request arrival -> last byte sent.
@@ -53,6 +56,9 @@ class ProxyMetrics:
                                  ["reason"], registry=r)
         self.local_routes = Counter("disagg_proxy_local_routes", "Prompts the decode engine computed itself, by reason",
                                     ["reason"], registry=r)
+        self.rejected = Counter("disagg_proxy_rejected", "Requests refused before reaching an engine, by reason",
+                                ["reason"], registry=r)
+        self.active = Gauge("disagg_proxy_active_requests", "Client requests being served", registry=r)
         self.upstream_errors = Counter("disagg_proxy_upstream_errors", "Failed engine requests",
                                        ["role", "kind"], registry=r)
         self.ttft = Histogram("disagg_proxy_ttft_seconds", "Time to first streamed event, at the proxy",

@@ -199,3 +199,29 @@ async def test_relay_counts_events_split_across_reads(http) -> None:
     async with TestServer(app) as server, http.get(server.make_url("/")) as resp:
         assert await resp.read() == stream
     assert timing.token_events == 5
+
+
+async def test_over_the_concurrency_cap_is_429_with_retry_after(standin, proxy, http) -> None:
+    gate = asyncio.Event()
+    d = await standin("D", tokens=2, gate=gate)
+    server = await proxy(decode=[d.url], max_concurrency=2)
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True}
+    held = [await http.post(server.url + "/v1/completions", json=body) for _ in range(2)]
+    await wait_for(lambda: d.running == 2)
+    async with http.post(server.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 429
+        assert resp.headers["Retry-After"] == "1"
+        assert (await resp.json())["error"]["type"] == "RateLimitError"
+    async with http.get(server.url + "/health") as resp:
+        assert resp.status == 200, "probes are never refused"
+    gate.set()
+    for resp in held:
+        await resp.read()
+        resp.close()
+    async with http.post(server.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        await resp.read()
+    metrics = (await (await http.get(server.url + "/metrics")).read()).decode()
+    assert sample_sum(metrics, "disagg_proxy_rejected_total", reason="concurrency") == 1
+    assert sample_sum(metrics, "disagg_proxy_active_requests") == 0
+    assert len(d.generations()) == 3

@@ -27,6 +27,7 @@ def test_urls_are_normalized_and_mode_follows_prefill() -> None:
     ({"decode": ("http://d:1",), "engine_key": ""}, "engine_key must not be empty"),
     ({"decode": ("http://d:1",), "engine_key": "two words"}, "engine_key must be printable ASCII without spaces"),
     ({"decode": ("http://d:1",), "engine_key": "line\nbreak"}, "engine_key must be printable ASCII"),
+    ({"decode": ("http://d:1",), "max_concurrency": 0}, "max_concurrency must be a whole number >= 1"),
 ])
 def test_invalid_config_names_the_field(kwargs: dict, needle: str) -> None:
     with pytest.raises(ProxyError, match=needle.replace("?", r"\?")):
@@ -50,7 +51,7 @@ def test_cli_arguments_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DISAGG_PROXY_API_KEY", raising=False)
     monkeypatch.delenv("DISAGG_ENGINE_KEY", raising=False)
     cfg = ProxyConfig(decode=("http://d:2", "http://d:3"), prefill=("http://p:1",), host="0.0.0.0", port=9000,
-                      api_key="k", engine_key="ek", fallback="never",
+                      api_key="k", engine_key="ek", fallback="never", max_concurrency=7,
                       timeouts=ProxyTimeouts(connect=1.5, request=30, health_interval=0.5, health_timeout=2,
                                              drain=4))
     args = build_parser().parse_args(cfg.to_argv())
@@ -94,7 +95,7 @@ def test_from_topology_deployment() -> None:
 model: {path: disagg:tiny}
 engine: vllm
 connector: nixl
-proxy: {host: 127.0.0.1, port: 8010, fallback: never, api_key: k}
+proxy: {host: 127.0.0.1, port: 8010, fallback: never, api_key: k, max_concurrency: 64}
 timeouts: {request: 30}
 hosts:
   a: {address: 127.0.0.1}
@@ -106,3 +107,4 @@ roles:
     assert cfg.prefill == ("http://127.0.0.1:8100", "http://127.0.0.1:8101")
     assert cfg.decode == ("http://127.0.0.1:8200",)
     assert (cfg.port, cfg.fallback, cfg.api_key, cfg.timeouts.request) == (8010, "never", "k", 30)
+    assert cfg.max_concurrency == 64
