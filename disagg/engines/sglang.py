@@ -16,6 +16,12 @@ Connector -> ``--disaggregation-transfer-backend``:
   TCP as for vLLM; on ``roce`` the HCA goes to ``--disaggregation-ib-device``.
 - ``lmcache`` and ``socket`` are vLLM connectors: a :class:`PlanError`.
 
+Engine key: SGLang engines are not guarded. SGLang's ``--api-key`` would
+guard every route but ``/health*`` and ``/metrics*``, but it is read only from
+the command line (no environment variable), where ``ps`` shows it to every
+user of the host; so no key is passed and the proxy's key (if any) is ignored.
+Keep SGLang engines on addresses only the proxy can reach.
+
 Each prefill instance's bootstrap server listens on its ``kv_port``
 (``--disaggregation-bootstrap-port``); the proxy sends that port with every
 request (``bootstrap_port``), so decode instances need none.
@@ -50,6 +56,10 @@ class SglangEngine(EngineAdapter):
 
     name = "sglang"
     health_path = "/health"
+
+    def key_env(self, topo: Topology) -> str | None:
+        """None: SGLang takes a key only as ``--api-key`` on its command line (see the module docstring)."""
+        return None
 
     def argv(self, topo: Topology, inst: InstanceSpec, host: HostSpec, python: str) -> list[str]:
         model = topo.model

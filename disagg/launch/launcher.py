@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import enum
 import os
+import secrets
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from disagg.commands.proxy import API_KEY_ENV
+from disagg.commands.proxy import API_KEY_ENV, ENGINE_KEY_ENV
 from disagg.deployment import Deployment, EngineLaunch, host_run_dir, python_for
-from disagg.errors import EngineStartError, LaunchError, PortInUseError, StateError
+from disagg.engines.vllm import KEY_ENV as VLLM_KEY_ENV
+from disagg.errors import EngineStartError, LaunchError, PortInUseError, ProxyError, StateError
 from disagg.kv.socket import SECRET_ENV, generate_secret
 from disagg.launch import processes
 from disagg.launch.emulation import emulated_link
@@ -30,11 +32,13 @@ from disagg.launch.health import busy_ports, http_status, local_port_free
 from disagg.launch.state import ProcessRecord, RunState, find_states, load_state, remove_state, run_path, save_state
 from disagg.linkemu import EmulatedLink, remove_namespace
 from disagg.modelgen import ensure_model
+from disagg.proxy.config import check_key
+from disagg.registry import engine_adapter
 from disagg.topology import Topology, iter_ports
 
 STOP_ORDER = {"proxy": 0, "decode": 1, "both": 2, "prefill": 3}
 #: variables passed to remote engines over ssh's stdin, never on a command line
-SECRET_ENVS = frozenset({SECRET_ENV})
+SECRET_ENVS = frozenset({SECRET_ENV, VLLM_KEY_ENV})
 
 
 def per_run_env(topo: Topology) -> dict[str, str]:
@@ -42,6 +46,27 @@ def per_run_env(topo: Topology) -> dict[str, str]:
     if topo.connector == "socket" and not topo.colocated:
         return {SECRET_ENV: generate_secret()}
     return {}
+
+
+def engine_key_env(topo: Topology) -> str | None:
+    """The variable that carries the run's engine key into every engine (vLLM: ``VLLM_API_KEY``),
+    or None where the engines cannot be guarded (SGLang; a Rust router in front)."""
+    key_env = getattr(engine_adapter(topo.engine), "key_env", None)
+    return key_env(topo) if key_env is not None else None
+
+
+def run_engine_key(topo: Topology, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The engine key of one run: ``$DISAGG_ENGINE_KEY`` when set (operators who reach engines
+    directly), else a fresh random one; None when the topology's engines are not guarded."""
+    if engine_key_env(topo) is None:
+        return None
+    chosen = environ.get(ENGINE_KEY_ENV)
+    if not chosen:
+        return secrets.token_urlsafe(32)
+    try:
+        return check_key(chosen, ENGINE_KEY_ENV)
+    except ProxyError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 class LauncherState(enum.Enum):
@@ -75,6 +100,10 @@ class Launcher:
                             started_at=time.time(), up_pid=os.getpid())
         self.log_dir = run_path(self.run.run_dir, self.topo.name) / "logs"
         self.link: EmulatedLink | None = None
+        #: the run's engine key: in every engine's and the proxy's environment, nowhere else
+        self.engine_key = run_engine_key(self.topo)
+        self.key_env = engine_key_env(self.topo)
+        self._key_origin = f"from ${ENGINE_KEY_ENV}" if os.environ.get(ENGINE_KEY_ENV) else "generated for this run"
 
     # -- public -----------------------------------------------------------------
     def up(self) -> RunState:
@@ -91,7 +120,8 @@ class Launcher:
             self._open_link()
             if self.topo.model.embedded:
                 ensure_model(self.topo.model.embedded, self.topo.model.path)
-            extra_env = per_run_env(self.topo)
+            extra_env = {**per_run_env(self.topo), **self._engine_key_env()}
+            self._say_engine_key()
             t0 = time.monotonic()
             pending = [self._start_engine(eng, extra_env) for eng in self.dep.engines]
             self._wait_healthy(pending, t0)
@@ -196,6 +226,18 @@ class Launcher:
                 (Path(directory) / name).write_text(text)
         self.echo(f"{eng.name}: wrote {', '.join(n for n, _ in eng.files)} in {eng.host.name}:{directory}")
 
+    def _engine_key_env(self) -> dict[str, str]:
+        return {self.key_env: self.engine_key} if self.key_env and self.engine_key else {}
+
+    def _say_engine_key(self) -> None:
+        """One line naming where the key goes (variables only, never the value)."""
+        if self.key_env and self.engine_key:
+            self.echo(f"engine key ({self._key_origin}): in {self.key_env} of every engine and {ENGINE_KEY_ENV} of the "
+                      "proxy; engines answer only requests that carry it (GET /health, /metrics stay open)")
+        else:
+            self.echo(f"engine key: none (engine {self.topo.engine}, proxy.kind {self.topo.proxy.kind}); "
+                      "the engines answer anyone who reaches their ports")
+
     def _start_engine(self, eng: EngineLaunch, extra_env: dict[str, str]) -> _Pending:
         env = {**dict(eng.env), **extra_env}
         self._write_files(eng)
@@ -259,8 +301,11 @@ class Launcher:
         return frontend_argv(self.dep)
 
     def _proxy_env(self) -> dict[str, str]:
-        # The API key travels in the environment, never in argv (visible in ps).
-        return {API_KEY_ENV: self.topo.proxy.api_key} if self.topo.proxy.api_key else {}
+        # The API key and the engine key travel in the environment, never in argv (visible in ps).
+        env = {API_KEY_ENV: self.topo.proxy.api_key} if self.topo.proxy.api_key else {}
+        if self.engine_key:
+            env[ENGINE_KEY_ENV] = self.engine_key
+        return env
 
     def _start_proxy(self) -> None:
         topo = self.topo

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from disagg.cli import main
-from disagg.commands.proxy import API_KEY_ENV
+from disagg.commands.proxy import API_KEY_ENV, ENGINE_KEY_ENV
 from disagg.deployment import plan_deployment
 from disagg.launch.launcher import Launcher
 from disagg.launch.processes import start_local, stop_local
@@ -120,7 +120,8 @@ def test_proxy_command_for_disaggregated(tmp_path: Path) -> None:
     assert argv[argv.index("--fallback") + 1] == "never" and argv[argv.index("--port") + 1] == "9000"
     assert argv[argv.index("--request-timeout") + 1] == "120.0"
     assert "s3cret" not in " ".join(argv)  # never visible in ps
-    assert launcher._proxy_env() == {API_KEY_ENV: "s3cret"}
+    assert launcher.engine_key and launcher.engine_key not in " ".join(argv)
+    assert launcher._proxy_env() == {API_KEY_ENV: "s3cret", ENGINE_KEY_ENV: launcher.engine_key}
 
 
 def test_proxy_command_for_colocated_replicas(tmp_path: Path) -> None:
@@ -132,7 +133,7 @@ def test_proxy_command_for_colocated_replicas(tmp_path: Path) -> None:
     assert "--prefill" not in argv
     assert argv[argv.index("--decode"):argv.index("--decode") + 3] == ["--decode", "http://127.0.0.1:8300",
                                                                       "http://127.0.0.2:8300"]
-    assert launcher._proxy_env() == {}
+    assert launcher._proxy_env() == {ENGINE_KEY_ENV: launcher.engine_key}  # no API key: only the engine key
 
 
 def test_supervise_survives_a_lost_prefill_but_not_the_last_decode(tmp_path: Path) -> None:
