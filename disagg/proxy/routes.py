@@ -131,17 +131,19 @@ class RequestPlan:
         return len(self.routes) > 1
 
 
-_ABSENT = object()
-
-
 def strip_kv_params(body: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
     """``body`` without client-supplied ``kv_transfer_params``; and whether any was there.
 
-    vLLM reads them from the top level and from ``vllm_xargs`` (which become
-    the request's ``extra_args``).
+    vLLM reads them from the top level (an object, or null) and from
+    ``vllm_xargs`` (which become the request's ``extra_args``, where a value of
+    any type reaches the KV connector). A top-level value of another type is
+    left for the engine to refuse with 400, as a single server does.
     """
     out = dict(body)
-    changed = out.pop(KV_PARAMS, _ABSENT) is not _ABSENT
+    changed = False
+    if KV_PARAMS in out and (out[KV_PARAMS] is None or isinstance(out[KV_PARAMS], Mapping)):
+        del out[KV_PARAMS]
+        changed = True
     xargs = out.get("vllm_xargs")
     if isinstance(xargs, Mapping) and KV_PARAMS in xargs:
         out["vllm_xargs"] = {k: v for k, v in xargs.items() if k != KV_PARAMS}

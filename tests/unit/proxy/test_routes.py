@@ -59,6 +59,9 @@ def test_strip_kv_params_everywhere_a_client_can_put_them() -> None:
     assert "kv_transfer_params" in body, "the client's body is not changed"
     assert strip_kv_params({"prompt": "p", "kv_transfer_params": None}) == ({"prompt": "p"}, True)
     assert strip_kv_params({"prompt": "p"}) == ({"prompt": "p"}, False)
+    # not an object: the engine refuses it with 400, as a single server does
+    assert strip_kv_params({"prompt": "p", "kv_transfer_params": "x"}) == (
+        {"prompt": "p", "kv_transfer_params": "x"}, False)
 
 
 def test_batch_becomes_one_route_per_prompt_with_its_own_request_id() -> None:
