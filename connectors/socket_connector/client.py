@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from disagg_connectors.socket_connector.auth import client_handshake
+from disagg_connectors.socket_connector.auth import HANDSHAKE_TIMEOUT_S, client_handshake, listener_id
 from disagg_connectors.socket_connector.layout import BlockStore
 from disagg_connectors.socket_connector.server import chunks
 from disagg_connectors.socket_connector.wire import (
@@ -67,6 +67,8 @@ class FetchOptions:
     blocks_per_message: int = 64
     connect_timeout_s: float = 5.0
     io_timeout_s: float = 30.0
+    #: the whole authentication exchange, whatever io_timeout_s says
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,10 @@ def connect(host: str, port: int, secret: bytes, store: BlockStore, opts: FetchO
     except OSError as exc:
         raise FetchError(f"cannot connect to prefill KV listener {where}: {exc}") from exc
     try:
-        set_io_timeout(sock, opts.io_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client_handshake(sock, secret)
+        # Bound to the address dialled: a listener elsewhere relaying the real one's challenge gets nothing.
+        client_handshake(sock, secret, listener_id(host, port), min(opts.handshake_timeout_s, opts.io_timeout_s))
+        set_io_timeout(sock, opts.io_timeout_s)
         hello = recv_frame(sock)
         theirs = hello.get("layout")
         ours = store.layout.fingerprint()
@@ -214,7 +217,7 @@ class PeerConnections:
                                                 "blocks_per_message": opts.blocks_per_message})
             answered = time.perf_counter()
             if not reply.get("ok"):
-                raise FetchError(f"{where} refused request {plan.request_id}: {reply.get('error')}")
+                raise FetchError(f"{where} refused request {plan.request_id}: {str(reply.get('error'))[:300]}")
             expected = int(reply.get("nbytes", -1))
             if expected != len(local) * self._store.layout.block_bytes:
                 raise FetchError(f"{where} announced {expected} bytes for {len(local)} blocks")

@@ -27,16 +27,29 @@ Keys of ``kv_connector_extra_config`` (all optional):
   waits for KV in a tight loop, which takes the CPU and the GIL from the
   transfer threads; the cost is that a request arriving meanwhile is seen up
   to this much later.
+- ``peers``: the prefill listeners this decode engine may fetch from, as a
+  list of ``"host:port"`` strings (``"[v6]:port"``) or one comma-separated
+  string; env ``DISAGG_KV_PEERS``. Each is a prefill instance's ``host`` and
+  ``port`` as it advertises them (TP rank r dials port + r of the entry).
+  ``disagg`` fills it in for decode instances. Without it only loopback
+  hosts are allowed, on any port: a pair started by hand on one machine
+  works, and a request naming any other host is declined (computed locally).
+- ``max_pending_handshakes``: connections the prefill listener holds before
+  they authenticate (default 16); more are closed at once.
+- ``handshake_timeout_s``: the whole authentication exchange must finish in
+  this long or ``io_timeout_s``, whichever is shorter (default 5), however
+  the peer spreads its bytes.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from disagg_connectors.socket_connector.auth import check_secret
+from disagg_connectors.socket_connector.params import MAX_LEASE_S, AllowedPeers
 
 DEFAULT_SECRET_ENV = "DISAGG_KV_SECRET"
 
@@ -61,6 +74,9 @@ class SocketSettings:
     max_parallel_fetches: int = 4
     gil_switch_interval_ms: float = 0.5
     idle_wait_ms: float = 2.0
+    peers: AllowedPeers = field(default_factory=AllowedPeers)
+    max_pending_handshakes: int = 16
+    handshake_timeout_s: float = 5.0
 
     @classmethod
     def load(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] = os.environ,
@@ -68,14 +84,17 @@ class SocketSettings:
         """Build settings from the extra config and environment; raises ConfigError."""
         extra = dict(extra or {})
 
-        def num(key: str, default: float, cast: type = float, minimum: float = 0) -> Any:
+        def num(key: str, default: float, cast: type = float, minimum: float = 0,
+                maximum: float | None = None) -> Any:
             raw = extra.get(key, default)
             try:
                 value = cast(raw)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise ConfigError(f"kv_connector_extra_config.{key}: expected a number, got {raw!r}") from None
-            if value < minimum:
+            if not value >= minimum:  # also refuses NaN
                 raise ConfigError(f"kv_connector_extra_config.{key}: must be >= {minimum}, got {value}")
+            if maximum is not None and value > maximum:
+                raise ConfigError(f"kv_connector_extra_config.{key}: must be <= {maximum:g}, got {value}")
             return value
 
         secret_env = str(extra.get("secret_env", DEFAULT_SECRET_ENV))
@@ -103,11 +122,15 @@ class SocketSettings:
             raise ConfigError("the socket KV connector's producer needs kv_connector_extra_config.port "
                               "or env DISAGG_KV_PORT")
         lease_key = "lease_s" if "lease_s" in extra else "kv_lease_duration"
+        try:
+            peers = AllowedPeers.parse(extra.get("peers", env.get("DISAGG_KV_PEERS")))
+        except ValueError as exc:
+            raise ConfigError(f"kv_connector_extra_config.peers: {exc}") from None
         return cls(
             host=host,
             port=port,
             secret=secret,
-            lease_s=num(lease_key, 30.0, minimum=0.1),
+            lease_s=num(lease_key, 30.0, minimum=0.1, maximum=MAX_LEASE_S),
             streams=num("streams", 2, int, 1),
             blocks_per_message=num("blocks_per_message", 64, int, 1),
             io_timeout_s=num("io_timeout_s", 30.0, minimum=0.1),
@@ -116,4 +139,7 @@ class SocketSettings:
             max_parallel_fetches=num("max_parallel_fetches", 4, int, 1),
             gil_switch_interval_ms=num("gil_switch_interval_ms", 0.5),
             idle_wait_ms=num("idle_wait_ms", 2.0),
+            peers=peers,
+            max_pending_handshakes=num("max_pending_handshakes", 16, int, 1),
+            handshake_timeout_s=num("handshake_timeout_s", 5.0, minimum=0.1),
         )

@@ -77,7 +77,8 @@ class SocketKVConnector(KVConnectorBase_V1):
         self.scheduler: SocketScheduler | None = None
         self.worker: SocketWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SocketScheduler(vllm_config, self.engine_id, self.settings)
+            self.scheduler = SocketScheduler(vllm_config, self.engine_id, self.settings,
+                                             is_producer=cfg.is_kv_producer)
         else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,

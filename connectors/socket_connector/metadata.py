@@ -6,16 +6,15 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-#: The ``kv_transfer_params`` keys the decode side needs from the prefill side.
-REQUIRED_REMOTE_KEYS = ("remote_request_id", "remote_host", "remote_port", "remote_block_ids")
-
 
 @dataclass
 class RecvSpec:
     """Decode side: fetch ``remote_block_ids`` of a prefill request into ``local_block_ids``.
 
     ``local_block_ids`` empty means release only (local cache hit or abort):
-    nothing is awaited.
+    nothing is awaited. ``failure`` set: the scheduler could not start this
+    fetch after promising it; the worker reports it failed at once (vLLM then
+    recomputes) without contacting anyone.
     """
 
     local_block_ids: list[int]
@@ -26,6 +25,7 @@ class RecvSpec:
     remote_tp_size: int
     awaiting: bool
     remote_engine_id: str | None = None
+    failure: str | None = None
 
 
 @dataclass

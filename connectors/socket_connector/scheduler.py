@@ -8,6 +8,14 @@ ids. The lease is registered with the workers in the next step's metadata.
 Decode (kv_consumer): a request that arrives with ``do_remote_prefill``
 reports its prompt tokens as external and loaded asynchronously; once vLLM has
 allocated blocks, the fetch is handed to the workers.
+
+``kv_transfer_params`` come from any HTTP client, and an exception in a
+scheduler hook kills vLLM's engine core. So every field is validated
+(``params.py``) before use: a request whose params fail is *declined* with one
+warning naming the request and the field, and then served as if it had none
+(decode computes the prompt itself, prefill keeps no lease). The hooks also
+catch anything unexpected and decline the same way: none raises on client
+input.
 """
 
 from __future__ import annotations
@@ -16,10 +24,16 @@ from typing import TYPE_CHECKING, Any
 
 from disagg_connectors.socket_connector.config import SocketSettings
 from disagg_connectors.socket_connector.metadata import (
-    REQUIRED_REMOTE_KEYS,
     RecvSpec,
     SendSpec,
     SocketConnectorMetadata,
+)
+from disagg_connectors.socket_connector.params import (
+    TRANSFER_NAME,
+    Declined,
+    RemotePrefill,
+    check_remote_decode,
+    check_remote_prefill,
 )
 from vllm.logger import init_logger
 
@@ -30,62 +44,106 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-TRANSFER_NAME = "socket"
-
-
-def has_remote(params: dict[str, Any]) -> bool:
-    """Whether ``kv_transfer_params`` carry everything needed to fetch."""
-    return all(params.get(k) is not None for k in REQUIRED_REMOTE_KEYS)
-
-
 class SocketScheduler:
     """Tracks leases to announce and fetches to start."""
 
-    def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: SocketSettings):
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: SocketSettings,
+                 is_producer: bool | None = None):
         self.engine_id = engine_id
         self.settings = settings
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        if is_producer is None:
+            kv_cfg = getattr(vllm_config, "kv_transfer_config", None)
+            is_producer = bool(kv_cfg.is_kv_producer) if kv_cfg is not None else settings.port is not None
+        #: A producer serves leases and never fetches (its workers have no fetch pool).
+        self.is_producer = is_producer
         self._need_recv: dict[str, RecvSpec] = {}
         self._need_send: dict[str, SendSpec] = {}
+
+    # -- validation ---------------------------------------------------------
+    def _decline(self, request: Request, declined: Declined, consequence: str) -> None:
+        """Log one line and make the request's params inert, so no later hook acts on them (or logs again)."""
+        logger.warning("socket KV connector: request %s: declining kv_transfer_params: %s %s; %s",
+                       request.request_id, declined.field, declined.reason, consequence)
+        params = request.kv_transfer_params
+        try:
+            params["do_remote_prefill"] = False
+            params["do_remote_decode"] = False
+        except Exception:  # not a mutable mapping (vLLM gives a dict): drop them altogether
+            request.kv_transfer_params = None
+
+    def _remote_prefill(self, request: Request) -> RemotePrefill | None:
+        """Decode side: the request's validated remote prefill, or None (none asked, or declined now)."""
+        params = request.kv_transfer_params
+        if not params:
+            return None
+        if self.is_producer:
+            flag = params.get("do_remote_prefill") if isinstance(params, dict) else None
+            if flag is not None and flag is not False:
+                self._decline(request, Declined("do_remote_prefill", "is set on a prefill engine "
+                                                "(kv_producer), which never fetches"), "computing it here")
+            return None
+        check = check_remote_prefill(params, num_prompt_tokens=request.num_prompt_tokens,
+                                     block_size=self.block_size, peers=self.settings.peers)
+        if isinstance(check, Declined):
+            self._decline(request, check, "computing the prompt locally")
+            return None
+        return check
+
+    def _crashed(self, request: Request, hook: str, consequence: str) -> None:
+        """A hook failed unexpectedly: log it (with the traceback) and decline the request's params."""
+        logger.exception("socket KV connector: %s failed for request %s; %s", hook,
+                         getattr(request, "request_id", "?"), consequence)
+        try:
+            self._decline(request, Declined("kv_transfer_params", f"could not be handled in {hook}"), consequence)
+        except Exception:
+            pass
 
     # -- decode side ------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Decode side: every prompt token P computed is external, loaded asynchronously."""
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or not has_remote(params):
+        try:
+            remote = self._remote_prefill(request)
+            if remote is None:
+                return 0, False
+            count = remote.num_tokens - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
+        except Exception:
+            self._crashed(request, "get_num_new_matched_tokens", "computing the prompt locally")
             return 0, False
-        remote_tokens = int(params.get("remote_num_tokens") or request.num_prompt_tokens)
-        count = min(remote_tokens, request.num_prompt_tokens) - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Decode side: remember where the fetched blocks go."""
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
-            return
-        params["do_remote_prefill"] = False  # one transfer per request
-        if not has_remote(params):
-            logger.warning("socket KV connector: incomplete kv_transfer_params for %s: %s",
-                           request.request_id, params)
-            return
-        local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        self._need_recv[request.request_id] = self._recv_spec(params, local, awaiting=num_external_tokens > 0)
+        try:
+            remote = self._remote_prefill(request)
+            if remote is None:
+                if num_external_tokens > 0:  # promised a load we cannot start: fail it, vLLM recomputes
+                    self._need_recv[request.request_id] = _failed_spec("kv_transfer_params declined after the "
+                                                                       "load was promised")
+                return
+            request.kv_transfer_params["do_remote_prefill"] = False  # one transfer per request
+            local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+            self._need_recv[request.request_id] = self._recv_spec(remote, local, awaiting=num_external_tokens > 0)
+        except Exception:
+            self._crashed(request, "update_state_after_alloc", "computing the prompt locally")
+            if num_external_tokens > 0:
+                self._need_recv[request.request_id] = _failed_spec("update_state_after_alloc failed")
 
-    def _recv_spec(self, params: dict[str, Any], local: list[int], awaiting: bool) -> RecvSpec:
-        remote = [int(b) for b in params["remote_block_ids"]]
+    def _recv_spec(self, remote: RemotePrefill, local: list[int], awaiting: bool) -> RecvSpec:
+        remote_ids = list(remote.block_ids)
         if local:
             # A local prefix-cache hit covers the leading blocks: fetch the tail.
-            remote = remote[-len(local):] if len(local) <= len(remote) else remote
+            remote_ids = remote_ids[-len(local):] if len(local) <= len(remote_ids) else remote_ids
         return RecvSpec(
             local_block_ids=list(local),
-            remote_block_ids=remote,
-            remote_request_id=str(params["remote_request_id"]),
-            remote_host=str(params["remote_host"]),
-            remote_port=int(params["remote_port"]),
-            remote_tp_size=int(params.get("tp_size") or 1),
+            remote_block_ids=remote_ids,
+            remote_request_id=remote.request_id,
+            remote_host=remote.host,
+            remote_port=remote.port,
+            remote_tp_size=remote.tp_size,
             awaiting=awaiting,
-            remote_engine_id=params.get("remote_engine_id"),
+            remote_engine_id=remote.engine_id,
         )
 
     # -- both -------------------------------------------------------------
@@ -98,29 +156,37 @@ class SocketScheduler:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Prefill side: keep the blocks and say where to fetch them. Decode side: tidy up."""
+        try:
+            return self._request_finished(request, block_ids)
+        except Exception:
+            self._crashed(request, "request_finished", "freeing its blocks now")
+            return False, None
+
+    def _request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
         if not params:
             return False, None
-        if params.get("do_remote_prefill"):
+        remote = self._remote_prefill(request)
+        if remote is not None:
             # Decode request aborted before it was scheduled: free P's lease.
-            params["do_remote_prefill"] = False
-            if has_remote(params):
-                self._need_recv[request.request_id] = self._recv_spec(params, [], awaiting=False)
+            request.kv_transfer_params["do_remote_prefill"] = False
+            self._need_recv[request.request_id] = self._recv_spec(remote, [], awaiting=False)
             return False, None
-        if not params.get("do_remote_decode"):
+        wanted = check_remote_decode(request.kv_transfer_params)
+        if isinstance(wanted, Declined):
+            self._decline(request, wanted, "serving it without a lease")
+            return False, None
+        if not wanted:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None
-        if self.settings.port is None:
+        if not self.is_producer or self.settings.port is None:
             logger.warning("socket KV connector: request %s asks for remote decode but this engine "
                            "has no listener port (kv_role must be kv_producer)", request.request_id)
             return False, None
-        delay = bool(block_ids)
-        if delay:
-            self._need_send[request.request_id] = SendSpec(list(block_ids), self.settings.lease_s)
-        return delay, {
+        out = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": list(block_ids),
@@ -133,3 +199,13 @@ class SocketScheduler:
             "transfer": TRANSFER_NAME,
             "lease_s": self.settings.lease_s,
         }
+        delay = bool(block_ids)
+        if delay:  # last: nothing may fail between registering the lease and telling vLLM to keep the blocks
+            self._need_send[request.request_id] = SendSpec(list(block_ids), self.settings.lease_s)
+        return delay, out
+
+
+def _failed_spec(why: str) -> RecvSpec:
+    """A fetch the worker reports failed at once (vLLM recomputes), contacting no one."""
+    return RecvSpec(local_block_ids=[], remote_block_ids=[], remote_request_id="", remote_host="", remote_port=0,
+                    remote_tp_size=1, awaiting=True, failure=f"socket KV connector: {why}")

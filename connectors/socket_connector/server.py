@@ -14,21 +14,32 @@ A connection carries any number of fetches and releases: decode engines keep
 theirs open between requests (``client.PeerConnections``), and one idle for
 ``idle_timeout_s`` is closed here. One thread accepts; each connection gets
 its own thread, so a decode engine's parallel streams are served in parallel.
+
+Against peers that are not decode engines (anyone who can reach the port):
+at most ``max_pending_handshakes`` connections may be authenticating at once
+(more are closed as soon as they are accepted); the whole authentication
+must end within ``handshake_timeout_s``; a failed thread start closes that
+connection and the listener goes on; every size a peer sends is checked
+before it is used (frame lengths, request ids, block lists: integers,
+distinct, no longer than the lease, ``blocks_per_message`` clamped), and a
+bad one is refused with a log line naming the peer.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from disagg_connectors.socket_connector.auth import AuthError, server_handshake
+from disagg_connectors.socket_connector.auth import HANDSHAKE_TIMEOUT_S, AuthError, listener_id, server_handshake
 from disagg_connectors.socket_connector.counters import TransferCounters
 from disagg_connectors.socket_connector.layout import BlockStore, LayoutError
 from disagg_connectors.socket_connector.leases import LeaseTable
 from disagg_connectors.socket_connector.wire import (
+    FrameError,
     PeerClosed,
     WireError,
     recv_frame,
@@ -39,6 +50,26 @@ from disagg_connectors.socket_connector.wire import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: Largest ``blocks_per_message`` honoured; larger asks are clamped to it.
+MAX_BLOCKS_PER_MESSAGE = 1024
+#: Longest request id accepted in a fetch or release.
+MAX_REQUEST_ID_CHARS = 512
+#: At most one "over the cap" / "thread start failed" log line per this many seconds.
+_LOG_EVERY_S = 10.0
+#: accept() errors that say "not now" (out of descriptors or memory, a peer gone): wait and go on.
+_ACCEPT_RETRY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO,
+                 errno.EPERM, errno.EINTR}
+
+
+def start_thread(target: Callable[..., None], args: tuple, name: str) -> None:
+    """Start a daemon thread (a seam for tests: ``Thread.start`` can raise RuntimeError)."""
+    threading.Thread(target=target, args=args, name=name, daemon=True).start()
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def chunks(items: Sequence[int], size: int) -> list[Sequence[int]]:
@@ -63,6 +94,8 @@ class KVServer:
         registration_wait_s: float = 5.0,
         idle_timeout_s: float = 120.0,
         counters: TransferCounters | None = None,
+        max_pending_handshakes: int = 16,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ):
         self.store = store
         self.leases = leases
@@ -73,6 +106,11 @@ class KVServer:
         self.registration_wait_s = registration_wait_s
         self.idle_timeout_s = idle_timeout_s
         self.counters = counters or TransferCounters()
+        self.max_pending_handshakes = max(1, max_pending_handshakes)
+        self.handshake_timeout_s = handshake_timeout_s
+        self._pending = 0  # connections accepted and not yet authenticated (or refused)
+        self._pending_lock = threading.Lock()
+        self._suppressed: dict[str, tuple[float, int]] = {}  # log key -> (last logged, suppressed since)
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -105,16 +143,61 @@ class KVServer:
             self._sock.close()
             self._sock = None
 
+    @property
+    def pending_handshakes(self) -> int:
+        """Connections accepted that have not finished authenticating."""
+        with self._pending_lock:
+            return self._pending
+
+    def _log_limited(self, key: str, msg: str, *args: object) -> None:
+        """A warning at most once per _LOG_EVERY_S per ``key``, saying how many were left out."""
+        now = time.monotonic()
+        last, left_out = self._suppressed.get(key, (float("-inf"), 0))
+        if now - last < _LOG_EVERY_S:
+            self._suppressed[key] = (last, left_out + 1)
+            return
+        self._suppressed[key] = (now, 0)
+        suffix = f" ({left_out} more like it not logged)" if left_out else ""
+        logger.warning(msg + suffix, *args)
+
+    def _end_pending(self) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+
     def _accept_loop(self) -> None:
-        assert self._sock is not None
+        sock = self._sock
+        assert sock is not None
         while not self._stop.is_set():
             try:
-                conn, addr = self._sock.accept()
+                conn, addr = sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                break
-            threading.Thread(target=self._serve, args=(conn, addr), name="kv-socket-conn", daemon=True).start()
+            except OSError as exc:
+                if self._stop.is_set() or exc.errno not in _ACCEPT_RETRY:
+                    break
+                self._log_limited("accept", "socket KV connector on %s:%d: accept failed: %s; retrying",
+                                  self.host, self.port, exc)
+                self._stop.wait(0.05)
+                continue
+            peer = f"{addr[0]}:{addr[1]}"
+            with self._pending_lock:
+                admitted = self._pending < self.max_pending_handshakes
+                if admitted:
+                    self._pending += 1
+            if not admitted:
+                conn.close()
+                self.counters.add("num_refused")
+                self._log_limited("cap", "socket KV connector closed a connection from %s: %d connections "
+                                  "already authenticating (max_pending_handshakes)", peer,
+                                  self.max_pending_handshakes)
+                continue
+            try:
+                start_thread(self._serve, (conn, addr), "kv-socket-conn")
+            except RuntimeError as exc:  # can't start new thread: out of memory or a thread limit
+                self._end_pending()
+                conn.close()
+                self._log_limited("thread", "socket KV connector closed a connection from %s: cannot start "
+                                  "a thread for it: %s", peer, exc)
 
     def _refuse(self, conn: socket.socket, peer: str, why: str) -> None:
         logger.warning("socket KV connector refused %s: %s", peer, why)
@@ -127,10 +210,10 @@ class KVServer:
     def _serve(self, conn: socket.socket, addr: tuple) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         with conn:
-            set_io_timeout(conn, self.io_timeout_s)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                server_handshake(conn, self._secret)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                server_handshake(conn, self._secret, listener_id(self.host, self.port),
+                                 min(self.handshake_timeout_s, self.io_timeout_s))
             except AuthError as exc:
                 logger.warning("socket KV connector refused unauthenticated connection from %s: %s", peer, exc)
                 self.counters.add("num_refused")
@@ -138,7 +221,10 @@ class KVServer:
             except (WireError, OSError) as exc:
                 logger.warning("socket KV connector: handshake with %s failed: %s", peer, exc)
                 return
+            finally:
+                self._end_pending()
             try:
+                set_io_timeout(conn, self.io_timeout_s)
                 send_frame(
                     conn,
                     {"ok": True, "layout": self.store.layout.fingerprint(), "engine_id": self.engine_id,
@@ -153,27 +239,47 @@ class KVServer:
                         if not self._fetch(conn, peer, msg):
                             return
                     elif op == "release":
-                        rid = str(msg.get("request_id"))
+                        rid = msg.get("request_id")
+                        if not self._valid_request_id(rid):
+                            self._refuse(conn, peer, f"malformed request id {_short(rid)} in release")
+                            return
                         ok = self.leases.release(rid)
                         send_frame(conn, {"ok": ok} if ok else {"ok": False, "error": f"request {rid} not leased"})
                     elif op == "bye":
                         return
                     else:
-                        self._refuse(conn, peer, f"unknown op {op!r}")
+                        self._refuse(conn, peer, f"unknown op {_short(op)}")
                         return
             except PeerClosed:
                 return
+            except FrameError as exc:
+                logger.warning("socket KV connector refused %s: %s; closing the connection", peer, exc)
+                self.counters.add("num_refused")
             except (WireError, OSError) as exc:
                 logger.info("socket KV connector: connection from %s ended: %s", peer, exc)
+            except Exception:  # a bug must cost this connection only, never the listener or the engine
+                logger.exception("socket KV connector: serving %s failed", peer)
+
+    @staticmethod
+    def _valid_request_id(rid: object) -> bool:
+        return isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_CHARS
 
     def _fetch(self, conn: socket.socket, peer: str, msg: dict) -> bool:
-        rid = str(msg.get("request_id"))
-        try:
-            block_ids = [int(b) for b in msg.get("block_ids", [])]
-            per_msg = max(1, int(msg.get("blocks_per_message", 64)))
-        except (TypeError, ValueError):
-            self._refuse(conn, peer, f"malformed fetch for request {rid}")
+        rid = msg.get("request_id")
+        if not self._valid_request_id(rid):
+            self._refuse(conn, peer, f"malformed request id {_short(rid)} in fetch")
             return False
+        assert isinstance(rid, str)
+        block_ids = msg.get("block_ids")
+        if not isinstance(block_ids, list) or not all(type(b) is int for b in block_ids):
+            self._refuse(conn, peer, f"malformed fetch for request {rid}: block_ids must be a list of integers")
+            return False
+        per_msg = msg.get("blocks_per_message", 64)
+        if type(per_msg) is not int or per_msg < 1:
+            self._refuse(conn, peer, f"malformed fetch for request {rid}: blocks_per_message must be a "
+                                     f"positive integer, got {_short(per_msg)}")
+            return False
+        per_msg = min(per_msg, MAX_BLOCKS_PER_MESSAGE)
         asked = time.perf_counter()
         lease = self.leases.acquire(rid, self.registration_wait_s)
         waited = time.perf_counter() - asked
@@ -182,6 +288,13 @@ class KVServer:
             return False
         sent = 0
         try:
+            if len(block_ids) > len(lease.block_ids):
+                self._refuse(conn, peer, f"fetch of {len(block_ids)} blocks for request {rid}, "
+                                         f"whose lease holds {len(lease.block_ids)}")
+                return False
+            if len(set(block_ids)) != len(block_ids):
+                self._refuse(conn, peer, f"fetch for request {rid} repeats block ids")
+                return False
             if not set(block_ids) <= lease.allowed:
                 self._refuse(conn, peer, f"blocks not leased to request {rid}")
                 return False

@@ -14,6 +14,7 @@ import json
 import select
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,10 @@ _TIMED_OUT = (TimeoutError, BlockingIOError)
 
 class WireError(ConnectionError):
     """The peer closed the connection, sent a malformed frame or timed out."""
+
+
+class FrameError(WireError):
+    """The peer sent a control frame that is too large or not a JSON object."""
 
 
 class PeerClosed(WireError):
@@ -67,24 +72,28 @@ def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Read exactly ``n`` bytes (small reads only: control data)."""
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """Read exactly ``n`` bytes (small reads only: control data); ``deadline`` as in recv_into_views."""
     buf = bytearray(n)
-    recv_into_views(sock, [memoryview(buf)])
+    recv_into_views(sock, [memoryview(buf)], deadline)
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket) -> dict[str, Any]:
-    """Receive one JSON control frame; raises WireError on EOF or garbage."""
-    (length,) = _LEN.unpack(recv_exact(sock, _LEN.size))
-    if length > MAX_FRAME_BYTES:
-        raise WireError(f"peer announced a control frame of {length} bytes (max {MAX_FRAME_BYTES})")
+def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES,
+               deadline: float | None = None) -> dict[str, Any]:
+    """Receive one JSON control frame of at most ``max_bytes``; raises WireError on EOF or garbage.
+
+    The length header is checked before anything else is read or allocated.
+    """
+    (length,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline))
+    if length > max_bytes:
+        raise FrameError(f"peer announced a control frame of {length} bytes (max {max_bytes})")
     try:
-        obj = json.loads(recv_exact(sock, length))
-    except ValueError as exc:
-        raise WireError(f"malformed control frame: {exc}") from exc
+        obj = json.loads(recv_exact(sock, length, deadline))
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly nested JSON
+        raise FrameError(f"malformed control frame: {str(exc)[:100]}") from exc
     if not isinstance(obj, dict):
-        raise WireError("control frame is not a JSON object")
+        raise FrameError("control frame is not a JSON object")
     return obj
 
 
@@ -111,7 +120,7 @@ def send_views(sock: socket.socket, views: Sequence[memoryview]) -> int:
     return total
 
 
-def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> int:
+def recv_into_views(sock: socket.socket, views: Sequence[memoryview], deadline: float | None = None) -> int:
     """Fill every view in order straight from the socket; returns bytes read.
 
     Scatter-gather reads of up to MAX_IOVECS views with ``MSG_WAITALL``: on a
@@ -120,15 +129,27 @@ def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> int:
     return to Python (whose GIL an engine's busy loop may hold). Raises
     WireError if the peer closes before all bytes arrived (a partial
     transfer) or the socket times out.
+
+    ``deadline`` (``time.monotonic()`` value, for the handshake): the whole
+    read must end by then. Without it the socket's timeout bounds each wait
+    for progress, so a peer trickling a byte just inside it could hold the
+    read for ever; with it each system call gets only the time left.
     """
     total = 0
     pending = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views if v.nbytes]
     i = 0
     while i < len(pending):
         batch = pending[i : i + MAX_IOVECS]
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WireError(f"deadline passed after {total} bytes")
+            set_io_timeout(sock, max(left, 0.001))  # 0 would mean no timeout at all
         try:
             n = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
         except _TIMED_OUT as exc:
+            if deadline is not None:
+                raise WireError(f"deadline passed after {total} bytes") from exc
             raise WireError(f"timed out after {total} bytes") from exc
         except OSError as exc:
             raise WireError(f"receive failed after {total} bytes: {exc}") from exc

@@ -57,7 +57,7 @@ class SocketWorker:
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._fetches_in_flight = 0  # submitted and awaited, outcome not yet reported (engine thread only)
         self._opts = FetchOptions(settings.streams, settings.blocks_per_message, settings.connect_timeout_s,
-                                  settings.io_timeout_s)
+                                  settings.io_timeout_s, settings.handshake_timeout_s)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map the KV caches; on a producer, start listening."""
@@ -74,6 +74,8 @@ class SocketWorker:
                 self.store, self.leases, self.settings.secret, self.settings.host, self.settings.port + self.tp_rank,
                 engine_id=self.engine_id, rank=self.tp_rank, io_timeout_s=self.settings.io_timeout_s,
                 registration_wait_s=self.settings.registration_wait_s, counters=self.counters,
+                max_pending_handshakes=self.settings.max_pending_handshakes,
+                handshake_timeout_s=self.settings.handshake_timeout_s,
             )
             self.server.start()
         else:
@@ -107,6 +109,9 @@ class SocketWorker:
         ok = False
         release = True
         try:
+            if spec.failure:
+                release = False  # never contacted: nothing to release
+                raise FetchError(spec.failure)
             if spec.remote_tp_size != self.tp_size:
                 raise FetchError(f"prefill TP size {spec.remote_tp_size} != decode TP size {self.tp_size}")
             result = conns.fetch(plan)
@@ -121,7 +126,7 @@ class SocketWorker:
             )
         except FetchError as exc:
             self.counters.add("num_failed_transfers")
-            release = exc.reached_peer
+            release = release and exc.reached_peer
             logger.warning("socket KV connector: fetch of %s failed: %s", rid, exc)
         except Exception:
             self.counters.add("num_failed_transfers")

@@ -31,3 +31,31 @@ def test_producer_needs_a_port() -> None:
 def test_bad_values_name_the_key(key: str, value: object) -> None:
     with pytest.raises(ConfigError, match=f"kv_connector_extra_config.{key}"):
         SocketSettings.load({key: value}, ENV)
+
+
+def test_peers_from_config_or_env_default_loopback_only() -> None:
+    s = SocketSettings.load({"peers": ["198.18.0.1:5601", "[fd00::1]:5601"]}, ENV)
+    assert s.peers.allows("198.18.0.1", 5601) and s.peers.allows("fd00::1", 5601)
+    assert not s.peers.allows("198.18.0.1", 5602) and not s.peers.allows("127.0.0.1", 5601)
+    env = SocketSettings.load({}, {**ENV, "DISAGG_KV_PEERS": "10.0.0.1:5601,10.0.0.2:5601"})
+    assert env.peers.allows("10.0.0.2", 5601) and not env.peers.allows("10.0.0.3", 5601)
+    default = SocketSettings.load({}, ENV)
+    assert not default.peers.configured
+    assert default.peers.allows("127.0.0.1", 5601) and not default.peers.allows("10.0.0.1", 5601)
+
+
+@pytest.mark.parametrize("peers", ["10.0.0.1", ["10.0.0.1:0"], [5601], {"a": 1}, ["::1:5601"]])
+def test_bad_peers_name_the_key(peers: object) -> None:
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.peers"):
+        SocketSettings.load({"peers": peers}, ENV)
+
+
+def test_listener_limits_and_lease_bound() -> None:
+    s = SocketSettings.load({"max_pending_handshakes": 4, "handshake_timeout_s": 2}, ENV)
+    assert (s.max_pending_handshakes, s.handshake_timeout_s) == (4, 2.0)
+    d = SocketSettings.load({}, ENV)
+    assert (d.max_pending_handshakes, d.handshake_timeout_s) == (16, 5.0)
+    for key, value in (("max_pending_handshakes", 0), ("handshake_timeout_s", 0), ("kv_lease_duration", 7200),
+                       ("kv_lease_duration", float("nan"))):
+        with pytest.raises(ConfigError, match=f"kv_connector_extra_config.{key}"):
+            SocketSettings.load({key: value}, ENV)

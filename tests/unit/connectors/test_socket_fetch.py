@@ -127,7 +127,7 @@ def test_peer_dying_mid_transfer_fails_fast() -> None:
         for _ in range(2):  # the fetch, then the client's best-effort release
             conn, _ = listener.accept()
             with conn:
-                server_handshake(conn, SECRET)
+                server_handshake(conn, SECRET, f"127.0.0.1:{port}")
                 send_frame(conn, {"ok": True, "layout": store.layout.fingerprint()})
                 msg = recv_frame(conn)
                 if msg["op"] != "fetch":
@@ -201,12 +201,13 @@ def test_a_stalled_peer_times_out_mid_transfer() -> None:
     """A stand-in prefill server (fault injection) sends half the data, then goes silent."""
     store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
     listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
     done = threading.Event()
 
     def stand_in() -> None:
         conn, _ = listener.accept()
         with conn:
-            server_handshake(conn, SECRET)
+            server_handshake(conn, SECRET, f"127.0.0.1:{port}")
             send_frame(conn, {"ok": True, "layout": store.layout.fingerprint()})
             msg = recv_frame(conn)
             n = len(msg["block_ids"]) * store.layout.block_bytes
@@ -217,7 +218,7 @@ def test_a_stalled_peer_times_out_mid_transfer() -> None:
     threading.Thread(target=stand_in, daemon=True).start()
     started = time.monotonic()
     with pytest.raises(FetchError, match="timed out after"):
-        fetch(FetchPlan("127.0.0.1", listener.getsockname()[1], "r", [1, 2, 3], [1, 2, 3]), SECRET, store,
+        fetch(FetchPlan("127.0.0.1", port, "r", [1, 2, 3], [1, 2, 3]), SECRET, store,
               FetchOptions(streams=1, io_timeout_s=0.5))
     assert time.monotonic() - started < 3  # one or two io timeouts, not the stand-in's 10 s
     done.set()

@@ -32,6 +32,8 @@ from disagg_connectors.socket_connector.wire import (
 
 from tests.unit.connectors.kvdata import NUM_BLOCKS, SECRET, kv_caches
 
+LISTENER = "127.0.0.1:5601"
+
 
 @pytest.fixture
 def pair_of_sockets():
@@ -53,7 +55,7 @@ def _handshake(server_secret: bytes, client_secret: bytes) -> tuple[BaseExceptio
 
     def srv() -> None:
         try:
-            server_handshake(a, server_secret)
+            server_handshake(a, server_secret, LISTENER)
         except BaseException as exc:
             errs[0] = exc
         finally:
@@ -62,7 +64,7 @@ def _handshake(server_secret: bytes, client_secret: bytes) -> tuple[BaseExceptio
     t = threading.Thread(target=srv)
     t.start()
     try:
-        client_handshake(b, client_secret)
+        client_handshake(b, client_secret, LISTENER)
     except BaseException as exc:
         errs[1] = exc
     t.join()
@@ -98,9 +100,9 @@ def test_secret_never_crosses_the_wire() -> None:
     for t in threads:
         t.daemon = True
         t.start()
-    srv = threading.Thread(target=server_handshake, args=(a, SECRET))
+    srv = threading.Thread(target=server_handshake, args=(a, SECRET, LISTENER))
     srv.start()
-    client_handshake(d, SECRET)
+    client_handshake(d, SECRET, LISTENER)
     srv.join()
     assert SECRET not in bytes(seen) and SECRET.hex().encode() not in bytes(seen)
     assert len(seen) > 64
@@ -115,7 +117,7 @@ def test_client_rejects_a_peer_speaking_another_protocol(pair_of_sockets) -> Non
     a, b = pair_of_sockets
     a.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + b"x" * 40)
     with pytest.raises(AuthError, match="not a socket KV connector"):
-        client_handshake(b, SECRET)
+        client_handshake(b, SECRET, LISTENER)
 
 
 # -- framing ------------------------------------------------------------------

@@ -147,3 +147,18 @@ def test_worker_shortens_the_gil_switch_interval(configured_ms: float | None, ex
         assert sys.getswitchinterval() == pytest.approx(expected_s)
     finally:
         d.shutdown()
+
+
+def test_a_fetch_the_scheduler_could_not_start_is_reported_failed_without_contacting_anyone(
+        workers, monkeypatch) -> None:
+    _, d, _, _ = workers
+    assert d._conns is not None
+    contacted: list[object] = []
+    monkeypatch.setattr(d._conns, "fetch", contacted.append)
+    monkeypatch.setattr(d._conns, "release", contacted.append)
+    spec = RecvSpec(local_block_ids=[], remote_block_ids=[], remote_request_id="", remote_host="", remote_port=0,
+                    remote_tp_size=1, awaiting=True, failure="declined after the load was promised")
+    d.start_load_kv(SocketConnectorMetadata(reqs_to_recv={"d7": spec}))
+    seen = collect(d, "failed_recving", "d7")
+    assert seen["failed_recving"] == seen["finished_recving"] == {"d7"}
+    assert contacted == []

@@ -1,0 +1,354 @@
+"""The prefill listener (and the decode client) against peers that are not what they claim.
+
+Short timeouts throughout: each case would hold a thread for the socket's
+I/O timeout or longer without the protection it checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from disagg_connectors.socket_connector import server as server_mod
+from disagg_connectors.socket_connector.auth import MAGIC, NONCE_BYTES, AuthError, client_handshake, listener_id
+from disagg_connectors.socket_connector.client import FetchError, FetchOptions, FetchPlan, connect, fetch
+from disagg_connectors.socket_connector.counters import TransferCounters
+from disagg_connectors.socket_connector.layout import make_store
+from disagg_connectors.socket_connector.leases import LeaseTable
+from disagg_connectors.socket_connector.server import MAX_BLOCKS_PER_MESSAGE, KVServer
+from disagg_connectors.socket_connector.wire import recv_exact, recv_frame, recv_into_views, send_frame
+
+from tests.unit.connectors.kvdata import NUM_BLOCKS, SECRET, eventually, kv_caches
+
+
+@pytest.fixture
+def logs() -> Iterator[list[str]]:
+    """Warning lines of the listener (captured on its own logger: vLLM's setup may stop propagation)."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("disagg_connectors.socket_connector.server")
+    log.addHandler(handler)
+    yield lines
+    log.removeHandler(handler)
+
+
+@pytest.fixture
+def make_server() -> Iterator:
+    servers: list[KVServer] = []
+
+    def make(**kwargs) -> tuple[KVServer, dict[str, torch.Tensor]]:
+        caches = kv_caches(7)
+        opts = {"registration_wait_s": 0.2, "io_timeout_s": 5, "counters": TransferCounters(), **kwargs}
+        srv = KVServer(make_store(caches, NUM_BLOCKS), LeaseTable(), SECRET, "127.0.0.1", 0, **opts)
+        srv.start()
+        servers.append(srv)
+        return srv, caches
+
+    yield make
+    for srv in servers:
+        srv.close()
+
+
+def refused(srv: KVServer) -> int:
+    return len((srv.counters.drain() or {}).get("num_refused", []))
+
+
+def closed_by_peer(sock: socket.socket, timeout_s: float) -> bool:
+    """True if the peer closes ``sock`` (EOF or reset) within ``timeout_s``, reading whatever comes first."""
+    sock.settimeout(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if not sock.recv(4096):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+    return False
+
+
+def fetch_works(srv: KVServer, rid: str = "ok-req") -> None:
+    srv.leases.register(rid, [1, 2], 30)
+    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
+    res = fetch(FetchPlan("127.0.0.1", srv.port, rid, [1, 2], [3, 4]), SECRET, store, FetchOptions(io_timeout_s=5))
+    assert res.nbytes == 2 * store.layout.block_bytes
+
+
+# -- before authentication ------------------------------------------------------
+
+def test_connections_over_the_pre_auth_cap_are_closed_at_once(make_server, logs) -> None:
+    srv, _ = make_server(max_pending_handshakes=2, handshake_timeout_s=10, io_timeout_s=10)
+    idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(2)]
+    for s in idle:  # each got its challenge: both hold a handshake slot, saying nothing
+        assert recv_exact(s, len(MAGIC) + NONCE_BYTES)[:4] == MAGIC
+    assert srv.pending_handshakes == 2
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as extra:
+        assert closed_by_peer(extra, 2)  # no challenge, just closed
+    assert time.monotonic() - started < 1.5
+    assert any("max_pending_handshakes" in line for line in logs)
+    assert refused(srv) >= 1
+    for s in idle:
+        s.close()
+    assert eventually(lambda: srv.pending_handshakes, 0) == 0  # slots come back when the peers leave
+    fetch_works(srv)
+
+
+def test_a_slow_loris_is_cut_off_at_the_handshake_deadline(make_server, logs) -> None:
+    """One byte every 0.1 s never trips the 5 s per-read timeout; the 0.5 s handshake deadline ends it."""
+    srv, _ = make_server(handshake_timeout_s=0.5, io_timeout_s=5)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        recv_exact(s, len(MAGIC) + NONCE_BYTES)
+        started = time.monotonic()
+        cut = False
+        for _ in range(60):  # 60 of the 64 bytes the answer needs, over 6 s
+            try:
+                s.sendall(b"x")
+            except (BrokenPipeError, ConnectionResetError):
+                cut = True
+                break
+            s.settimeout(0.1)
+            try:
+                if s.recv(1) == b"":
+                    cut = True
+                    break
+            except TimeoutError:
+                pass
+        took = time.monotonic() - started
+    assert cut and took < 2, took
+    assert eventually(lambda: srv.pending_handshakes, 0) == 0
+    assert any("handshake" in line and "deadline" in line for line in logs), logs
+    fetch_works(srv)
+
+
+def test_the_client_gives_a_trickling_listener_one_handshake_deadline() -> None:
+    """A fake listener sending its greeting a byte at a time: the decode side gives up after the deadline."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            for b in MAGIC + bytes(NONCE_BYTES):
+                if stop.wait(0.1):
+                    return
+                try:
+                    conn.sendall(bytes([b]))
+                except OSError:
+                    return
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
+    started = time.monotonic()
+    with pytest.raises(FetchError, match="handshake"):
+        connect("127.0.0.1", listener.getsockname()[1], SECRET, store,
+                FetchOptions(io_timeout_s=5, handshake_timeout_s=0.5))
+    assert time.monotonic() - started < 1.5
+    stop.set()
+    t.join(5)
+    listener.close()
+
+
+def test_a_failed_thread_start_closes_that_connection_and_the_listener_goes_on(
+        make_server, logs, monkeypatch: pytest.MonkeyPatch) -> None:
+    srv, _ = make_server()
+    real = server_mod.start_thread
+    failures = [1]
+
+    def flaky(target, args, name) -> None:
+        if failures:
+            failures.pop()
+            raise RuntimeError("can't start new thread")
+        real(target, args, name)
+
+    monkeypatch.setattr(server_mod, "start_thread", flaky)
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        assert closed_by_peer(s, 2)
+    assert any("cannot start a thread" in line for line in logs)
+    assert srv.pending_handshakes == 0  # the slot was given back
+    fetch_works(srv)  # the next connection is served
+
+
+def test_the_accept_loop_survives_running_out_of_descriptors(make_server, monkeypatch) -> None:
+    """EMFILE from accept() (too many open files) must not end the listener."""
+    import errno
+
+    srv, _ = make_server()
+    assert srv._sock is not None
+    real_accept = type(srv._sock).accept
+    failures = [1, 1, 1]
+
+    def accept(sock):
+        if failures:
+            failures.pop()
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_accept(sock)
+
+    monkeypatch.setattr(type(srv._sock), "accept", accept)
+    fetch_works(srv)
+    assert not failures
+
+
+# -- the handshake is bound to the listener --------------------------------------
+
+def relay(to_port: int) -> tuple[socket.socket, threading.Event]:
+    """A listener that pipes every connection to 127.0.0.1:``to_port`` (a man in the middle who only relays)."""
+    front = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def run() -> None:
+        front.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = front.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            back = socket.create_connection(("127.0.0.1", to_port))
+            for a, b in ((conn, back), (back, conn)):
+                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=run, daemon=True).start()
+    return front, stop
+
+
+def test_a_relayed_challenge_authenticates_nobody(make_server, logs) -> None:
+    srv, _ = make_server()
+    front, stop = relay(srv.port)
+    relay_port = front.getsockname()[1]
+    try:
+        # A decode engine lured to the relay answers for the address it dialled: the real listener refuses.
+        with socket.create_connection(("127.0.0.1", relay_port), timeout=5) as s, pytest.raises(AuthError):
+            client_handshake(s, SECRET, listener_id("127.0.0.1", relay_port))
+        assert eventually(lambda: any("refused unauthenticated connection" in line for line in logs), True)
+        assert eventually(lambda: refused(srv), 1) == 1
+        # Control: the relay itself is transparent; an answer for the real listener's address passes.
+        with socket.create_connection(("127.0.0.1", relay_port), timeout=5) as s:
+            client_handshake(s, SECRET, listener_id("127.0.0.1", srv.port))
+            assert recv_frame(s)["ok"] is True
+        # And the client API dials with its own view of the address: through the relay, nothing fetched.
+        srv.leases.register("r1", [1], 30)
+        with pytest.raises(FetchError, match="auth"):
+            fetch(FetchPlan("127.0.0.1", relay_port, "r1", [1], [1]), SECRET,
+                  make_store(kv_caches(0, fill=False), NUM_BLOCKS), FetchOptions())
+        assert len(srv.leases) == 1
+    finally:
+        stop.set()
+        front.close()
+
+
+def test_a_listener_speaking_the_old_protocol_is_named() -> None:
+    a, b = socket.socketpair()
+    a.sendall(b"DKV1" + bytes(NONCE_BYTES))
+    with pytest.raises(AuthError, match="same disagg_connectors version"):
+        client_handshake(b, SECRET, "127.0.0.1:1")
+    a.close()
+    b.close()
+
+
+def test_a_fake_listener_cannot_make_the_client_read_a_huge_frame() -> None:
+    a, b = socket.socketpair()
+    a.sendall(MAGIC + bytes(NONCE_BYTES) + struct.pack(">I", 3 << 20))  # a 3 MiB "auth answer"
+    started = time.monotonic()
+    with pytest.raises(AuthError, match="control frame of"):
+        client_handshake(b, SECRET, "127.0.0.1:1", timeout_s=5)
+    assert time.monotonic() - started < 1
+    a.close()
+    b.close()
+
+
+# -- after authentication: every size the peer sends is checked ------------------
+
+def authed(srv: KVServer) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+    client_handshake(s, SECRET, listener_id("127.0.0.1", srv.port))
+    assert recv_frame(s)["ok"] is True
+    return s
+
+
+def fetch_msg(**changes) -> dict:
+    return {"op": "fetch", "request_id": "req-1", "block_ids": [1, 2], "blocks_per_message": 8, **changes}
+
+
+@pytest.mark.parametrize(("msg", "error"), [
+    (fetch_msg(block_ids=[1, 1]), "repeats block ids"),
+    (fetch_msg(block_ids=[1, 2, 3]), "whose lease holds 2"),
+    (fetch_msg(block_ids=list(range(10**5))), "whose lease holds 2"),
+    (fetch_msg(block_ids=["1", "2"]), "list of integers"),
+    (fetch_msg(block_ids=[1.0, 2.0]), "list of integers"),
+    (fetch_msg(block_ids=[True, 2]), "list of integers"),
+    (fetch_msg(block_ids="1,2"), "list of integers"),
+    (fetch_msg(blocks_per_message="64"), "blocks_per_message"),
+    (fetch_msg(blocks_per_message=0), "blocks_per_message"),
+    (fetch_msg(blocks_per_message=None), "blocks_per_message"),
+    (fetch_msg(request_id="r" * 100_000), "malformed request id"),
+    (fetch_msg(request_id=["req-1"]), "malformed request id"),
+    ({"op": "release", "request_id": {"a": 1}}, "malformed request id"),
+    ({"op": "x" * 10_000}, "unknown op"),
+])
+def test_bad_sizes_and_types_are_refused_with_a_log_line(make_server, logs, msg: dict, error: str) -> None:
+    srv, _ = make_server()
+    srv.leases.register("req-1", [1, 2], 30)
+    with authed(srv) as s:
+        send_frame(s, msg)
+        reply = recv_frame(s)
+        assert reply["ok"] is False and error in reply["error"]
+        assert len(reply["error"]) < 300
+        assert closed_by_peer(s, 2)
+    assert any(error in line for line in logs), logs
+    assert all(len(line) < 400 for line in logs)
+    assert len(srv.leases) == 1  # the lease is untouched
+    fetch_works(srv)
+
+
+def test_an_absurd_frame_length_closes_the_connection(make_server, logs) -> None:
+    srv, _ = make_server()
+    with authed(srv) as s:
+        s.sendall(struct.pack(">I", 0xFFFFFFFF))
+        assert closed_by_peer(s, 2)
+    assert eventually(lambda: any("control frame of 4294967295 bytes" in line for line in logs), True)
+    fetch_works(srv)
+
+
+def test_an_oversized_blocks_per_message_is_clamped_not_obeyed(make_server) -> None:
+    srv, caches = make_server()
+    srv.leases.register("req-1", [1, 2], 30)
+    block_bytes = srv.store.layout.block_bytes
+    with authed(srv) as s:
+        send_frame(s, fetch_msg(blocks_per_message=10**12))
+        reply = recv_frame(s)
+        assert reply == {"ok": True, "nbytes": 2 * block_bytes}
+        out = bytearray(2 * block_bytes)
+        assert recv_into_views(s, [memoryview(out)]) == len(out)
+    dst = kv_caches(0, fill=False)
+    with make_store(dst, NUM_BLOCKS).writing([1, 2]) as views:
+        offset = 0
+        for v in views:
+            v[:] = out[offset: offset + v.nbytes]
+            offset += v.nbytes
+    for name in caches:
+        assert torch.equal(dst[name][1:3], caches[name][1:3])
+    assert MAX_BLOCKS_PER_MESSAGE < 10**12
