@@ -7,6 +7,11 @@ in ``DISAGG_KV_SECRET``: ``disagg up`` generates one per run
 (``generate_secret()``) and adds it to every engine's environment when it
 starts them (never to argv, which vLLM and ``ps`` show); the plan that
 ``disagg check`` prints names the variable, not a value.
+
+Decode instances get ``peers``: every prefill instance's ``address:kv_port``
+(TP rank r's listener is kv_port + r, which the connector derives from the
+same entry). A decode engine fetches only from those, so a request naming
+another host is computed locally instead of making it dial that host.
 """
 
 from __future__ import annotations
@@ -30,6 +35,23 @@ def generate_secret() -> str:
     return secrets.token_hex(32)
 
 
+def format_peer(address: str, port: int) -> str:
+    """``address:port``, IPv6 literals bracketed (the connector's ``peers`` syntax)."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def prefill_peers(topo: Topology) -> list[str]:
+    """Every prefill listener of the topology, as the decode engines' ``peers`` setting."""
+    peers = []
+    for inst in topo.role("prefill"):
+        if inst.kv_port is None:
+            raise PlanError(f"{inst.name} (line {inst.line}): the socket connector needs a kv_port")
+        peer = format_peer(topo.host_of(inst).address, inst.kv_port)
+        if peer not in peers:
+            peers.append(peer)
+    return peers
+
+
 class SocketVllmAdapter(VllmKVAdapter):
     """vLLM ``SocketKVConnector`` configuration: listener on the host's link address."""
 
@@ -51,6 +73,7 @@ class SocketVllmAdapter(VllmKVAdapter):
             # A failed fetch makes the decode engine prefill locally instead of
             # failing the request.
             config["kv_load_failure_policy"] = "recompute"
+            extra["peers"] = prefill_peers(topo)
         return config
 
     def env(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, str]:

@@ -52,11 +52,55 @@ def test_prefill_listens_on_its_link_address_and_kv_port() -> None:
     assert SECRET_ENV not in dict(engines["prefill"].env)  # per run: added by the launcher, never planned
 
 
-def test_decode_recomputes_on_failed_fetch() -> None:
+def test_decode_recomputes_on_failed_fetch_and_names_its_prefill_peers() -> None:
     engines = plan()
     cfg = kv_config(engines["decode"])
-    assert cfg["kv_role"] == "kv_consumer" and cfg["kv_load_failure_policy"] == "recompute"
-    assert "port" not in cfg["kv_connector_extra_config"]
+    assert cfg == {
+        "kv_connector": "SocketKVConnector",
+        "kv_connector_module_path": "disagg_connectors.socket_connector",
+        "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"secret_env": SECRET_ENV, "peers": ["198.18.0.1:5701"]},
+    }
+
+
+TWO_PREFILL = """\
+model: {path: disagg:tiny, max_model_len: 2048}
+engine: vllm
+connector: socket
+link: {type: ethernet, rate: 10gbit}
+hosts:
+  a: {address: 198.18.0.1}
+  v6: {address: "fd00::7"}
+  b: {address: 198.18.0.2}
+roles:
+  prefill:
+    - {host: a, port: 8100, kv_port: 5701}
+    - {host: v6, port: 8101}
+  decode:
+    - {host: b, port: 8200}
+    - {host: b, port: 8201}
+"""
+
+
+def test_every_decode_instance_may_fetch_from_every_prefill_listener() -> None:
+    """The peers the planner writes are exactly what the connector's own config parser accepts."""
+    from disagg_connectors.socket_connector.config import SocketSettings
+
+    topo = parse_topology(TWO_PREFILL, "topo.yaml", run_dir="/tmp/run")
+    launches = plan_deployment(topo).engines
+    prefill = [e for e in launches if e.instance.role == "prefill"]
+    decode = [e for e in launches if e.instance.role == "decode"]
+    listeners = [(kv_config(e)["kv_connector_extra_config"]["host"], kv_config(e)["kv_connector_extra_config"]["port"])
+                 for e in prefill]
+    assert listeners[0] == ("198.18.0.1", 5701) and listeners[1][0] == "fd00::7"
+    for e in decode:
+        extra = kv_config(e)["kv_connector_extra_config"]
+        assert extra["peers"] == ["198.18.0.1:5701", f"[fd00::7]:{listeners[1][1]}"]
+        settings = SocketSettings.load(extra, {SECRET_ENV: generate_secret()})
+        for host, port in listeners:  # what each prefill engine advertises as remote_host/remote_port
+            assert settings.peers.allows(host, port)
+        assert not settings.peers.allows("198.18.0.2", 5701)
 
 
 
