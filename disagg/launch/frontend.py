@@ -32,8 +32,8 @@ ROUTER_ENGINES = {"vllm-router": "vllm", "sglang-router": "sglang"}
 
 
 def builtin_argv(dep: Deployment) -> list[str]:
-    """``python -m disagg proxy ...`` for this deployment; the API key is left to the
-    environment (``DISAGG_PROXY_API_KEY``), never the command line."""
+    """``python -m disagg proxy ...`` for this deployment; the API key and the engine key are
+    left to the environment (``DISAGG_PROXY_API_KEY``, ``DISAGG_ENGINE_KEY``), never the command line."""
     return [sys.executable, "-m", "disagg", *ProxyConfig.from_deployment(dep).to_argv(with_api_key=False)]
 
 
