@@ -1,10 +1,12 @@
 """Real vLLM CPU engines handing KV over the socket connector (1P1D on loopback).
 
 The engines start once per module: P (kv_producer, core 0, lease 6 s) and D
-(kv_consumer, core 1, kv_load_failure_policy recompute, I/O timeout 5 s), both without prefix
-caching so the decode engine's own request (no kv_transfer_params) is a
-colocated reference computed locally on the same weights. The handoff is done
-by hand as the proxy does it (REFERENCE.md section 2). The last test kills P.
+(kv_consumer, core 1, kv_load_failure_policy recompute, I/O timeout 5 s, peers:
+P's listener), both without prefix caching so the decode engine's own request
+(no kv_transfer_params) is a colocated reference computed locally on the same
+weights. The handoff is done by hand as the proxy does it: P with
+``do_remote_decode`` and ``max_tokens: 1``, then D with P's
+``kv_transfer_params`` verbatim. The last test kills P.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def pair(engine_lock: None, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                          env, root)
         p.extra.update(kv_port=kv_port, secret=secret)
         engines.append(p)
-        d_extra = {"streams": 2, "io_timeout_s": IO_TIMEOUT_S}
+        d_extra = {"streams": 2, "io_timeout_s": IO_TIMEOUT_S, "peers": [f"127.0.0.1:{kv_port}"]}
         d = start_engine("decode", str(model), 1, kv_config("kv_consumer", d_extra), env, root)
         engines.append(d)
         wait_healthy(engines)
@@ -140,17 +142,17 @@ async def test_lease_expiry_frees_blocks(pair: tuple[Engine, Engine]) -> None:
 
 
 async def test_wrong_secret_and_unknown_request_are_refused(pair: tuple[Engine, Engine]) -> None:
-    from disagg_connectors.socket_connector.auth import AuthError, client_handshake
+    from disagg_connectors.socket_connector.auth import AuthError, client_handshake, listener_id
     from disagg_connectors.socket_connector.wire import recv_frame, send_frame
 
     p, _ = pair
     port, secret = p.extra["kv_port"], p.extra["secret"]
     refused_before = metric(p.url, "vllm:socket_kv_refused_total")
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s, pytest.raises(AuthError):
-        client_handshake(s, b"not-the-secret-at-all-000000000000")
+        client_handshake(s, b"not-the-secret-at-all-000000000000", listener_id("127.0.0.1", port))
     # Right secret, but a request P never leased.
     with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
-        client_handshake(s, secret.encode())
+        client_handshake(s, secret.encode(), listener_id("127.0.0.1", port))
         assert recv_frame(s)["ok"]
         send_frame(s, {"op": "fetch", "request_id": "no-such-request", "block_ids": [0, 1], "blocks_per_message": 8})
         reply = recv_frame(s)
@@ -161,6 +163,67 @@ async def test_wrong_secret_and_unknown_request_are_refused(pair: tuple[Engine, 
     await wait_for(lambda: metric(p.url, "vllm:socket_kv_refused_total") >= refused_before + 2, 10,
                    "refusals to be counted")
     assert "refused unauthenticated connection" in p.log_path.read_text(errors="replace")
+
+
+def decline_lines(eng: Engine) -> list[str]:
+    return [line for line in eng.log_path.read_text(errors="replace").splitlines()
+            if "declining kv_transfer_params" in line]
+
+
+async def test_crafted_kv_transfer_params_are_declined_and_computed_locally(pair: tuple[Engine, Engine]) -> None:
+    """Params sent straight to D's /v1/completions (no proxy): each bad one is declined with one log line,
+    D computes the prompt itself (same greedy text, nothing fetched) and stays healthy."""
+    p, d = pair
+    async with aiohttp.ClientSession() as session:
+        reference = await complete(session, d, SHORT, 8)
+        pre = await complete(session, p, SHORT, 1, dict(REMOTE_DECODE))
+        genuine = pre["kv_transfer_params"]
+        blocks = genuine["remote_block_ids"]
+        crafted = [  # (field the decline line must name, change to P's genuine params)
+            ("remote_port", {"remote_port": "not-a-port"}),
+            ("remote_host", {"remote_host": "198.18.0.1"}),  # not among D's peers: never dialled
+            ("remote_block_ids", {"remote_block_ids": blocks + list(range(100000, 100010))}),
+            ("remote_block_ids", {"remote_block_ids": [-1 - b for b in blocks]}),
+            ("remote_block_ids", {"remote_block_ids": [str(b) for b in blocks]}),
+            ("do_remote_prefill", {"do_remote_prefill": "yes"}),
+            ("tp_size", {"tp_size": 10**9}),
+        ]
+        ext_before = metric(d.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        xfers_before = metric(d.url, "vllm:socket_kv_transfers_total")
+        failed_before = metric(d.url, "vllm:socket_kv_failed_transfers_total")
+        started = time.monotonic()
+        for field, change in crafted:
+            seen = len(decline_lines(d))
+            dec = await complete(session, d, SHORT, 8, {**genuine, **change})  # asserts HTTP 200
+            assert dec["choices"][0]["text"] == reference["choices"][0]["text"], field
+            await wait_for(lambda s=seen: len(decline_lines(d)) > s, 10, f"D to log the decline of {field}")
+            await asyncio.sleep(0.3)  # would a second line follow?
+            new = decline_lines(d)[seen:]
+            assert len(new) == 1 and field in new[0], (field, new)
+            assert "remote_request_id" not in new[0] and len(new[0]) < 600  # the field, not the whole dict
+        elapsed = time.monotonic() - started
+        assert elapsed < 30, elapsed
+        # Nothing was fetched for them: no transfer, no failed transfer, no external prompt tokens.
+        assert metric(d.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == ext_before
+        assert metric(d.url, "vllm:socket_kv_transfers_total") == xfers_before
+        assert metric(d.url, "vllm:socket_kv_failed_transfers_total") == failed_before
+        # D is healthy and still fetches: the genuine params, after all that, are served over the socket.
+        assert d.alive()
+        async with session.get(d.url + "/health") as r:
+            assert r.status == 200
+        dec = await complete(session, d, SHORT, 8, genuine)
+        assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
+        assert metric(d.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > ext_before
+        await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S - 2, "P to free the blocks")
+        # P, asked for a remote decode with a flag that is not a bool, serves the request without a lease.
+        seen = len(decline_lines(p))
+        plain = await complete(session, p, SHORT, 1, {**REMOTE_DECODE, "do_remote_decode": "yes"})
+        assert not plain.get("kv_transfer_params")
+        await wait_for(lambda: len(decline_lines(p)) == seen + 1, 10, "P to log the decline")
+        assert "do_remote_decode" in decline_lines(p)[-1]
+        # No blocks held for anyone (a lease would hold them for LEASE_S).
+        await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S / 2, "P to hold nothing")
+    assert p.alive() and d.alive()
 
 
 async def test_frozen_prefill_times_out_to_local_recompute_without_leaking(pair: tuple[Engine, Engine]) -> None:
