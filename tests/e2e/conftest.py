@@ -1,7 +1,8 @@
 """Session fixtures that start real vLLM engines once, at most two at a time.
 
 Order within a session: the colocated reference server runs first (one engine,
-both cores), records the greedy answer to every request in REQUESTS, and is
+both cores), records the greedy answer to every request in `requests_` and the
+full reply to every conformance case (tests/e2e/conformance.py), and is
 stopped; then the 1P1D deployment (two engines, one pinned core each) comes up
 for all tests that need it. A file lock keeps concurrent sessions on this
 machine from starting more engines at once.
@@ -20,6 +21,7 @@ from tokenizers import Tokenizer
 
 from disagg.modelgen import build_model
 from disagg.prompts import exact_prompt, load_tokenizer
+from tests.e2e.conformance import Case, Recorded, build_cases, record
 from tests.e2e.engines import (
     ENGINE_ARGS,
     ENGINE_KEY,
@@ -89,6 +91,20 @@ def requests_(tokenizer: Tokenizer) -> dict[str, dict]:
     return reqs
 
 
+@pytest.fixture(scope="session")
+def conformance_cases(tokenizer: Tokenizer) -> dict[str, Case]:
+    """The conformance cases of issue 13 (tests/e2e/conformance.py), by name."""
+    return build_cases(tokenizer)
+
+
+class ReferenceAnswers(dict[str, str]):
+    """Request name -> the reference server's greedy text; ``conformance``: case name -> its recorded reply."""
+
+    def __init__(self, answers: dict[str, str], conformance: dict[str, Recorded]) -> None:
+        super().__init__(answers)
+        self.conformance = conformance
+
+
 def _answer(url: str, body: dict) -> str:
     if "messages" in body:
         return post_json(url + "/v1/chat/completions", body, key=ENGINE_KEY)["choices"][0]["message"]["content"]
@@ -96,18 +112,29 @@ def _answer(url: str, body: dict) -> str:
 
 
 @pytest.fixture(scope="session")
-def reference(engine_lock: None, e2e_dir: Path, tiny_model: Path, requests_: dict[str, dict]) -> dict[str, str]:
-    """Greedy answers of one ordinary (colocated) vLLM server, which is then stopped."""
+def reference(engine_lock: None, e2e_dir: Path, tiny_model: Path, requests_: dict[str, dict],
+              conformance_cases: dict[str, Case]) -> ReferenceAnswers:
+    """Greedy answers of one ordinary (colocated) vLLM server, which is then stopped.
+
+    Also records that server's whole reply (status, normalised body) to every conformance case.
+    """
     proxy_port, port = free_ports(2)
     topo = write_topology(e2e_dir / "reference.yaml", tiny_model, proxy_port=proxy_port,
                           roles=f"both: [{{port: {port}, cpus: [0, 1], args: {ENGINE_ARGS}}}]\n")
     run = bring_up(topo, e2e_dir / "run-ref")
     try:
         url = run.engines["both[0]"]
-        return {name: _answer(url, body) for name, body in requests_.items()}
+        answers = {name: _answer(url, body) for name, body in requests_.items()}
+        return ReferenceAnswers(answers, record(url, conformance_cases, key=ENGINE_KEY))
     finally:
         done = run.down()
         assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture(scope="session")
+def conformance_reference(reference: ReferenceAnswers) -> dict[str, Recorded]:
+    """The reference server's reply to every conformance case, by case name."""
+    return reference.conformance
 
 
 @pytest.fixture(scope="session")

@@ -147,3 +147,23 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
     return True
+
+
+def engine_processes(model: Path) -> list[psutil.Process]:
+    """Live vLLM API servers started on ``model`` (its path in their argv), whoever started them."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info.get("cmdline") or []
+        if "vllm.entrypoints.openai.api_server" in cmd and str(model) in cmd:
+            found.append(proc)
+    return found
+
+
+def foreground_up_processes(topology: Path) -> list[psutil.Process]:
+    """Live `disagg up TOPOLOGY` processes (e.g. the session's foreground NIXL deployment)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info.get("cmdline") or []
+        if "disagg" in cmd and "up" in cmd and str(topology) in cmd:
+            found.append(proc)
+    return found

@@ -1,0 +1,86 @@
+"""Issue 13's conformance suite against a 1P1D with our socket KV connector (`connector: socket`).
+
+The deployment is this module's own (`disagg up --detach`, `disagg down` in the last test). It
+sorts after test_pd.py, whose last test stops the session's NIXL deployment; if that did not
+happen (test_pd not selected), the fixture stops it, and it refuses to start while any other
+engine on the session's model still runs (never more than two engines at once).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.e2e.conformance import CASE_NAMES, KV_CASE, Recorded, check_case, check_kv_batch
+from tests.e2e.engines import (
+    ENGINE_ARGS,
+    Running,
+    bring_up,
+    engine_processes,
+    foreground_up_processes,
+    free_ports,
+    port_is_free,
+    write_topology,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def socket_pd(conformance_reference: dict[str, Recorded], e2e_dir: Path, tiny_model: Path) -> Iterator[Running]:
+    """1 prefill + 1 decode with the socket connector over loopback behind the proxy."""
+    for up in foreground_up_processes(e2e_dir / "pd.yaml"):  # the NIXL `pd`, if test_pd did not stop it
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=120)
+    deadline = time.monotonic() + 30
+    while (left := engine_processes(tiny_model)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"engines of another deployment still run: {[p.pid for p in left]}"
+    proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
+    roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
+             f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
+    topo = write_topology(e2e_dir / "pd-socket.yaml", tiny_model, proxy_port=proxy_port, roles=roles,
+                          connector="socket")
+    run = bring_up(topo, e2e_dir / "run-pd-socket")
+    try:
+        yield run
+    finally:  # test_down_leaves_nothing normally did this already
+        if (run.run_dir / "runs" / run.topology.stem / "state.json").exists():
+            run.down()
+
+
+def test_deployment_uses_the_socket_connector(socket_pd: Running) -> None:
+    assert set(socket_pd.engines) == {"prefill[0]", "decode[0]"}
+    assert "socket" in socket_pd.topology.read_text()
+
+
+def test_batched_request_moves_every_prompts_kv(socket_pd: Running,
+                                                conformance_reference: dict[str, Recorded]) -> None:
+    check_kv_batch(socket_pd.proxy_url, socket_pd.engines["decode[0]"], conformance_reference[KV_CASE], "socket")
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_answers_like_one_vllm_server(socket_pd: Running, conformance_reference: dict[str, Recorded],
+                                      name: str) -> None:
+    check_case(socket_pd.proxy_url, name, conformance_reference[name])
+
+
+def test_down_leaves_nothing(socket_pd: Running, tiny_model: Path) -> None:
+    procs = socket_pd.process_tree()
+    assert len(procs) >= 3, "engines and proxy should still be running before `disagg down`"
+    ports = [r.port for r in socket_pd.state().processes]
+    done = socket_pd.down()
+    assert done.returncode == 0, done.stderr
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    assert not alive, f"left running after disagg down: {[p.pid for p in alive]}"
+    deadline = time.monotonic() + 10
+    while not all(port_is_free(p) for p in ports) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert all(port_is_free(p) for p in ports), ports
+    assert not (socket_pd.run_dir / "runs" / socket_pd.topology.stem / "state.json").exists()
+    assert not engine_processes(tiny_model)
