@@ -89,6 +89,7 @@ CASE_NAMES: tuple[str, ...] = (
     "batch-token-ids-different",
     "n2",
     "n3-batch2",
+    "n2-greedy",
     "echo",
     "logprobs2",
     "prompt-logprobs1",
@@ -141,7 +142,8 @@ def build_cases(tokenizer: Tokenizer) -> dict[str, Case]:
     """Every case by name: :data:`CASE_NAMES` plus :data:`KV_CASE`.
 
     Every prompt carries its own tag (``cf-<case>[-i]``), so no case's prompt shares a cached
-    prefix with another case's or another test's. Greedy (temperature 0), few tokens.
+    prefix with another case's or another test's. Greedy (temperature 0), few tokens; n > 1 is
+    seeded sampling.
     """
 
     def text(tokens: int, tag: str) -> str:
@@ -162,6 +164,9 @@ def build_cases(tokenizer: Tokenizer) -> dict[str, Case]:
         return {"role": "user", "content": text(tokens, tag)}
 
     usage = {"stream": True, "stream_options": {"include_usage": True}}
+    # vLLM refuses n > 1 with greedy sampling (400, the n2-greedy case): the n cases sample at
+    # temperature 1 with a seed, which vLLM makes deterministic (child i gets seed + i).
+    seeded = {"temperature": 1.0, "seed": 1234}
     # Over-context: prompt + max_tokens beyond max_model_len (vLLM 0.32 clamps max_tokens), and a
     # prompt beyond max_model_len on its own (rejected).
     over_out, over_in = MAX_MODEL_LEN - 16 + 4, MAX_MODEL_LEN + 8
@@ -175,8 +180,9 @@ def build_cases(tokenizer: Tokenizer) -> dict[str, Case]:
         Case("batch-token-ids-equal", COMPLETIONS, cmpl(prompt=[ids(44, f"bie-{i}") for i in range(3)])),
         Case("batch-token-ids-different", COMPLETIONS,
              cmpl(prompt=[ids(n, f"bid-{i}") for i, n in enumerate((36, 60, 84))])),
-        Case("n2", COMPLETIONS, cmpl(prompt=text(50, "n2"), n=2)),
-        Case("n3-batch2", COMPLETIONS, cmpl(prompt=[text(46, "n3b-0"), text(66, "n3b-1")], n=3)),
+        Case("n2", COMPLETIONS, cmpl(prompt=text(50, "n2"), n=2, **seeded)),
+        Case("n3-batch2", COMPLETIONS, cmpl(prompt=[text(46, "n3b-0"), text(66, "n3b-1")], n=3, **seeded)),
+        Case("n2-greedy", COMPLETIONS, cmpl(prompt=text(50, "n2-greedy"), n=2)),
         Case("echo", COMPLETIONS, cmpl(prompt=text(42, "echo"), echo=True)),
         Case("logprobs2", COMPLETIONS, cmpl(prompt=text(54, "logprobs"), logprobs=2)),
         Case("prompt-logprobs1", COMPLETIONS, cmpl(prompt=text(58, "plogprobs"), prompt_logprobs=1)),
@@ -186,7 +192,7 @@ def build_cases(tokenizer: Tokenizer) -> dict[str, Case]:
         Case("stream-single", COMPLETIONS, cmpl(prompt=text(76, "stream"), **usage)),
         Case("stream-batch", COMPLETIONS,
              cmpl(prompt=[text(n, f"stream-b-{i}") for i, n in enumerate((38, 58, 78))], **usage)),
-        Case("stream-n2", COMPLETIONS, cmpl(prompt=text(80, "stream-n2"), n=2, **usage)),
+        Case("stream-n2", COMPLETIONS, cmpl(prompt=text(80, "stream-n2"), n=2, **seeded, **usage)),
         Case("stream-logprobs", COMPLETIONS, cmpl(prompt=text(84, "stream-lp"), logprobs=2, **usage)),
         Case("chat-single", CHAT, chat([user(40, "chat")])),
         Case("chat-multi-turn", CHAT, chat([
@@ -195,7 +201,7 @@ def build_cases(tokenizer: Tokenizer) -> dict[str, Case]:
             {"role": "assistant", "content": text(20, "chat-mt-a1")},
             user(26, "chat-mt-u2")])),
         Case("chat-stream", CHAT, chat([user(44, "chat-stream")], **usage)),
-        Case("chat-n2", CHAT, chat([user(48, "chat-n2")], n=2)),
+        Case("chat-n2", CHAT, chat([user(48, "chat-n2")], n=2, **seeded)),
         Case("over-context", COMPLETIONS, cmpl(prompt=text(over_out, "over"), max_tokens=16)),
         Case("over-context-batch-second", COMPLETIONS,
              cmpl(prompt=[text(48, "over-b-0"), text(over_out, "over-b-1")], max_tokens=16)),
@@ -601,7 +607,7 @@ def check_kv_batch(proxy_url: str, decode_url: str, rec: Recorded, connector: st
 def claim_problems(name: str, payload: bytes, reply: Reply) -> list[str]:
     """Whether the reference reply to a case shows what the case is meant to exercise
     (a stop string that stopped, a clamped over-context answer, prompt logprobs present, ...)."""
-    expected_status = {"over-input": 400, "over-input-batch-second": 400, "invalid-max-tokens": 400,
+    expected_status = {"n2-greedy": 400, "over-input": 400, "over-input-batch-second": 400, "invalid-max-tokens": 400,
                        "invalid-temperature": 400, "invalid-prompt": 400, "unknown-model": 404,
                        "malformed-json": 400, "empty-body": 400}
     if name == "deeply-nested-json":
@@ -647,7 +653,9 @@ def claim_problems(name: str, payload: bytes, reply: Reply) -> list[str]:
             problems.append("echo+logprobs: not one logprob per prompt and generated token")
     elif name in ("logprobs2", "stream-logprobs"):
         tops = (first.get("logprobs") or {}).get("top_logprobs") or []
-        if len(tops) != usage.get("completion_tokens") or any(len(t) < 2 for t in tops):
+        # logprobs=2: the two most likely tokens plus the sampled one, keyed by decoded text
+        # (tokens that decode alike share a key, so an entry may hold fewer)
+        if len(tops) != usage.get("completion_tokens") or not tops or not all(tops) or max(map(len, tops)) < 2:
             problems.append(f"top_logprobs missing: {str(tops)[:200]}")
     elif name == "min-tokens" and usage.get("completion_tokens", 0) < body["min_tokens"]:
         problems.append(f"fewer than min_tokens: {usage}")
