@@ -110,6 +110,10 @@ def describe(dep: Deployment) -> str:
              f"  link      {topo.link.type}" + (f" {topo.link.rate_text}" if topo.link.rate_text else ""),
              f"  proxy     {dep.proxy_url} (fallback: {topo.proxy.fallback}"
              + (", api key set" if topo.proxy.api_key else "") + ")"]
+    key_env = engine_adapter(topo.engine).key_env(topo)
+    lines.append(f"  engines   answer only the proxy: `up` puts a per-run key in {key_env} of each engine "
+                 "and the proxy sends it" if key_env else
+                 "  engines   not guarded by a key (anyone who reaches their ports may use them)")
     if topo.link.type == "emulated":
         from disagg.launch.emulation import emulated_link, prefill_host
         link = emulated_link(topo)

@@ -79,7 +79,7 @@ class TopologyUnderTest:
 
 async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[Step], slo: SLO,
                      progress: bool, probe_count: int, percentiles: Sequence[float],
-                     warmup: int) -> tuple[BenchResult, dict[str, Any]]:
+                     warmup: int, engine_key: str | None) -> tuple[BenchResult, dict[str, Any]]:
     target = Target(t.proxy_url, model=t.model, tokenize_urls=(t.proxy_url, *t.engine_urls))
     result = await run_sweep(target, workload, steps, slo, progress=progress, warmup=warmup,
                              percentiles=percentiles)
@@ -87,7 +87,8 @@ async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[S
     if probe_count > 0:
         longest = max(c.input_len for c in workload.classes)
         for host, engine, url in t.prefill_engines:
-            rate = await probe_prefill_rate(url, t.model, longest, probe_count, seed=workload.seed)
+            rate = await probe_prefill_rate(url, t.model, longest, probe_count, seed=workload.seed,
+                                            headers={"Authorization": f"Bearer {engine_key}"} if engine_key else None)
             source = (f"disagg bench compare: {probe_count} prompts of {longest} tokens, max_tokens 1, "
                       f"concurrency 1, straight to {engine} at {url} ({t.file})")
             path = store_prefill(t.run_dir, t.model, host, rate, source)
@@ -98,8 +99,12 @@ async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[S
 def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], out_dir: Path,
             slo: SLO = NO_SLO, lifecycle: Lifecycle = cli_lifecycle, progress: bool = True,
             probe_count: int = 3, percentiles: Sequence[float] = DEFAULT_PERCENTILES, warmup: int = 1,
-            log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict[str, dict[str, Any]]:
-    """Bench every topology in turn and write one report into ``out_dir``; returns the report document."""
+            log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+            engine_key: str | None = None) -> dict[str, dict[str, Any]]:
+    """Bench every topology in turn and write one report into ``out_dir``; returns the report document.
+
+    ``engine_key``: the key ``lifecycle`` starts the engines with (the prefill probe goes
+    straight to prefill engines, which answer only with it)."""
     tops = [TopologyUnderTest.load(Path(f)) for f in files]
     labels: dict[str, int] = {}
     doc: dict[str, dict[str, Any]] = {}
@@ -111,7 +116,7 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
             lifecycle("up", t.file)
             log(f"disagg bench compare: {label}: bench {t.proxy_url} (model {t.model})")
             result, measured = asyncio.run(_bench_one(t, workload, steps, slo, progress, probe_count,
-                                                             percentiles, warmup))
+                                                      percentiles, warmup, engine_key))
         finally:
             log(f"disagg bench compare: {label}: down {t.file}")
             try:

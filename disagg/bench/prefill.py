@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -72,13 +72,17 @@ def prefill_rate_from_runs(runs: Sequence[Sequence[RequestRecord]]) -> tuple[flo
 
 
 async def probe_prefill_rate(base_url: str, model: str, prompt_tokens: int, count: int = 3,
-                             seed: int = 0, timeout_s: float = 600.0) -> float:
+                             seed: int = 0, timeout_s: float = 600.0,
+                             headers: Mapping[str, str] | None = None) -> float:
     """Prompt tokens/s over ``count`` prompts of ``prompt_tokens`` sent one at a time with
-    ``max_tokens`` 1 to ``base_url`` (the first prompt, a warm-up, is not counted)."""
+    ``max_tokens`` 1 to ``base_url`` (the first prompt, a warm-up, is not counted).
+
+    ``headers`` go with every request (an engine started by ``disagg up`` wants
+    ``Authorization: Bearer <engine key>``)."""
     workload = Workload((PromptClass("probe", prompt_tokens, 1),), num_requests=count + 1, seed=seed,
                         timeout_s=timeout_s)
     base = base_url.rstrip("/")
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=dict(headers or {})) as session:
         prompts = await build_prompts(session, [base], model, workload, ["probe"] * (count + 1), round_index=9999)
         records = []
         for p in prompts:

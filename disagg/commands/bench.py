@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import secrets
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from disagg.bench.report import text_table, write_json, write_report
 from disagg.bench.runner import Step, Target, run_sweep
 from disagg.bench.slo import SLO, parse_slo
 from disagg.bench.workload import ARRIVALS, DEFAULT_OUTPUT_LEN, Workload, parse_classes
+from disagg.commands.proxy import ENGINE_KEY_ENV
 from disagg.errors import DisaggError
 from disagg.measurements import store_prefill
 
@@ -174,7 +176,8 @@ def _measure_prefill(args: argparse.Namespace, base_url: str, model: str, worklo
     probe = args.prefill_probe or 0
     longest = max(c.input_len for c in workload.classes)
     if probe > 0:
-        rate = asyncio.run(probe_prefill_rate(base_url, model, longest, probe, seed=workload.seed))
+        rate = asyncio.run(probe_prefill_rate(base_url, model, longest, probe, seed=workload.seed,
+                                              headers=dict(_headers(args.header))))
         source = f"disagg bench: probe of {probe} prompts of {longest} tokens, max_tokens 1, at {base_url}"
     else:
         found = prefill_rate_from_runs(runs)
@@ -194,8 +197,12 @@ def _cmd_compare(args: argparse.Namespace, workload: Workload, steps: list[Step]
         raise DisaggError("disagg bench compare needs at least one TOPOLOGY.yaml")
     out = args.out or Path("bench-report")
     probe = 3 if args.prefill_probe is None else args.prefill_probe
+    # one engine key for every `disagg up` this command runs (they inherit it), so the prefill
+    # probe may talk to the engines directly
+    key = os.environ.get(ENGINE_KEY_ENV) or secrets.token_urlsafe(32)
+    os.environ[ENGINE_KEY_ENV] = key
     doc = compare([Path(f) for f in args.topologies], workload, steps, out, slo=slo, progress=args.progress,
-                  probe_count=probe, percentiles=percentiles, warmup=args.warmup)
+                  probe_count=probe, percentiles=percentiles, warmup=args.warmup, engine_key=key)
     print(text_table(doc), end="")
     if args.json:
         write_json(doc, args.json)

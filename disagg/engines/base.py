@@ -30,6 +30,12 @@ class EngineAdapter(ABC):
     def env(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, str]:
         """Environment variables to set on top of the inherited environment."""
 
+    def key_env(self, topo: Topology) -> str | None:
+        """The environment variable that carries the run's engine key into this engine, which then
+        answers only requests bearing it; None (the default) when the engine cannot be guarded.
+        The launcher generates the key and sets the variable (never on a command line)."""
+        return None
+
     def files(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, str]:
         """Config files written into the run directory on the instance's host before it
         starts: file name -> contents (default none)."""

@@ -51,8 +51,7 @@ def per_run_env(topo: Topology) -> dict[str, str]:
 def engine_key_env(topo: Topology) -> str | None:
     """The variable that carries the run's engine key into every engine (vLLM: ``VLLM_API_KEY``),
     or None where the engines cannot be guarded (SGLang; a Rust router in front)."""
-    key_env = getattr(engine_adapter(topo.engine), "key_env", None)
-    return key_env(topo) if key_env is not None else None
+    return engine_adapter(topo.engine).key_env(topo)
 
 
 def run_engine_key(topo: Topology, environ: Mapping[str, str] = os.environ) -> str | None:

@@ -39,6 +39,8 @@ class StandIn:
     tpot: float = 0.002
     tokenize: bool = True
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    #: the Authorization header of each generation request (None: absent)
+    authorizations: list[str | None] = field(default_factory=list)
 
 
 def _count(text: str) -> int:
@@ -68,6 +70,7 @@ def _app(state: StandIn) -> web.Application:
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         state.bodies.append(body)
+        state.authorizations.append(request.headers.get("Authorization"))
         chat = "messages" in body
         text = body["messages"][0]["content"] if chat else body["prompt"]
         if "FAIL" in text:

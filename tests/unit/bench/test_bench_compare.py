@@ -67,7 +67,8 @@ async def test_compare_runs_each_topology_between_up_and_down(tmp_path: Path, st
         calls.append((action, file.stem, served))
 
     doc = await _compare_in_thread(files, _workload(), [Step(rate=100.0), Step(rate=200.0)], tmp_path / "out",
-                                     lifecycle=lifecycle, progress=False, probe_count=2, log=lambda s: None)
+                                     lifecycle=lifecycle, progress=False, probe_count=2, log=lambda s: None,
+                                     engine_key="ek")
     # up a, (bench a), down a, up b, (bench b), down b -- requests only between each up and down
     assert [(a, f) for a, f, _ in calls] == [("up", "a"), ("down", "a"), ("up", "b"), ("down", "b")]
     assert calls[0][2] == 0 and calls[1][2] == 13 and calls[2][2] == 13 and calls[3][2] == 26
@@ -76,6 +77,8 @@ async def test_compare_runs_each_topology_between_up_and_down(tmp_path: Path, st
     assert prompts_a == [b["prompt"] for b in proxy_b.bodies]
     # the prefill probe went straight to the engines, and was stored
     assert len(engine_a.bodies) == 3 and all(b["max_tokens"] == 1 for b in engine_a.bodies)
+    assert engine_a.authorizations == ["Bearer ek"] * 3, "engines answer only with the run's engine key"
+    assert set(proxy_a.authorizations) == {None}, "the proxy is not sent the engine key"
     stored = json.loads((tmp_path / "run" / "measurements" / "prefill.json").read_text())
     assert set(stored["tiny"]) == {"box"} and stored["tiny"]["box"]["prompt_tokens_per_s"] > 0
     assert "straight to both[0]" in stored["tiny"]["box"]["source"]
