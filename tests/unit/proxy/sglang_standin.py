@@ -135,14 +135,14 @@ class SglangStandIn:
                 await asyncio.sleep(0.01)
         meta = {"input_token_logprobs": [[None, 13]]}
         if not body.get("stream"):
+            text = " ".join(f"tok{i}" for i in range(self.tokens))
             return web.json_response({"id": "d", "object": "text_completion", "served_by": "decode",
-                                      "choices": [{"text": " ".join(f"tok{i}" for i in range(self.tokens))}],
-                                      "meta_info": meta})
+                                      "choices": [{"index": 0, "text": text}], "meta_info": meta})
         if out is None:
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await out.prepare(request)
         for i in range(self.tokens):
-            event = {"id": "d", "choices": [{"text": f"tok{i}"}], "meta_info": meta}
+            event = {"id": "d", "choices": [{"index": 0, "text": f"tok{i}"}], "meta_info": meta}
             await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()

@@ -194,3 +194,24 @@ def test_handoff_options_cli_round_trip() -> None:
             parse_handoff_options(bad)
     with pytest.raises(ProxyError, match="distinct"):
         ProxyConfig(decode=("http://d:1",), handoff_options=(("a", "1"), ("a", "2")))
+
+
+async def test_batch_gets_one_room_per_prompt_and_n_stays_on_the_handoff(sglang, proxy, http) -> None:
+    """A list prompt becomes one bootstrap room per prompt (each prompt's own KV); SGLang decode
+    servers cannot serve alone, so n > 1 still goes through the handoff, whole."""
+    p, d, server = await _pair(sglang, proxy)
+    async with asyncio.timeout(LIMIT_S):
+        async with http.post(server.url + "/v1/completions",
+                             json={"model": "m", "prompt": ["a", "b"], "max_tokens": 2}) as resp:
+            assert resp.status == 200
+            reply = await resp.json()
+        assert [c["index"] for c in reply["choices"]] == [0, 1]
+        assert sorted(b["prompt"] for b in p.received) == ["a", "b"]
+        assert sorted(b["prompt"] for b in d.received) == ["a", "b"]
+        assert len({b["bootstrap_room"] for b in d.received}) == 2
+        async with http.post(server.url + "/v1/completions",
+                             json={"model": "m", "prompt": "c", "max_tokens": 2, "n": 2}) as resp:
+            assert resp.status == 200
+            await resp.read()
+    assert p.received[-1]["prompt"] == "c" and d.received[-1]["n"] == 2
+    assert p.aborted == d.aborted == 0
