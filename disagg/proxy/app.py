@@ -247,34 +247,28 @@ async def _forward(request: web.Request) -> web.StreamResponse:
         return await relay_whole(upstream, backend, resp, rid)
 
 
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    """``raw`` as a JSON object, or None when it is not one (unreadable, nested too deeply,
+    another JSON type). vLLM parses bodies with the same ``json`` module, so what fails
+    here fails there too, and carries no KV instructions to an engine."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def _without_kv_params(raw: bytes, rid: str) -> bytes:
     """A pass-through body without client ``kv_transfer_params``, when it is a JSON object
     (other bodies go as they are: an engine reads no KV instructions from them)."""
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise BadRequest("request body is not valid JSON: nested too deeply") from None
-    except (ValueError, UnicodeDecodeError):
-        return raw
-    if not isinstance(body, dict):
+    body = _json_object(raw)
+    if body is None:
         return raw
     body, stripped = strip_kv_params(body)
     if not stripped:
         return raw
     log.info("request %s: removed client-supplied kv_transfer_params", rid)
     return json.dumps(body).encode()
-
-
-def _parse_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise BadRequest("request body is not valid JSON: nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
 
 
 def _samples(body: Mapping[str, Any]) -> int:
@@ -322,12 +316,23 @@ def _request_path(plan: RequestPlan) -> str:
     return served.pop() if len(served) == 1 else "disaggregated"
 
 
-def _client_request(request: web.Request, raw: bytes) -> GenerationRequest:
-    """The client's generation request as engines may see it: without client ``kv_transfer_params``."""
+def _client_request(request: web.Request, raw: bytes, decode_answers_errors: bool) -> GenerationRequest:
+    """The client's generation request as engines may see it: without client ``kv_transfer_params``.
+
+    A body that is not a JSON object goes to the decode engine as it is (``parsed`` false), so the
+    client gets a single server's own error for it; where decode engines cannot serve alone
+    (``decode_answers_errors`` false) the proxy answers 400 itself.
+    """
     rid: str = request[REQUEST_ID_KEY]
     headers = upstream_headers(request.headers, rid)
     headers["Content-Type"] = "application/json"  # the body is JSON, whatever the client labelled it
-    body, stripped = strip_kv_params(_parse_body(raw))
+    parsed = _json_object(raw)
+    if parsed is None:
+        if not decode_answers_errors:
+            raise BadRequest("request body is not a JSON object")
+        return GenerationRequest(endpoint=request.path, body={}, raw=raw, headers=headers, request_id=rid,
+                                 parsed=False)
+    body, stripped = strip_kv_params(parsed)
     if stripped:
         log.info("request %s: removed client-supplied kv_transfer_params", rid)
         raw = json.dumps(body).encode()
@@ -340,9 +345,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     metrics, upstream = state.metrics, state.client()
     rid: str = request[REQUEST_ID_KEY]
-    req = _client_request(request, await request.read())
-    plan = plan_request(req, split=state.handoff is not None,
-                        local=state.handoff is None or state.handoff.serves_local)
+    local = state.handoff is None or state.handoff.serves_local
+    req = _client_request(request, await request.read(), local)
+    plan = plan_request(req, split=state.handoff is not None, local=local)
     label = "chat" if req.endpoint == CHAT else "completions"
     path = "error"
     try:

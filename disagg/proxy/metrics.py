@@ -9,7 +9,7 @@ Names (all prefixed ``disagg_proxy_``):
   ``local`` (decode alone by choice: see :mod:`disagg.proxy.routes`); a batch
   counts once (``fallback`` or ``local`` if any of its prompts was).
 - ``local_routes_total{reason}``: prompts the decode engine computed itself by
-  choice (n, prompt_logprobs, max_tokens_0, prompt_embeds, prompt_shape).
+  choice (n, prompt_logprobs, max_tokens_0, prompt_embeds, prompt_shape, unparsable).
 - ``fallbacks_total{reason}``: why prefill was skipped (connect, timeout,
   status, disconnected, bad_reply, no_kv_params, no_healthy_prefill).
 - ``upstream_errors_total{role, kind}``.

@@ -29,6 +29,8 @@ What goes ``local`` (with the reason, a metric label):
 - ``prompt_shape``: a ``prompt`` the proxy does not recognise (not a string,
   token ids, or a list of either); the decode engine answers with its own error
   or result, exactly as a single server.
+- ``unparsable``: a body that is not a JSON object (malformed, empty, nested too
+  deeply for the ``json`` module): sent as it is, for the engine's own 400.
 - ``colocated``: the proxy has no prefill pool.
 
 Client-supplied ``kv_transfer_params`` (top level, or inside ``vllm_xargs``) are
@@ -73,10 +75,12 @@ class GenerationRequest:
     """
 
     endpoint: str                       # COMPLETIONS or CHAT
-    body: Mapping[str, Any]             # the parsed JSON object
+    body: Mapping[str, Any]             # the parsed JSON object (empty when ``parsed`` is false)
     raw: bytes                          # ``body`` as bytes (the client's own bytes when unchanged)
     headers: Mapping[str, str]          # end-to-end headers for engines (X-Request-Id set)
     request_id: str
+    #: False when ``raw`` is not a JSON object: it then goes to an engine as it is
+    parsed: bool = True
 
     @property
     def stream(self) -> bool:
@@ -197,6 +201,8 @@ def plan_request(req: GenerationRequest, *, split: bool, local: bool = True) -> 
     """
     if not split:
         return RequestPlan(req, [PromptRoute(0, req, RoutePath.LOCAL, "colocated")])
+    if not req.parsed:
+        return RequestPlan(req, [PromptRoute(0, req, RoutePath.LOCAL, "unparsable")])
     reason = local_reason(req.endpoint, req.body)
     prompts: Sequence[Any] | None = None
     if reason is None and req.endpoint == COMPLETIONS:

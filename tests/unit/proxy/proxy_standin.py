@@ -82,7 +82,10 @@ class StandInEngine:
 
     async def _record(self, request: web.Request) -> Any:
         raw = await request.read()
-        body = json.loads(raw) if raw else None
+        try:
+            body = json.loads(raw) if raw else None
+        except (ValueError, RecursionError):
+            body = None
         self.received.append(Received(request.method, request.path_qs, CIMultiDict(request.headers), body))
         return body
 
@@ -104,6 +107,9 @@ class StandInEngine:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await self._record(request)
+        if not isinstance(body, dict):  # as vLLM's request validation answers
+            return web.json_response({"error": {"message": "There was an error parsing the body",
+                                                "type": "Bad Request", "param": None, "code": 400}}, status=400)
         self.running += 1
         try:
             return await self._answer(request, body)

@@ -127,11 +127,12 @@ async def test_api_key(standin, proxy, http) -> None:
 async def test_proxy_errors_use_openai_body(standin, proxy, http) -> None:
     d = await standin("D")
     server = await proxy(decode=[d.url])
+    # a body that is no JSON object: the engine's own error, as from a single server
     async with http.post(server.url + "/v1/completions", data=b"{not json",
                          headers={"X-Request-Id": "bad-1"}) as resp:
         assert resp.status == 400
         assert resp.headers["X-Request-Id"] == "bad-1"
-        assert openai_error(await resp.json(), 400)["type"] == "BadRequestError"
+        assert openai_error(await resp.json(), 400)["type"] == "Bad Request"
     async with http.post(server.url + "/v1/completions", json=[1, 2]) as resp:
         assert resp.status == 400
     async with http.get(server.url + "/nope") as resp:

@@ -140,15 +140,19 @@ async def test_client_kv_transfer_params_never_reach_an_engine(standin, proxy, h
             assert "kv_transfer_params" not in (got.body.get("vllm_xargs") or {}), got
 
 
-async def test_deeply_nested_json_is_a_bad_request(standin, proxy, http) -> None:
+async def test_a_body_that_is_no_json_object_goes_to_decode_as_it_is(standin, proxy, http) -> None:
+    """The single server's own error is the answer (vLLM parses with the same json module)."""
+    p = await standin("P")
     d = await standin("D")
-    server = await proxy(decode=[d.url])
-    raw = b'{"model": "tiny", "prompt": "x", "extra": ' + b"[" * 100000 + b"]" * 100000 + b"}"
-    async with http.post(server.url + "/v1/completions", data=raw,
-                         headers={"Content-Type": "application/json"}) as resp:
-        assert resp.status == 400
-        assert (await resp.json())["error"]["type"] == "BadRequestError"
-    assert d.generations() == []
+    server = await proxy(prefill=[p.url], decode=[d.url])
+    nested = b'{"model": "tiny", "prompt": "x", "extra": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    for raw in (nested, b"", b'{"model": ', b"[1, 2]"):
+        async with http.post(server.url + "/v1/completions", data=raw,
+                             headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["type"] == "Bad Request", "the engine's own answer"
+    assert p.received == []
+    assert len(d.received) == 4
 
 
 async def test_options_is_answered_by_the_proxy(standin, proxy, http) -> None:
