@@ -42,6 +42,7 @@ from disagg.proxy.handoff import DecodeReply, EngineErrorReply, GenerationReques
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.routes import PromptRoute
 from disagg.proxy.upstream import Upstream, finish
+from disagg.sse import DONE_EVENT, SSEError, SSEEvent, SSEParser, encode_event, encode_json_event
 
 log = logging.getLogger("disagg.proxy")
 
@@ -106,10 +107,12 @@ def merge_input_logprobs(prefill: Mapping[str, Any], decode: dict[str, Any]) -> 
 def first_event(body: bytes) -> dict[str, Any]:
     """Prefill's reply as one JSON object: the first ``data:`` event of an SSE
     body, or the whole body when it is plain JSON (empty if neither)."""
-    for line in body.splitlines():
-        if line.startswith(b"data:") and b"[DONE]" not in line:
-            value = json.loads(line[5:])
-            return value if isinstance(value, dict) else {}
+    with suppress(SSEError):
+        for event in SSEParser().feed(body + b"\n\n"):
+            if not event.done:
+                with suppress(ValueError):
+                    value = event.json()
+                    return value if isinstance(value, dict) else {}
     with suppress(ValueError, UnicodeDecodeError):
         value = json.loads(body)
         return value if isinstance(value, dict) else {}
@@ -123,6 +126,7 @@ class _MergedContent:
         self._source = source
         self._prefill = prefill
         self._whole = whole        # a non-streamed decode body, already merged
+        self._parser = SSEParser()
         self._eof = False
 
     def at_eof(self) -> bool:
@@ -133,14 +137,23 @@ class _MergedContent:
             chunk, self._whole = self._whole, b""
             self._eof = not chunk
             return chunk
-        line = await self._source.readline()
-        if not line:
-            self._eof = True
-            return b""
-        if line.startswith(b"data:") and b"[DONE]" not in line:
-            event = merge_input_logprobs(self._prefill, json.loads(line[5:]))
-            return b"data: " + json.dumps(event).encode() + b"\n"
-        return line
+        while True:
+            chunk = await self._source.readany()
+            if not chunk:
+                self._eof = True
+                return b""
+            out = b"".join(self._rewrite(event) for event in self._parser.feed(chunk))
+            if out:
+                return out
+
+    def _rewrite(self, event: SSEEvent) -> bytes:
+        if event.done:
+            return DONE_EVENT
+        try:
+            value = event.json()
+        except ValueError:
+            return encode_event(event.data)
+        return encode_json_event(merge_input_logprobs(self._prefill, value) if isinstance(value, dict) else value)
 
 
 class MergedResponse:
