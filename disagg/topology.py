@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from disagg.errors import TopologyError
-from disagg.yamlsrc import Fields, Node, load_yaml, node_int, parse_yaml
+from disagg.yamlsrc import Fields, Node, _describe, load_yaml, node_int, parse_yaml
 
 ENGINES = ("vllm", "sglang")
 CONNECTORS = ("nixl", "lmcache", "socket", "mooncake")
@@ -175,7 +175,7 @@ def parse_topology(text: str, file: str = "<string>", *, run_dir: str | None = N
 def build_topology(root: Node, path: Path, *, run_dir: str | None = None) -> Topology:
     """Build a :class:`Topology` from a parsed YAML tree."""
     top = Fields(root, "a mapping of topology fields (model, engine, hosts, roles, ...)")
-    name = top.str("name", path.stem) or path.stem
+    name = _name(top.take("name"), path, root)
     file_run_dir = top.str("run_dir", ".disagg") or ".disagg"
     resolved_run_dir = run_dir or file_run_dir
     model = _model(top.required("model"), path, resolved_run_dir)
@@ -194,6 +194,69 @@ def build_topology(root: Node, path: Path, *, run_dir: str | None = None) -> Top
     _check_ports(topo, root)
     _check_link(topo, root)
     return topo
+
+
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _name(node: Node | None, path: Path, root: Node) -> str:
+    """The topology's name: a directory name under ``<run_dir>/runs/``, so it must stay in one."""
+    if node is None:
+        name, where, origin = path.stem, root, f" (the file name {path.name!r} without .yaml; set name:)"
+    else:
+        if isinstance(node.value, (dict, list, bool)):
+            raise node.error(f"expected a string, got {_describe(node.value)}")
+        name, where, origin = str(node.value), node, ""
+    problem = None
+    if not name.strip():
+        problem = "is empty"
+    elif "/" in name or "\\" in name:
+        problem = "contains a path separator (/ or \\)"
+    elif ".." in name or name == ".":
+        problem = "is '.'" if name == "." else "contains '..'"
+    elif not name.isprintable():
+        problem = "contains a control or other non-printable character"
+    if problem is not None:
+        raise TopologyError(where.file, where.line, "name",
+                            f"{name!r} {problem}{origin}; the name is the run directory "
+                            "<run_dir>/runs/<name>/, so it must be one plain directory name")
+    return name
+
+
+def _ssh_destination(node: Node | None) -> str | None:
+    """``ssh: [user@]host``: no leading ``-`` (ssh would read it as an option), no whitespace or control characters."""
+    if node is None:
+        return None
+    if isinstance(node.value, (dict, list, bool)):
+        raise node.error(f"expected [user@]host, got {_describe(node.value)}")
+    dest = str(node.value)
+    if not dest:
+        raise node.error("is empty; expected [user@]host")
+    if dest.startswith("-"):
+        raise node.error(f"{dest!r} starts with '-', which ssh would read as an option; expected [user@]host")
+    if any(ch.isspace() or not ch.isprintable() for ch in dest):
+        raise node.error(f"{dest!r} contains whitespace or a control character; expected [user@]host")
+    return dest
+
+
+def _env(node: Node | None) -> dict[str, str]:
+    """``env: {NAME: value}``: names are identifiers, values one line each."""
+    if node is None:
+        return {}
+    if not node.is_mapping:
+        raise node.error(f"expected a mapping of variable names to strings, got {_describe(node.value)}")
+    out = {}
+    for name, item in node.children.items():
+        if not _ENV_NAME_RE.fullmatch(name):
+            raise item.error(f"{name!r} is not a variable name (letters, digits and _, not starting with a digit)")
+        if isinstance(item.value, (dict, list)) or item.value is None:
+            raise item.error(f"expected a string, got {_describe(item.value)}")
+        value = item.value
+        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        if any(ch in text for ch in "\n\r\0"):
+            raise item.error("the value spans lines or holds a NUL character; environment values are one line")
+        out[name] = text
+    return out
 
 
 def _model(node: Node, path: Path, run_dir: str) -> ModelSpec:
@@ -255,7 +318,7 @@ def _hosts(node: Node) -> dict[str, HostSpec]:
         f.take(name)
         h = Fields(child, "a mapping with address (and ssh for remote hosts)")
         address = h.str("address", required=True) or ""
-        ssh = h.str("ssh")
+        ssh = _ssh_destination(h.take("ssh"))
         ssh_port = h.int("ssh_port", minimum=1, maximum=65535)
         ssh_key = h.str("ssh_key")
         ssh_options = h.str_list("ssh_options")
@@ -358,7 +421,7 @@ def _instance(node: Node, role: str, index: int, hosts: dict[str, HostSpec]) -> 
     port = f.int("port", required=True, minimum=1, maximum=65535)
     kv_port = f.int("kv_port", minimum=1, maximum=65535)
     args = f.str_list("args")
-    env = f.str_map("env")
+    env = _env(f.take("env"))
     cpus_node = f.take("cpus")
     gpus_node = f.take("gpus")
     f.done()

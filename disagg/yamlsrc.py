@@ -4,6 +4,15 @@
 every mapping key and sequence item, the 1-based line it was written on. The
 topology builder pops keys from these nodes so that every value is consumed
 exactly once and leftovers are reported as unknown keys.
+
+A topology file may come from someone else, so loading is bounded: a file over
+:data:`MAX_FILE_BYTES`, nesting deeper than :data:`MAX_DEPTH`, more than
+:data:`MAX_ALIAS_USES` alias expansions or :data:`MAX_NODES` values after
+expansion (the "billion laughs" file), and an alias inside the value it names
+(``&a [*a]``) are refused with ``file:line: message`` before anything is built
+that grows with the expansion. Aliases are kept apart from the values they
+name while composing (:class:`_Alias`), so every refusal names the line of the
+alias that crossed the limit.
 """
 
 from __future__ import annotations
@@ -14,8 +23,87 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from yaml.composer import Composer
+from yaml.constructor import SafeConstructor
+from yaml.resolver import Resolver
 
 from disagg.errors import TopologyError
+
+try:  # libyaml's scanner and parser (about 10x faster); our own composer either way
+    from yaml._yaml import CParser as _Parser
+    _FAST = True
+except ImportError:  # pragma: no cover - PyYAML built without libyaml
+    _FAST = False
+
+#: a topology is a few KB; a bigger file is refused before it is parsed
+MAX_FILE_BYTES = 1 << 20
+#: mappings and lists nested deeper than this are refused (a topology nests 5 levels)
+MAX_DEPTH = 64
+#: alias uses after expansion (``*name`` inside values that are themselves aliased count each time)
+MAX_ALIAS_USES = 1000
+#: values (scalars, mappings, lists) in the expanded tree
+MAX_NODES = 100_000
+
+
+class _LimitError(yaml.MarkedYAMLError):
+    """A loading limit was crossed (carries the mark of where)."""
+
+
+class _Alias(yaml.Node):
+    """An alias use (``*name``) as written: the node it names and where the alias stands."""
+
+    id = "alias"
+
+    def __init__(self, target: yaml.Node, anchor: str, start_mark: yaml.Mark, end_mark: yaml.Mark) -> None:
+        super().__init__(None, target, start_mark, end_mark)
+        self.anchor = anchor
+
+
+class _BoundedComposer(Composer):
+    """PyYAML's composer, with aliases kept as :class:`_Alias` and the depth and node count bounded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._depth = 0
+        self._composed = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        event = self.peek_event()
+        self._composed += 1
+        if self._composed > MAX_NODES:
+            raise _LimitError(None, None, f"more than {MAX_NODES} values in one file", event.start_mark)
+        if isinstance(event, yaml.AliasEvent):
+            target = super().compose_node(parent, index)
+            return _Alias(target, str(event.anchor), event.start_mark, event.end_mark)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _LimitError(None, None, f"nested deeper than {MAX_DEPTH} levels", event.start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+if _FAST:
+    class _Loader(_BoundedComposer, _Parser, SafeConstructor, Resolver):  # type: ignore[misc,valid-type]
+        def __init__(self, stream: str) -> None:
+            _Parser.__init__(self, stream)
+            _BoundedComposer.__init__(self)
+            SafeConstructor.__init__(self)
+            Resolver.__init__(self)
+else:  # pragma: no cover
+    from yaml.parser import Parser
+    from yaml.reader import Reader
+    from yaml.scanner import Scanner
+
+    class _Loader(_BoundedComposer, Reader, Scanner, Parser, SafeConstructor, Resolver):  # type: ignore[no-redef]
+        def __init__(self, stream: str) -> None:
+            Reader.__init__(self, stream)
+            Scanner.__init__(self)
+            Parser.__init__(self)
+            _BoundedComposer.__init__(self)
+            SafeConstructor.__init__(self)
+            Resolver.__init__(self)
 
 
 @dataclass
@@ -48,54 +136,118 @@ def _child_path(parent: str, key: Any) -> str:
     return f"{parent}.{key}" if parent else str(key)
 
 
-def _build(node: yaml.Node, path: str, file: str, loader: yaml.SafeLoader) -> Node:
-    line = node.start_mark.line + 1
-    if isinstance(node, yaml.MappingNode):
+class _Builder:
+    """Turns a composed YAML graph into a :class:`Node` tree, expanding aliases within the limits."""
+
+    def __init__(self, file: str, loader: _Loader) -> None:
+        self.file = file
+        self.loader = loader
+        self.nodes = 0
+        self.alias_uses = 0
+        self._open: set[int] = set()   # ids of the collections being built (the path from the root)
+
+    def fail(self, mark: yaml.Mark, path: str, message: str) -> TopologyError:
+        return TopologyError(self.file, mark.line + 1, path or "<top>", message)
+
+    def resolve(self, node: yaml.Node, path: str) -> yaml.Node:
+        """The node an alias names (counting the use), or ``node`` itself."""
+        while isinstance(node, _Alias):
+            self.alias_uses += 1
+            if self.alias_uses > MAX_ALIAS_USES:
+                raise self.fail(node.start_mark, path,
+                                f"alias *{node.anchor}: aliases expand more than {MAX_ALIAS_USES} times "
+                                "(nested aliases, as in a \"billion laughs\" file); a topology needs a few")
+            if id(node.value) in self._open:
+                raise self.fail(node.start_mark, path,
+                                f"alias *{node.anchor} refers to a value that contains it (a recursive alias)")
+            node = node.value
+        return node
+
+    def build(self, node: yaml.Node, path: str, depth: int = 0) -> Node:
+        mark = node.start_mark
+        node = self.resolve(node, path)
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise self.fail(mark, path, f"aliases expand to more than {MAX_NODES} values; a topology has a few dozen")
+        if depth > MAX_DEPTH:
+            raise self.fail(mark, path, f"aliases nest values deeper than {MAX_DEPTH} levels")
+        line = node.start_mark.line + 1
+        if isinstance(node, yaml.ScalarNode):
+            return Node(self.loader.construct_object(node, deep=True), line, path, self.file)
+        self._open.add(id(node))
+        try:
+            if isinstance(node, yaml.MappingNode):
+                return self._mapping(node, path, depth, line)
+            items = [self.build(item, _child_path(path, i), depth + 1) for i, item in enumerate(node.value)]
+            return Node([i.value for i in items], line, path, self.file, items=items)
+        finally:
+            self._open.discard(id(node))
+
+    def _mapping(self, node: yaml.MappingNode, path: str, depth: int, line: int) -> Node:
         children: dict[Any, Node] = {}
         for key_node, value_node in node.value:
-            key = loader.construct_object(key_node, deep=True)
+            key_line = key_node.start_mark.line + 1
+            resolved = self.resolve(key_node, path)
+            key = (self.loader.construct_object(resolved, deep=True)
+                   if isinstance(resolved, yaml.ScalarNode) else resolved.value)
             if not isinstance(key, str):
-                raise TopologyError(file, key_node.start_mark.line + 1, path or "<top>",
-                                    f"keys must be strings, got {key!r}")
+                shown = "a mapping" if isinstance(resolved, yaml.MappingNode) else (
+                    "a list" if isinstance(resolved, yaml.SequenceNode) else repr(key))
+                raise TopologyError(self.file, key_line, path or "<top>", f"keys must be strings, got {shown}")
             if key in children:
-                raise TopologyError(file, key_node.start_mark.line + 1, _child_path(path, key),
-                                    "appears twice in the same mapping")
-            child = _build(value_node, _child_path(path, key), file, loader)
-            child.line = key_node.start_mark.line + 1
+                raise TopologyError(self.file, key_line, _child_path(path, key), "appears twice in the same mapping")
+            child = self.build(value_node, _child_path(path, key), depth + 1)
+            child.line = key_line
             children[key] = child
-        return Node({k: v.value for k, v in children.items()}, line, path, file, children=children)
-    if isinstance(node, yaml.SequenceNode):
-        items = [_build(item, _child_path(path, i), file, loader) for i, item in enumerate(node.value)]
-        return Node([i.value for i in items], line, path, file, items=items)
-    return Node(loader.construct_object(node, deep=True), line, path, file)
+        return Node({k: v.value for k, v in children.items()}, line, path, self.file, children=children)
 
 
 def load_yaml(path: str | Path) -> Node:
     """Parse a YAML file into a :class:`Node` tree; errors name the file and line."""
     file = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_FILE_BYTES + 1)  # never more: the file may be huge (or /dev/zero)
     except FileNotFoundError as exc:
         raise TopologyError(file, None, "", "file not found") from exc
     except OSError as exc:
         raise TopologyError(file, None, "", f"cannot read file: {exc.strerror or exc}") from exc
+    if len(data) > MAX_FILE_BYTES:
+        raise _too_big(file, data.count(b"\n", 0, MAX_FILE_BYTES) + 1)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TopologyError(file, data.count(b"\n", 0, exc.start) + 1, "",
+                            f"not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
     return parse_yaml(text, file)
 
 
+def _too_big(file: str, line: int) -> TopologyError:
+    return TopologyError(file, line, "", f"the file passes {MAX_FILE_BYTES // (1 << 20)} MiB here, "
+                                         "the limit for a topology file (a topology is a few KB)")
+
+
 def parse_yaml(text: str, file: str = "<string>") -> Node:
-    """Parse YAML text into a :class:`Node` tree."""
-    loader = yaml.SafeLoader(text)
+    """Parse YAML text into a :class:`Node` tree (within the limits in this module's docstring)."""
+    if len(text) > MAX_FILE_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_FILE_BYTES:
+        raise _too_big(file, text.encode("utf-8", "surrogatepass").count(b"\n", 0, MAX_FILE_BYTES) + 1)
+    loader = _Loader(text)
     try:
         root = loader.get_single_node()
         if root is None:
             raise TopologyError(file, 1, "", "the file is empty; expected a mapping of topology fields")
-        return _build(root, "", file, loader)
+        return _Builder(file, loader).build(root, "")
+    except _LimitError as exc:
+        mark = exc.problem_mark
+        raise TopologyError(file, mark.line + 1 if mark is not None else None, "", str(exc.problem)) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else None
         raise TopologyError(file, line, "", f"invalid YAML: {exc.problem or exc}") from exc
     except yaml.YAMLError as exc:
         raise TopologyError(file, None, "", f"invalid YAML: {exc}") from exc
+    except RecursionError:  # not reachable within MAX_DEPTH; a last guard against a traceback
+        raise TopologyError(file, None, "", f"nested too deeply (the limit is {MAX_DEPTH} levels)") from None
     finally:
         loader.dispose()
 

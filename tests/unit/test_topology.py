@@ -208,3 +208,66 @@ def test_emulated_link_is_valid() -> None:
 ])
 def test_emulated_link_errors(change: tuple[str, str], message: str) -> None:
     assert error_of(EMULATED.replace(*change)) == message
+
+
+REMOTE = GOOD.replace("b: {address: 127.0.0.1}", "b: {address: 127.0.0.1, ssh: SSH}")
+
+
+@pytest.mark.parametrize(("ssh", "message"), [
+    ("-oProxyCommand=touch /tmp/x", "'-oProxyCommand=touch /tmp/x' starts with '-', which ssh would read as an "
+                                    "option; expected [user@]host"),
+    ("'me@far -p 2'", "'me@far -p 2' contains whitespace or a control character; expected [user@]host"),
+    ('"me@far\\t"', "'me@far\\t' contains whitespace or a control character; expected [user@]host"),
+    ("''", "is empty; expected [user@]host"),
+    ("[a, b]", "expected [user@]host, got a list"),
+])
+def test_ssh_destination_is_checked(ssh: str, message: str) -> None:
+    assert error_of(REMOTE.replace("SSH", ssh)) == f"topo.yaml:7: hosts.b.ssh: {message}"
+
+
+def test_a_plain_ssh_destination_is_kept() -> None:
+    assert parse(REMOTE.replace("SSH", "me@far.lan")).hosts["b"].ssh == "me@far.lan"
+
+
+@pytest.mark.parametrize(("env", "path", "message"), [
+    ("{1X: a}", "1X", "'1X' is not a variable name (letters, digits and _, not starting with a digit)"),
+    ("{A-B: a}", "A-B", "'A-B' is not a variable name (letters, digits and _, not starting with a digit)"),
+    ("{'A B': a}", "A B", "'A B' is not a variable name (letters, digits and _, not starting with a digit)"),
+    ("{'': a}", "", "'' is not a variable name (letters, digits and _, not starting with a digit)"),
+    ('{A: "x\\ny"}', "A", "the value spans lines or holds a NUL character; environment values are one line"),
+    ('{A: "x\\ry"}', "A", "the value spans lines or holds a NUL character; environment values are one line"),
+    ("{A: [1]}", "A", "expected a string, got a list"),
+])
+def test_env_names_and_values_are_checked(env: str, path: str, message: str) -> None:
+    msg = error_of(GOOD.replace("env: {FOO: bar}", f"env: {env}"))
+    assert msg == f"topo.yaml:12: roles.decode[0].env.{path}: {message}"
+
+
+def test_env_accepts_identifiers_and_scalars() -> None:
+    topo = parse(GOOD.replace("env: {FOO: bar}", "env: {_A1: 1, b: true, C: 'x=y z'}"))
+    assert dict(topo.role("decode")[0].env) == {"_A1": "1", "b": "true", "C": "x=y z"}
+
+
+@pytest.mark.parametrize(("name", "problem"), [
+    ("../escape", "contains a path separator (/ or \\)"),
+    ("a\\\\b", "contains a path separator (/ or \\)"),
+    ("'..'", "contains '..'"),
+    ("'.'", "is '.'"),
+    ("''", "is empty"),
+    ('"a\\tb"', "contains a control or other non-printable character"),
+])
+def test_name_must_stay_in_the_run_directory(name: str, problem: str) -> None:
+    msg = error_of("name: " + name + "\n" + GOOD)
+    assert msg.startswith("topo.yaml:1: name: ") and problem in msg
+    assert msg.endswith("; the name is the run directory <run_dir>/runs/<name>/, so it must be one plain "
+                        "directory name")
+
+
+def test_a_file_name_that_would_leave_the_run_directory_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "..yaml"
+    path.write_text(GOOD)
+    with pytest.raises(TopologyError) as info:
+        load_topology(path)
+    assert str(info.value).startswith(f"{path}:1: name: '.' is '.' (the file name '..yaml' without .yaml; set name:)")
+    path.with_name("ok.yaml").write_text("name: fine-name\n" + GOOD)
+    assert load_topology(path.with_name("ok.yaml")).name == "fine-name"
