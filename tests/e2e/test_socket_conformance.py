@@ -8,6 +8,7 @@ engine on the session's model still runs (never more than two engines at once).
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -17,8 +18,10 @@ import psutil
 import pytest
 
 from tests.e2e.conformance import CASE_NAMES, KV_CASE, Recorded, check_case, check_kv_batch
+from tests.e2e.crafted import EVIL_KV, Crafted, cases, engines_idle_and_alive, send
 from tests.e2e.engines import (
     ENGINE_ARGS,
+    ENGINE_KEY,
     Running,
     bring_up,
     engine_processes,
@@ -68,6 +71,45 @@ def test_batched_request_moves_every_prompts_kv(socket_pd: Running,
 def test_answers_like_one_vllm_server(socket_pd: Running, conformance_reference: dict[str, Recorded],
                                       name: str) -> None:
     check_case(socket_pd.proxy_url, name, conformance_reference[name])
+
+
+CRAFTED = cases()
+
+#: crafted requests that a keyed client gets a 500 for from vLLM's own API server (not the connector),
+#: the engine unharmed; the proxy never sends them (it strips what makes them fail)
+VLLM_API_500 = {
+    "kv-in-vllm-xargs": "vLLM's output processor calls .get() on a non-object vllm_xargs.kv_transfer_params",
+}
+
+
+@pytest.mark.parametrize("case", CRAFTED, ids=[c.name for c in CRAFTED])
+def test_crafted_input_gets_a_clear_answer(socket_pd: Running, case: Crafted) -> None:
+    """To the proxy: its answer; straight to each engine without the key: refused. With the key
+    (a stand-in for a client past the key): never a 5xx, the connector declines bad params."""
+    answer = send(socket_pd.proxy_url, case)
+    assert answer.status in case.proxy_status, (case.name, answer.status, answer.body[:300])
+    for name, url in socket_pd.engines.items():
+        direct = send(url, case)
+        assert direct.status in case.engine_status, (case.name, name, direct.status, direct.body[:300])
+        keyed = send(url, case, key=ENGINE_KEY)
+        assert keyed.status < 500 or case.name in VLLM_API_500, (case.name, name, keyed.status, keyed.body[:300])
+        assert engines_idle_and_alive({name: url}) == [], (case.name, name)
+
+
+def test_crafted_kv_params_with_the_key_are_declined_by_decode(socket_pd: Running) -> None:
+    """The engine key let it through; the connector's validation declines it and decode computes."""
+    decode = socket_pd.engines["decode[0]"]
+    for params in (EVIL_KV, {**EVIL_KV, "remote_port": "not-a-port"}, {**EVIL_KV, "remote_block_ids": [-1]}):
+        case = Crafted("keyed", "/v1/completions",
+                       json.dumps({"model": "tiny", "prompt": "The river runs past the mill and", "max_tokens": 4,
+                                   "temperature": 0, "kv_transfer_params": params}).encode(), frozenset({200}))
+        answer = send(decode, case, key=ENGINE_KEY)
+        assert answer.status == 200, (params, answer.status, answer.body[:300])
+        assert json.loads(answer.body)["choices"][0]["finish_reason"] == "length"
+
+
+def test_engines_alive_and_idle_after_crafted_inputs(socket_pd: Running) -> None:
+    assert engines_idle_and_alive(socket_pd.engines) == []
 
 
 def test_down_leaves_nothing(socket_pd: Running, tiny_model: Path) -> None:
