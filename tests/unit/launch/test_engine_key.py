@@ -5,7 +5,6 @@ not in any argv, not in the state file, not in what `up` prints."""
 from __future__ import annotations
 
 import os
-import socket
 import textwrap
 from pathlib import Path
 
@@ -19,20 +18,11 @@ from disagg.launch import launcher as launcher_mod
 from disagg.launch import processes
 from disagg.launch.launcher import SECRET_ENVS, Launcher, run_engine_key
 from disagg.topology import load_topology
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+from tests.e2e.engines import free_ports
 
 
 def _topology(tmp_path: Path, *, engine: str = "vllm", kind: str = "builtin", remote: bool = False) -> Path:
-    p, d, proxy, kv_p, kv_d = _free_ports(5)
+    p, d, proxy, kv_p, kv_d = free_ports(5)
     hosts = ("{near: {address: 198.18.9.1}, far: {address: 198.18.9.2, ssh: me@far, workdir: /tmp/w}}" if remote
              else "{near: {address: 127.0.0.1}, far: {address: 127.0.0.1}}")
     path = tmp_path / "k.yaml"
