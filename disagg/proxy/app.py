@@ -1,12 +1,17 @@
-"""The proxy's aiohttp application: routes, API key, request ids, error bodies.
+"""The proxy's aiohttp application: routes, API key, request ids, error bodies,
+the concurrency cap.
 
 Routes (vLLM's shapes and status codes):
 
-- ``POST /v1/completions``, ``POST /v1/chat/completions``: prefill -> decode
-  through the engine's :class:`~disagg.proxy.handoff.Handoff`, or whole to one
-  server in colocated mode (no ``--prefill``).
+- ``POST /v1/completions``, ``POST /v1/chat/completions``: planned as one
+  route per prompt (:mod:`disagg.proxy.routes`); a ``split`` route goes
+  prefill -> decode through the engine's :class:`~disagg.proxy.handoff.Handoff`,
+  a ``local`` one (and every request in colocated mode, no ``--prefill``) whole
+  to a decode server; a batch's routes are joined by :mod:`disagg.proxy.batch`.
 - ``GET /v1/models``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``
-  and any other ``/v1/...``: forwarded unchanged to a decode instance.
+  and any other ``/v1/...``: forwarded to a decode instance, less any client
+  ``kv_transfer_params``.
+- ``OPTIONS``: answered here (CORS preflight), never forwarded.
 - ``GET /health``: 200 while at least one prefill and one decode instance are
   healthy (colocated: one server); ``GET /metrics``: the proxy's own metrics.
 """
@@ -179,7 +184,7 @@ def _preflight(request: web.Request, headers: dict[str, str]) -> web.Response:
 @web.middleware
 async def _front_door(request: web.Request,
                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Request id, API key, and every error as an OpenAI error body."""
+    """Request id, OPTIONS, API key, the concurrency cap, and every error as an OpenAI error body."""
     request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
     request[REQUEST_ID_KEY] = request_id
     headers = {REQUEST_ID: request_id}
