@@ -1,11 +1,23 @@
 """Bring a deployment up, watch it, and take it down again.
 
-``Launcher.up()`` starts every engine (locally or over SSH), waits for each
-``/health``, then starts the proxy in front of them and records everything in
-the run-state file. If anything fails on the way, everything already started
-is stopped again before the error propagates, so a failed ``up`` leaves no
-process behind. ``stop_run()`` stops what a state file lists, proxy first,
-then decode, then prefill: SIGTERM, grace period, SIGKILL.
+``Launcher.up()`` takes the run's lock (``up.lock``), starts every engine
+(locally or over SSH), waits for each ``/health``, then starts the proxy in
+front of them and records everything in the run-state file. If anything fails
+on the way, everything already started is stopped again before the error
+propagates, so a failed ``up`` leaves no process behind.
+
+Ctrl-C during start-up: :meth:`Launcher.interrupt` (called from the signal
+handler) raises KeyboardInterrupt at once inside every wait (port checks,
+building the model, waiting for ``/health``), and is held back only while a
+process is being started and recorded, so nothing runs unrecorded; the
+start-up code also checks for it between starts. Signals that arrive while
+stopping make the stop immediate (SIGKILL) instead.
+
+``stop_run()`` stops what a state file lists: the proxy first, then every
+engine at once (SIGTERM to each process group and session, the grace period,
+SIGKILL), whatever state each leader is in. What cannot be stopped (its host
+does not answer over SSH) is named in the error, and the state file is kept
+listing only those.
 """
 
 from __future__ import annotations
@@ -15,7 +27,9 @@ import os
 import secrets
 import shlex
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +43,16 @@ from disagg.launch.emulation import emulated_link
 from disagg.launch.emulation import prefill_host as emulated_prefill_host
 from disagg.launch.frontend import frontend_argv
 from disagg.launch.health import busy_ports, http_status, local_port_free
-from disagg.launch.state import ProcessRecord, RunState, find_states, load_state, remove_state, run_path, save_state
+from disagg.launch.state import (
+    ProcessRecord,
+    RunLock,
+    RunState,
+    find_states,
+    load_state,
+    remove_state,
+    run_path,
+    save_state,
+)
 from disagg.linkemu import EmulatedLink, remove_namespace
 from disagg.modelgen import ensure_model
 from disagg.proxy.config import check_key
@@ -37,6 +60,9 @@ from disagg.registry import engine_adapter
 from disagg.topology import Topology, iter_ports
 
 STOP_ORDER = {"proxy": 0, "decode": 1, "both": 2, "prefill": 3}
+#: SIGTERM -> SIGKILL when start-up is abandoned (Ctrl-C, an engine failed): nothing is served yet,
+#: so there is nothing to drain, and Ctrl-C must stop everything within a few seconds
+ABORT_GRACE_S = 2.0
 #: variables passed to remote engines over ssh's stdin, never on a command line
 SECRET_ENVS = frozenset({SECRET_ENV, VLLM_KEY_ENV})
 
@@ -72,6 +98,7 @@ class LauncherState(enum.Enum):
     NEW = "new"
     STARTING = "starting"
     RUNNING = "running"
+    STOPPING = "stopping"
     STOPPED = "stopped"
 
 
@@ -103,6 +130,11 @@ class Launcher:
         self.engine_key = run_engine_key(self.topo)
         self.key_env = engine_key_env(self.topo)
         self._key_origin = f"from ${ENGINE_KEY_ENV}" if os.environ.get(ENGINE_KEY_ENV) else "generated for this run"
+        self.lock = RunLock(self.run.run_dir, self.topo.name)
+        self._signals = 0            # SIGINT/SIGTERM received (see interrupt())
+        self._signals_at_stop = 0    # ... when the stop began: any later one hurries it
+        self._interruptible = False  # inside a wait of start-up that KeyboardInterrupt may cut short
+        self._raised = False         # the one KeyboardInterrupt of start-up was raised
 
     # -- public -----------------------------------------------------------------
     def up(self) -> RunState:
@@ -113,26 +145,64 @@ class Launcher:
         if self.state is not LauncherState.NEW:
             raise LaunchError(f"this launcher is {self.state.value}; create a new one to start again")
         self.state = LauncherState.STARTING
-        self._refuse_if_running()
-        self._check_ports()
+        self._take_lock()
         try:
-            self._open_link()
-            if self.topo.model.embedded:
-                ensure_model(self.topo.model.embedded, self.topo.model.path)
+            with self._wait_point():
+                self._refuse_if_running()
+                self._check_ports()
+        except BaseException:
+            self.state = LauncherState.STOPPED
+            self.release()
+            raise
+        try:
+            with self._wait_point():
+                self._open_link()  # the namespace is recorded before it is created
+                if self.topo.model.embedded:
+                    ensure_model(self.topo.model.embedded, self.topo.model.path)
             extra_env = {**per_run_env(self.topo), **self._engine_key_env()}
             self._say_engine_key()
             t0 = time.monotonic()
-            pending = [self._start_engine(eng, extra_env) for eng in self.dep.engines]
-            self._wait_healthy(pending, t0)
+            pending = []
+            for eng in self.dep.engines:
+                self._check_interrupt()
+                pending.append(self._start_engine(eng, extra_env))
+            with self._wait_point():
+                self._wait_healthy(pending, t0)
             self._start_proxy()
             self.echo(f"ready: {self.dep.proxy_url} (OpenAI-compatible; {len(self.dep.engines)} engines, "
                       f"up in {time.monotonic() - t0:.0f} s; logs in {self.log_dir})")
-        except BaseException:
-            self.echo("startup failed: stopping everything that was started")
-            self.stop()
+        except BaseException as exc:
+            self.state = LauncherState.STOPPING
+            self.echo("interrupted: stopping everything that was started" if isinstance(exc, KeyboardInterrupt)
+                      else "startup failed: stopping everything that was started")
+            self.stop(grace=min(self.topo.timeouts.shutdown_grace, ABORT_GRACE_S))
             raise
         self.state = LauncherState.RUNNING
         return self.run
+
+    def interrupt(self) -> None:
+        """Ctrl-C or SIGTERM; call it from the signal handler.
+
+        During start-up it raises KeyboardInterrupt at once when inside a wait, or
+        at the next point where nothing is being started; once stopping, it only
+        makes the stop immediate (see :meth:`hurry`). Never raises twice.
+        """
+        self._signals += 1
+        if self._interruptible:
+            self._check_interrupt()
+
+    @property
+    def interrupted(self) -> bool:
+        """True once a signal has arrived."""
+        return self._signals > 0
+
+    def hurry(self) -> bool:
+        """True once a signal arrived after the stop began: SIGKILL what is left now."""
+        return self._signals > self._signals_at_stop
+
+    def release(self) -> None:
+        """Give back the run's lock (a detached ``up`` before it returns; ``stop()`` does it too)."""
+        self.lock.release()
 
     def supervise(self, should_stop: Callable[[], bool]) -> int:
         """Foreground mode: watch every process until ``should_stop()`` or the service is lost.
@@ -157,14 +227,47 @@ class Launcher:
         return 0
 
     def stop(self, *, grace: float | None = None) -> None:
-        """Stop every process this launcher started (idempotent)."""
+        """Stop every process this launcher started (idempotent); a signal meanwhile hurries it."""
         if self.state is LauncherState.STOPPED:
             return
-        stop_run(self.run, grace=self.topo.timeouts.shutdown_grace if grace is None else grace, echo=self.echo)
-        self.state = LauncherState.STOPPED
+        self.state = LauncherState.STOPPING
+        self._signals_at_stop = min(self._signals, 1)  # the Ctrl-C that asked for this stop does not hurry it
+        try:
+            stop_run(self.run, grace=self.topo.timeouts.shutdown_grace if grace is None else grace,
+                     echo=self.echo, hurry=self.hurry)
+        finally:
+            self.state = LauncherState.STOPPED
+            self.release()
+
+    # -- interrupts and the lock -------------------------------------------------
+    def _check_interrupt(self) -> None:
+        """Raise the start-up's KeyboardInterrupt if a signal has arrived (once)."""
+        if self._signals and not self._raised and self.state is LauncherState.STARTING:
+            self._raised = True
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def _wait_point(self) -> Iterator[None]:
+        """A stretch of start-up that starts no process: a signal cuts it short at once."""
+        self._interruptible = True
+        try:
+            self._check_interrupt()
+            yield
+        finally:
+            self._interruptible = False
+
+    def _take_lock(self) -> None:
+        holder = self.lock.acquire()
+        if holder is not None:
+            self.state = LauncherState.STOPPED
+            who = f"pid {holder}" if holder else "another process"
+            raise LaunchError(f"topology {self.topo.name!r} is being started or run by another `disagg up` "
+                              f"({who}, holding {self.lock.path}); stop it with Ctrl-C or `disagg down "
+                              f"{self.topo.file}`, or wait for it")
 
     # -- steps ------------------------------------------------------------------
     def _refuse_if_running(self) -> None:
+        """Refuse while an earlier run of this topology has processes; remove a stale state (and its link)."""
         path = run_path(self.run.run_dir, self.topo.name) / "state.json"
         if not path.exists():
             return
@@ -173,10 +276,24 @@ class Launcher:
         except StateError:
             path.unlink(missing_ok=True)
             return
-        if any(processes.is_alive(r) for r in old.processes):
-            raise LaunchError(f"topology {self.topo.name!r} is already up (state {path}); "
+        found = {r.name: processes.liveness(r) for r in old.processes}
+        live = [f"{name} ({state.value})" for name, state in found.items()
+                if state in (processes.Liveness.RUNNING, processes.Liveness.LEFTOVERS)]
+        if live:
+            raise LaunchError(f"topology {self.topo.name!r} is already up ({', '.join(live)}; state {path}); "
                               f"run `disagg down {self.topo.file}` first")
+        unknown = [r for r in old.processes if found[r.name] is processes.Liveness.UNREACHABLE]
+        if unknown:
+            raise LaunchError(f"cannot tell whether topology {self.topo.name!r} is still up: "
+                              + ", ".join(f"{r.name} on {r.host} ({r.ssh[-1] if r.ssh else r.address})"
+                                          for r in unknown)
+                              + f" did not answer over ssh; run `disagg down {self.topo.file}` once they do "
+                              f"(state {path})")
+        for namespace in old.namespaces:
+            remove_namespace(namespace)
+            self.echo(f"link: removed network namespace {namespace} of an earlier run")
         remove_state(old)
+        self.echo(f"removed the stale state of an earlier run (every process had exited): {path}")
 
     def _check_ports(self) -> None:
         by_host: dict[str, list[tuple[int, str]]] = {}
@@ -239,7 +356,8 @@ class Launcher:
 
     def _start_engine(self, eng: EngineLaunch, extra_env: dict[str, str]) -> _Pending:
         env = {**dict(eng.env), **extra_env}
-        self._write_files(eng)
+        with self._wait_point():
+            self._write_files(eng)
         if eng.host.is_remote:
             workdir = eng.host.workdir or ".disagg"
             log = f"{workdir}/runs/{self.topo.name}/logs/{eng.log_name}"
@@ -317,14 +435,15 @@ class Launcher:
         self.run.processes.append(record)
         save_state(self.run)
         started = time.monotonic()
-        while http_status(self.dep.proxy_url + "/health", timeout=2.0) != 200:
-            if not self._alive(record):
-                raise EngineStartError("proxy", record.address, record.port, "exited while starting",
-                                       processes.log_tail(record))
-            if time.monotonic() - started > 60:
-                raise EngineStartError("proxy", record.address, record.port,
-                                       "did not report healthy within 60 s", processes.log_tail(record))
-            time.sleep(0.2)
+        with self._wait_point():
+            while http_status(self.dep.proxy_url + "/health", timeout=2.0) != 200:
+                if not self._alive(record):
+                    raise EngineStartError("proxy", record.address, record.port, "exited while starting",
+                                           processes.log_tail(record))
+                if time.monotonic() - started > 60:
+                    raise EngineStartError("proxy", record.address, record.port,
+                                           "did not report healthy within 60 s", processes.log_tail(record))
+                time.sleep(0.2)
         self.echo(f"proxy: healthy at {self.dep.proxy_url}")
 
     @staticmethod
@@ -334,20 +453,51 @@ class Launcher:
         return processes.is_alive(rec)
 
 
-def stop_run(run: RunState, *, grace: float, echo: Callable[[str], None]) -> None:
-    """Stop every process of ``run`` (proxy, decode, both, prefill) and delete its state file."""
+def _stopped_line(rec: ProcessRecord, outcome: processes.StopOutcome | None) -> str:
+    if outcome is None or outcome.leader_running:
+        return f"{rec.name}: stopped (pid {rec.pid})"
+    if outcome.others:
+        return (f"{rec.name}: its leader (pid {rec.pid}) had exited; stopped the {outcome.others} processes "
+                "of its group it left behind")
+    return f"{rec.name}: had already exited (pid {rec.pid})"
+
+
+def _failure_line(rec: ProcessRecord, exc: BaseException) -> str:
+    where = f"{rec.host} ({rec.ssh[-1]})" if rec.ssh else rec.host
+    if isinstance(exc, processes.HostUnreachableError):
+        return f"{rec.name} on {where}: could not reach the host, so it may still run there: {exc}"
+    return f"{rec.name} on {where}: {exc}"
+
+
+def stop_run(run: RunState, *, grace: float, echo: Callable[[str], None],
+             hurry: Callable[[], bool] | None = None) -> None:
+    """Stop every process of ``run``, then remove its network namespaces and its state file.
+
+    The proxy first, then every engine at once, each whatever state its leader
+    is in (``processes.stop_process``); ``hurry()`` turning true cuts the grace
+    short. Processes that could not be stopped (their host did not answer over
+    SSH, or they survived SIGKILL) are named in a LaunchError; the state file
+    is then kept, listing only them, so ``disagg down`` can retry.
+    """
     ordered = sorted(run.processes, key=lambda r: STOP_ORDER.get(r.name.split("[")[0], 9))
-    failures = []
-    for rec in ordered:
-        try:
-            if processes.is_alive(rec):
-                processes.stop_process(rec, grace)
-                echo(f"{rec.name}: stopped (pid {rec.pid})")
-        except LaunchError as exc:
-            failures.append(f"{rec.name}: {exc}")
+    failures: list[tuple[ProcessRecord, BaseException]] = []
+    waves = [[r for r in ordered if r.kind == "proxy"], [r for r in ordered if r.kind != "proxy"]]
+    for wave in (w for w in waves if w):
+        with ThreadPoolExecutor(max_workers=len(wave), thread_name_prefix="disagg-stop") as pool:
+            futures = [(rec, pool.submit(processes.stop_process, rec, grace, hurry)) for rec in wave]
+        for rec, future in futures:
+            exc = future.exception()
+            if exc is None:
+                echo(_stopped_line(rec, future.result()))
+            elif isinstance(exc, Exception):
+                failures.append((rec, exc))
+            else:
+                raise exc
     if failures:
-        raise LaunchError("could not stop everything; the state file is kept so `disagg down` can retry:\n"
-                          + "\n".join(failures))
+        run.processes = [rec for rec, _ in failures]
+        save_state(run)
+        raise LaunchError("could not stop everything; the state file is kept, listing only these, so "
+                          "`disagg down` can retry:\n" + "\n".join(_failure_line(r, e) for r, e in failures))
     for namespace in run.namespaces:
         remove_namespace(namespace)
         echo(f"link: removed network namespace {namespace}")

@@ -5,25 +5,65 @@ stops every worker it spawned: SIGTERM to the group, a grace period, then
 SIGKILL. Remote processes are started with ``setsid`` through OpenSSH in
 BatchMode (keys only, never a password) and stopped the same way on the
 remote host.
+
+What belongs to an engine is its leader (the recorded pid, paired with its
+create time locally), the leader's descendants, and every process whose
+process group or session id is the leader's pid, whether the leader still runs
+or not: a SIGKILLed vLLM API server leaves its ``EngineCore`` and workers
+running in its group. A dead leader's id is safe to use: the kernel does not
+hand out a pid again while a process group or session with that id has a
+member. Only when the pid is taken by a new process (another create time) is
+nothing swept, because by then nothing of the engine's group can be left.
+
+An SSH failure (ssh's own exit status 255, or no answer in time) is not
+evidence that a remote process exited: :func:`liveness` says
+``UNREACHABLE`` and stopping raises :class:`HostUnreachableError`.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-from disagg.errors import RemoteCommandError
+from disagg.errors import LaunchError, RemoteCommandError
 from disagg.launch.state import ProcessRecord
 from disagg.topology import HostSpec
 
 LOG_TAIL_LINES = 30
+#: ssh's own exit status when it fails (connection, authentication), as opposed to the command's
+SSH_FAILED = 255
+#: how long the last SIGKILL may take to clear a group before stopping reports a failure
+KILL_WAIT_S = 10.0
+
+
+class HostUnreachableError(RemoteCommandError):
+    """ssh itself failed (exit 255, or no answer in time): what runs on the host is unknown."""
+
+
+class Liveness(enum.Enum):
+    """What is left of a recorded process."""
+
+    RUNNING = "running"            # the recorded leader runs
+    LEFTOVERS = "leftovers"        # the leader exited; processes of its group or session remain
+    GONE = "gone"                  # nothing of it is left
+    UNREACHABLE = "unreachable"    # its host did not answer over SSH: unknown
+
+
+@dataclass(frozen=True)
+class StopOutcome:
+    """What stopping one recorded process found."""
+
+    leader_running: bool   # the recorded leader itself was still running
+    others: int            # further processes of its group, session or descendants that were signalled
 
 
 def ssh_prefix(host: HostSpec) -> list[str]:
@@ -46,9 +86,11 @@ def run_remote(prefix: list[str], command: str, *, timeout: float = 60.0, stdin_
         stdin = {"input": stdin_text} if stdin_text is not None else {"stdin": subprocess.DEVNULL}
         done = subprocess.run([*prefix, command], capture_output=True, text=True, timeout=timeout, **stdin)
     except subprocess.TimeoutExpired as exc:
-        raise RemoteCommandError(f"{prefix[-1]}: command timed out after {timeout:.0f} s: {command}") from exc
+        raise HostUnreachableError(f"{prefix[-1]}: no answer within {timeout:.0f} s") from exc
     except OSError as exc:
         raise RemoteCommandError(f"cannot run ssh: {exc.strerror or exc}") from exc
+    if done.returncode == SSH_FAILED:
+        raise HostUnreachableError(f"{prefix[-1]}: ssh failed: {done.stderr.strip() or 'exit status 255'}")
     if done.returncode != 0:
         raise RemoteCommandError(f"{prefix[-1]}: `{command}` failed (exit {done.returncode}): "
                                  f"{done.stderr.strip() or done.stdout.strip()}")
@@ -94,6 +136,7 @@ def start_remote(host: HostSpec, command: str, log: str, secret_env: Mapping[str
 
 
 def _local_process(rec: ProcessRecord) -> psutil.Process | None:
+    """The recorded leader while it runs (not a zombie, not a recycled pid), else None."""
     try:
         proc = psutil.Process(rec.pid)
         if rec.create_time and abs(proc.create_time() - rec.create_time) > 1.0:
@@ -105,11 +148,109 @@ def _local_process(rec: ProcessRecord) -> psutil.Process | None:
         return None
 
 
-def is_alive(rec: ProcessRecord) -> bool:
-    """True while the recorded process (local or remote) still runs."""
+def _pid_recycled(rec: ProcessRecord) -> bool:
+    """True when the recorded pid now belongs to a process created at another time."""
+    if not rec.create_time:
+        return False
+    try:
+        return abs(psutil.Process(rec.pid).create_time() - rec.create_time) > 1.0
+    except psutil.Error:
+        return False
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _ourselves() -> set[int]:
+    """This process and its ancestors: never signalled, whatever a state file says."""
+    own = {os.getpid()}
+    try:
+        own.update(p.pid for p in psutil.Process().parents())
+    except psutil.Error:
+        pass
+    return own
+
+
+def local_members(rec: ProcessRecord) -> tuple[bool, list[psutil.Process]]:
+    """(leader running, every live process of the recorded engine).
+
+    The members are the leader while it runs, its descendants, and every
+    process whose process group or session id is the recorded pid, plus their
+    descendants: that is what a SIGKILLed leader leaves behind. Empty when the
+    pid was recycled (see the module docstring) or names this very process.
+    """
+    own = _ourselves()
+    if _pid_recycled(rec) or rec.pid in own or rec.pid in (os.getpgrp(), os.getsid(0)):
+        return False, []
+    members: dict[int, psutil.Process] = {}
+
+    def add(proc: psutil.Process) -> None:
+        if proc.pid in own or proc.pid in members or not _running(proc):
+            return
+        members[proc.pid] = proc
+        try:
+            for child in proc.children(recursive=True):
+                if child.pid not in own and _running(child):
+                    members.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+
+    leader = _local_process(rec)
+    if leader is not None:
+        add(leader)
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == rec.pid or os.getsid(proc.pid) == rec.pid:
+                add(proc)
+        except (OSError, psutil.Error):
+            continue
+    return leader is not None, list(members.values())
+
+
+def _remote_members(pid: int) -> str:
+    """Shell functions: ``m`` prints the live (not zombie) pids whose process group or session is
+    ``pid``; ``l`` succeeds while ``pid`` itself runs (procps ``ps``)."""
+    return (f"m() {{ ps -e -o pid= -o pgid= -o sid= -o stat= 2>/dev/null | "
+            f"awk -v p={pid} '($2==p||$3==p) && $4 !~ /^Z/ {{print $1}}'; }}; "
+            f"l() {{ s=$(ps -o stat= -p {pid} 2>/dev/null); [ -n \"$s\" ] && [ \"${{s#Z}}\" = \"$s\" ]; }}; ")
+
+
+def _remote_liveness(pid: int) -> str:
+    return (_remote_members(pid) + "if l; then echo disagg-liveness running; "
+            "elif [ -n \"$(m)\" ]; then echo disagg-liveness leftovers; else echo disagg-liveness gone; fi")
+
+
+def liveness(rec: ProcessRecord) -> Liveness:
+    """What is left of a recorded process, locally or over SSH (one ssh call)."""
     if rec.ssh:
         try:
-            run_remote(rec.ssh, f"kill -0 {rec.pid}", timeout=20)
+            out = run_remote(rec.ssh, _remote_liveness(int(rec.pid)), timeout=20)
+        except RemoteCommandError:
+            return Liveness.UNREACHABLE
+        words = [line.split()[-1] for line in out.splitlines() if line.startswith("disagg-liveness ")]
+        return Liveness(words[-1]) if words else Liveness.UNREACHABLE
+    leader_running, members = local_members(rec)
+    if leader_running:
+        return Liveness.RUNNING
+    return Liveness.LEFTOVERS if members else Liveness.GONE
+
+
+def is_alive(rec: ProcessRecord) -> bool:
+    """False only once the recorded leader is known to have exited.
+
+    Local: the leader runs (cheap: no sweep). Remote: ``kill -0`` over SSH; a
+    host that does not answer counts as alive, since an outage is no proof
+    that the engine exited (:func:`liveness` tells the two apart).
+    """
+    if rec.ssh:
+        try:
+            run_remote(rec.ssh, f"kill -0 {int(rec.pid)}", timeout=20)
+            return True
+        except HostUnreachableError:
             return True
         except RemoteCommandError:
             return False
@@ -127,62 +268,126 @@ def exit_status(pid: int) -> int | None:
     return os.waitstatus_to_exitcode(status)
 
 
-def _group_members(rec: ProcessRecord) -> list[psutil.Process]:
-    """The process, its descendants and everything else in its process group."""
-    root = _local_process(rec)
-    members: dict[int, psutil.Process] = {}
-    if root is not None:
-        members[root.pid] = root
-        for child in root.children(recursive=True):
-            members[child.pid] = child
-    for proc in psutil.process_iter(["pid"]):
+def _signal_members(rec: ProcessRecord, members: list[psutil.Process], sig: signal.Signals) -> None:
+    if rec.pid not in _ourselves() and rec.pid not in (os.getpgrp(), os.getsid(0)):
         try:
-            if os.getpgid(proc.pid) == rec.pid:
-                members[proc.pid] = proc
-        except (OSError, psutil.Error):
-            continue
-    return list(members.values())
-
-
-def stop_local(rec: ProcessRecord, grace: float) -> None:
-    """SIGTERM the process group, wait up to ``grace`` s, then SIGKILL what is left."""
-    members = _group_members(rec)
-    if not members:
-        return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(rec.pid, sig)
+            os.killpg(rec.pid, sig)  # works while the group has members, leader or not
         except (ProcessLookupError, PermissionError):
             pass
-        for proc in members:
-            try:
-                proc.send_signal(sig)
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(members, timeout=grace if sig == signal.SIGTERM else 10)
-        for proc in members:
-            exit_status(proc.pid)  # reap our own children
-        if not alive:
-            return
-        members = alive
+    for proc in members:
+        try:
+            proc.send_signal(sig)
+        except psutil.Error:
+            pass
 
 
-def stop_remote(rec: ProcessRecord, grace: float) -> None:
-    """Stop a remote process group: TERM, wait, KILL (all on the remote host)."""
+def _wait_members(members: list[psutil.Process], timeout: float,
+                  hurry: Callable[[], bool] | None = None) -> list[psutil.Process]:
+    """Wait until the members are gone (reaping our own children); those still alive."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for proc in members:
+            exit_status(proc.pid)
+        alive = [p for p in members if _running(p)]
+        if not alive or time.monotonic() >= deadline or (hurry is not None and hurry()):
+            return alive
+        time.sleep(0.05)
+
+
+def terminate_local(rec: ProcessRecord) -> tuple[StopOutcome, list[psutil.Process]]:
+    """SIGTERM everything of a local engine (see :func:`local_members`); what was found and signalled."""
+    leader_running, members = local_members(rec)
+    if members:
+        _signal_members(rec, members, signal.SIGTERM)
+    return StopOutcome(leader_running, len(members) - int(leader_running)), members
+
+
+def kill_local(rec: ProcessRecord, members: list[psutil.Process]) -> None:
+    """SIGKILL what is left of a local engine (a fresh sweep plus ``members``); LaunchError if it stays."""
+    _, fresh = local_members(rec)
+    left = {p.pid: p for p in [*members, *fresh] if _running(p)}
+    if not left:
+        return
+    _signal_members(rec, list(left.values()), signal.SIGKILL)
+    alive = _wait_members(list(left.values()), KILL_WAIT_S)
+    if alive:
+        raise LaunchError(f"{rec.name}: still running {KILL_WAIT_S:.0f} s after SIGKILL: pids "
+                          + ", ".join(str(p.pid) for p in alive))
+
+
+def stop_local(rec: ProcessRecord, grace: float, hurry: Callable[[], bool] | None = None) -> StopOutcome:
+    """SIGTERM the engine's group, session and descendants, wait up to ``grace`` s
+    (less once ``hurry()`` is true), then SIGKILL what is left."""
+    outcome, members = terminate_local(rec)
+    if members:
+        kill_local(rec, _wait_members(members, grace, hurry))
+    return outcome
+
+
+def _remote_signal(pid: int, sig: str) -> str:
+    return f"kill -{sig} -- -{pid} 2>/dev/null; for q in $(m); do kill -{sig} $q 2>/dev/null; done; "
+
+
+def _remote_stop(pid: int, grace: float) -> str:
+    """TERM the group and session, wait up to ``grace``, KILL, wait; print ``disagg-stop LEADER FOUND LEFT``."""
+    ticks = max(1, int(grace * 5))
+    wait = 'i=0; while [ -n "$(m)" ] && [ $i -lt {n} ]; do sleep 0.2; i=$((i+1)); done; '
+    return (_remote_members(pid) + "if l; then L=1; else L=0; fi; C=$(m | wc -l); "
+            + _remote_signal(pid, "TERM") + wait.format(n=ticks) + _remote_signal(pid, "KILL")
+            + wait.format(n=50) + "echo disagg-stop $L $C $(m | wc -l)")
+
+
+def _remote_kill(pid: int) -> str:
+    return _remote_members(pid) + _remote_signal(pid, "KILL") + "echo disagg-killed"
+
+
+def stop_remote(rec: ProcessRecord, grace: float, hurry: Callable[[], bool] | None = None) -> StopOutcome:
+    """Stop a remote engine on its host: TERM its group and session, wait, KILL (one ssh call).
+
+    Once ``hurry()`` is true a second ssh call SIGKILLs at once. Raises
+    :class:`HostUnreachableError` when ssh cannot reach the host, and
+    LaunchError when something is still running there after SIGKILL.
+    """
     assert rec.ssh is not None
-    pgid = rec.pid
-    script = (f"kill -TERM -- -{pgid} 2>/dev/null; "
-              f"for i in $(seq {max(1, int(grace * 2))}); do kill -0 -- -{pgid} 2>/dev/null || exit 0; "
-              f"sleep 0.5; done; kill -KILL -- -{pgid} 2>/dev/null; exit 0")
-    run_remote(rec.ssh, script, timeout=grace + 30)
+    script = _remote_stop(int(rec.pid), grace)
+    timeout = grace + 40
+    try:
+        proc = subprocess.Popen([*rec.ssh, script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    except OSError as exc:
+        raise RemoteCommandError(f"cannot run ssh: {exc.strerror or exc}") from exc
+    deadline, hurried = time.monotonic() + timeout, False
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise HostUnreachableError(f"{rec.ssh[-1]}: no answer within {timeout:.0f} s")
+        if hurry is not None and not hurried and hurry():
+            hurried = True
+            try:
+                run_remote(rec.ssh, _remote_kill(int(rec.pid)), timeout=20)
+            except RemoteCommandError:
+                pass  # the first call reports
+        time.sleep(0.05)
+    out, err = proc.communicate()
+    if proc.returncode == SSH_FAILED:
+        raise HostUnreachableError(f"{rec.ssh[-1]}: ssh failed: {err.strip() or 'exit status 255'}")
+    words = next((line.split() for line in out.splitlines() if line.startswith("disagg-stop ")), None)
+    if proc.returncode != 0 or words is None or len(words) != 4:
+        raise RemoteCommandError(f"{rec.ssh[-1]}: stopping pid {rec.pid} failed (exit {proc.returncode}): "
+                                 f"{err.strip() or out.strip()}")
+    leader, found, left = (int(w) for w in words[1:])
+    if left:
+        raise LaunchError(f"{rec.name}: {left} processes of group {rec.pid} still run on {rec.ssh[-1]} "
+                          "after SIGKILL")
+    return StopOutcome(bool(leader), max(0, found - leader))
 
 
-def stop_process(rec: ProcessRecord, grace: float) -> None:
-    """Stop a recorded process wherever it runs."""
+def stop_process(rec: ProcessRecord, grace: float, hurry: Callable[[], bool] | None = None) -> StopOutcome:
+    """Stop a recorded process wherever it runs, whatever state its leader is in."""
     if rec.ssh:
-        stop_remote(rec, grace)
-    else:
-        stop_local(rec, grace)
+        return stop_remote(rec, grace, hurry)
+    return stop_local(rec, grace, hurry)
 
 
 def log_tail(rec: ProcessRecord, lines: int = LOG_TAIL_LINES) -> str:
@@ -201,13 +406,3 @@ def log_tail(rec: ProcessRecord, lines: int = LOG_TAIL_LINES) -> str:
     except OSError as exc:
         return f"(no log at {rec.log}: {exc.strerror})"
     return "\n".join(text.splitlines()[-lines:])
-
-
-def wait_gone(recs: list[ProcessRecord], timeout: float) -> list[ProcessRecord]:
-    """Wait until the records' processes are gone; return those still alive."""
-    deadline = time.monotonic() + timeout
-    alive = [r for r in recs if is_alive(r)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.2)
-        alive = [r for r in alive if is_alive(r)]
-    return alive

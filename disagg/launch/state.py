@@ -4,10 +4,17 @@ One directory per topology name under ``<run_dir>/runs/<name>/`` holds
 ``state.json`` and the local logs. The file is rewritten atomically after every
 process start, so an interrupted ``up`` still leaves enough to stop what it
 started.
+
+``up.lock`` in the same directory is ``flock``ed by the ``disagg up`` that
+owns the run, for as long as that process lives (a foreground ``up`` until it
+exits, a detached one until it returns; the engines never inherit it), and
+holds its pid. A second ``up`` of the same topology is refused while the lock
+is held or the state file lists live processes.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -16,6 +23,7 @@ from pathlib import Path
 from disagg.errors import StateError
 
 STATE_FILE = "state.json"
+LOCK_FILE = "up.lock"
 
 
 @dataclass
@@ -92,3 +100,63 @@ def remove_state(state: RunState) -> None:
 def find_states(run_dir: str | Path) -> list[Path]:
     """Every state file under ``run_dir``."""
     return sorted((Path(run_dir) / "runs").glob(f"*/{STATE_FILE}"))
+
+
+class RunLock:
+    """The ``up.lock`` of one run directory (see the module docstring)."""
+
+    def __init__(self, run_dir: str | Path, name: str) -> None:
+        self.path = run_path(run_dir, name) / LOCK_FILE
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        """True while this object holds the lock."""
+        return self._fd is not None
+
+    def acquire(self, *, record_pid: bool = True) -> int | None:
+        """Take the lock without waiting: None when taken, else the holder's pid (0 if unknown)."""
+        if self._fd is not None:
+            return None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _read_pid(fd)
+            os.close(fd)
+            return holder
+        if record_pid:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return None
+
+    def release(self) -> None:
+        """Give the lock back (idempotent); the file stays, empty locks cost nothing."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            if _read_pid(fd) == os.getpid():
+                os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+
+def lock_holder(run_dir: str | Path, name: str) -> int | None:
+    """The pid of the ``disagg up`` holding a run's lock (0 if it wrote none yet), or None when free."""
+    probe = RunLock(run_dir, name)
+    if not probe.path.exists():
+        return None
+    holder = probe.acquire(record_pid=False)
+    probe.release()
+    return holder
+
+
+def _read_pid(fd: int) -> int:
+    try:
+        return int(os.pread(fd, 32, 0).decode().strip() or 0)
+    except (OSError, ValueError):
+        return 0

@@ -100,7 +100,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> _Started:
     monkeypatch.setattr(processes, "start_remote", fake.start_remote)
     monkeypatch.setattr(processes, "is_alive", lambda rec: True)
     monkeypatch.setattr(processes, "exit_status", lambda pid: None)
-    monkeypatch.setattr(processes, "stop_process", lambda rec, grace: None)
+    monkeypatch.setattr(processes, "stop_process", lambda rec, grace, hurry=None: None)
     monkeypatch.setattr(launcher_mod, "busy_ports", lambda host, python, ports: [])
     monkeypatch.setattr(launcher_mod, "http_status", lambda url, timeout=5.0: 200)
     return fake

@@ -1,0 +1,73 @@
+"""Stand-ins for engines: plain Python process trees shaped like a vLLM API server's.
+
+A real API server runs in a session of its own (``disagg up`` starts it with
+``start_new_session``) and spawns ``EngineCore`` and worker processes into its
+process group; SIGKILLing the API server leaves them running. The stand-in
+leader below does the same with sleepers, which is what process-group handling
+is about, and it can be made to do it on demand (a real engine takes a minute).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from disagg.launch import processes
+from disagg.launch.state import ProcessRecord
+
+#: the stand-in "API server": three children like EngineCore and workers, one ignoring SIGTERM,
+#: one moved to a process group of its own (still in the session), one grandchild
+ENGINE_TREE = r"""
+import os, signal, subprocess, sys, time
+sleep = [sys.executable, '-c', 'import time; time.sleep(600)']
+stubborn = [sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']
+nested = [sys.executable, '-c', 'import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(600)', *sleep]
+kids = [subprocess.Popen(sleep), subprocess.Popen(stubborn), subprocess.Popen(sleep, process_group=0),
+        subprocess.Popen(nested)]
+print('tree up', *[k.pid for k in kids], flush=True)
+time.sleep(600)
+"""
+#: processes of one stand-in tree: the leader, 4 children, 1 grandchild
+TREE_SIZE = 6
+
+
+def start_tree(tmp_path: Path, name: str = "decode[0]") -> tuple[ProcessRecord, list[psutil.Process]]:
+    """Start a stand-in engine the way the launcher starts engines; its record and all 6 processes."""
+    log = tmp_path / f"{name.replace('[', '-').replace(']', '')}.log"
+    pid, created = processes.start_local([sys.executable, "-c", ENGINE_TREE], {}, log)
+    rec = ProcessRecord(name=name, kind="proxy" if name == "proxy" else "engine", host="local",
+                        address="127.0.0.1", port=1, url="http://127.0.0.1:1", log=str(log), pid=pid,
+                        create_time=created)
+    deadline = time.monotonic() + 60
+    while True:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        if len(tree) == TREE_SIZE and "tree up" in (log.read_text() if log.exists() else ""):
+            return rec, tree
+        assert time.monotonic() < deadline, f"the stand-in tree did not come up: {log.read_text()}"
+        time.sleep(0.05)
+
+
+def running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` still running (zombies count as gone)."""
+    out = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except psutil.Error:
+            continue
+    return out
+
+
+def kill_all(procs: list[psutil.Process]) -> None:
+    """Cleanup for a failed test: SIGKILL whatever is left."""
+    for proc in running(procs):
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    for proc in procs:
+        processes.exit_status(proc.pid)
