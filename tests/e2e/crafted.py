@@ -6,7 +6,7 @@ socket connector, with it, as a stand-in for a client that got past the key).
 Required: a clear answer within the case's timeout (a 4xx, or 200 where the
 request is valid once the proxy stripped what it must: then the transfer was
 declined), never a 5xx from the proxy, and every engine alive and idle
-afterwards. Used by tests/e2e/test_crafted_inputs.py (NIXL) and
+afterwards. Used by tests/e2e/test_nixl_crafted_inputs.py (NIXL) and
 tests/e2e/test_socket_conformance.py (socket connector).
 """
 
