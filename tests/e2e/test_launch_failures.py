@@ -1,16 +1,24 @@
-"""`disagg up` with an engine that cannot start: a clear error naming the
-instance, host, port and the tail of its log, and nothing left running."""
+"""`disagg up` when things go wrong, with real engines: an engine that cannot start
+(a clear error naming the instance, host, port and the tail of its log); Ctrl-C while
+the engines load (everything stops within 5 s); an API server SIGKILLed after `up`
+itself crashed (`down` still stops the EngineCore it left behind). Nothing is left running."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.e2e.engines import disagg, free_ports, port_is_free, write_topology
+from disagg.errors import StateError
+from disagg.launch.state import load_state
+from tests.e2e.engines import ENGINE_ARGS, ENGINE_ENV, ROOT, disagg, free_ports, port_is_free, write_topology
 
 pytestmark = pytest.mark.e2e
 
@@ -45,3 +53,104 @@ def test_bad_model_fails_fast_with_log_tail(engine_lock: None, tmp_path: Path) -
     assert not leftovers
     assert port_is_free(p_port) and port_is_free(d_port)
     assert not (tmp_path / "run" / "runs" / "broken" / "state.json").exists()
+
+
+def _session(leader: int) -> list[psutil.Process]:
+    """Every live process in the session (and process group) an engine leader started, leader or not."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if (os.getsid(proc.pid) == leader or os.getpgid(proc.pid) == leader) and \
+                    proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+def _two_engines(tmp_path: Path, tiny_model: Path, name: str) -> tuple[Path, list[int]]:
+    proxy_port, p_port, d_port = free_ports(3)
+    topo = write_topology(tmp_path / f"{name}.yaml", tiny_model, proxy_port=proxy_port,
+                          roles=f"prefill: [{{port: {p_port}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
+                                f"decode: [{{port: {d_port}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
+    return topo, [p_port, d_port, proxy_port]
+
+
+def _engines_with_children(state_path: Path, up: subprocess.Popen[bytes], timeout: float = 240) -> dict[str, int]:
+    """Wait until both engines are recorded and each leader has spawned its EngineCore; name -> leader pid."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert up.poll() is None, f"disagg up exited early ({up.returncode})"
+        try:
+            leaders = {r.name: r.pid for r in load_state(state_path).processes if r.kind == "engine"}
+        except StateError:
+            leaders = {}
+        if len(leaders) == 2 and all(psutil.Process(pid).children() for pid in leaders.values()):
+            return leaders
+        time.sleep(0.2)
+    raise AssertionError("the engines did not spawn their EngineCore in time")
+
+
+def test_ctrl_c_while_real_engines_load_stops_everything_within_5_s(
+        engine_lock: None, tmp_path: Path, tiny_model: Path) -> None:
+    topo, ports = _two_engines(tmp_path, tiny_model, "loading")
+    run_dir = tmp_path / "run"
+    with open(tmp_path / "up.log", "wb") as log:
+        up = subprocess.Popen([sys.executable, "-m", "disagg", "up", str(topo), "--run-dir", str(run_dir)],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **ENGINE_ENV})
+    try:
+        leaders = _engines_with_children(run_dir / "runs" / "loading" / "state.json", up)
+        tree = [p for pid in leaders.values() for p in _session(pid)]
+        assert len(tree) >= 4, "each engine should have its API server and EngineCore running"
+        sent = time.monotonic()
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 130, (tmp_path / "up.log").read_text()
+        elapsed = time.monotonic() - sent
+        print(f"Ctrl-C while loading: `disagg up` exited {elapsed:.2f} s after SIGINT ({len(tree)} processes)")
+        assert elapsed < 5.0, (tmp_path / "up.log").read_text()
+        assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not [p for pid in leaders.values() for p in _session(pid)]
+        assert all(port_is_free(p) for p in ports)
+        assert "interrupted: stopping everything that was started" in (tmp_path / "up.log").read_text()
+        assert not (run_dir / "runs" / "loading" / "state.json").exists()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        disagg("down", str(topo), "--run-dir", str(run_dir), "--grace", "0", timeout=120)
+
+
+def test_down_leaves_nothing_after_the_api_server_and_up_are_sigkilled(
+        engine_lock: None, tmp_path: Path, tiny_model: Path) -> None:
+    """The issue's case with real engines: the decode API server is SIGKILLed (as the OOM killer does) and
+    `disagg up` itself crashed; vLLM's EngineCore stays in the dead leader's group until `down` sweeps it."""
+    topo, ports = _two_engines(tmp_path, tiny_model, "orphans")
+    run_dir = tmp_path / "run"
+    with open(tmp_path / "up.log", "wb") as log:
+        up = subprocess.Popen([sys.executable, "-m", "disagg", "up", str(topo), "--detach", "--run-dir", str(run_dir)],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **ENGINE_ENV})
+    try:
+        leaders = _engines_with_children(run_dir / "runs" / "orphans" / "state.json", up)
+        up.kill()   # `disagg up` crashes: nobody will stop the engines but `down`
+        up.wait()
+        decode = leaders["decode[0]"]
+        left_behind = [p for p in _session(decode) if p.pid != decode]
+        os.kill(decode, signal.SIGKILL)
+        time.sleep(1.0)
+        assert left_behind and all(p.is_running() for p in left_behind), "EngineCore should outlive its leader"
+        tree = [p for pid in leaders.values() for p in _session(pid)]
+        done = disagg("down", str(topo), "--run-dir", str(run_dir), timeout=120)
+        print(done.stdout)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"decode[0]: its leader (pid {decode}) had exited; stopped the" in done.stdout
+        assert f"prefill[0]: stopped (pid {leaders['prefill[0]']})" in done.stdout
+        time.sleep(0.5)
+        assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not [p for pid in leaders.values() for p in _session(pid)]
+        assert all(port_is_free(p) for p in ports)
+        assert not (run_dir / "runs" / "orphans" / "state.json").exists()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        disagg("down", str(topo), "--run-dir", str(run_dir), "--grace", "0", timeout=120)
