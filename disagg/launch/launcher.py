@@ -191,11 +191,6 @@ class Launcher:
         if self._interruptible:
             self._check_interrupt()
 
-    @property
-    def interrupted(self) -> bool:
-        """True once a signal has arrived."""
-        return self._signals > 0
-
     def hurry(self) -> bool:
         """True once a signal arrived after the stop began: SIGKILL what is left now."""
         return self._signals > self._signals_at_stop
