@@ -216,7 +216,8 @@ def _remote_members(pid: int) -> str:
     ``pid``; ``l`` succeeds while ``pid`` itself runs (procps ``ps``)."""
     return (f"m() {{ ps -e -o pid= -o pgid= -o sid= -o stat= 2>/dev/null | "
             f"awk -v p={pid} '($2==p||$3==p) && $4 !~ /^Z/ {{print $1}}'; }}; "
-            f"l() {{ s=$(ps -o stat= -p {pid} 2>/dev/null); [ -n \"$s\" ] && [ \"${{s#Z}}\" = \"$s\" ]; }}; ")
+            f"l() {{ if command -v ps >/dev/null 2>&1; then s=$(ps -o stat= -p {pid} 2>/dev/null); "
+            f"[ -n \"$s\" ] && [ \"${{s#Z}}\" = \"$s\" ]; else kill -0 {pid} 2>/dev/null; fi; }}; ")
 
 
 def _remote_liveness(pid: int) -> str:
@@ -242,13 +243,14 @@ def liveness(rec: ProcessRecord) -> Liveness:
 def is_alive(rec: ProcessRecord) -> bool:
     """False only once the recorded leader is known to have exited.
 
-    Local: the leader runs (cheap: no sweep). Remote: ``kill -0`` over SSH; a
-    host that does not answer counts as alive, since an outage is no proof
-    that the engine exited (:func:`liveness` tells the two apart).
+    Local: the leader runs (cheap: no sweep). Remote: the same over SSH (a
+    zombie is not running); a host that does not answer counts as alive, since
+    an outage is no proof that the engine exited (:func:`liveness` tells the
+    two apart).
     """
     if rec.ssh:
         try:
-            run_remote(rec.ssh, f"kill -0 {int(rec.pid)}", timeout=20)
+            run_remote(rec.ssh, _remote_members(int(rec.pid)) + "l", timeout=20)
             return True
         except HostUnreachableError:
             return True
