@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from disagg.errors import TopologyError
-from disagg.yamlsrc import Fields, Node, _describe, load_yaml, node_int, parse_yaml
+from disagg.yamlsrc import Fields, Node, describe, load_yaml, node_int, parse_yaml
 
 ENGINES = ("vllm", "sglang")
 CONNECTORS = ("nixl", "lmcache", "socket", "mooncake")
@@ -205,7 +205,7 @@ def _name(node: Node | None, path: Path, root: Node) -> str:
         name, where, origin = path.stem, root, f" (the file name {path.name!r} without .yaml; set name:)"
     else:
         if isinstance(node.value, (dict, list, bool)):
-            raise node.error(f"expected a string, got {_describe(node.value)}")
+            raise node.error(f"expected a string, got {describe(node.value)}")
         name, where, origin = str(node.value), node, ""
     problem = None
     if not name.strip():
@@ -228,7 +228,7 @@ def _ssh_destination(node: Node | None) -> str | None:
     if node is None:
         return None
     if isinstance(node.value, (dict, list, bool)):
-        raise node.error(f"expected [user@]host, got {_describe(node.value)}")
+        raise node.error(f"expected [user@]host, got {describe(node.value)}")
     dest = str(node.value)
     if not dest:
         raise node.error("is empty; expected [user@]host")
@@ -244,13 +244,13 @@ def _env(node: Node | None) -> dict[str, str]:
     if node is None:
         return {}
     if not node.is_mapping:
-        raise node.error(f"expected a mapping of variable names to strings, got {_describe(node.value)}")
+        raise node.error(f"expected a mapping of variable names to strings, got {describe(node.value)}")
     out = {}
     for name, item in node.children.items():
         if not _ENV_NAME_RE.fullmatch(name):
             raise item.error(f"{name!r} is not a variable name (letters, digits and _, not starting with a digit)")
         if isinstance(item.value, (dict, list)) or item.value is None:
-            raise item.error(f"expected a string, got {_describe(item.value)}")
+            raise item.error(f"expected a string, got {describe(item.value)}")
         value = item.value
         text = ("true" if value else "false") if isinstance(value, bool) else str(value)
         if any(ch in text for ch in "\n\r\0"):

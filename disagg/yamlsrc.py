@@ -261,7 +261,7 @@ class Fields:
 
     def __init__(self, node: Node, what: str = "a mapping") -> None:
         if not node.is_mapping:
-            raise node.error(f"expected {what}, got {_describe(node.value)}")
+            raise node.error(f"expected {what}, got {describe(node.value)}")
         self.node = node
         self._remaining = dict(node.children)
         self._known: list[str] = []
@@ -291,7 +291,7 @@ class Fields:
         if child is None:
             return default
         if isinstance(child.value, bool) or not isinstance(child.value, (str, int, float)):
-            raise child.error(f"expected a string, got {_describe(child.value)}")
+            raise child.error(f"expected a string, got {describe(child.value)}")
         return str(child.value)
 
     def int(self, key: str, default: int | None = None, *, required: bool = False,
@@ -306,7 +306,7 @@ class Fields:
         if child is None:
             return default
         if isinstance(child.value, bool) or not isinstance(child.value, (int, float)):
-            raise child.error(f"expected a number, got {_describe(child.value)}")
+            raise child.error(f"expected a number, got {describe(child.value)}")
         if child.value <= minimum:
             raise child.error(f"expected a number greater than {minimum:g}, got {child.value}")
         return float(child.value)
@@ -316,7 +316,7 @@ class Fields:
         if child is None:
             return default
         if not isinstance(child.value, bool):
-            raise child.error(f"expected true or false, got {_describe(child.value)}")
+            raise child.error(f"expected true or false, got {describe(child.value)}")
         return child.value
 
     def choice(self, key: str, choices: tuple[str, ...], default: str | None = None) -> str:
@@ -335,27 +335,13 @@ class Fields:
         if child is None:
             return ()
         if not child.is_sequence:
-            raise child.error(f"expected a list of strings, got {_describe(child.value)}")
+            raise child.error(f"expected a list of strings, got {describe(child.value)}")
         out = []
         for item in child.items:
             if isinstance(item.value, bool) or not isinstance(item.value, (str, int, float)):
-                raise item.error(f"expected a string, got {_describe(item.value)}")
+                raise item.error(f"expected a string, got {describe(item.value)}")
             out.append(str(item.value))
         return tuple(out)
-
-    def str_map(self, key: str) -> dict[str, str]:
-        child = self.take(key)
-        if child is None:
-            return {}
-        if not child.is_mapping:
-            raise child.error(f"expected a mapping of names to strings, got {_describe(child.value)}")
-        out = {}
-        for name, item in child.children.items():
-            if isinstance(item.value, (dict, list)) or item.value is None:
-                raise item.error(f"expected a string, got {_describe(item.value)}")
-            value = item.value
-            out[name] = ("true" if value else "false") if isinstance(value, bool) else str(value)
-        return out
 
     def done(self) -> None:
         """Raise for the first key nobody asked for (with a did-you-mean hint)."""
@@ -369,7 +355,7 @@ class Fields:
 def node_int(node: Node, *, minimum: int | None = None, maximum: int | None = None) -> int:
     """The node's value as an int within [minimum, maximum], else a TopologyError."""
     if isinstance(node.value, bool) or not isinstance(node.value, int):
-        raise node.error(f"expected an integer, got {_describe(node.value)}")
+        raise node.error(f"expected an integer, got {describe(node.value)}")
     if minimum is not None and node.value < minimum:
         raise node.error(f"expected an integer >= {minimum}, got {node.value}")
     if maximum is not None and node.value > maximum:
@@ -383,7 +369,8 @@ def did_you_mean(word: str, candidates: Any) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
+    """A value as an error message names it: "a list", "the string 'x'", "int 3"."""
     if value is None:
         return "nothing"
     if isinstance(value, bool):
