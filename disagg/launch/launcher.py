@@ -202,7 +202,8 @@ class Launcher:
     def supervise(self, should_stop: Callable[[], bool]) -> int:
         """Foreground mode: watch every process until ``should_stop()`` or the service is lost.
 
-        An engine that dies is reported once with its log tail; serving goes on while
+        An engine that dies is reported once with its log tail, and what it left in its
+        process group (vLLM's EngineCore and workers) is stopped; serving goes on while
         the proxy and at least one decode (or colocated) engine live: the proxy routes
         around a lost prefill engine. Returns 0 when asked to stop, 1 when the proxy or
         the last decode engine died.
@@ -213,6 +214,7 @@ class Launcher:
                 reported.add(dead.name)
                 self.echo(f"error: {dead.name} on {dead.address}:{dead.port} exited; last lines of {dead.log}:\n"
                           + processes.log_tail(dead))
+                self._sweep(dead)
             servers = [r for r in self.run.processes if r.name.startswith(("decode[", "both["))]
             if "proxy" in reported or all(r.name in reported for r in servers):
                 self.echo("error: the service is lost (" + ("the proxy" if "proxy" in reported
@@ -233,6 +235,16 @@ class Launcher:
         finally:
             self.state = LauncherState.STOPPED
             self.release()
+
+    def _sweep(self, dead: ProcessRecord) -> None:
+        """Stop what an exited leader left in its group (a SIGKILLed API server's EngineCore and workers)."""
+        try:
+            outcome = processes.stop_process(dead, min(self.topo.timeouts.shutdown_grace, ABORT_GRACE_S))
+        except LaunchError as exc:
+            self.echo(f"{dead.name}: could not stop what it left behind: {exc}")
+            return
+        if outcome is not None and outcome.others:
+            self.echo(f"{dead.name}: stopped the {outcome.others} processes of its group it left behind")
 
     # -- interrupts and the lock -------------------------------------------------
     def _check_interrupt(self) -> None:

@@ -185,3 +185,40 @@ def test_down_during_an_outage_keeps_the_state_and_names_the_engines(
         assert '"prefill[0]"' in kept and '"decode[0]"' not in kept and "disagg-x-a" in kept
     finally:
         kill_all(tree)
+
+
+def test_supervise_sweeps_what_a_dead_engine_left_and_keeps_serving(tmp_path: Path) -> None:
+    """Foreground `up` while serving: a SIGKILLed prefill API server is reported once, the rest of
+    its group is stopped at once (not at `down`), and serving goes on."""
+    import textwrap
+
+    from disagg.deployment import plan_deployment
+    from disagg.launch.launcher import Launcher
+    from disagg.topology import load_topology
+
+    path = tmp_path / "s.yaml"
+    path.write_text(textwrap.dedent("""\
+        model: {path: /models/m}
+        hosts: {a: {address: 127.0.0.1}}
+        roles: {prefill: [{port: 8100}], decode: [{port: 8200}]}
+        """))
+    lines: list[str] = []
+    launcher = Launcher(plan_deployment(load_topology(path, run_dir=str(tmp_path / "run"))), echo=lines.append,
+                        poll_interval=0.05)
+    trees = {}
+    for name in ("prefill[0]", "decode[0]", "proxy"):
+        rec, trees[name] = start_tree(tmp_path, name)
+        launcher.run.processes.append(rec)
+    prefill = launcher.run.processes[0]
+    try:
+        _sigkill_leader(prefill)
+        checks = iter(range(20))
+        assert launcher.supervise(lambda: next(checks, None) is None) == 0
+        assert running(trees["prefill[0]"]) == []
+        assert len(running(trees["decode[0]"])) == len(running(trees["proxy"])) == TREE_SIZE
+        assert sum(line.startswith("error: prefill[0] on 127.0.0.1:1 exited") for line in lines) == 1
+        assert f"prefill[0]: stopped the {TREE_SIZE - 1} processes of its group it left behind" in lines
+    finally:
+        launcher.stop(grace=0.5)
+        kill_all([p for tree in trees.values() for p in tree])
+    assert all(running(tree) == [] for tree in trees.values())
