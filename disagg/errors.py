@@ -12,6 +12,7 @@
     │   ├── EngineStartError        an engine died or never became healthy;
     │   │                           names host, port and the tail of its log
     │   └── RemoteCommandError      an SSH command failed
+    │       └── HostUnreachableError ssh itself failed: what runs there is unknown
     ├── StateError                  the run-state file is missing or corrupt
     ├── LinkError                   emulating (namespaces, veth, tc) or probing
     │                               a link failed; names the command and why
@@ -76,6 +77,10 @@ class EngineStartError(LaunchError):
 
 class RemoteCommandError(LaunchError):
     """A command run over SSH failed."""
+
+
+class HostUnreachableError(RemoteCommandError):
+    """ssh itself failed (exit 255, or no answer in time): what runs on the host is unknown."""
 
 
 class StateError(DisaggError):

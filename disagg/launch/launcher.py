@@ -36,7 +36,14 @@ from pathlib import Path
 from disagg.commands.proxy import API_KEY_ENV, ENGINE_KEY_ENV
 from disagg.deployment import Deployment, EngineLaunch, host_run_dir, python_for
 from disagg.engines.vllm import KEY_ENV as VLLM_KEY_ENV
-from disagg.errors import EngineStartError, LaunchError, PortInUseError, ProxyError, StateError
+from disagg.errors import (
+    EngineStartError,
+    HostUnreachableError,
+    LaunchError,
+    PortInUseError,
+    ProxyError,
+    StateError,
+)
 from disagg.kv.socket import SECRET_ENV, generate_secret
 from disagg.launch import processes
 from disagg.launch.emulation import emulated_link
@@ -471,7 +478,7 @@ def _stopped_line(rec: ProcessRecord, outcome: processes.StopOutcome | None) -> 
 
 def _failure_line(rec: ProcessRecord, exc: BaseException) -> str:
     where = f"{rec.host} ({rec.ssh[-1]})" if rec.ssh else rec.host
-    if isinstance(exc, processes.HostUnreachableError):
+    if isinstance(exc, HostUnreachableError):
         return f"{rec.name} on {where}: could not reach the host, so it may still run there: {exc}"
     return f"{rec.name} on {where}: {exc}"
 

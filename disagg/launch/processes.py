@@ -34,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from disagg.errors import LaunchError, RemoteCommandError
+from disagg.errors import HostUnreachableError, LaunchError, RemoteCommandError
 from disagg.launch.state import ProcessRecord
 from disagg.topology import HostSpec
 
@@ -43,10 +43,6 @@ LOG_TAIL_LINES = 30
 SSH_FAILED = 255
 #: how long the last SIGKILL may take to clear a group before stopping reports a failure
 KILL_WAIT_S = 10.0
-
-
-class HostUnreachableError(RemoteCommandError):
-    """ssh itself failed (exit 255, or no answer in time): what runs on the host is unknown."""
 
 
 class Liveness(enum.Enum):

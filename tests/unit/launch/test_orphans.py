@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from disagg.cli import main
+from disagg.errors import HostUnreachableError
 from disagg.launch import processes
 from disagg.launch.processes import Liveness
 from disagg.launch.state import ProcessRecord, RunState, save_state
@@ -158,7 +159,7 @@ def test_an_unreachable_host_is_not_a_dead_engine(tmp_path: Path) -> None:
                         url="http://10.0.0.2:8100", log="/remote/log", pid=4242, ssh=UNREACHABLE_SSH)
     assert processes.liveness(rec) is Liveness.UNREACHABLE
     assert processes.is_alive(rec)  # an outage is no proof of death
-    with pytest.raises(processes.HostUnreachableError, match="No route to host"):
+    with pytest.raises(HostUnreachableError, match="No route to host"):
         processes.stop_remote(rec, grace=1.0)
 
 
