@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
-from disagg.deployment import describe, plan_deployment
+from disagg.deployment import Deployment, plan_deployment
 from disagg.errors import DisaggError
+from disagg.launch.emulation import emulated_link, prefill_host
+from disagg.launch.frontend import frontend_argv
 from disagg.modelgen import EMBEDDED_MODELS, build_model
+from disagg.registry import engine_adapter
 from disagg.topology import load_topology
 
 
@@ -39,6 +43,49 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"disagg: error: {exc}", file=sys.stderr)
             failed += 1
     return 2 if failed else 0
+
+
+def describe(dep: Deployment) -> str:
+    """The human-readable plan printed by ``disagg check``."""
+    topo = dep.topology
+    lines = [f"topology {topo.name} ({topo.file})",
+             f"  model     {topo.model.source}" + (f" -> {topo.model.path}" if topo.model.path != topo.model.source
+                                                   else ""),
+             f"  engine    {topo.engine}",
+             "  mode      " + ("colocated (no KV transfer)" if topo.colocated
+                                else f"disaggregated, connector {topo.connector}"),
+             f"  link      {topo.link.type}" + (f" {topo.link.rate_text}" if topo.link.rate_text else ""),
+             f"  proxy     {dep.proxy_url} (fallback: {topo.proxy.fallback}"
+             + (", api key set" if topo.proxy.api_key else "") + ")"]
+    key_env = engine_adapter(topo.engine).key_env(topo)
+    lines.append(f"  engines   answer only the proxy: `up` puts a per-run key in {key_env} of each engine "
+                 "and the proxy sends it" if key_env else
+                 "  engines   not guarded by a key (anyone who reaches their ports may use them)")
+    if topo.link.type == "emulated":
+        link = emulated_link(topo)
+        lines.append(f"  netns     {prefill_host(topo).name} runs in network namespace {link.a.namespace} "
+                     f"behind veth {link.a.interface}/{link.b.interface}, tc tbf {topo.link.rate_text} "
+                     "both ways; decode and proxy stay in the root namespace")
+    for host in topo.hosts.values():
+        where = f"ssh {host.ssh}" + (f" -p {host.ssh_port}" if host.ssh_port else "") if host.is_remote else "local"
+        lines.append(f"host {host.name}: address {host.address}, {where}, device {host.device}")
+        for eng in (e for e in dep.engines if e.host.name == host.name):
+            inst = eng.instance
+            ports = f"http {inst.port}" + (f", kv {inst.kv_port}" if inst.kv_port else "")
+            pin = f", cpus {','.join(map(str, inst.cpus))}" if inst.cpus else ""
+            pin += f", gpus {','.join(map(str, inst.gpus))}" if inst.gpus else ""
+            lines.append(f"  {eng.name}: {eng.url} ({ports}{pin})")
+            lines.append("    env:  " + (" ".join(f"{k}={shlex.quote(v)}" for k, v in eng.env) or "(none)"))
+            lines.append("    argv: " + " ".join(shlex.quote(a) for a in eng.argv))
+            for fname, text in eng.files:
+                lines.append(f"    file: {fname}")
+                lines += [f"      | {line}" for line in text.splitlines()]
+    ports = sorted({(e.host.address, p) for e in dep.engines
+                    for p in (e.instance.port, e.instance.kv_port) if p})
+    ports.append((topo.proxy.host, topo.proxy.port))
+    lines.append(f"proxy ({topo.proxy.kind}): " + " ".join(shlex.quote(a) for a in frontend_argv(dep)))
+    lines.append("ports: " + ", ".join(f"{a}:{p}" for a, p in ports))
+    return "\n".join(lines)
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:

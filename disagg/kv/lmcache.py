@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-from disagg.deployment import host_run_dir
 from disagg.errors import PlanError
 from disagg.kv.base import VllmKVAdapter, kv_role
 from disagg.kv.ucx import ucx_tls
+from disagg.paths import host_run_dir
 from disagg.topology import HostSpec, InstanceSpec, Topology, iter_ports
 
 #: the one hash seed of every LMCache instance, unless the topology sets its own

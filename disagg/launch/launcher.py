@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disagg.commands.proxy import API_KEY_ENV, ENGINE_KEY_ENV
-from disagg.deployment import Deployment, EngineLaunch, host_run_dir, python_for
+from disagg.deployment import Deployment, EngineLaunch, python_for
 from disagg.engines.vllm import KEY_ENV as VLLM_KEY_ENV
 from disagg.errors import (
     EngineStartError,
@@ -62,6 +62,7 @@ from disagg.launch.state import (
 )
 from disagg.linkemu import EmulatedLink, remove_namespace
 from disagg.modelgen import ensure_model
+from disagg.paths import host_run_dir
 from disagg.proxy.config import check_key
 from disagg.registry import engine_adapter
 from disagg.topology import Topology, iter_ports
