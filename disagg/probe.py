@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import disagg
+from disagg.emulation import emulated_link
 from disagg.errors import LinkError
 from disagg.measurements import LinkMeasurement, now_iso
 from disagg.planning import first_pair
@@ -145,8 +146,6 @@ def probe_topology(topo: Topology, *, streams: Sequence[int] = DEFAULT_STREAMS,
     pre_inst, dec_inst = first_pair(topo)
     pre, dec = topo.host_of(pre_inst), topo.host_of(dec_inst)
     if topo.link.type == "emulated":
-        from disagg.launch.emulation import emulated_link
-
         # Exactly the link `disagg up` creates: prefill host in a namespace, decode host in the root one.
         with emulated_link(topo) as link:
             sender = AgentSide(pre, link.a.address, lambda argv: link.wrap("a", argv))

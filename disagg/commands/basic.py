@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from disagg.deployment import Deployment, plan_deployment
+from disagg.emulation import emulated_link, prefill_host
 from disagg.errors import DisaggError
-from disagg.launch.emulation import emulated_link, prefill_host
 from disagg.launch.frontend import frontend_argv
 from disagg.modelgen import EMBEDDED_MODELS, build_model
 from disagg.registry import engine_adapter

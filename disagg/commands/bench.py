@@ -20,9 +20,9 @@ from disagg.bench.report import text_table, write_json, write_report
 from disagg.bench.runner import Step, Target, run_sweep
 from disagg.bench.slo import SLO, parse_slo
 from disagg.bench.workload import ARRIVALS, DEFAULT_OUTPUT_LEN, Workload, parse_classes
-from disagg.commands.proxy import ENGINE_KEY_ENV
 from disagg.errors import DisaggError
 from disagg.measurements import store_prefill
+from disagg.proxy.config import ENGINE_KEY_ENV
 
 USAGE = ("disagg bench URL [options]\n"
          "       disagg bench compare TOPOLOGY.yaml [TOPOLOGY.yaml ...] [--out DIR] [options]")

@@ -8,13 +8,14 @@ import logging
 import os
 
 from disagg.errors import ProxyError
-from disagg.proxy.config import DEFAULT_MAX_CONCURRENCY, FALLBACKS, ProxyConfig, ProxyTimeouts
-
-#: environment variable read when ``--api-key`` is not given (keeps the key out of ``ps``)
-API_KEY_ENV = "DISAGG_PROXY_API_KEY"
-#: the engine key the proxy sends to every engine (``Authorization: Bearer KEY``); ``disagg up``
-#: puts the run's key here, and takes it from here instead of generating one when it is set
-ENGINE_KEY_ENV = "DISAGG_ENGINE_KEY"
+from disagg.proxy.config import (
+    API_KEY_ENV,
+    DEFAULT_MAX_CONCURRENCY,
+    ENGINE_KEY_ENV,
+    FALLBACKS,
+    ProxyConfig,
+    ProxyTimeouts,
+)
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

@@ -7,9 +7,9 @@ from typing import Any
 from disagg_connectors.nixl_cpu_affinity import ENABLED as NIXL_CPU_AFFINITY_OWN_CORES
 from disagg_connectors.nixl_cpu_affinity import ENV as NIXL_CPU_AFFINITY_ENV
 
+from disagg.emulation import interface_for
 from disagg.kv.base import VllmKVAdapter, kv_role
 from disagg.kv.ucx import ucx_tls
-from disagg.launch.emulation import interface_for
 from disagg.topology import HostSpec, InstanceSpec, Topology
 
 

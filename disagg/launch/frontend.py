@@ -24,17 +24,54 @@ import sys
 
 from disagg.deployment import Deployment
 from disagg.errors import PlanError
-from disagg.proxy.config import ProxyConfig
+from disagg.kv.lmcache import proxy_options
+from disagg.proxy.config import DEFAULT_MAX_CONCURRENCY, ProxyConfig, ProxyTimeouts
 
 ROUTER_MODULES = {"vllm-router": "vllm_router.launch_router", "sglang-router": "sglang_router.launch_router"}
 #: proxy kind -> the engine it can route P/D requests for
 ROUTER_ENGINES = {"vllm-router": "vllm", "sglang-router": "sglang"}
 
 
+def handoff_engine(dep: Deployment) -> str:
+    """The proxy's ``engine`` (the handoff protocol) for a planned topology."""
+    topo = dep.topology
+    if topo.engine == "vllm" and topo.connector == "lmcache" and not topo.colocated:
+        return "vllm-lmcache"
+    return topo.engine
+
+
+def handoff_options(dep: Deployment) -> tuple[tuple[str, str], ...]:
+    """The proxy's handoff options for a planned topology (SGLang: the prefill
+    bootstrap ports; vLLM + LMCache: decode receiver ports and the notify port)."""
+    topo = dep.topology
+    if topo.colocated:
+        return ()
+    if topo.engine == "sglang":
+        return (("bootstrap_ports", ",".join(str(e.instance.kv_port) for e in dep.role("prefill"))),)
+    if handoff_engine(dep) == "vllm-lmcache":
+        return tuple(proxy_options(topo))
+    return ()
+
+
+def proxy_config(dep: Deployment) -> ProxyConfig:
+    """The built-in proxy's configuration for a planned topology: URLs, the handoff kind and its
+    options (role ``both`` instances act as decode servers)."""
+    topo = dep.topology
+    t = topo.timeouts
+    return ProxyConfig(
+        decode=tuple(e.url for e in dep.role("decode") + dep.role("both")),
+        prefill=tuple(e.url for e in dep.role("prefill")),
+        host=topo.proxy.host, port=topo.proxy.port, engine=handoff_engine(dep),
+        api_key=topo.proxy.api_key, fallback=topo.proxy.fallback,
+        max_concurrency=topo.proxy.max_concurrency or DEFAULT_MAX_CONCURRENCY,
+        timeouts=ProxyTimeouts(connect=t.connect, request=t.request, health_interval=t.health_interval),
+        handoff_options=handoff_options(dep))
+
+
 def builtin_argv(dep: Deployment) -> list[str]:
     """``python -m disagg proxy ...`` for this deployment; the API key and the engine key are
     left to the environment (``DISAGG_PROXY_API_KEY``, ``DISAGG_ENGINE_KEY``), never the command line."""
-    return [sys.executable, "-m", "disagg", *ProxyConfig.from_deployment(dep).to_argv(with_api_key=False)]
+    return [sys.executable, "-m", "disagg", *proxy_config(dep).to_argv(with_api_key=False)]
 
 
 def router_argv(dep: Deployment, python: str | None = None) -> list[str]:

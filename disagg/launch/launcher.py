@@ -33,8 +33,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from disagg.commands.proxy import API_KEY_ENV, ENGINE_KEY_ENV
 from disagg.deployment import Deployment, EngineLaunch, python_for
+from disagg.emulation import emulated_link
+from disagg.emulation import prefill_host as emulated_prefill_host
 from disagg.engines.vllm import KEY_ENV as VLLM_KEY_ENV
 from disagg.errors import (
     EngineStartError,
@@ -46,8 +47,6 @@ from disagg.errors import (
 )
 from disagg.kv.socket import SECRET_ENV, generate_secret
 from disagg.launch import processes
-from disagg.launch.emulation import emulated_link
-from disagg.launch.emulation import prefill_host as emulated_prefill_host
 from disagg.launch.frontend import frontend_argv
 from disagg.launch.health import busy_ports, http_status, local_port_free
 from disagg.launch.state import (
@@ -63,7 +62,7 @@ from disagg.launch.state import (
 from disagg.linkemu import EmulatedLink, remove_namespace
 from disagg.modelgen import ensure_model
 from disagg.paths import host_run_dir
-from disagg.proxy.config import check_key
+from disagg.proxy.config import API_KEY_ENV, ENGINE_KEY_ENV, check_key
 from disagg.registry import engine_adapter
 from disagg.topology import Topology, iter_ports
 

@@ -1,18 +1,21 @@
-"""The proxy's configuration: one frozen object, built once (CLI or topology)
-and passed down."""
+"""The proxy's configuration: one frozen object, built once (from the ``disagg proxy``
+arguments, or from a topology by ``disagg.launch.frontend.proxy_config``) and passed
+down. The proxy knows only URLs, a handoff kind and its options."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from disagg.errors import ProxyError
 
-if TYPE_CHECKING:
-    from disagg.deployment import Deployment
-
 FALLBACKS = ("local", "never")
+
+#: environment variable read when ``--api-key`` is not given (keeps the key out of ``ps``)
+API_KEY_ENV = "DISAGG_PROXY_API_KEY"
+#: the engine key the proxy sends to every engine (``Authorization: Bearer KEY``); ``disagg up``
+#: puts the run's key here, and takes it from here instead of generating one when it is set
+ENGINE_KEY_ENV = "DISAGG_ENGINE_KEY"
 
 #: client requests the proxy serves at once before it answers 429 (generation and
 #: pass-through; /health and /metrics never count): far above what one pair of
@@ -63,29 +66,6 @@ def normalize_url(url: str, what: str) -> str:
     if parts.query or parts.fragment:
         raise ProxyError(f"{what} URL {url!r} must not carry a query or fragment")
     return url.strip().rstrip("/")
-
-
-def handoff_engine(dep: Deployment) -> str:
-    """The proxy's ``engine`` (the handoff protocol) for a planned topology."""
-    topo = dep.topology
-    if topo.engine == "vllm" and topo.connector == "lmcache" and not topo.colocated:
-        return "vllm-lmcache"
-    return topo.engine
-
-
-def handoff_options(dep: Deployment) -> tuple[tuple[str, str], ...]:
-    """The proxy's handoff options for a planned topology (SGLang: the prefill
-    bootstrap ports; vLLM + LMCache: decode receiver ports and the notify port)."""
-    topo = dep.topology
-    if topo.colocated:
-        return ()
-    if topo.engine == "sglang":
-        return (("bootstrap_ports", ",".join(str(e.instance.kv_port) for e in dep.role("prefill"))),)
-    if handoff_engine(dep) == "vllm-lmcache":
-        from disagg.kv.lmcache import proxy_options
-
-        return tuple(proxy_options(topo))
-    return ()
 
 
 @dataclass(frozen=True)
@@ -140,21 +120,6 @@ class ProxyConfig:
     def colocated(self) -> bool:
         """True when there is no prefill pool (plain load balancer)."""
         return not self.prefill
-
-    @classmethod
-    def from_deployment(cls, dep: Deployment, timeouts: ProxyTimeouts | None = None) -> ProxyConfig:
-        """The proxy of a planned topology (role ``both`` instances act as decode servers)."""
-        topo = dep.topology
-        t = topo.timeouts
-        return cls(
-            decode=tuple(e.url for e in dep.role("decode") + dep.role("both")),
-            prefill=tuple(e.url for e in dep.role("prefill")),
-            host=topo.proxy.host, port=topo.proxy.port, engine=handoff_engine(dep),
-            api_key=topo.proxy.api_key, fallback=topo.proxy.fallback,
-            max_concurrency=topo.proxy.max_concurrency or DEFAULT_MAX_CONCURRENCY,
-            timeouts=timeouts or ProxyTimeouts(connect=t.connect, request=t.request,
-                                               health_interval=t.health_interval),
-            handoff_options=handoff_options(dep))
 
     def to_argv(self, *, with_api_key: bool = True) -> list[str]:
         """The ``disagg proxy ...`` arguments (after ``disagg``) that rebuild this config.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.launch.emulation import emulated_link
+from disagg.emulation import emulated_link
 from disagg.linkemu import netns_unavailable_reason
 from disagg.promtext import sample_sum as metric_value
 from disagg.topology import load_topology

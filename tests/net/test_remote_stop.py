@@ -24,8 +24,8 @@ import pytest
 
 from disagg.cli import main
 from disagg.deployment import plan_deployment
+from disagg.emulation import link_tag
 from disagg.launch import processes
-from disagg.launch.emulation import link_tag
 from disagg.launch.launcher import Launcher
 from disagg.launch.processes import Liveness
 from disagg.launch.state import ProcessRecord, RunState, save_state

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from disagg.commands.proxy import ENGINE_KEY_ENV
 from disagg.deployment import plan_deployment
 from disagg.engines.vllm import GUARD_MIDDLEWARE
 from disagg.errors import LaunchError
 from disagg.launch import launcher as launcher_mod
 from disagg.launch import processes
 from disagg.launch.launcher import SECRET_ENVS, Launcher, run_engine_key
+from disagg.proxy.config import ENGINE_KEY_ENV
 from disagg.topology import load_topology
 from tests.e2e.engines import free_ports
 

@@ -8,7 +8,7 @@ import pytest
 
 from disagg.deployment import plan_deployment
 from disagg.errors import PlanError, TopologyError
-from disagg.launch.frontend import frontend_argv
+from disagg.launch.frontend import frontend_argv, proxy_config
 from disagg.topology import parse_topology
 
 TEXT = """\
@@ -47,8 +47,8 @@ def test_builtin_sglang_passes_bootstrap_ports_in_prefill_order() -> None:
 def test_builtin_argv_rebuilds_the_topologys_proxy_config_without_the_api_key(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from disagg.cli import build_parser
-    from disagg.commands.proxy import API_KEY_ENV, config_from_args
-    from disagg.proxy.config import ProxyConfig
+    from disagg.commands.proxy import config_from_args
+    from disagg.proxy.config import API_KEY_ENV
 
     text = TEXT.replace("kind: KIND}", "kind: builtin, api_key: s3cret}")
     topo = parse_topology(text.replace("ENGINE", "sglang").replace("CONNECTOR", "mooncake"), "t.yaml",
@@ -57,7 +57,7 @@ def test_builtin_argv_rebuilds_the_topologys_proxy_config_without_the_api_key(
     a = frontend_argv(dep)
     assert "s3cret" not in a and "--api-key" not in a
     monkeypatch.setenv(API_KEY_ENV, "s3cret")  # what the launcher puts in the proxy's environment
-    assert config_from_args(build_parser().parse_args(a[3:])) == ProxyConfig.from_deployment(dep)
+    assert config_from_args(build_parser().parse_args(a[3:])) == proxy_config(dep)
 
 
 def test_vllm_router_pd_flags() -> None:
@@ -95,3 +95,23 @@ def test_colocated_router_gets_worker_urls() -> None:
 def test_unknown_kind_names_the_choices() -> None:
     with pytest.raises(TopologyError, match="sglang-router"):
         argv(kind="nginx")
+
+
+def test_proxy_config_from_topology() -> None:
+    text = """
+model: {path: disagg:tiny}
+engine: vllm
+connector: nixl
+proxy: {host: 127.0.0.1, port: 8010, fallback: never, api_key: k, max_concurrency: 64}
+timeouts: {request: 30}
+hosts:
+  a: {address: 127.0.0.1}
+roles:
+  prefill: [{host: a, port: 8100}, {host: a, port: 8101}]
+  decode: [{host: a, port: 8200}]
+"""
+    cfg = proxy_config(plan_deployment(parse_topology(text, "t.yaml")))
+    assert cfg.prefill == ("http://127.0.0.1:8100", "http://127.0.0.1:8101")
+    assert cfg.decode == ("http://127.0.0.1:8200",)
+    assert (cfg.port, cfg.fallback, cfg.api_key, cfg.timeouts.request) == (8010, "never", "k", 30)
+    assert cfg.max_concurrency == 64

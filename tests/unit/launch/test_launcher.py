@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from disagg.cli import main
-from disagg.commands.proxy import API_KEY_ENV, ENGINE_KEY_ENV
 from disagg.deployment import plan_deployment
 from disagg.launch.launcher import Launcher
 from disagg.launch.processes import start_local, stop_local
 from disagg.launch.state import ProcessRecord, RunState, find_states, load_state, save_state
+from disagg.proxy.config import API_KEY_ENV, ENGINE_KEY_ENV
 from disagg.topology import load_topology
 
 

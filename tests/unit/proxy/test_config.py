@@ -85,26 +85,3 @@ def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     args = build_parser().parse_args(["proxy", "--decode", "http://d:1"])
     cfg = config_from_args(args)
     assert cfg.api_key == "from-env" and cfg.colocated and cfg.port == 8000 and cfg.host == "127.0.0.1"
-
-
-def test_from_topology_deployment() -> None:
-    from disagg.deployment import plan_deployment
-    from disagg.topology import parse_topology
-
-    text = """
-model: {path: disagg:tiny}
-engine: vllm
-connector: nixl
-proxy: {host: 127.0.0.1, port: 8010, fallback: never, api_key: k, max_concurrency: 64}
-timeouts: {request: 30}
-hosts:
-  a: {address: 127.0.0.1}
-roles:
-  prefill: [{host: a, port: 8100}, {host: a, port: 8101}]
-  decode: [{host: a, port: 8200}]
-"""
-    cfg = ProxyConfig.from_deployment(plan_deployment(parse_topology(text, "t.yaml")))
-    assert cfg.prefill == ("http://127.0.0.1:8100", "http://127.0.0.1:8101")
-    assert cfg.decode == ("http://127.0.0.1:8200",)
-    assert (cfg.port, cfg.fallback, cfg.api_key, cfg.timeouts.request) == (8010, "never", "k", 30)
-    assert cfg.max_concurrency == 64
