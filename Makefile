@@ -16,6 +16,7 @@ serve: install
 test: install
 	@bash scripts/system-deps.sh
 	$(PY) -m ruff check disagg connectors tests benchmarks scripts
+	$(VENV)/bin/lint-imports
 	@VENV=$(VENV) bash scripts/engine-package-checks.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -26,6 +27,7 @@ engine-checks: install
 
 lint: install
 	$(PY) -m ruff check disagg connectors tests benchmarks scripts
+	$(VENV)/bin/lint-imports
 
 check: install
 	$(PY) -m disagg check topologies/*.yaml
