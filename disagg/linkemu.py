@@ -4,7 +4,7 @@
 and ``disagg-<tag>-b``) joined by a veth pair with addresses 198.18.x.y/30
 (the benchmarking range, RFC 2544), and shapes the egress of **both** ends
 with ``tc qdisc ... tbf rate R burst B latency 50ms`` (this kernel has no
-netem; REFERENCE.md section 5: 2.5 Gb/s needs a burst of at least 1 MB).
+netem; measured here: 2.5 Gb/s needs a burst of at least 1 MB).
 Commands run inside either namespace with :meth:`EmulatedLink.popen` /
 :meth:`EmulatedLink.run`; processes inside one namespace talk over its own
 unshaped loopback, processes on opposite ends over the shaped veth.

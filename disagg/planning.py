@@ -65,7 +65,7 @@ class LinkClass:
     note: str
 
 
-#: Practical rates (REFERENCE.md section 4): TCP payload over 1500-byte
+#: Practical rates (docs/the-one-question.md): TCP payload over 1500-byte
 #: frames is ~94% of the line rate; RoCE reaches ~88%.
 LINK_CLASSES: dict[str, LinkClass] = {c.name: c for c in (
     LinkClass("loopback", "loopback (same machine)", None, 4.3e9 * 8, 30e-6,

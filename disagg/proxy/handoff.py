@@ -133,7 +133,7 @@ class VllmHandoff(Handoff):
 
     engine = "vllm"
 
-    #: kv_transfer_params sent to prefill (REFERENCE.md section 2)
+    #: kv_transfer_params sent to prefill (vLLM's NixlConnector pull protocol; docs/proxy.md)
     PREFILL_KV_PARAMS: ClassVar[dict[str, Any]] = {
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None}

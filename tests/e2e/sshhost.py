@@ -1,5 +1,5 @@
 """A "remote host" on this machine: a network namespace with its own address
-(198.18.5.2/30) running OpenSSH's sshd, reached by key (REFERENCE.md section 6).
+(198.18.5.2/30) running OpenSSH's sshd, reached by key (docs/launcher.md, SSH hosts).
 
 Commands run through it execute inside the namespace but see the same
 filesystem, so the same venv and model path work there.

@@ -1,6 +1,6 @@
 """probe-link to a remote decode host over SSH, across an emulated link.
 
-REFERENCE.md section 6: an sshd inside one namespace of an EmulatedLink is a
+As measured here: an sshd inside one namespace of an EmulatedLink is a
 remote host on this machine. The prefill side (this test's probe) runs inside
 the other namespace, so the receiver starts over SSH and the data crosses the
 tbf-shaped veth. Skips only without namespaces or without OpenSSH.

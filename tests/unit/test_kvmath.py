@@ -45,7 +45,7 @@ def test_deepseek_v3_mla_is_latent_plus_rope() -> None:
     ("qwen3-32b", 256), ("qwen3-30b-a3b", 96), ("mistral-7b", 128),
 ])
 def test_reference_figures(name: str, kib: int) -> None:
-    """REFERENCE.md section 4's per-token sizes (bf16)."""
+    """Per-token KV sizes of popular models (bf16), as docs/the-one-question.md lists them."""
     assert BUILTIN_MODELS[name].kv_bytes_per_token() == kib * KIB
 
 
