@@ -167,3 +167,11 @@ def foreground_up_processes(topology: Path) -> list[psutil.Process]:
         if "disagg" in cmd and "up" in cmd and str(topology) in cmd:
             found.append(proc)
     return found
+
+
+def busy_ports(ports: list[int], timeout_s: float = 10) -> list[int]:
+    """The ports of ``ports`` still taken after waiting up to ``timeout_s`` for all to free."""
+    deadline = time.monotonic() + timeout_s
+    while (busy := [p for p in ports if not port_is_free(p)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return busy

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from disagg.prompts import exact_prompt
 from disagg.promtext import sample_label as metric_label
 from disagg.promtext import sample_sum as metric_value
-from tests.e2e.engines import Running, get_text, port_is_free, post_json
+from tests.e2e.engines import Running, busy_ports, get_text, post_json
 
 pytestmark = pytest.mark.e2e
 KV_BYTES_PER_TOKEN = 1024  # the embedded tiny model, bf16
@@ -145,8 +145,5 @@ def test_ctrl_c_leaves_nothing(pd: Running) -> None:
     assert pd.process.wait(timeout=120) == 0
     _, alive = psutil.wait_procs(procs, timeout=5)
     assert not alive, f"left running after Ctrl-C: {[p.pid for p in alive]}"
-    deadline = time.monotonic() + 10
-    while not all(port_is_free(p) for p in ports) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert all(port_is_free(p) for p in ports), ports
+    assert busy_ports(ports) == [], ports
     assert not (pd.run_dir / "runs" / pd.topology.stem / "state.json").exists()

@@ -24,10 +24,10 @@ from tests.e2e.engines import (
     ENGINE_KEY,
     Running,
     bring_up,
+    busy_ports,
     engine_processes,
     foreground_up_processes,
     free_ports,
-    port_is_free,
     write_topology,
 )
 
@@ -120,9 +120,6 @@ def test_down_leaves_nothing(socket_pd: Running, tiny_model: Path) -> None:
     assert done.returncode == 0, done.stderr
     _, alive = psutil.wait_procs(procs, timeout=10)
     assert not alive, f"left running after disagg down: {[p.pid for p in alive]}"
-    deadline = time.monotonic() + 10
-    while not all(port_is_free(p) for p in ports) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert all(port_is_free(p) for p in ports), ports
+    assert busy_ports(ports) == [], ports
     assert not (socket_pd.run_dir / "runs" / socket_pd.topology.stem / "state.json").exists()
     assert not engine_processes(tiny_model)
