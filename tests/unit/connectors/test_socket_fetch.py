@@ -23,6 +23,7 @@ from disagg_connectors.socket_connector.layout import StagedStore, make_store
 from disagg_connectors.socket_connector.leases import LeaseTable
 from disagg_connectors.socket_connector.server import KVServer
 from disagg_connectors.socket_connector.wire import recv_frame, send_frame
+from disagg_connectors.socket_connector.wire import wait_readable as wire_readable
 
 from tests.unit.connectors.kvdata import NUM_BLOCKS, SECRET, eventually, kv_caches, reaped
 
@@ -267,6 +268,17 @@ def test_connections_are_kept_between_fetches(served, connects) -> None:
     assert eventually(reaped(server.leases), ({"r0", "r1", "r2"}, set())) == ({"r0", "r1", "r2"}, set())
 
 
+def server_dropped_idle(conns: PeerConnections, timeout_s: float = 5.0) -> bool:
+    """Wait until the server closed every pooled connection (EOF readable on each), instead of
+    sleeping a fixed time that a loaded machine may overrun; False after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while any(not wire_readable(c.sock, 0) for cs in conns._idle.values() for c in cs):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def test_connections_the_prefill_side_dropped_are_replaced(connects, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server closes connections idle for ``idle_timeout_s``; the next fetch opens new ones,
     also when the drop is only noticed on the first message (the race: checked just before)."""
@@ -277,11 +289,11 @@ def test_connections_the_prefill_side_dropped_are_replaced(connects, monkeypatch
     try:
         with PeerConnections(SECRET, make_store(dst, NUM_BLOCKS), FetchOptions(streams=2)) as conns:
             fetch_and_check(conns, server, src, dst, "r0", [1, 2], [3, 4])
-            time.sleep(0.6)
+            assert server_dropped_idle(conns)
             fetch_and_check(conns, server, src, dst, "r1", [5, 6], [7, 8])
             assert len(connects) == 4
             monkeypatch.setattr(client, "wait_readable", lambda sock, seconds: False)
-            time.sleep(0.6)
+            assert server_dropped_idle(conns)
             fetch_and_check(conns, server, src, dst, "r2", [9, 10], [11, 12])
             assert len(connects) == 6
     finally:
