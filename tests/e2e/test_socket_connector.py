@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 
 import aiohttp
+import psutil
 import pytest
 
 from disagg.modelgen import build_model
@@ -226,6 +227,25 @@ async def test_crafted_kv_transfer_params_are_declined_and_computed_locally(pair
     assert p.alive() and d.alive()
 
 
+def stop_group(pgid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP a process group and wait until every member is stopped (the signal lands
+    asynchronously; on a loaded machine a member may still answer for a moment)."""
+    os.killpg(pgid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        members = []
+        for proc in psutil.process_iter():
+            try:
+                if os.getpgid(proc.pid) == pgid:
+                    members.append(proc.status())
+            except (psutil.Error, ProcessLookupError):
+                continue
+        if members and all(st == psutil.STATUS_STOPPED for st in members):
+            return
+        assert time.monotonic() < deadline, f"process group {pgid} not stopped: {members}"
+        time.sleep(0.05)
+
+
 async def test_frozen_prefill_times_out_to_local_recompute_without_leaking(pair: tuple[Engine, Engine]) -> None:
     """P stops answering (SIGSTOP) after the prefill: D gives up after its I/O timeout and recomputes."""
     p, d = pair
@@ -233,8 +253,8 @@ async def test_frozen_prefill_times_out_to_local_recompute_without_leaking(pair:
         reference = await complete(session, d, LONG, 8)
         failed_before = metric(d.url, "vllm:socket_kv_failed_transfers_total")
         pre = await complete(session, p, LONG, 1, dict(REMOTE_DECODE))
-        os.killpg(p.proc.pid, signal.SIGSTOP)
         try:
+            stop_group(p.proc.pid)
             started = time.monotonic()
             dec = await complete(session, d, LONG, 8, pre["kv_transfer_params"])
             elapsed = time.monotonic() - started
