@@ -37,6 +37,7 @@ from disagg.proxy.batch import serve_batch
 from disagg.proxy.config import ProxyConfig
 from disagg.proxy.errors import (
     BadRequest,
+    NoHealthyBackend,
     PrefillUnavailable,
     ProxyHTTPError,
     TooManyRequests,
@@ -230,7 +231,7 @@ async def _health(request: web.Request) -> web.Response:
     if missing:
         what = " and ".join(f"no healthy {role} instance" for role in missing)
         detail = "; ".join(p.describe() for p in pools)
-        return error_response(503, f"{what}: {detail}", {REQUEST_ID: request[REQUEST_ID_KEY]})
+        return NoHealthyBackend(f"{what}: {detail}").response({REQUEST_ID: request[REQUEST_ID_KEY]})
     return web.json_response({"status": "ok", **report}, headers={REQUEST_ID: request[REQUEST_ID_KEY]})
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import aiohttp
@@ -21,7 +21,7 @@ NOT_PROBED = "not probed yet"
 class Backend:
     """One engine server: its URL, health and outstanding requests."""
 
-    __slots__ = ("healthy", "last_error", "outstanding", "role", "url")
+    __slots__ = ("healthy", "last_error", "outstanding", "returns", "role", "served", "url")
 
     def __init__(self, role: str, url: str) -> None:
         self.role = role
@@ -29,6 +29,9 @@ class Backend:
         self.healthy = False          # until the first probe passes
         self.outstanding = 0
         self.last_error: str | None = NOT_PROBED
+        self.served = False           # it was in service at least once
+        #: times it came back into service after being taken out (a restart, an outage)
+        self.returns = 0
 
     def __repr__(self) -> str:
         state = "healthy" if self.healthy else f"unhealthy: {self.last_error}"
@@ -41,6 +44,11 @@ class BackendPool:
     :meth:`pick` chooses the healthy backend with the fewest outstanding
     requests; ties go round-robin. :meth:`lease` counts a request on a backend
     for as long as the caller uses it.
+
+    A backend that comes back into service after it was taken out may be a new
+    process (``disagg up`` restarts engines that exit): whatever was measured
+    about it no longer holds. Owners of per-backend measurements register with
+    :meth:`on_return` and are called, in the event loop, each time that happens.
     """
 
     def __init__(self, role: str, urls: Sequence[str], metrics: ProxyMetrics) -> None:
@@ -48,6 +56,7 @@ class BackendPool:
         self.backends = tuple(Backend(role, url) for url in urls)
         self._metrics = metrics
         self._next = 0
+        self._returned: list[Callable[[Backend], None]] = []
         for b in self.backends:
             metrics.healthy.labels(role, b.url).set(0)
             metrics.in_flight.labels(role, b.url).set(0)
@@ -95,11 +104,21 @@ class BackendPool:
         backend.last_error = reason
         self._metrics.healthy.labels(self.role, backend.url).set(0)
 
+    def on_return(self, callback: Callable[[Backend], None]) -> None:
+        """Call ``callback(backend)`` whenever a backend comes back after being taken out."""
+        self._returned.append(callback)
+
     def mark_up(self, backend: Backend) -> None:
-        """Put ``backend`` (back) into service."""
+        """Put ``backend`` (back) into service; a return tells the :meth:`on_return` callbacks."""
         if not backend.healthy:
-            log.info("%s %s healthy", self.role, backend.url)
+            log.info("%s %s %s", self.role, backend.url, "back in service" if backend.served else "healthy")
+            if backend.served:
+                backend.returns += 1
+                self._metrics.returns.labels(self.role, backend.url).inc()
+                for callback in self._returned:
+                    callback(backend)
         backend.healthy = True
+        backend.served = True
         backend.last_error = None
         self._metrics.healthy.labels(self.role, backend.url).set(1)
 

@@ -7,8 +7,9 @@ client exceptions become proxy errors.
     └── ProxyHTTPError                  an error the client sees; carries its status
         ├── BadRequest                  400: unreadable client request
         ├── Unauthorized                401: missing or wrong API key
-        ├── TooManyRequests             429: over the concurrency cap (Retry-After)
-        ├── NoHealthyBackend            503: no healthy instance of a role
+        ├── RetryLater                  an error that passes (Retry-After)
+        │   ├── TooManyRequests         429: over the concurrency cap
+        │   └── NoHealthyBackend        503: no healthy instance of a role
         ├── PrefillUnavailable          503: prefill failed and fallback is "never"
         └── UpstreamError               an engine could not be used
             ├── UpstreamConnectError    502: connection refused / reset before sending
@@ -87,8 +88,9 @@ class Unauthorized(ProxyHTTPError):
     status = 401
 
 
-class TooManyRequests(ProxyHTTPError):
-    status = 429
+class RetryLater(ProxyHTTPError):
+    """An error that passes: the response carries ``Retry-After`` (seconds)."""
+
     #: the ``Retry-After`` the client is given, seconds
     retry_after_s = 1
 
@@ -97,8 +99,17 @@ class TooManyRequests(ProxyHTTPError):
                                                           "Retry-After": str(self.retry_after_s)})
 
 
-class NoHealthyBackend(ProxyHTTPError):
+class TooManyRequests(RetryLater):
+    status = 429
+
+
+class NoHealthyBackend(RetryLater):
+    """No instance of a role is in service (every decode engine down, or restarting under
+    ``disagg up``'s supervision): 503 with ``Retry-After``, the time of about one health probe
+    round, after which a restarted engine is back in service."""
+
     status = 503
+    retry_after_s = 2
 
 
 class PrefillUnavailable(ProxyHTTPError):

@@ -22,6 +22,8 @@ Names (all prefixed ``disagg_proxy_``):
 - ``prefill_seconds``: the prefill request alone.
 - ``handoff_seconds``: prefill reply -> first decode event (streaming only).
 - ``backend_in_flight{role, url}``, ``backend_healthy{role, url}``.
+- ``backend_returns_total{role, url}``: times a backend came back into service after
+  being taken out (a restarted engine); what the proxy measured about it is dropped then.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class ProxyMetrics:
                                ["role", "url"], registry=r)
         self.healthy = Gauge("disagg_proxy_backend_healthy", "1 while the backend passes health probes",
                              ["role", "url"], registry=r)
+        self.returns = Counter("disagg_proxy_backend_returns", "Times a backend came back into service",
+                               ["role", "url"], registry=r)
 
     def render(self) -> bytes:
         """The text exposition format of every metric."""

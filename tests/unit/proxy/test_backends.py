@@ -109,3 +109,31 @@ async def test_refused_connection_retries_next_backend(standin, proxy, http) -> 
             assert resp.status == 200
             assert (await resp.json())["served_by"] == "B"
     assert not server.app_state.decode.backends[0].healthy
+
+
+async def test_every_decode_down_is_503_with_retry_after(standin, proxy, http) -> None:
+    d = await standin("D")
+    server = await proxy(decode=[d.url])
+    await d.stop()  # dies between probes: the refused connection takes it out at once
+    async with http.post(server.url + "/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 503
+        assert resp.headers["Retry-After"] == "2"
+        assert "no healthy decode instance" in (await resp.json())["error"]["message"]
+    async with http.get(server.url + "/health") as resp:
+        assert resp.status == 503 and resp.headers["Retry-After"] == "2"
+
+
+async def test_a_backend_back_in_service_is_announced_to_measurement_owners(standin, proxy, http) -> None:
+    a = await standin("A")
+    server = await proxy(decode=[a.url])
+    pool = server.app_state.decode
+    returned: list[str] = []
+    pool.on_return(lambda backend: returned.append(backend.url))
+    a.health_status = 503
+    await wait_for(lambda: not pool.backends[0].healthy)
+    assert returned == []  # taken out: nothing to forget yet
+    a.health_status = 200
+    await wait_for(lambda: pool.backends[0].healthy)
+    assert returned == [a.url] and pool.backends[0].returns == 1
+    assert server.app_state.metrics.registry.get_sample_value(
+        "disagg_proxy_backend_returns_total", {"role": "decode", "url": a.url}) == 1
