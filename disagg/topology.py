@@ -28,6 +28,9 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 FALLBACKS = ("local", "never")
 PROXY_KINDS = ("builtin", "vllm-router", "sglang-router")
+#: how the builtin proxy routes each prompt (docs/topology.md "routing"): ``auto`` predicts the
+#: fastest of split / local / whole per prompt, ``split`` always splits, ``local`` never does
+ROUTING_POLICIES = ("auto", "split", "local")
 EMBEDDED_MODEL_PREFIX = "disagg:"
 
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)\s*$", re.IGNORECASE)
@@ -123,6 +126,19 @@ class ProxySpec:
 
 
 @dataclass(frozen=True)
+class RoutingSpec:
+    """How the builtin proxy routes each prompt of a split topology (``routing:``).
+
+    ``policy``: ``auto`` (the default) predicts each prompt's TTFT on every path and
+    takes the fastest (:mod:`disagg.routecost`); ``split`` sends every prompt that can
+    be split through the KV handoff (the behaviour before ``routing`` existed);
+    ``local`` lets the decode engines prefill every prompt themselves.
+    """
+
+    policy: str = "auto"
+
+
+@dataclass(frozen=True)
 class Timeouts:
     """Every wait in one place, in seconds."""
 
@@ -131,6 +147,26 @@ class Timeouts:
     shutdown_grace: float = 20.0        # SIGTERM -> SIGKILL
     request: float = 600.0              # one upstream request in the proxy
     connect: float = 10.0               # opening an upstream connection
+
+
+RESTART_POLICIES = ("on-failure", "always", "no")
+
+
+@dataclass(frozen=True)
+class RestartSpec:
+    """What ``disagg up`` does when an engine or the proxy exits on its own (systemd's words).
+
+    ``policy``: ``on-failure`` restarts after a non-zero exit or a signal, ``always`` after any
+    exit, ``no`` never. At most ``max`` restarts of one process within any ``window`` seconds;
+    the next exit is reported as final. The wait before a restart starts at ``backoff`` seconds
+    and doubles with each restart in the window, up to ``max_backoff``.
+    """
+
+    policy: str = "on-failure"
+    max: int = 5
+    window: float = 600.0
+    backoff: float = 1.0
+    max_backoff: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -147,7 +183,9 @@ class Topology:
     instances: tuple[InstanceSpec, ...]
     proxy: ProxySpec = field(default_factory=ProxySpec)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    routing: RoutingSpec = field(default_factory=RoutingSpec)
     run_dir: str = ".disagg"
+    restart: RestartSpec = field(default_factory=RestartSpec)
 
     @property
     def colocated(self) -> bool:
@@ -186,11 +224,13 @@ def build_topology(root: Node, path: Path, *, run_dir: str | None = None) -> Top
     instances = _roles(top.required("roles"), hosts)
     proxy = _proxy(top.take("proxy"))
     timeouts = _timeouts(top.take("timeouts"))
+    routing = _routing(top.take("routing"), engine)
+    restart = _restart(top.take("restart"))
     top.done()
     instances = _assign_kv_ports(instances, hosts, proxy)
     topo = Topology(file=str(path), name=name, model=model, engine=engine, connector=connector,
-                    link=link, hosts=hosts, instances=instances, proxy=proxy, timeouts=timeouts,
-                    run_dir=resolved_run_dir)
+                    link=link, hosts=hosts, instances=instances, proxy=proxy, timeouts=timeouts, routing=routing,
+                    run_dir=resolved_run_dir, restart=restart)
     _check_ports(topo, root)
     _check_link(topo, root)
     return topo
@@ -447,6 +487,21 @@ def _proxy(node: Node | None) -> ProxySpec:
     return spec
 
 
+def _routing(node: Node | None, engine: str) -> RoutingSpec:
+    if node is None:
+        return RoutingSpec()
+    f = Fields(node, "a mapping with policy (auto, split, local)")
+    policy_node = f.take("policy")
+    f.done()
+    if policy_node is None:
+        return RoutingSpec()
+    if policy_node.value not in ROUTING_POLICIES:
+        raise policy_node.error(f"expected one of {', '.join(ROUTING_POLICIES)}, got {describe(policy_node.value)}")
+    if policy_node.value == "local" and engine == "sglang":
+        raise policy_node.error("engine sglang cannot prefill on its decode servers; use auto or split")
+    return RoutingSpec(policy=str(policy_node.value))
+
+
 def _timeouts(node: Node | None) -> Timeouts:
     if node is None:
         return Timeouts()
@@ -459,6 +514,44 @@ def _timeouts(node: Node | None) -> Timeouts:
                  connect=f.float("connect", d.connect) or d.connect)
     f.done()
     return t
+
+
+_DURATION_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*(ms|s|m|h)?\s*")
+_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def _duration(node: Node) -> float:
+    """A positive duration: a number of seconds or a string such as ``500ms``, ``30s``, ``10m``, ``1h``."""
+    value = node.value
+    if isinstance(value, bool):
+        raise node.error(f"expected a duration (seconds, or e.g. 30s, 10m), got {describe(value)}")
+    match = _DURATION_RE.fullmatch(value) if isinstance(value, str) else None
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif match is not None:
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    else:
+        raise node.error(f"expected a duration (seconds, or e.g. 30s, 10m), got {describe(value)}")
+    if not 0 < seconds < 1e7:
+        raise node.error(f"expected a duration greater than 0 and below 1e7 s, got {value!r}")
+    return seconds
+
+
+def _restart(node: Node | None) -> RestartSpec:
+    if node is None:
+        return RestartSpec()
+    f = Fields(node, "a mapping with policy, max, window, backoff, max_backoff")
+    d = RestartSpec()
+    durations = {key: _duration(child) for key in ("window", "backoff", "max_backoff")
+                 if (child := f.take(key)) is not None}
+    spec = RestartSpec(policy=f.choice("policy", RESTART_POLICIES, d.policy),
+                       max=f.int("max", d.max, minimum=0, maximum=1000) or 0,
+                       window=durations.get("window", d.window), backoff=durations.get("backoff", d.backoff),
+                       max_backoff=durations.get("max_backoff", max(d.max_backoff, durations.get("backoff", 0.0))))
+    f.done()
+    if spec.max_backoff < spec.backoff:
+        raise node.error(f"max_backoff ({spec.max_backoff:g} s) is shorter than backoff ({spec.backoff:g} s)")
+    return spec
 
 
 KV_PORT_BASE = 5600

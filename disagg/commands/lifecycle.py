@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import selectors
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
 
 from disagg.deployment import plan_deployment
@@ -26,6 +29,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--detach", "-d", action="store_true",
                    help="return once everything is healthy (stop later with `disagg down`)")
     p.add_argument("--run-dir", help="state and logs directory (default: the topology's run_dir, .disagg)")
+    # the detached supervisor: `up --detach` starts `up --supervisor-fd N` in a session of its own
+    p.add_argument("--supervisor-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(handler=cmd_up)
 
     p = sub.add_parser("down", help="stop everything `disagg up` started")
@@ -78,11 +83,14 @@ def _handling(signals: _Signals) -> Iterator[None]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Start a topology; in the foreground, supervise until Ctrl-C.
+    """Start a topology and supervise it (restarts, see ``disagg.launch.supervisor``) until Ctrl-C.
 
     Ctrl-C (or SIGTERM) at any moment stops everything started so far; the run's
-    lock is held until this returns (``--detach``: until everything is healthy).
+    lock is held until this returns. ``--detach`` runs the same in a supervisor
+    process of its own (:func:`detach`) and returns once everything is healthy.
     """
+    if args.detach and args.supervisor_fd is None:
+        return detach(args)
     topo = load_topology(args.topology, run_dir=args.run_dir)
     launcher = Launcher(plan_deployment(topo))
     signals = _Signals(launcher)
@@ -95,15 +103,111 @@ def cmd_up(args: argparse.Namespace) -> int:
             if signals.stop:
                 launcher.stop(grace=0.0 if signals.count > 1 else None)
                 return 130
-            if args.detach:
-                print(f"detached; stop with: disagg down {args.topology}")
-                return 0
-            print("serving; Ctrl-C stops every process", flush=True)
+            if args.supervisor_fd is not None:
+                _detached(args.supervisor_fd, launcher)
+            else:
+                print("serving; Ctrl-C stops every process", flush=True)
             status = launcher.supervise(lambda: signals.stop)
             launcher.stop(grace=0.0 if signals.count > 1 else None)
             return status
         finally:
             launcher.release()
+
+
+#: after `ready`, how long to wait for the rest of the supervisor's start-up output
+DRAIN_S = 2.0
+
+
+def supervisor_log(run_dir: str, name: str) -> Path:
+    """Where a detached supervisor writes once ``up --detach`` has returned."""
+    return run_path(run_dir, name) / "logs" / "supervisor.log"
+
+
+def _detached(fd: int, launcher: Launcher) -> None:
+    """In the supervisor process, once up: from now on write to the supervisor log, then tell
+    the waiting ``up --detach`` that it may return (one line on ``fd``)."""
+    log = supervisor_log(launcher.run.run_dir, launcher.topo.name)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    print(f"supervising (pid {os.getpid()}); restarts are reported here", flush=True)
+    try:
+        os.write(fd, b"ready\n")
+    except OSError:
+        pass  # the waiting `up` is gone: supervise anyway, `disagg down` stops us
+    finally:
+        os.close(fd)
+
+
+def detach(args: argparse.Namespace) -> int:
+    """``up --detach``: start ``up --supervisor-fd`` in a session of its own, relay its output
+    until it says it is supervising (exit 0) or exits (its exit status).
+
+    The supervisor holds the run's lock and secrets in memory and restarts what exits;
+    ``disagg down`` asks it to stop everything (SIGTERM). Ctrl-C here is passed on to it
+    during start-up (it stops what it started) and this waits for it to exit.
+    """
+    topo = load_topology(args.topology, run_dir=args.run_dir)  # errors here, before anything starts
+    ready_r, ready_w = os.pipe()
+    argv = [sys.executable, "-m", "disagg", "up", args.topology, "--supervisor-fd", str(ready_w)]
+    if args.run_dir:
+        argv += ["--run-dir", args.run_dir]
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             pass_fds=(ready_w,), start_new_session=True)
+    os.close(ready_w)
+    signals = _Signals()
+    with _handling(signals):
+        ready = _relay_until_ready(child, ready_r, signals)
+    if ready:
+        print(f"detached: supervisor pid {child.pid} restarts what exits (log "
+              f"{supervisor_log(topo.run_dir, topo.name)}); stop with: disagg down {args.topology}", flush=True)
+        return 0
+    code = child.wait()
+    return 130 if signals.stop else code
+
+
+def _relay_until_ready(child: subprocess.Popen[bytes], ready_fd: int, signals: _Signals) -> bool:
+    """Copy the child's stdout/stderr to ours until it writes ``ready`` on ``ready_fd`` (True)
+    or closes everything (False: it exited); pass each Ctrl-C on to it as SIGTERM."""
+    assert child.stdout is not None and child.stderr is not None
+    sinks = {child.stdout.fileno(): sys.stdout, child.stderr.fileno(): sys.stderr}
+    with selectors.DefaultSelector() as sel:
+        for fd in (*sinks, ready_fd):
+            sel.register(fd, selectors.EVENT_READ)
+        forwarded, ready, open_fds, ready_at = 0, False, {*sinks, ready_fd}, 0.0
+        while open_fds:
+            if signals.count > forwarded:
+                forwarded = signals.count
+                _signal(child, signal.SIGTERM)
+            for key, _ in sel.select(timeout=0.2):
+                fd = key.fd
+                data = os.read(fd, 65536)
+                if not data:
+                    sel.unregister(fd)
+                    open_fds.discard(fd)
+                elif fd == ready_fd:
+                    if not ready and data.startswith(b"ready"):
+                        ready, ready_at = True, time.monotonic()
+                else:
+                    sinks[fd].write(data.decode("utf-8", errors="replace"))
+                    sinks[fd].flush()
+            if ready and time.monotonic() - ready_at > DRAIN_S:
+                break  # its stdout/stderr moved to the supervisor log before `ready`; a copy kept them open
+    os.close(ready_fd)
+    child.stdout.close()
+    child.stderr.close()
+    return ready
+
+
+def _signal(child: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        child.send_signal(sig)
+    except ProcessLookupError:
+        pass
 
 
 def _state_for(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -157,23 +261,37 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Print each process of a run with liveness and health; exit 1 if any is unhealthy."""
+    """Print the supervisor and each process of a run with liveness, health, restarts and the
+    last exit; exit 1 if any process is unhealthy."""
     run, _ = _state_for(args)
     print(f"{run.name}: proxy {run.proxy_url} (topology {run.topology})")
+    holder = lock_holder(run.run_dir, run.name)
+    if holder:
+        print(f"  supervisor  pid {holder}: restarts what exits (log {supervisor_log(run.run_dir, run.name)})")
+    else:
+        print("  supervisor  not running: nothing restarts what exits (`disagg down`, then `disagg up`)")
     bad = 0
     for rec in run.processes:
         found = processes.liveness(rec)
         alive = found is processes.Liveness.RUNNING
         code = http_status(rec.url + "/health") if alive else None
-        if found is processes.Liveness.RUNNING:
+        if rec.status == "backoff" and holder:
+            state = "exited; waiting to be restarted"
+        elif rec.status == "starting" and holder and alive:
+            state = "restarted; starting"
+        elif found is processes.Liveness.RUNNING:
             state = "healthy" if code == 200 else f"running, /health {code}"
         elif found is processes.Liveness.LEFTOVERS:
             state = "not running (leader exited; processes of its group remain: `disagg down` stops them)"
         elif found is processes.Liveness.UNREACHABLE:
             state = "unknown (host unreachable over ssh)"
+        elif rec.status == "failed":
+            state = "failed: not restarted again (restart policy or restart.max)"
         else:
             state = "not running"
         bad += code != 200
         where = f"{rec.host} via ssh" if rec.ssh else rec.host
-        print(f"  {rec.name:<11} {rec.address}:{rec.port:<6} pid {rec.pid:<8} {where:<12} {state}  log {rec.log}")
+        history = f"  restarts {rec.restarts}" + (f", last exit: {rec.last_exit}" if rec.last_exit else "")
+        print(f"  {rec.name:<11} {rec.address}:{rec.port:<6} pid {rec.pid:<8} {where:<12} {state}{history}"
+              f"  log {rec.log}")
     return 1 if bad else 0

@@ -13,6 +13,10 @@ process is being started and recorded, so nothing runs unrecorded; the
 start-up code also checks for it between starts. Signals that arrive while
 stopping make the stop immediate (SIGKILL) instead.
 
+Once up, :meth:`Launcher.supervise` restarts what exits (see
+:mod:`disagg.launch.supervisor`) with the same command line, environment and
+run secrets, which only this process holds (in memory, never in a file).
+
 ``stop_run()`` stops what a state file lists: the proxy first, then every
 engine at once (SIGTERM to each process group and session, the grace period,
 SIGKILL), whatever state each leader is in. What cannot be stopped (its host
@@ -59,6 +63,7 @@ from disagg.launch.state import (
     run_path,
     save_state,
 )
+from disagg.launch.supervisor import Supervisor
 from disagg.linkemu import EmulatedLink, remove_namespace
 from disagg.modelgen import ensure_model
 from disagg.paths import host_run_dir
@@ -142,6 +147,9 @@ class Launcher:
         self._signals_at_stop = 0    # ... when the stop began: any later one hurries it
         self._interruptible = False  # inside a wait of start-up that KeyboardInterrupt may cut short
         self._raised = False         # the one KeyboardInterrupt of start-up was raised
+        self._extra_env: dict[str, str] = {}  # the run's secrets, for every (re)start of an engine
+        self._exit_codes: dict[int, int] = {}  # pid -> exit code of reaped local children
+        self._supervisor: Supervisor | None = None
 
     # -- public -----------------------------------------------------------------
     def up(self) -> RunState:
@@ -166,13 +174,13 @@ class Launcher:
                 self._open_link()  # the namespace is recorded before it is created
                 if self.topo.model.embedded:
                     ensure_model(self.topo.model.embedded, self.topo.model.path)
-            extra_env = {**per_run_env(self.topo), **self._engine_key_env()}
+            self._extra_env = {**per_run_env(self.topo), **self._engine_key_env()}
             self._say_engine_key()
             t0 = time.monotonic()
             pending = []
             for eng in self.dep.engines:
                 self._check_interrupt()
-                pending.append(self._start_engine(eng, extra_env))
+                pending.append(self._start_engine(eng))
             with self._wait_point():
                 self._wait_healthy(pending, t0)
             self._start_proxy()
@@ -207,28 +215,15 @@ class Launcher:
         self.lock.release()
 
     def supervise(self, should_stop: Callable[[], bool]) -> int:
-        """Foreground mode: watch every process until ``should_stop()`` or the service is lost.
+        """Once up: watch every process until ``should_stop()``, restarting those that exit
+        as the topology's ``restart`` policy says (see :mod:`disagg.launch.supervisor`).
 
-        An engine that dies is reported once with its log tail, and what it left in its
-        process group (vLLM's EngineCore and workers) is stopped; serving goes on while
-        the proxy and at least one decode (or colocated) engine live: the proxy routes
-        around a lost prefill engine. Returns 0 when asked to stop, 1 when the proxy or
-        the last decode engine died.
+        Returns 0 when asked to stop, 1 when the service is lost for good (the proxy or
+        every decode engine exited and is not restarted).
         """
-        reported: set[str] = set()
-        while not should_stop():
-            for dead in (r for r in self.run.processes if r.name not in reported and not self._alive(r)):
-                reported.add(dead.name)
-                self.echo(f"error: {dead.name} on {dead.address}:{dead.port} exited; last lines of {dead.log}:\n"
-                          + processes.log_tail(dead))
-                self._sweep(dead)
-            servers = [r for r in self.run.processes if r.name.startswith(("decode[", "both["))]
-            if "proxy" in reported or all(r.name in reported for r in servers):
-                self.echo("error: the service is lost (" + ("the proxy" if "proxy" in reported
-                                                            else "every decode engine") + " exited); stopping")
-                return 1
-            time.sleep(self.poll_interval)
-        return 0
+        if self._supervisor is None:
+            self._supervisor = Supervisor(self)  # one for the launcher's life: restart budgets persist
+        return self._supervisor.run(should_stop)
 
     def stop(self, *, grace: float | None = None) -> None:
         """Stop every process this launcher started (idempotent); a signal meanwhile hurries it."""
@@ -243,15 +238,74 @@ class Launcher:
             self.state = LauncherState.STOPPED
             self.release()
 
-    def _sweep(self, dead: ProcessRecord) -> None:
-        """Stop what an exited leader left in its group (a SIGKILLed API server's EngineCore and workers)."""
+    # -- what the supervisor uses ----------------------------------------------------
+    def sweep(self, dead: ProcessRecord) -> None:
+        """Stop what an exited leader left in its group (a SIGKILLed API server's EngineCore and workers),
+        or the whole process when it still runs (a restart that never became healthy)."""
         try:
             outcome = processes.stop_process(dead, min(self.topo.timeouts.shutdown_grace, ABORT_GRACE_S))
         except LaunchError as exc:
             self.echo(f"{dead.name}: could not stop what it left behind: {exc}")
             return
-        if outcome is not None and outcome.others:
+        if outcome is not None and outcome.others and not outcome.leader_running:
             self.echo(f"{dead.name}: stopped the {outcome.others} processes of its group it left behind")
+
+    def alive(self, rec: ProcessRecord) -> bool:
+        """False once the recorded leader has exited (a local child is reaped, its status kept
+        for :meth:`exit_code`); a remote host that does not answer counts as alive."""
+        if not rec.ssh and rec.pid not in self._exit_codes:
+            code = processes.exit_status(rec.pid)
+            if code is not None:
+                self._exit_codes[rec.pid] = code
+        if rec.pid in self._exit_codes:
+            return False
+        return processes.is_alive(rec)
+
+    def exit_code(self, rec: ProcessRecord) -> int | None:
+        """The exit code of an exited local leader this process started (negative: a signal), else None."""
+        return self._exit_codes.get(rec.pid)
+
+    @staticmethod
+    def log_tail(rec: ProcessRecord) -> str:
+        """The last lines of a process's log."""
+        return processes.log_tail(rec)
+
+    def ready(self, rec: ProcessRecord) -> bool:
+        """An engine answers its health path with 200; the proxy answers at all (its /health
+        is 503 while an engine it needs is away)."""
+        if rec.kind == "proxy":
+            return http_status(rec.url + "/health", timeout=2.0) is not None
+        return http_status(rec.url + self._engine(rec.name).health_path, timeout=2.0) == 200
+
+    def restart(self, rec: ProcessRecord) -> None:
+        """Start the process of ``rec`` again (same command line, environment and secrets, log
+        appended) and record its new pid."""
+        self._append_to_log(rec, f"--- disagg up: restart {rec.restarts} at {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                                 f" after {rec.last_exit or 'an exit'} ---")
+        if rec.kind == "proxy":
+            new = self._spawn_proxy(fresh_log=False)
+        else:
+            new = self._spawn_engine(self._engine(rec.name), fresh_log=False)
+        rec.pid, rec.create_time = new.pid, new.create_time
+        self.save()
+        self.echo(f"{rec.name}: started again (restart {rec.restarts}, pid {rec.pid})")
+
+    def save(self) -> None:
+        """Rewrite the run-state file."""
+        save_state(self.run)
+
+    def _engine(self, name: str) -> EngineLaunch:
+        return next(e for e in self.dep.engines if e.name == name)
+
+    @staticmethod
+    def _append_to_log(rec: ProcessRecord, line: str) -> None:
+        if rec.ssh:
+            return  # the remote log gets the new process's output; the local supervisor log has the line
+        try:
+            with open(rec.log, "a", encoding="utf-8") as fh:
+                fh.write(line + "\n")
+        except OSError:
+            pass
 
     # -- interrupts and the lock -------------------------------------------------
     def _check_interrupt(self) -> None:
@@ -368,10 +422,19 @@ class Launcher:
             self.echo(f"engine key: none (engine {self.topo.engine}, proxy.kind {self.topo.proxy.kind}); "
                       "the engines answer anyone who reaches their ports")
 
-    def _start_engine(self, eng: EngineLaunch, extra_env: dict[str, str]) -> _Pending:
-        env = {**dict(eng.env), **extra_env}
+    def _start_engine(self, eng: EngineLaunch) -> _Pending:
         with self._wait_point():
             self._write_files(eng)
+        record = self._spawn_engine(eng, fresh_log=True)
+        self.run.processes.append(record)
+        save_state(self.run)
+        where = f"{eng.host.name} ({eng.host.ssh})" if eng.host.is_remote else eng.host.name
+        self.echo(f"{eng.name}: starting on {where} at {eng.url} (pid {record.pid}, log {record.log})")
+        return _Pending(record=record, started=time.monotonic())
+
+    def _spawn_engine(self, eng: EngineLaunch, *, fresh_log: bool) -> ProcessRecord:
+        """Start one engine process with the run's secrets; its record (not yet in the state)."""
+        env = {**dict(eng.env), **self._extra_env}
         if eng.host.is_remote:
             workdir = eng.host.workdir or ".disagg"
             log = f"{workdir}/runs/{self.topo.name}/logs/{eng.log_name}"
@@ -379,24 +442,18 @@ class Launcher:
             public = tuple(sorted((k, v) for k, v in env.items() if k not in SECRET_ENVS))
             shell = EngineLaunch(eng.instance, eng.host, eng.argv, public, eng.health_path, eng.files).shell_command()
             pid = processes.start_remote(eng.host, shell, log, secret_env=secret)
-            record = ProcessRecord(name=eng.name, kind="engine", host=eng.host.name, address=eng.host.address,
-                                   port=eng.instance.port, url=eng.url, log=log, pid=pid,
-                                   ssh=processes.ssh_prefix(eng.host))
-        else:
-            log_path = self.log_dir / eng.log_name
+            return ProcessRecord(name=eng.name, kind="engine", host=eng.host.name, address=eng.host.address,
+                                 port=eng.instance.port, url=eng.url, log=log, pid=pid,
+                                 ssh=processes.ssh_prefix(eng.host))
+        log_path = self.log_dir / eng.log_name
+        if fresh_log:
             log_path.unlink(missing_ok=True)
-            argv = list(eng.argv)
-            if self.link is not None and eng.host.name == emulated_prefill_host(self.topo).name:
-                argv = self.link.wrap("a", argv)  # behind the shaped link
-            pid, created = processes.start_local(argv, env, log_path)
-            record = ProcessRecord(name=eng.name, kind="engine", host=eng.host.name, address=eng.host.address,
-                                   port=eng.instance.port, url=eng.url, log=str(log_path), pid=pid,
-                                   create_time=created)
-        self.run.processes.append(record)
-        save_state(self.run)
-        where = f"{eng.host.name} ({eng.host.ssh})" if eng.host.is_remote else eng.host.name
-        self.echo(f"{eng.name}: starting on {where} at {eng.url} (pid {pid}, log {record.log})")
-        return _Pending(record=record, started=time.monotonic())
+        argv = list(eng.argv)
+        if self.link is not None and eng.host.name == emulated_prefill_host(self.topo).name:
+            argv = self.link.wrap("a", argv)  # behind the shaped link
+        pid, created = processes.start_local(argv, env, log_path)
+        return ProcessRecord(name=eng.name, kind="engine", host=eng.host.name, address=eng.host.address,
+                             port=eng.instance.port, url=eng.url, log=str(log_path), pid=pid, create_time=created)
 
     def _wait_healthy(self, pending: list[_Pending], t0: float) -> None:
         deadline = t0 + self.topo.timeouts.startup
@@ -409,7 +466,7 @@ class Launcher:
                 return
             for p in waiting:
                 rec = p.record
-                if not self._alive(rec):
+                if not self.alive(rec):
                     code = processes.exit_status(rec.pid) if not rec.ssh else None
                     why = f"exited (status {code}) while starting" if code is not None else "exited while starting"
                     raise EngineStartError(rec.name, rec.address, rec.port, why, processes.log_tail(rec))
@@ -439,19 +496,13 @@ class Launcher:
         return env
 
     def _start_proxy(self) -> None:
-        topo = self.topo
-        log_path = self.log_dir / "proxy.log"
-        log_path.unlink(missing_ok=True)
-        pid, created = processes.start_local(self._proxy_argv(), self._proxy_env(), log_path)
-        record = ProcessRecord(name="proxy", kind="proxy", host="local", address=topo.proxy.host,
-                               port=topo.proxy.port, url=self.dep.proxy_url, log=str(log_path), pid=pid,
-                               create_time=created)
+        record = self._spawn_proxy(fresh_log=True)
         self.run.processes.append(record)
         save_state(self.run)
         started = time.monotonic()
         with self._wait_point():
             while http_status(self.dep.proxy_url + "/health", timeout=2.0) != 200:
-                if not self._alive(record):
+                if not self.alive(record):
                     raise EngineStartError("proxy", record.address, record.port, "exited while starting",
                                            processes.log_tail(record))
                 if time.monotonic() - started > 60:
@@ -460,11 +511,16 @@ class Launcher:
                 time.sleep(0.2)
         self.echo(f"proxy: healthy at {self.dep.proxy_url}")
 
-    @staticmethod
-    def _alive(rec: ProcessRecord) -> bool:
-        if not rec.ssh and processes.exit_status(rec.pid) is not None:
-            return False
-        return processes.is_alive(rec)
+    def _spawn_proxy(self, *, fresh_log: bool) -> ProcessRecord:
+        """Start the proxy process; its record (not yet in the state)."""
+        topo = self.topo
+        log_path = self.log_dir / "proxy.log"
+        if fresh_log:
+            log_path.unlink(missing_ok=True)
+        pid, created = processes.start_local(self._proxy_argv(), self._proxy_env(), log_path)
+        return ProcessRecord(name="proxy", kind="proxy", host="local", address=topo.proxy.host,
+                             port=topo.proxy.port, url=self.dep.proxy_url, log=str(log_path), pid=pid,
+                             create_time=created)
 
 
 def _stopped_line(rec: ProcessRecord, outcome: processes.StopOutcome | None) -> str:

@@ -24,6 +24,9 @@ from disagg.errors import StateError
 
 STATE_FILE = "state.json"
 LOCK_FILE = "up.lock"
+#: a process record's ``status``: serving (or starting for the first time), waiting to be
+#: restarted, restarted and not yet healthy, exited and not restarted (policy or restart cap)
+STATUSES = ("running", "backoff", "starting", "failed")
 
 
 @dataclass
@@ -40,6 +43,10 @@ class ProcessRecord:
     pid: int
     create_time: float = 0.0        # local processes: guards against pid reuse
     ssh: list[str] | None = None    # ssh argv prefix for remote processes
+    #: written by the supervisor (``Launcher.supervise``): see :data:`STATUSES`
+    status: str = "running"
+    restarts: int = 0               # times the supervisor started it again
+    last_exit: str = ""             # how it last exited: "exit status 1", "killed by SIGKILL", ...
 
 
 @dataclass

@@ -1,24 +1,39 @@
 """`disagg up` when things go wrong, with real engines: an engine that cannot start
 (a clear error naming the instance, host, port and the tail of its log); Ctrl-C while
 the engines load (everything stops within 5 s); an API server SIGKILLed after `up`
-itself crashed (`down` still stops the EngineCore it left behind). Nothing is left running."""
+itself crashed (`down` still stops the EngineCore it left behind); a decode API server SIGKILLed
+mid-stream under the detached supervisor (restarted). Nothing is left running."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 import psutil
 import pytest
+from tokenizers import Tokenizer
 
 from disagg.errors import StateError
-from disagg.launch.state import load_state
-from tests.e2e.engines import ENGINE_ARGS, ENGINE_ENV, ROOT, disagg, free_ports, port_is_free, write_topology
+from disagg.launch.state import ProcessRecord, load_state
+from disagg.prompts import exact_prompt
+from tests.e2e.engines import (
+    ENGINE_ARGS,
+    ENGINE_ENV,
+    ROOT,
+    bring_up,
+    disagg,
+    free_ports,
+    port_is_free,
+    post_json,
+    write_topology,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -123,15 +138,20 @@ def test_ctrl_c_while_real_engines_load_stops_everything_within_5_s(
 def test_down_leaves_nothing_after_the_api_server_and_up_are_sigkilled(
         engine_lock: None, tmp_path: Path, tiny_model: Path) -> None:
     """The issue's case with real engines: the decode API server is SIGKILLed (as the OOM killer does) and
-    `disagg up` itself crashed; vLLM's EngineCore stays in the dead leader's group until `down` sweeps it."""
+    `disagg up` itself (the detached supervisor) crashed; vLLM's EngineCore stays in the dead leader's
+    group until `down` sweeps it."""
     topo, ports = _two_engines(tmp_path, tiny_model, "orphans")
     run_dir = tmp_path / "run"
     with open(tmp_path / "up.log", "wb") as log:
         up = subprocess.Popen([sys.executable, "-m", "disagg", "up", str(topo), "--detach", "--run-dir", str(run_dir)],
                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **ENGINE_ENV})
     try:
-        leaders = _engines_with_children(run_dir / "runs" / "orphans" / "state.json", up)
-        up.kill()   # `disagg up` crashes: nobody will stop the engines but `down`
+        state_path = run_dir / "runs" / "orphans" / "state.json"
+        leaders = _engines_with_children(state_path, up)
+        supervisor = load_state(state_path).up_pid
+        assert supervisor != up.pid  # --detach: a supervisor process of its own does the work
+        os.kill(supervisor, signal.SIGKILL)  # it crashes: nobody will stop or restart the engines but `down`
+        up.kill()
         up.wait()
         decode = leaders["decode[0]"]
         left_behind = [p for p in _session(decode) if p.pid != decode]
@@ -154,3 +174,69 @@ def test_down_leaves_nothing_after_the_api_server_and_up_are_sigkilled(
             up.kill()
             up.wait()
         disagg("down", str(topo), "--run-dir", str(run_dir), "--grace", "0", timeout=120)
+
+
+def _wait_restarted(state_path: Path, name: str, old_pid: int, timeout: float = 300) -> ProcessRecord:
+    """Wait until the supervisor has started ``name`` again and it is healthy; its new record."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rec = next(r for r in load_state(state_path).processes if r.name == name)
+        if rec.pid != old_pid and rec.status == "running":
+            return rec
+        time.sleep(0.5)
+    raise AssertionError(f"{name} was not restarted within {timeout:.0f} s")
+
+
+def test_the_detached_supervisor_restarts_a_sigkilled_decode(
+        engine_lock: None, tmp_path: Path, tiny_model: Path, tokenizer: Tokenizer) -> None:
+    """Decode's API server SIGKILLed mid-stream under `up --detach`: the streaming client gets vLLM's
+    error event within 5 s, nothing of the old decode is left, the supervisor starts it again (shown
+    by `disagg status`), later requests are served, and `down` stops the supervisor and everything."""
+    topo, ports = _two_engines(tmp_path, tiny_model, "restart")
+    run_dir = tmp_path / "run"
+    state_path = run_dir / "runs" / "restart" / "state.json"
+    running = bring_up(topo, run_dir)
+    supervisor = psutil.Process(running.state().up_pid)
+    try:
+        decode = next(r for r in running.state().processes if r.name == "decode[0]")
+        old_tree = _session(decode.pid)
+        assert len(old_tree) >= 2, "the API server and its EngineCore"
+        body = {"model": "tiny", "prompt": exact_prompt(tokenizer, 40, "restart"), "max_tokens": 8000,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        url = urllib.parse.urlsplit(running.proxy_url)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        for _ in range(3):  # decode is generating
+            assert resp.fp.readline()
+        os.kill(decode.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        rest = resp.read().decode()
+        ended = time.monotonic() - killed
+        conn.close()
+        print(f"the stream ended {ended:.2f} s after decode's API server was SIGKILLed")
+        assert ended < 5.0
+        assert '"error"' in rest and rest.rstrip().endswith("data: [DONE]"), rest[-500:]
+
+        again = _wait_restarted(state_path, "decode[0]", decode.pid)
+        assert not [p for p in old_tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert (again.restarts, again.last_exit) == (1, "killed by SIGKILL")
+        reply = post_json(running.proxy_url + "/v1/completions",
+                          {"model": "tiny", "prompt": "after the restart", "max_tokens": 4, "temperature": 0})
+        assert reply["choices"][0]["finish_reason"] == "length"
+        status = disagg("status", str(topo), "--run-dir", str(run_dir), timeout=60)
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert f"supervisor  pid {supervisor.pid}" in status.stdout
+        assert "restarts 1, last exit: killed by SIGKILL" in status.stdout
+        log = (run_dir / "runs" / "restart" / "logs" / "supervisor.log").read_text()
+        assert "decode[0]: healthy again after" in log
+    finally:
+        tree = running.process_tree()
+        done = running.down()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "still owns this run; asking it to stop" in done.stdout
+    supervisor.wait(timeout=30)
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive
+    assert all(port_is_free(p) for p in ports)

@@ -141,6 +141,7 @@ def test_supervise_survives_a_lost_prefill_but_not_the_last_decode(tmp_path: Pat
         roles:
           prefill: [{host: a, port: 8100}]
           decode: [{host: b, port: 8200}]
+        restart: {policy: "no"}
         """)
     launcher.poll_interval = 0.05
     lines: list[str] = []
@@ -157,10 +158,10 @@ def test_supervise_survives_a_lost_prefill_but_not_the_last_decode(tmp_path: Pat
         os.kill(by_name["prefill[0]"].pid, signal.SIGKILL)
         checks = iter(range(40))
         assert launcher.supervise(lambda: next(checks, None) is None) == 0  # still serving
-        assert sum("prefill[0] on 127.0.0.1:1 exited" in line for line in lines) == 1  # reported once
+        assert sum("prefill[0] on 127.0.0.1:1 killed by SIGKILL" in line for line in lines) == 1  # reported once
         os.kill(by_name["decode[0]"].pid, signal.SIGKILL)
         assert launcher.supervise(lambda: False) == 1
-        assert lines[-1] == "error: the service is lost (every decode engine exited); stopping"
+        assert lines[-1] == "error: the service is lost (every decode engine failed and is not restarted); stopping"
     finally:
         for rec in launcher.run.processes:
             stop_local(rec, grace=1.0)

@@ -202,6 +202,7 @@ def test_supervise_sweeps_what_a_dead_engine_left_and_keeps_serving(tmp_path: Pa
         model: {path: /models/m}
         hosts: {a: {address: 127.0.0.1}}
         roles: {prefill: [{port: 8100}], decode: [{port: 8200}]}
+        restart: {policy: "no"}
         """))
     lines: list[str] = []
     launcher = Launcher(plan_deployment(load_topology(path, run_dir=str(tmp_path / "run"))), echo=lines.append,
@@ -217,7 +218,7 @@ def test_supervise_sweeps_what_a_dead_engine_left_and_keeps_serving(tmp_path: Pa
         assert launcher.supervise(lambda: next(checks, None) is None) == 0
         assert running(trees["prefill[0]"]) == []
         assert len(running(trees["decode[0]"])) == len(running(trees["proxy"])) == TREE_SIZE
-        assert sum(line.startswith("error: prefill[0] on 127.0.0.1:1 exited") for line in lines) == 1
+        assert sum(line.startswith("error: prefill[0] on 127.0.0.1:1 killed by SIGKILL") for line in lines) == 1
         assert f"prefill[0]: stopped the {TREE_SIZE - 1} processes of its group it left behind" in lines
     finally:
         launcher.stop(grace=0.5)

@@ -1,0 +1,197 @@
+"""Supervision: restart an engine or the proxy that exits on its own, with backoff and a cap.
+
+``disagg up`` (foreground, or the detached supervisor process that ``--detach``
+leaves behind) calls :meth:`Supervisor.run` once everything is healthy. Each
+poll it looks at every recorded process:
+
+- ``running`` and exited: the exit is reported with its reason and log tail,
+  what it left in its process group is stopped (``Launcher.sweep``), and the
+  topology's ``restart`` policy (:class:`RestartBudget`) decides: wait
+  (``backoff``) and start it again, or give up (``failed``);
+- ``backoff`` and the wait is over: started again (``Launcher.restart``),
+  now ``starting``;
+- ``starting``: ``running`` once healthy; an exit or ``timeouts.startup``
+  without health counts as another failure.
+
+The state file is rewritten at each change (``status``, ``restarts``,
+``last_exit``, the new pid), which is what ``disagg status`` shows. While a
+prefill engine is away the proxy serves by local prefill; while every decode
+engine is away it answers 503 with ``Retry-After``. The run is lost, and
+:meth:`Supervisor.run` returns 1, only when the proxy or every decode engine
+has failed for good.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from disagg.errors import LaunchError
+from disagg.launch.state import ProcessRecord
+from disagg.topology import RestartSpec
+
+if TYPE_CHECKING:
+    from disagg.launch.launcher import Launcher
+
+
+def exit_reason(code: int | None) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it; None: unknown)."""
+    if code is None:
+        return "exited (status unknown: not a child of this supervisor, or on a remote host)"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+@dataclass
+class RestartBudget:
+    """The restart policy for one process: whether to restart after an exit, and after how long.
+
+    At most ``spec.max`` restarts within any ``spec.window`` seconds; the wait before
+    the k-th restart in the window is ``backoff * 2**(k-1)``, at most ``max_backoff``.
+    """
+
+    spec: RestartSpec
+    restarts: deque[float] = field(default_factory=deque)  # monotonic times of restarts in the window
+
+    def wants_restart(self, code: int | None) -> bool:
+        """Whether the policy restarts after this exit (``on-failure``: not after exit status 0)."""
+        if self.spec.policy == "no":
+            return False
+        return self.spec.policy == "always" or code != 0
+
+    def delay(self, now: float) -> float | None:
+        """Seconds to wait before the next restart, or None once the cap is reached."""
+        while self.restarts and now - self.restarts[0] > self.spec.window:
+            self.restarts.popleft()
+        if len(self.restarts) >= self.spec.max:
+            return None
+        return min(self.spec.max_backoff, self.spec.backoff * 2 ** len(self.restarts))
+
+    def record(self, now: float) -> None:
+        """A restart happened at ``now``."""
+        self.restarts.append(now)
+
+
+@dataclass
+class _Watched:
+    """The supervisor's view of one recorded process."""
+
+    record: ProcessRecord
+    budget: RestartBudget
+    due: float = 0.0        # backoff: when to start it again
+    since: float = 0.0      # starting: when it was started
+
+
+def essential(rec: ProcessRecord) -> bool:
+    """Processes without which nothing is served: the proxy and the decode (or colocated) engines."""
+    return rec.kind == "proxy" or rec.name.startswith(("decode[", "both["))
+
+
+class Supervisor:
+    """Watches the processes of one :class:`Launcher` and restarts those that exit."""
+
+    def __init__(self, launcher: Launcher, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.launcher = launcher
+        self.spec = launcher.topo.restart
+        self.clock = clock
+        self.watched = [_Watched(rec, RestartBudget(self.spec)) for rec in launcher.run.processes]
+
+    def run(self, should_stop: Callable[[], bool]) -> int:
+        """Poll until ``should_stop()`` (0) or until the service is lost for good (1)."""
+        while not should_stop():
+            if self.poll() is not None:
+                return 1
+            time.sleep(self.launcher.poll_interval)
+        return 0
+
+    def poll(self) -> str | None:
+        """One look at every process; a message once the service is lost for good, else None."""
+        changed = False
+        for w in self.watched:
+            rec = w.record
+            if rec.status == "running" and not self.launcher.alive(rec):
+                self._exited(w)
+                changed = True
+            elif rec.status == "backoff" and self.clock() >= w.due:
+                self._restart(w)
+                changed = True
+            elif rec.status == "starting":
+                changed |= self._check_start(w)
+        if changed:
+            self.launcher.save()
+        lost = self.lost()
+        if lost is not None:
+            self.launcher.echo(f"error: the service is lost ({lost}); stopping")
+        return lost
+
+    def lost(self) -> str | None:
+        """Why nothing can be served any more, or None."""
+        failed = {w.record.name for w in self.watched if w.record.status == "failed"}
+        if "proxy" in failed:
+            return "the proxy failed and is not restarted"
+        servers = [w.record.name for w in self.watched if essential(w.record) and w.record.kind != "proxy"]
+        if servers and all(name in failed for name in servers):
+            return "every decode engine failed and is not restarted"
+        return None
+
+    # -- transitions ---------------------------------------------------------------
+    def _exited(self, w: _Watched, why: str = "") -> None:
+        """``w`` exited (or failed to start): report, sweep, then back off or give up."""
+        rec = w.record
+        code = self.launcher.exit_code(rec)
+        rec.last_exit = why or exit_reason(code)
+        self.launcher.echo(f"error: {rec.name} on {rec.address}:{rec.port} {rec.last_exit}; "
+                           f"last lines of {rec.log}:\n" + self.launcher.log_tail(rec))
+        self.launcher.sweep(rec)
+        now = self.clock()
+        delay = w.budget.delay(now) if w.budget.wants_restart(code) else None
+        if delay is None:
+            rec.status = "failed"
+            if not w.budget.wants_restart(code):
+                self.launcher.echo(f"{rec.name}: not restarted (restart.policy {self.spec.policy})")
+            else:
+                self.launcher.echo(f"{rec.name}: failed for good: restarted {self.spec.max} times within "
+                                   f"{self.spec.window:g} s (restart.max, restart.window); not restarted again")
+            return
+        rec.status = "backoff"
+        w.due = now + delay
+        self.launcher.echo(f"{rec.name}: restarting in {delay:g} s "
+                           f"(restart {len(w.budget.restarts) + 1} of at most {self.spec.max} "
+                           f"within {self.spec.window:g} s)")
+
+    def _restart(self, w: _Watched) -> None:
+        rec = w.record
+        w.budget.record(self.clock())
+        rec.restarts += 1
+        try:
+            self.launcher.restart(rec)
+        except LaunchError as exc:
+            self._exited(w, f"could not be started again: {exc}")
+            return
+        rec.status = "starting"
+        w.since = self.clock()
+
+    def _check_start(self, w: _Watched) -> bool:
+        """``starting``: True when it changed state (healthy, exited, or out of time)."""
+        rec = w.record
+        if not self.launcher.alive(rec):
+            self._exited(w)
+            return True
+        if self.launcher.ready(rec):
+            rec.status = "running"
+            self.launcher.echo(f"{rec.name}: healthy again after {self.clock() - w.since:.0f} s "
+                               f"(restart {rec.restarts}, pid {rec.pid})")
+            return True
+        startup = self.launcher.topo.timeouts.startup
+        if self.clock() - w.since > startup:
+            self._exited(w, f"did not become healthy within {startup:g} s of its restart (timeouts.startup)")
+            return True
+        return False

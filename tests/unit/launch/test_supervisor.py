@@ -1,0 +1,272 @@
+"""Supervision: what exits is restarted with backoff, up to the cap, and nothing of it is left.
+
+The restart policy is tested as a pure object; the supervisor itself runs a real
+``Launcher`` whose engines and proxy are stand-ins (``processes.start_local``
+replaced): small HTTP servers that answer every GET with 200 on the planned
+``--port`` and spawn a child into their process group, as a vLLM API server
+spawns its EngineCore. Detached supervision with real engines is tested in
+``tests/e2e/test_launch_supervision.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from disagg.cli import main
+from disagg.deployment import plan_deployment
+from disagg.launch import processes
+from disagg.launch.launcher import Launcher
+from disagg.launch.state import ProcessRecord, load_state
+from disagg.launch.supervisor import RestartBudget, exit_reason
+from disagg.topology import RestartSpec, load_topology
+from tests.e2e.engines import free_ports
+from tests.unit.launch.standins import kill_all, running
+
+#: a stand-in engine or proxy: answers every GET with 200 on argv[1], one child in its group
+HTTP_STANDIN = r"""
+import http.server, subprocess, sys
+child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])
+class Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header('Content-Length', '2'); self.end_headers(); self.wfile.write(b'ok')
+    def log_message(self, *args):
+        pass
+print('stand-in up', child.pid, flush=True)
+http.server.ThreadingHTTPServer(('127.0.0.1', int(sys.argv[1])), Ok).serve_forever()
+"""
+
+
+# -- the policy ---------------------------------------------------------------------
+def test_backoff_doubles_up_to_the_cap_then_gives_up() -> None:
+    budget = RestartBudget(RestartSpec(max=5, window=600, backoff=1, max_backoff=8))
+    delays = []
+    for now in range(6):
+        delay = budget.delay(float(now))
+        delays.append(delay)
+        if delay is not None:
+            budget.record(float(now))
+    assert delays == [1, 2, 4, 8, 8, None]
+
+
+def test_restarts_older_than_the_window_no_longer_count() -> None:
+    budget = RestartBudget(RestartSpec(max=2, window=60, backoff=1))
+    budget.record(0.0)
+    budget.record(10.0)
+    assert budget.delay(59.0) is None     # two restarts within the last 60 s
+    assert budget.delay(61.0) == 2        # the first one left the window
+    assert budget.delay(71.0) == 1        # both did
+
+
+@pytest.mark.parametrize(("policy", "code", "restart"), [
+    ("on-failure", 1, True), ("on-failure", -9, True), ("on-failure", None, True), ("on-failure", 0, False),
+    ("always", 0, True), ("no", 1, False), ("no", -9, False)])
+def test_policy_decides_by_exit(policy: str, code: int | None, restart: bool) -> None:
+    assert RestartBudget(RestartSpec(policy=policy)).wants_restart(code) is restart
+
+
+def test_exit_reasons() -> None:
+    assert exit_reason(-signal.SIGKILL) == "killed by SIGKILL"
+    assert exit_reason(3) == "exit status 3"
+    assert exit_reason(None).startswith("exited (status unknown")
+
+
+# -- the supervisor over stand-ins -----------------------------------------------------
+class _Started:
+    """Every stand-in process tree started in place of an engine or the proxy."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+
+    def processes(self) -> list[psutil.Process]:
+        out = []
+        for pid in self.pids:
+            try:
+                root = psutil.Process(pid)
+                out += [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+        return out
+
+
+@pytest.fixture
+def standins(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Started]:
+    started = _Started()
+    real = processes.start_local
+
+    def start_standin(argv, env, log):  # type: ignore[no-untyped-def]
+        port = argv[list(argv).index("--port") + 1]
+        pid, created = real([sys.executable, "-c", HTTP_STANDIN, port], {}, log)
+        started.pids.append(pid)
+        return pid, created
+
+    monkeypatch.setattr(processes, "start_local", start_standin)
+    yield started
+    kill_all(started.processes())
+
+
+def _launcher(tmp_path: Path, restart: str) -> Launcher:
+    p, d, proxy, kv_p, kv_d = free_ports(5)
+    path = tmp_path / "t.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        model: {{path: /models/m}}
+        hosts: {{local: {{address: 127.0.0.1}}}}
+        roles:
+          prefill: [{{port: {p}, kv_port: {kv_p}}}]
+          decode: [{{port: {d}, kv_port: {kv_d}}}]
+        proxy: {{port: {proxy}}}
+        timeouts: {{startup: 30, shutdown_grace: 2}}
+        restart: {restart}
+        """))
+    launcher = Launcher(plan_deployment(load_topology(path, run_dir=str(tmp_path / "run"))), poll_interval=0.05)
+    launcher.lines = []  # type: ignore[attr-defined]
+    launcher.echo = launcher.lines.append  # type: ignore[attr-defined]
+    return launcher
+
+
+def _group(pid: int) -> list[psutil.Process]:
+    """Every running process whose process group is ``pid``."""
+    out = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pid and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except (OSError, psutil.Error):
+            continue
+    return out
+
+
+def _supervise_until(launcher: Launcher, done: Callable[[], bool], timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    code = launcher.supervise(lambda: done() or time.monotonic() > deadline)
+    assert done(), "\n".join(launcher.lines)  # type: ignore[attr-defined]
+    return code
+
+
+def _record(launcher: Launcher, name: str) -> ProcessRecord:
+    return next(r for r in launcher.run.processes if r.name == name)
+
+
+def _state_record(launcher: Launcher, name: str) -> ProcessRecord:
+    state = load_state(Path(launcher.run.run_dir) / "runs" / launcher.topo.name / "state.json")
+    return next(r for r in state.processes if r.name == name)
+
+
+def test_a_sigkilled_decode_is_restarted_and_nothing_of_the_old_one_is_left(
+        tmp_path: Path, standins: _Started) -> None:
+    launcher = _launcher(tmp_path, "{backoff: 100ms}")
+    launcher.up()
+    try:
+        decode = _record(launcher, "decode[0]")
+        old_pid = decode.pid
+        assert len(_group(old_pid)) == 2  # the leader and its "EngineCore"
+        os.kill(old_pid, signal.SIGKILL)
+        _supervise_until(launcher, lambda: decode.status == "running" and decode.pid != old_pid)
+        assert _group(old_pid) == []                      # the old group was swept
+        assert len(_group(decode.pid)) == 2
+        assert decode.restarts == 1 and decode.last_exit == "killed by SIGKILL"
+        saved = _state_record(launcher, "decode[0]")       # what `disagg status` reads
+        assert (saved.pid, saved.status, saved.restarts, saved.last_exit) == (
+            decode.pid, "running", 1, "killed by SIGKILL")
+        log = Path(decode.log).read_text()
+        assert log.count("stand-in up") == 2 and "--- disagg up: restart 1 at " in log
+        lines = launcher.lines  # type: ignore[attr-defined]
+        assert any(line.startswith("error: decode[0] on 127.0.0.1:") and "killed by SIGKILL" in line
+                   for line in lines)
+        assert "decode[0]: stopped the 1 processes of its group it left behind" in lines
+        assert any(line.startswith("decode[0]: healthy again after ") for line in lines)
+    finally:
+        launcher.stop(grace=1.0)
+    assert running(standins.processes()) == []
+
+
+def test_the_proxy_is_restarted_too(tmp_path: Path, standins: _Started) -> None:
+    launcher = _launcher(tmp_path, "{backoff: 100ms}")
+    launcher.up()
+    try:
+        proxy = _record(launcher, "proxy")
+        old_pid = proxy.pid
+        os.kill(old_pid, signal.SIGTERM)
+        _supervise_until(launcher, lambda: proxy.status == "running" and proxy.pid != old_pid)
+        assert proxy.restarts == 1 and proxy.last_exit == "killed by SIGTERM"
+    finally:
+        launcher.stop(grace=1.0)
+
+
+def test_after_max_restarts_in_the_window_the_next_exit_is_final(tmp_path: Path, standins: _Started) -> None:
+    launcher = _launcher(tmp_path, "{max: 2, window: 10m, backoff: 50ms}")
+    launcher.up()
+    try:
+        prefill = _record(launcher, "prefill[0]")
+        for restart in (1, 2):
+            old = prefill.pid
+            os.kill(old, signal.SIGKILL)
+            _supervise_until(launcher, lambda old=old: prefill.status == "running" and prefill.pid != old)
+            assert prefill.restarts == restart
+        os.kill(prefill.pid, signal.SIGKILL)
+        # a prefill engine failing for good is not the end of the service: decode serves alone
+        assert _supervise_until(launcher, lambda: prefill.status == "failed", timeout=10) == 0
+        assert prefill.restarts == 2
+        assert ("prefill[0]: failed for good: restarted 2 times within 600 s (restart.max, restart.window); "
+                "not restarted again") in launcher.lines  # type: ignore[attr-defined]
+        assert _state_record(launcher, "prefill[0]").status == "failed"
+        decode = _record(launcher, "decode[0]")
+        os.kill(decode.pid, signal.SIGKILL)  # still restarted: its own budget
+        _supervise_until(launcher, lambda: decode.restarts == 1 and decode.status == "running")
+    finally:
+        launcher.stop(grace=1.0)
+    assert running(standins.processes()) == []
+
+
+def test_policy_no_loses_the_service_with_the_last_decode(tmp_path: Path, standins: _Started) -> None:
+    launcher = _launcher(tmp_path, "{policy: 'no'}")
+    launcher.up()
+    try:
+        decode = _record(launcher, "decode[0]")
+        os.kill(decode.pid, signal.SIGKILL)
+        code = launcher.supervise(lambda: False)  # returns by itself
+        assert code == 1 and decode.status == "failed" and decode.restarts == 0
+        lines = launcher.lines  # type: ignore[attr-defined]
+        assert "decode[0]: not restarted (restart.policy no)" in lines
+        assert lines[-1] == "error: the service is lost (every decode engine failed and is not restarted); stopping"
+    finally:
+        launcher.stop(grace=1.0)
+    assert running(standins.processes()) == []
+
+
+def test_ctrl_c_during_a_backoff_stops_everything(tmp_path: Path, standins: _Started) -> None:
+    launcher = _launcher(tmp_path, "{backoff: 60s}")
+    launcher.up()
+    decode = _record(launcher, "decode[0]")
+    os.kill(decode.pid, signal.SIGKILL)
+    _supervise_until(launcher, lambda: decode.status == "backoff")
+    launcher.stop(grace=1.0)  # what `up` does after Ctrl-C ends supervise()
+    assert running(standins.processes()) == []
+
+
+def test_status_shows_restarts_and_the_last_exit(tmp_path: Path, standins: _Started,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    launcher = _launcher(tmp_path, "{backoff: 100ms}")
+    launcher.up()
+    try:
+        decode = _record(launcher, "decode[0]")
+        old = decode.pid
+        os.kill(old, signal.SIGKILL)
+        _supervise_until(launcher, lambda: decode.status == "running" and decode.pid != old)
+        capsys.readouterr()
+        assert main(["status", "--run-dir", launcher.run.run_dir]) == 0
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.strip().startswith("decode[0]"))
+        assert f"pid {decode.pid}" in line and "healthy" in line
+        assert "restarts 1, last exit: killed by SIGKILL" in line
+        assert f"supervisor  pid {os.getpid()}" in out  # this test's launcher holds the run's lock
+    finally:
+        launcher.stop(grace=1.0)
