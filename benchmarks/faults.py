@@ -3,7 +3,8 @@
 For each connector (NIXL over loopback TCP, and our socket connector) this
 brings up a 1 prefill + 1 decode pair of real vLLM CPU engines on the tiny
 random-weight model with ``disagg up --detach`` (one pinned core per engine,
-the topology's default restart policy: on-failure, 5 in 10 min), injects
+the topology's default restart policy: on-failure, 5 in 10 min; routing
+``split``, so that every prompt goes through the KV handoff), injects
 faults, and measures what clients and the engines' own metrics see:
 
 (a) the prefill API server (its leader pid in state.json) SIGKILLed while 40
@@ -25,10 +26,11 @@ faults, and measures what clients and the engines' own metrics see:
 (d) soak: 1,000 requests of mixed shapes (completions / chat, stream /
     non-stream, batched prompts, n=2) at concurrency 8: errors, and the
     proxy's RSS (psutil) at the end against its value after the first 100;
-(e) on a fresh deployment, the decode engine SIGKILLed 5 times in a row, each
-    time once it is back (time until a request through the proxy succeeds
+(e) on a fresh deployment, the prefill engine SIGKILLed 5 times in a row, each
+    time once it is back (time until the proxy serves a request through it
     again), then a sixth time: whether state.json / ``disagg status`` report
-    it failed instead of restarting it again.
+    it failed instead of restarting it again (prefill, so that the run goes
+    on and can be asked: a decode engine that fails for good stops the run).
 
 Scenarios (c), (d), (a), (b) share one deployment per connector (in that
 order, so (c) and (d) run before any restart); (e) gets its own. Every
@@ -54,6 +56,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,6 +71,7 @@ from typing import Any
 import aiohttp
 import psutil
 
+from disagg import topology
 from disagg.deployment import plan_deployment
 from disagg.modelgen import build_model
 from disagg.prompts import exact_prompt, load_tokenizer
@@ -84,6 +88,11 @@ MODEL = "tiny"
 #: (``kv_lease_duration``, seconds) unless the kv-transfer config says otherwise.
 DEFAULT_LEASE_S = 30.0
 PREFILL, DECODE = "prefill[0]", "decode[0]"
+#: connector -> (P's expired-lease counter, D's completed-fetch counter)
+CONNECTOR_METRICS = {
+    "nixl": ("vllm:nixl_num_kv_expired_reqs_total", "vllm:nixl_xfer_time_seconds_count"),
+    "socket": ("vllm:socket_kv_expired_reqs_total", "vllm:socket_kv_transfers_total"),
+}
 
 
 # --------------------------------------------------------------------------- results
@@ -93,6 +102,7 @@ PREFILL, DECODE = "prefill[0]", "decode[0]"
 class Row:
     """One line of the table: a scenario's target and what was measured."""
 
+    key: str  # a, b, ... (for the load line)
     scenario: str
     target: str
     measured: str
@@ -107,7 +117,7 @@ class Report:
 
     def add(self, row: Row) -> None:
         self.rows.append(row)
-        self.load.append(f"{row.scenario}: {os.getloadavg()[0]:.2f}")
+        self.load.append(f"{row.key} {os.getloadavg()[0]:.2f}")
         print(f"[{self.connector}] {row.scenario}: {'met' if row.met else 'NOT met' if row.met is False else 'n/a'}"
               f" - {row.measured}", flush=True)
 
@@ -210,8 +220,10 @@ class Deployment:
         proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
         roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
                  f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
+        # every prompt through the KV handoff (the proxy's `auto` routing would prefill many on decode)
+        extra = "routing: {policy: split}\n" if "split" in getattr(topology, "ROUTING_POLICIES", ()) else ""
         self.topology = write_topology(work / f"faults-{connector}-{tag}.yaml", model, proxy_port=proxy_port,
-                                       roles=roles, connector=connector)
+                                       roles=roles, connector=connector, extra=extra)
         self.run_dir = work / f"run-{connector}-{tag}"
         self.model = model
         self.connector = connector
@@ -253,7 +265,8 @@ class Deployment:
         return {"processes": []}
 
     def record(self, name: str) -> dict[str, Any]:
-        return next(p for p in self.state().get("processes", []) if p["name"] == name)
+        """The process record ``name`` of state.json ({} when there is none)."""
+        return next((p for p in self.state().get("processes", []) if p["name"] == name), {})
 
     def url(self, name: str) -> str:
         return str(self.record(name)["url"])
@@ -306,8 +319,10 @@ def endpoint(body: dict[str, Any]) -> str:
 
 
 async def request(session: aiohttp.ClientSession, base: str, body: dict[str, Any], timeout: float,
-                  expect_choices: int = 1, on_event: Callable[[int], None] | None = None) -> Outcome:
-    """One client request; checks the reply's shape. ``on_event(n)`` after the n-th streamed event."""
+                  expect_choices: int = 1, on_event: Callable[[int], None] | None = None,
+                  stop_after: int = 0) -> Outcome:
+    """One client request; checks the reply's shape. ``on_event(n)`` after the n-th streamed event;
+    ``stop_after``: disconnect (close the connection) after that many streamed events."""
     stream = bool(body.get("stream"))
     events = 0
     try:
@@ -340,6 +355,8 @@ async def request(session: aiohttp.ClientSession, base: str, body: dict[str, Any
                     events += 1
                     if on_event is not None:
                         on_event(events)
+                    if stop_after and events >= stop_after:
+                        return Outcome(False, "disconnected", "", time.monotonic(), events)
                 ended = time.monotonic()
                 if not done:
                     return Outcome(False, "closed", "stream ended without [DONE]", ended, events)
@@ -412,7 +429,7 @@ def scenario_a(dep: Deployment, prompts: Prompts, rep: Report) -> None:
                 + f" (restarts {rec.get('restarts', '?')}, last exit {rec.get('last_exit', '?')})"
                 + f"; after it: {sum(o.ok for o in later)}/5 answered, {after1 - after0:.0f} disaggregated"
                 + f" (disaggregated during the run: {after0 - before:.0f})")
-    rep.add(Row("a. prefill SIGKILLed, 40 req at 2 req/s",
+    rep.add(Row("a", "a. prefill SIGKILLed, 40 req at 2 req/s",
                 "40/40 answered, 0 errors, 0 hung; prefill restarted and used again",
                 measured, answered == 40 and hung == 0 and back_s is not None and after1 - after0 > 0))
 
@@ -467,57 +484,64 @@ def scenario_b(dep: Deployment, prompts: Prompts, rep: Report, clients: int = 4)
                 f"; later: {sum(o.ok for o in later)}/{len(later)} answered")
     met = (len(in_flight) == clients and kinds["hung"] == 0 and kinds["answered"] == 0 and max_wait <= 5
            and back_s is not None and not left_now and all(o.ok for o in later))
-    rep.add(Row("b. decode SIGKILLed mid-stream", "every stream ends (error event / close) within 5 s; decode "
+    rep.add(Row("b", "b. decode SIGKILLed mid-stream", "every stream ends (error event / close) within 5 s; decode "
                 "restarted; later requests served; nothing of the old group left", measured, met))
 
 
 def scenario_c(dep: Deployment, prompts: Prompts, rep: Report, lease_s: float, rng: random.Random,
                clients: int = 100, parallel: int = 10) -> None:
-    """100 clients disconnecting at random points."""
+    """100 streaming clients disconnecting at random points, ``parallel`` at a time."""
     p_url, d_url = dep.url(PREFILL), dep.url(DECODE)
     tokens, max_tokens = 600, 64
-    # calibration: one undisturbed streaming request, timed by the proxy (prefill, handoff) and the client
+
+    def body(tag: str) -> dict[str, Any]:
+        return completion(prompts(tokens, tag), max_tokens, stream=True)
+
+    # calibration: one undisturbed wave of `parallel` requests, timed by the proxy (prefill) and the clients
     m0 = get(dep.proxy + "/metrics")[1]
-    first: list[float] = []
-    t0 = time.monotonic()
-    calib = asyncio.run(_one_stream(dep, completion(prompts(tokens, "c0"), max_tokens, stream=True), first))
-    total = time.monotonic() - t0
+    calib = asyncio.run(_wave(dep, [body("c0") for _ in range(parallel)]))
     m1 = get(dep.proxy + "/metrics")[1]
-    prefill_s = sample_sum(m1, "disagg_proxy_prefill_seconds_sum") - sample_sum(m0, "disagg_proxy_prefill_seconds_sum")
-    handoff_s = sample_sum(m1, "disagg_proxy_handoff_seconds_sum") - sample_sum(m0, "disagg_proxy_handoff_seconds_sum")
-    if not calib.ok or not first:
-        rep.add(Row("c. 100 clients disconnect", "-", f"calibration request failed: {calib.detail}", None))
+    n_pre = sample_sum(m1, "disagg_proxy_prefill_seconds_count") - sample_sum(m0, "disagg_proxy_prefill_seconds_count")
+    pre_sum = sample_sum(m1, "disagg_proxy_prefill_seconds_sum") - sample_sum(m0, "disagg_proxy_prefill_seconds_sum")
+    if not all(o.ok for o, _ in calib) or not n_pre:
+        bad = next((o.detail for o, _ in calib if not o.ok), "no request went through prefill")
+        rep.add(Row("c", "c. 100 clients disconnect", "-", f"calibration wave failed: {bad}", None))
         return
-    expired_name = ("vllm:nixl_num_kv_expired_reqs_total" if dep.connector == "nixl"
-                    else "vllm:socket_kv_expired_reqs_total")
-    expired0 = metric(p_url, expired_name) or 0.0
+    prefill_s = pre_sum / n_pre
+    ttft = statistics.median(t for _, t in calib)
+    expired_name, fetched_name = CONNECTOR_METRICS[dep.connector]
+    p0, d0, x0 = get(p_url + "/metrics")[1], get(d_url + "/metrics")[1], get(dep.proxy + "/metrics")[1]
     phases = ["prefill", "handoff", "mid-stream"]
     plan = [phases[i % 3] for i in range(clients)]
     rng.shuffle(plan)
-    stream_s = max(total - first[0], 0.05)
-    counts = {p: 0 for p in phases}
-    ended_early = 0
-    last_disconnect: list[float] = [0.0]
+    cut: dict[str, list[int]] = {p: [] for p in phases}  # events each client had seen when it left
+    finished = 0
+    last_disconnect = [0.0]
 
     async def client(session: aiohttp.ClientSession, phase: str, sem: asyncio.Semaphore) -> None:
-        nonlocal ended_early
+        nonlocal finished
         async with sem:
-            if phase == "prefill":
-                after = rng.uniform(0.05, 0.9) * prefill_s
-            elif phase == "handoff":
-                after = prefill_s + rng.uniform(0.0, max(handoff_s, 0.05))
+            if phase == "mid-stream":
+                out = await request(session, dep.proxy, body("c"), timeout=120,
+                                    stop_after=rng.randint(1, max_tokens - 2))
+                if out.kind == "disconnected":
+                    cut[phase].append(out.events)
+                else:
+                    finished += 1
             else:
-                after = first[0] + rng.uniform(0.1, 0.8) * stream_s
-            body = completion(prompts(tokens, "c"), max_tokens, stream=True)
-            task = asyncio.create_task(request(session, dep.proxy, body, timeout=120))
-            done, _ = await asyncio.wait({task}, timeout=after)
-            if done:
-                ended_early += 1
-            else:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                counts[phase] += 1
+                after = (rng.uniform(0.05, 0.9) * prefill_s if phase == "prefill"
+                         else rng.uniform(prefill_s, max(ttft, prefill_s + 0.05)))
+                seen = [0]
+                task = asyncio.create_task(request(session, dep.proxy, body("c"), timeout=120,
+                                                   on_event=lambda n: seen.__setitem__(0, n)))
+                done, _ = await asyncio.wait({task}, timeout=after)
+                if done:
+                    finished += 1
+                else:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    cut[phase].append(seen[0])
             last_disconnect[0] = time.monotonic()
 
     async def run() -> None:
@@ -531,32 +555,48 @@ def scenario_c(dep: Deployment, prompts: Prompts, rep: Report, lease_s: float, r
     idle_s = None if idle is None else time.monotonic() - t_last
 
     def kv_free() -> bool:
-        return (metric(p_url, "vllm:kv_cache_usage_perc") == 0 and metric(d_url, "vllm:kv_cache_usage_perc") == 0)
+        return metric(p_url, "vllm:kv_cache_usage_perc") == 0 and metric(d_url, "vllm:kv_cache_usage_perc") == 0
 
     freed = wait_for(kv_free, lease_s + 60, 0.25)
     freed_s = None if freed is None else time.monotonic() - t_last
-    expired = (metric(p_url, expired_name) or 0.0) - expired0
-    measured = (f"disconnected: {counts['prefill']} in prefill, {counts['handoff']} around the handoff, "
-                f"{counts['mid-stream']} mid-stream ({ended_early} finished first; calibration: prefill "
-                f"{prefill_s:.2f} s, handoff {handoff_s:.2f} s, stream {stream_s:.2f} s); "
-                f"0 running/waiting on both {within(idle_s, 120)}; "
-                f"P and D KV usage 0 {within(freed_s, lease_s + 60)}"
-                f" (lease {lease_s:.0f} s; {expired:.0f} leases expired on P)")
+    p1, d1, x1 = get(p_url + "/metrics")[1], get(d_url + "/metrics")[1], get(dep.proxy + "/metrics")[1]
+
+    def delta(before: str, after: str, name: str, **labels: str) -> float:
+        return sample_sum(after, name, **labels) - sample_sum(before, name, **labels)
+
+    prefilled = delta(p0, p1, "vllm:request_success_total")
+    fetched = delta(d0, d1, fetched_name)
+    expired = delta(p0, p1, expired_name)
+    split = delta(x0, x1, "disagg_proxy_requests_total", path="disaggregated")
+    before_first = sum(n == 0 for ph in ("prefill", "handoff") for n in cut[ph])
+    measured = (f"left: {len(cut['prefill'])} in prefill, {len(cut['handoff'])} between P's reply and the first "
+                f"token, {len(cut['mid-stream'])} mid-stream ({before_first} of the first two before any token; "
+                f"{finished} finished first; calibration wave: prefill {prefill_s:.2f} s, TTFT {ttft:.2f} s); "
+                f"P finished {prefilled:.0f} prefills, D fetched {fetched:.0f} ({split:.0f} requests counted "
+                f"disaggregated by the proxy); 0 running/waiting on both {within(idle_s, 120)}; "
+                f"P and D KV usage 0 {within(freed_s, lease_s + 60)} (lease {lease_s:.0f} s; "
+                f"{expired:.0f} leases expired on P)")
     met = idle_s is not None and idle_s <= 10 and freed_s is not None and freed_s <= lease_s + 5
-    rep.add(Row("c. 100 clients disconnect at random points",
+    rep.add(Row("c", f"c. {clients} clients disconnect at random points",
                 f"0 running/waiting within 10 s; P's KV back to 0 within lease + 5 s = {lease_s + 5:.0f} s",
                 measured, met))
 
 
-async def _one_stream(dep: Deployment, body: dict[str, Any], first: list[float]) -> Outcome:
-    t0 = time.monotonic()
-
-    def mark(n: int) -> None:
-        if n == 1:
-            first.append(time.monotonic() - t0)
-
+async def _wave(dep: Deployment, bodies: list[dict[str, Any]]) -> list[tuple[Outcome, float]]:
+    """Send ``bodies`` at once; each outcome with the client's time to its first streamed event."""
     async with new_session() as session:
-        return await request(session, dep.proxy, body, timeout=180, on_event=mark)
+        async def one(body: dict[str, Any]) -> tuple[Outcome, float]:
+            t0 = time.monotonic()
+            first: list[float] = []
+
+            def mark(n: int) -> None:
+                if n == 1:
+                    first.append(time.monotonic() - t0)
+
+            out = await request(session, dep.proxy, body, timeout=180, on_event=mark)
+            return out, first[0] if first else float("nan")
+
+        return list(await asyncio.gather(*(one(b) for b in bodies)))
 
 
 def soak_body(i: int, prompts: Prompts, rng: random.Random) -> tuple[dict[str, Any], int]:
@@ -619,24 +659,31 @@ def scenario_d(dep: Deployment, prompts: Prompts, rep: Report, rng: random.Rando
                 + (f" (first: {errors[0].kind} {errors[0].detail})" if errors else "")
                 + f" in {wall:.0f} s; proxy RSS {base / 2**20:.1f} MiB after 100, {rss_end / 2**20:.1f} MiB at "
                   f"the end ({growth:+.1f}%), max {rss_max[0] / 2**20:.1f} MiB")
-    rep.add(Row(f"d. soak: {total} mixed requests at concurrency {concurrency}",
+    rep.add(Row("d", f"d. soak: {total} mixed requests at concurrency {concurrency}",
                 "0 errors; proxy RSS at the end within 10% of after the first 100", measured,
                 not errors and abs(growth) <= 10))
 
 
 def scenario_e(dep: Deployment, prompts: Prompts, rep: Report, kills: int = 6) -> None:
-    """The decode engine SIGKILLed again each time it is back; the sixth failure must stick."""
+    """The prefill engine SIGKILLed again each time it is back; the sixth failure must stick.
+
+    Prefill, so that the run goes on after the last failure (decode serves alone) and its
+    failed state can be read back; a decode engine that fails for good stops the whole run.
+    """
     times: list[str] = []
     all_back = True
+    disaggregated = "disagg_proxy_requests_total"
     for i in range(1, kills):
-        old_pid = int(dep.record(DECODE)["pid"])
+        old_pid = int(dep.record(PREFILL)["pid"])
         os.kill(old_pid, signal.SIGKILL)
         t_kill = time.monotonic()
 
         def served(old: int = old_pid) -> bool:
-            if not dep.back_after_kill(DECODE, old):
+            if not dep.back_after_kill(PREFILL, old) or not dep.proxy_backend_healthy("prefill"):
                 return False
-            return all(o.ok for o in asyncio.run(_serve(dep, [completion(prompts(50, "e"), 4)])))
+            n0 = metric(dep.proxy, disaggregated, path="disaggregated") or 0.0
+            ok = all(o.ok for o in asyncio.run(_serve(dep, [completion(prompts(50, "e"), 4)])))
+            return ok and (metric(dep.proxy, disaggregated, path="disaggregated") or 0.0) > n0
 
         back = wait_for(served, 300, 0.5)
         if back is None:
@@ -644,31 +691,28 @@ def scenario_e(dep: Deployment, prompts: Prompts, rep: Report, kills: int = 6) -
             all_back = False
             break
         times.append(f"{time.monotonic() - t_kill:.0f}")
-        print(f"  restart {i}: back after {times[-1]} s", flush=True)
-    rec = dep.record(DECODE)
+        print(f"  restart {i}: back and used after {times[-1]} s", flush=True)
+    rec = dep.record(PREFILL)
     restarts_before = rec.get("restarts", "?")
     final_pid = int(rec["pid"])
     os.kill(final_pid, signal.SIGKILL)
-    t_kill = time.monotonic()
-    failed = wait_for(lambda: dep.record(DECODE).get("status") == "failed", 120, 0.5)
-    # and it stays failed: no new decode process for twice the longest backoff
-    time.sleep(5 if failed is None else 0)
+    failed = wait_for(lambda: dep.record(PREFILL).get("status") == "failed", 120, 0.5)
+    # and it stays failed: no new prefill process for twice the longest backoff (30 s)
     watch_until = time.monotonic() + 60
     restarted_again = False
     while time.monotonic() < watch_until and not restarted_again:
-        rec = dep.record(DECODE)
-        restarted_again = int(rec["pid"]) != final_pid and pid_alive(int(rec["pid"]))
+        rec = dep.record(PREFILL)
+        restarted_again = int(rec.get("pid", final_pid)) != final_pid and pid_alive(int(rec["pid"]))
         time.sleep(1)
     status = dep.status_text()
-    dec_line = next((ln.strip() for ln in status.splitlines() if DECODE in ln), status.strip()[-200:])
-    says_failed = "failed" in dec_line or "gave up" in dec_line
-    proxy_status = get(dep.proxy + "/health")[0]
-    measured = (f"back after each kill (s): {', '.join(times)}; restarts recorded {restarts_before}; 6th kill: "
-                f"state 'failed' {within(failed, 120)}, "
-                f"{'restarted again' if restarted_again else 'no new process in the next 60 s'}, proxy /health "
-                f"{proxy_status}; `disagg status`: `{dec_line[:160]}`")
-    _ = t_kill
-    rep.add(Row("e. decode SIGKILLed 5 times, then a 6th",
+    line = next((ln.strip() for ln in status.splitlines() if PREFILL in ln), status.strip()[-200:])
+    says_failed = "failed" in line or "gave up" in line
+    served_after = asyncio.run(_serve(dep, [completion(prompts(50, "e2"), 4) for _ in range(3)]))
+    measured = (f"back and serving disaggregated after each kill (s): {', '.join(times)}; restarts recorded "
+                f"{restarts_before}; 6th kill: state 'failed' {within(failed, 120)}, "
+                f"{'restarted again' if restarted_again else 'no new process in the next 60 s'}; "
+                f"decode alone then served {sum(o.ok for o in served_after)}/3; `disagg status`: `{line[:150]}`")
+    rep.add(Row("e", "e. prefill SIGKILLed 5 times, then a 6th",
                 "back each time; the 6th failure reported (failed / gave up), not retried",
                 measured, all_back and failed is not None and not restarted_again and says_failed))
 
@@ -710,11 +754,11 @@ def run_connector(connector: str, scenarios: list[str], work: Path, model: Path,
                     else:
                         scenario_d(dep, prompts, rep, rng, args.soak_requests)
                 except Exception as exc:  # one scenario's failure is a row, the others still run
-                    rep.add(Row(s, "-", f"scenario crashed: {type(exc).__name__}: {exc}"[:300], False))
+                    rep.add(Row(s, s, "-", f"scenario crashed: {type(exc).__name__}: {exc}"[:300], False))
         finally:
             left = dep.down()
             if left:
-                rep.add(Row("down (shared)", "nothing left", "; ".join(left)[:400], False))
+                rep.add(Row("down", "down (shared)", "nothing left", "; ".join(left)[:400], False))
     if "e" in scenarios:
         dep = Deployment(work, model, connector, "restarts")
         try:
@@ -723,11 +767,11 @@ def run_connector(connector: str, scenarios: list[str], work: Path, model: Path,
             try:
                 scenario_e(dep, prompts, rep)
             except Exception as exc:
-                rep.add(Row("e", "-", f"scenario crashed: {type(exc).__name__}: {exc}"[:300], False))
+                rep.add(Row("e", "e", "-", f"scenario crashed: {type(exc).__name__}: {exc}"[:300], False))
         finally:
             left = dep.down()
             if left:
-                rep.add(Row("down (restarts)", "nothing left", "; ".join(left)[:400], False))
+                rep.add(Row("down", "down (restarts)", "nothing left", "; ".join(left)[:400], False))
     return rep
 
 
