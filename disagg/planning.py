@@ -5,9 +5,10 @@ For each prompt class (prompt length n, output length m) the planner works out
 * **KV moved**: the prompt's KV cache, ``ModelArch.kv_bytes(n, dtype)``;
 * **handoff**: ``fixed + bytes x 8 / link rate``, where the link rate is the
   measured one (``disagg probe-link``) or the practical TCP/RDMA rate of the
-  link class (:data:`LINK_CLASSES`), and ``fixed`` is
-  :data:`HANDOFF_ROUND_TRIPS` round trips plus :data:`PROXY_HOP_S` for the
-  proxy's second request;
+  link class (:data:`LINK_CLASSES`), and ``fixed`` is the connector's measured
+  fixed cost (:data:`disagg.routecost.HANDOFF_FIXED_S`, measured on loopback)
+  plus :data:`HANDOFF_ROUND_TRIPS` round trips of the link (without a connector:
+  :data:`PROXY_HOP_S` for the proxy's second request instead of the measured part);
 * **prefill**: ``n / rate`` from a rate ``disagg bench`` measured, else an
   *estimate* ``prefill_flops(n) / (peak FLOP/s x PREFILL_UTILISATION)`` for
   the prefill host's device;
@@ -21,18 +22,25 @@ For each prompt class (prompt length n, output length m) the planner works out
 The break-even prompt length is the shortest prompt whose handoff is no
 longer than its prefill (the ratio falls with length: fixed costs amortise,
 attention grows quadratically, sliding windows cap the KV).
+
+At idle load the proxy's ``auto`` routing splits a prompt when that answers
+sooner than the decode engine prefilling it itself:
+:func:`disagg.routecost.break_even_tokens` with the prefill and decode hosts'
+rates, the same function and figures the proxy starts from
+(:func:`route_seeds`, handed to it by ``disagg up``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from disagg.errors import PlanError
 from disagg.hardware import DEVICES, PREFILL_UTILISATION, DeviceSpec, lookup_device
 from disagg.kvmath import ModelArch, human_count, resolve_model
 from disagg.measurements import LinkMeasurement, load_link, lookup_prefill
+from disagg.routecost import HANDOFF_FIXED_SOURCE, EngineCost, LinkCost, break_even_tokens, handoff_fixed_s
 from disagg.topology import HostSpec, InstanceSpec, Topology
 from disagg.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
 
@@ -93,15 +101,22 @@ class LinkEstimate:
     rtt_s: float
     label: str
     measured: bool
+    #: the connector's measured fixed cost per handoff (None: only the proxy's hop, PROXY_HOP_S)
+    connector_fixed_s: float | None = None
 
     @property
     def fixed_s(self) -> float:
         """Per-handoff cost that does not depend on the size."""
-        return HANDOFF_ROUND_TRIPS * self.rtt_s + PROXY_HOP_S
+        own = PROXY_HOP_S if self.connector_fixed_s is None else self.connector_fixed_s
+        return HANDOFF_ROUND_TRIPS * self.rtt_s + own
+
+    def cost(self) -> LinkCost:
+        """The handoff line the routing predictor uses (bytes per second)."""
+        return LinkCost(fixed_s=self.fixed_s, bytes_per_s=self.usable_bps / 8)
 
     def handoff_s(self, nbytes: float) -> float:
         """Seconds to hand over ``nbytes`` of KV cache."""
-        return self.fixed_s + nbytes * 8 / self.usable_bps
+        return self.cost().seconds(nbytes)
 
 
 @dataclass(frozen=True)
@@ -120,6 +135,15 @@ class PrefillEstimate:
             return tokens / self.tokens_per_s
         assert self.flops_per_s is not None
         return self.arch.prefill_flops(tokens) / self.flops_per_s
+
+    def rate(self, tokens: int = 2048) -> float:
+        """Tokens per second: the measured rate, or the estimate's at ``tokens`` (attention
+        makes an estimated rate fall with the prompt's length)."""
+        return self.tokens_per_s if self.tokens_per_s is not None else tokens / self.seconds(tokens)
+
+    def cost(self, tokens: int = 2048) -> EngineCost:
+        """An idle engine at this rate, for the routing predictor."""
+        return EngineCost(tokens_per_s=self.rate(tokens))
 
 
 @dataclass(frozen=True)
@@ -163,6 +187,10 @@ class Plan:
     pays_from_tokens: int | None        # shortest prompt with handoff <= PAYS_RATIO x prefill
     search_limit: int = MAX_SEARCH_TOKENS  # longest prompt the break-even search considered
     notes: tuple[str, ...] = ()
+    #: the decode host's own prefill (local prefill), when known
+    decode_prefill: PrefillEstimate | None = None
+    #: the shortest prompt the proxy's auto routing splits at idle load (None: none up to search_limit)
+    idle_split_from_tokens: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready summary (times in seconds, sizes in bytes, rates in bit/s)."""
@@ -185,6 +213,11 @@ class Plan:
                          "ratio": c.ratio, "verdict": c.verdict, "reason": c.reason,
                          "conversations_fit": c.conversations} for c in self.classes],
             "break_even_prompt_tokens": self.break_even_tokens,
+            "handoff_fixed_source": HANDOFF_FIXED_SOURCE if self.link.connector_fixed_s is not None else None,
+            "decode_prefill": None if self.decode_prefill is None else {
+                "estimated": self.decode_prefill.estimated, "source": self.decode_prefill.label,
+                "tokens_per_s": self.decode_prefill.rate()},
+            "idle_split_from_prompt_tokens": self.idle_split_from_tokens,
             "pays_from_prompt_tokens": self.pays_from_tokens,
             "search_limit_tokens": self.search_limit,
             "notes": list(self.notes),
@@ -235,11 +268,14 @@ def _shortest_prompt(arch: ModelArch, dtype: str, link: LinkEstimate, prefill: P
 
 def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: PrefillEstimate,
               memory: MemoryEstimate, prompt_tokens: Sequence[int], output_tokens: int,
-              notes: Sequence[str] = (), max_prompt_tokens: int | None = None) -> Plan:
+              notes: Sequence[str] = (), max_prompt_tokens: int | None = None,
+              decode_prefill: PrefillEstimate | None = None) -> Plan:
     """Work out every prompt class; the pure arithmetic behind ``disagg plan``.
 
     The break-even search stops at ``max_prompt_tokens`` (the model's context
-    limit, when known) or :data:`MAX_SEARCH_TOKENS`.
+    limit, when known) or :data:`MAX_SEARCH_TOKENS`. With ``decode_prefill``
+    (the decode host's prefill) it also finds the shortest prompt the proxy's
+    ``auto`` routing splits at idle load (:func:`disagg.routecost.break_even_tokens`).
     """
     limit = max_prompt_tokens or MAX_SEARCH_TOKENS
     classes = []
@@ -255,7 +291,10 @@ def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: Prefi
                 classes=tuple(classes),
                 break_even_tokens=_shortest_prompt(arch, kv_dtype, link, prefill, NO_PAY_RATIO, limit),
                 pays_from_tokens=_shortest_prompt(arch, kv_dtype, link, prefill, PAYS_RATIO, limit),
-                search_limit=limit, notes=tuple(notes))
+                search_limit=limit, notes=tuple(notes), decode_prefill=decode_prefill,
+                idle_split_from_tokens=None if decode_prefill is None else break_even_tokens(
+                    lambda n: arch.kv_bytes(n, kv_dtype), prefill.cost(), decode_prefill.cost(), link.cost(),
+                    limit))
 
 
 # --- from a topology -------------------------------------------------------------
@@ -326,12 +365,14 @@ def host_device(host: HostSpec) -> DeviceSpec | None:
     return DEVICES["cpu"] if host.device == "cpu" else None
 
 
-def prefill_estimate(topo: Topology, arch: ModelArch, run_dir: str | None = None) -> PrefillEstimate:
-    """The measured prefill rate for the prefill host if stored, else the spec estimate."""
+def prefill_estimate(topo: Topology, arch: ModelArch, run_dir: str | None = None,
+                     role: str = "prefill") -> PrefillEstimate:
+    """The measured prefill rate for the first ``role`` instance's host if stored, else the spec
+    estimate (``role`` decode: how fast the decode host prefills a prompt itself)."""
     from disagg.engines.vllm import served_model_name
 
-    inst, _ = first_pair(topo)
-    host = topo.host_of(inst)
+    p_inst, d_inst = first_pair(topo)
+    host = topo.host_of(p_inst if role == "prefill" else d_inst)
     model = served_model_name(topo)
     found = lookup_prefill(run_dir or topo.run_dir, model, host.name)
     if found is not None:
@@ -406,15 +447,62 @@ def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: i
     else:
         link = nominal_link(topo)
         notes.append("link rate from the nominal table; `disagg probe-link` measures the real one")
+    link = replace(link, connector_fixed_s=handoff_fixed_s(topo.connector))
     prefill = prefill_estimate(topo, arch, run_dir)
     if prefill.estimated:
         notes.append("prefill times are ESTIMATES from the device's spec sheet; `disagg bench` measures them")
+    try:
+        decode_prefill: PrefillEstimate | None = prefill_estimate(topo, arch, run_dir, role="decode")
+    except PlanError as exc:
+        decode_prefill = None
+        notes.append(f"no idle routing break-even: the decode host's prefill rate is unknown ({exc})")
     if arch.sliding_layers:
         notes.append(f"{len(arch.sliding_layers)} of {arch.layers} layers keep only the last "
                      f"{arch.sliding_window} tokens, so long prompts move less KV per token")
     dtype = kv_dtype or kv_cache_dtype(topo)
     return make_plan(arch, dtype, link, prefill, decode_memory(topo, arch), prompt_tokens,
-                     output_tokens, notes, max_prompt_tokens=topo.model.max_model_len)
+                     output_tokens, notes, max_prompt_tokens=topo.model.max_model_len,
+                     decode_prefill=decode_prefill)
+
+
+@dataclass(frozen=True)
+class RouteSeeds:
+    """The figures the proxy's ``auto`` routing starts from (``disagg up`` passes them as
+    options: the proxy reads no topology); rates per second, times in seconds."""
+
+    kv_bytes_per_token: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    link_bytes_per_s: float
+    handoff_fixed_s: float
+    sources: tuple[str, ...]
+
+
+def route_seeds(topo: Topology) -> RouteSeeds:
+    """The routing seed figures for a split topology: KV bytes per token from the model's
+    arch, prefill rates that ``disagg bench`` stored (else the spec estimate), the link
+    ``disagg probe-link`` measured (else the nominal table), the connector's measured fixed
+    handoff cost; the same figures ``disagg plan`` prints. Raises PlanError or ModelError
+    when the model or a host's rate cannot be worked out."""
+    plan = plan_topology(topo, [], 0)
+    decode = plan.decode_prefill or plan.prefill
+    return RouteSeeds(kv_bytes_per_token=float(plan.model.kv_bytes_per_token(plan.kv_dtype)),
+                      prefill_tokens_per_s=plan.prefill.rate(), decode_tokens_per_s=decode.rate(),
+                      link_bytes_per_s=plan.link.usable_bps / 8, handoff_fixed_s=plan.link.fixed_s,
+                      sources=(plan.link.label, plan.prefill.label, decode.label, HANDOFF_FIXED_SOURCE))
+
+
+def idle_routing_line(plan: Plan) -> str | None:
+    """One sentence: from which prompt length the proxy's auto routing splits at idle load."""
+    if plan.decode_prefill is None:
+        return None
+    rates = (f"prefill host {fmt_count(round(plan.prefill.rate()))} tokens/s, decode host "
+             f"{fmt_count(round(plan.decode_prefill.rate()))} tokens/s, handoff {fmt_seconds(plan.link.fixed_s)} fixed")
+    if plan.idle_split_from_tokens is None:
+        return (f"Routing (auto) at idle load: every prompt stays local (the decode host prefills it "
+                f"sooner than a split answers; {rates}); it splits only when the decode engines are busy.")
+    return (f"Routing (auto) at idle load: prompts of {fmt_count(plan.idle_split_from_tokens)} tokens and more "
+            f"split, shorter ones stay local ({rates}).")
 
 
 def summary_line(plan: Plan) -> str:

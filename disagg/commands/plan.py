@@ -7,7 +7,8 @@ import json
 import textwrap
 
 from disagg.errors import PlanError
-from disagg.planning import LINK_CLASSES, Plan, first_pair, plan_topology, summary_line
+from disagg.planning import LINK_CLASSES, Plan, first_pair, idle_routing_line, plan_topology, summary_line
+from disagg.routecost import HANDOFF_FIXED_SOURCE
 from disagg.topology import Topology, load_topology
 from disagg.units import fmt_bytes, fmt_count, fmt_seconds
 
@@ -92,7 +93,14 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None) -
         ("", m.describe()),
         ("KV", f"{plan.kv_dtype}: {fmt_bytes(m.kv_bytes_per_token(plan.kv_dtype))} per token"),
         ("link", f"{pre.host} -> {dec.host}: {plan.link.label}"),
+        ("handoff", f"{fmt_seconds(plan.link.fixed_s)} fixed per request ({topo.connector}: "
+                    f"{HANDOFF_FIXED_SOURCE}" + (f"; + {fmt_seconds(plan.link.fixed_s - plan.link.connector_fixed_s)} "
+                                                 "for the link's round trips)" if plan.link.connector_fixed_s
+                                                 is not None and plan.link.fixed_s > plan.link.connector_fixed_s
+                                                 else ")")),
         ("prefill", plan.prefill.label),
+        *((("local", f"decode host prefilling itself: {plan.decode_prefill.label}"),)
+          if plan.decode_prefill is not None else ()),
         ("decode", f"KV memory {plan.memory.label}"),
     ):
         out += _wrap(value, first=f"  {key:<9}", rest=" " * 11)
@@ -112,6 +120,8 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None) -
                      rest=" " * (width + 11))
     out.append("")
     out += _wrap(summary_line(plan))
+    if (idle := idle_routing_line(plan)) is not None:
+        out += _wrap(idle)
     out += _wrap("Verdicts: PAYS when the handoff costs at most half the prefill it moves off the decode "
                  "host; MARGINAL up to the whole prefill; DOES NOT PAY when moving the KV takes longer "
                  "than computing it. 'fit on decode': conversations of that length (prompt + output) "

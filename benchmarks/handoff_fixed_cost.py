@@ -1,0 +1,183 @@
+"""The fixed cost of a KV handoff: the extra TTFT of a split over a plain prefill, per connector.
+
+Brings up a 1P1D topology on this machine (the embedded model, one pinned
+core per engine, ``routing: {policy: split}``) with ``disagg up --detach``,
+and sends, one at a time and in rotating order, three streamed requests per
+repeat and prompt length (each with a prompt of its own, so no prefix cache
+helps):
+
+- ``split``: through the proxy (prefill engine -> KV over the link -> decode engine);
+- ``on P``: straight to the prefill engine, a plain request (what ``whole`` does);
+- ``on D``: straight to the decode engine, a plain request (what ``local`` does).
+
+The handoff's cost is ``TTFT(split) - TTFT(on P)`` (the prefill is the same
+work on the same engine; what is left is two HTTP hops, the prefill engine's
+reply, the KV transfer, the decode engine's scheduling of a remote prefill and
+its first step), fitted by least squares as a fixed part plus a part per
+prompt token over every prompt length and repeat.
+That is the figure ``disagg plan`` and the proxy's routing seed use per
+connector (:data:`disagg.routecost.HANDOFF_FIXED_S`). Takes the engine lock
+(``/tmp/disagg-engines.lock``) so that no more than two engines run at once.
+
+    .venv/bin/python benchmarks/handoff_fixed_cost.py --connector nixl [--prompt-tokens 64,256,1024]
+        [--repeats 5] [--model tiny] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from disagg.kvmath import resolve_model
+from disagg.launch.state import load_state, run_path
+from disagg.planning import LINK_CLASSES
+from disagg.prompts import exact_prompt, load_tokenizer
+from disagg.topology import load_topology
+
+LOCK = os.environ.get("DISAGG_ENGINE_LOCK", "/tmp/disagg-engines.lock")
+
+
+def _ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _ttft(url: str, body: dict, key: str | None) -> tuple[float, int]:
+    """(seconds to the first token event, prompt tokens) of one streamed completion."""
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=data, headers=headers)
+    t0 = time.perf_counter()
+    first, tokens = 0.0, 0
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and not first:
+                first = time.perf_counter() - t0
+            tokens = (event.get("usage") or {}).get("prompt_tokens", tokens)
+    return first, tokens
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--connector", choices=("nixl", "socket"), default="nixl")
+    parser.add_argument("--model", default="tiny", help="embedded model (tiny, tiny-kvheavy)")
+    parser.add_argument("--prompt-tokens", default="64,256,1024")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path, help="also write the raw rows and the result here")
+    args = parser.parse_args()
+    lengths = [int(t) for t in args.prompt_tokens.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="disagg-fixed-"))
+    proxy_port, p_port, d_port, p_kv, d_kv = _ports(5)
+    topo_file = work / f"fixed-{args.connector}.yaml"
+    engine_args = '["-O0", "--max-num-seqs", "8"]'
+    topo_file.write_text(f"""\
+model: {{path: "disagg:{args.model}", max_model_len: 4096, served_name: m}}
+engine: vllm
+connector: {args.connector}
+link: {{type: loopback}}
+routing: {{policy: split}}
+proxy: {{host: 127.0.0.1, port: {proxy_port}}}
+hosts:
+  local: {{address: 127.0.0.1, device: cpu}}
+roles:
+  prefill: [{{host: local, port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {engine_args}}}]
+  decode: [{{host: local, port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {engine_args}}}]
+""")
+    key = secrets.token_hex(16)
+    env = {**os.environ, "DISAGG_ENGINE_KEY": key}
+    run_dir = work / "run"
+    cli = [sys.executable, "-m", "disagg"]
+    with open(LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        up = subprocess.run([*cli, "up", str(topo_file), "--detach", "--run-dir", str(run_dir)], text=True,
+                            capture_output=True, env=env)
+        if up.returncode != 0:
+            print(up.stdout + up.stderr, file=sys.stderr)
+            subprocess.run([*cli, "down", str(topo_file), "--run-dir", str(run_dir)], capture_output=True, env=env)
+            return 1
+        try:
+            topo = load_topology(topo_file, run_dir=str(run_dir))
+            state = load_state(run_path(str(run_dir), topo.name) / "state.json")
+            urls = {r.name: r.url for r in state.processes if r.kind == "engine"}
+            targets = {"split": (state.proxy_url, None), "on P": (urls["prefill[0]"], key),
+                       "on D": (urls["decode[0]"], key)}
+            tokenizer = load_tokenizer(Path(topo.model.path))
+            arch = resolve_model(topo.model.source, local_path=topo.model.path)
+            link_bps = LINK_CLASSES["loopback"].usable_bps
+            for i in range(3):  # warm-up: first requests compile and allocate
+                for name, (url, k) in targets.items():
+                    _ttft(url, {"model": "m", "prompt": exact_prompt(tokenizer, 256, f"w{i}{name}"),
+                                "max_tokens": 2, "temperature": 0}, k)
+            rows = []
+            for rep in range(args.repeats):
+                for n in lengths:
+                    order = list(targets)[rep % 3:] + list(targets)[:rep % 3]
+                    got = {}
+                    for name in order:
+                        url, k = targets[name]
+                        body = {"model": "m", "prompt": exact_prompt(tokenizer, n, f"r{rep}-{n}-{name}"),
+                                "max_tokens": 2, "temperature": 0}
+                        got[name], tokens = _ttft(url, body, k)
+                    kv_s = arch.kv_bytes(tokens, "bfloat16") * 8 / link_bps
+                    rows.append({"tokens": tokens, **got, "kv_s": kv_s,
+                                 "fixed": got["split"] - got["on P"] - kv_s})
+        finally:
+            down = subprocess.run([*cli, "down", str(topo_file), "--run-dir", str(run_dir)], text=True,
+                                  capture_output=True, env=env)
+            if down.returncode != 0:
+                print(down.stdout + down.stderr, file=sys.stderr)
+    print(f"# handoff fixed cost: {args.connector}, embedded {args.model}, loopback, "
+          f"load average {os.getloadavg()[0]:.2f}\n")
+    print("| prompt tokens | TTFT split | TTFT on P | TTFT on D | split - on P - KV/link |")
+    print("|---:|---:|---:|---:|---:|")
+    for n in lengths:
+        sel = [r for r in rows if abs(r["tokens"] - n) <= 2]
+        med = {k: statistics.median(r[k] for r in sel) * 1e3 for k in ("split", "on P", "on D", "fixed")}
+        print(f"| {n} | {med['split']:.1f} ms | {med['on P']:.1f} ms | {med['on D']:.1f} ms | {med['fixed']:.1f} ms |")
+    fixed, per_token = fit_extra(rows)
+    print(f"\nextra TTFT of a split over a plain prefill on P ({args.connector}), least squares over "
+          f"{len(rows)} requests: {fixed * 1e3:.1f} ms fixed + {per_token * 1e6:.1f} us per prompt token "
+          f"({args.repeats} repeats per length, one at a time, max_tokens 2)")
+    if args.json:
+        args.json.write_text(json.dumps({"connector": args.connector, "model": args.model, "rows": rows,
+                                         "fixed_s": fixed, "extra_s_per_token": per_token,
+                                         "loadavg": os.getloadavg()}, indent=2))
+    return 0
+
+
+def fit_extra(rows: list[dict]) -> tuple[float, float]:
+    """``split - on P = fixed + per_token x tokens`` by least squares: (fixed s, s per token).
+
+    What grows with the prompt beyond the link's own KV/link time (a connector
+    slower than the link, a slower decode step) lands in the per-token part.
+    """
+    xs = [r["tokens"] for r in rows]
+    ys = [r["split"] - r["on P"] for r in rows]
+    slope, intercept = statistics.linear_regression(xs, ys)
+    return intercept, slope
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,182 @@
+"""Predicted time to first token of one prompt on each path: the routing arithmetic.
+
+Pure functions and frozen dataclasses, no I/O: the proxy's routing policy
+(:mod:`disagg.proxy.policy`) calls them per prompt with live measurements, and
+``disagg plan`` (:mod:`disagg.planning`) with stored or estimated ones, so the
+break-even prompt length ``plan`` prints is the one the policy uses at idle load.
+
+For a prompt of ``n`` tokens whose KV cache is ``kv_bytes``:
+
+- ``local`` (the decode engine prefills it): ``wait(D) + n / rate(D)``;
+- ``whole`` (an idle prefill engine serves the request alone): ``wait(P) + n / rate(P)``;
+- ``split``: ``wait(P) + n / rate(P) + fixed + kv_bytes / link rate``;
+
+where ``wait(E)`` is the engine's outstanding prefill tokens over its prefill
+rate, and ``fixed`` the handoff's cost that does not depend on its size
+(two HTTP hops, the prefill reply, the decode engine scheduling a remote
+prefill and its first step). ``rate`` is the engine's prefill rate in tokens
+per second, ``overhead`` its per-request cost (HTTP, scheduling, the first
+decode step) so that ``ttft = overhead + (queued + n) / rate``.
+
+Besides its own TTFT, a prompt prefilled on a decode engine stalls the decodes
+running there for about its prefill time: :func:`option_costs` adds
+``stall_weight x running x prefill time`` to the local score.
+
+The fixed cost was measured per connector on the project's 2-core CPU machine
+by ``benchmarks/handoff_fixed_cost.py`` (2026-11-30, load average 4.5-5.2 from
+other work, embedded tiny model, one core per engine, loopback, 64/256/1,024-token
+prompts, 5 repeats): ``TTFT(split) - TTFT(plain request on P)`` fitted as fixed
++ per token gave NIXL 29.9 ms + 177 us/token and socket 15.7 ms + 23 us/token:
+:data:`HANDOFF_FIXED_S`. The per-token part is the connectors' own transfer
+speed on one core, far below the loopback link's; the proxy measures both
+live per prefill -> decode pair and uses these figures only as a seed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+#: measured fixed handoff cost per connector (seconds); see the module doc for how
+HANDOFF_FIXED_S: dict[str, float] = {"nixl": 0.030, "socket": 0.016}
+#: where :data:`HANDOFF_FIXED_S` comes from, printed by ``disagg plan``
+HANDOFF_FIXED_SOURCE = ("measured 2026-11-30 on a 2-core CPU machine by benchmarks/handoff_fixed_cost.py: "
+                        "TTFT of a split minus a plain request on P, tiny model, loopback; "
+                        "nixl 30 ms, socket 16 ms; the proxy measures it live")
+#: connectors without a measurement of their own use the largest measured one
+DEFAULT_HANDOFF_FIXED_S = max(HANDOFF_FIXED_S.values())
+#: longest prompt the break-even search considers
+MAX_SEARCH_TOKENS = 1 << 20
+
+
+class Option(enum.StrEnum):
+    """The ways a prompt can be served (the proxy's route paths)."""
+
+    SPLIT = "split"
+    LOCAL = "local"
+    WHOLE = "whole"
+
+
+def handoff_fixed_s(connector: str) -> float:
+    """The seeded fixed handoff cost of ``connector`` (:data:`HANDOFF_FIXED_S`)."""
+    return HANDOFF_FIXED_S.get(connector, DEFAULT_HANDOFF_FIXED_S)
+
+
+@dataclass(frozen=True)
+class EngineCost:
+    """What predicts a prefill on one engine.
+
+    ``tokens_per_s``: its prefill rate; ``overhead_s``: per-request cost on top;
+    ``queued_tokens``: prompt tokens it has still to prefill (its queue);
+    ``running``: requests it is decoding now (local prefill stalls them).
+    """
+
+    tokens_per_s: float
+    overhead_s: float = 0.0
+    queued_tokens: float = 0.0
+    running: int = 0
+
+    def wait_s(self) -> float:
+        """Queue wait: the outstanding prefill tokens at this engine's rate."""
+        return self.queued_tokens / self.tokens_per_s
+
+    def prefill_s(self, tokens: float) -> float:
+        """Prefill time of ``tokens`` on this engine, idle (its overhead included)."""
+        return self.overhead_s + tokens / self.tokens_per_s
+
+    def ttft_s(self, tokens: float) -> float:
+        """Queue wait plus prefill of ``tokens``."""
+        return self.wait_s() + self.prefill_s(tokens)
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """A prefill -> decode handoff: ``fixed_s + nbytes / bytes_per_s``."""
+
+    fixed_s: float
+    bytes_per_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        """Time to hand over ``nbytes`` of KV cache."""
+        return self.fixed_s + nbytes / self.bytes_per_s
+
+
+def local_ttft(tokens: float, decode: EngineCost) -> float:
+    """Predicted TTFT when the decode engine prefills the prompt itself."""
+    return decode.ttft_s(tokens)
+
+
+def whole_ttft(tokens: float, prefill: EngineCost) -> float:
+    """Predicted TTFT when a prefill engine serves the request alone."""
+    return prefill.ttft_s(tokens)
+
+
+def split_ttft(tokens: float, kv_bytes: float, prefill: EngineCost, link: LinkCost) -> float:
+    """Predicted TTFT of a split: prefill on P, then the handoff (fixed + bytes over the link)."""
+    return prefill.ttft_s(tokens) + link.seconds(kv_bytes)
+
+
+@dataclass(frozen=True)
+class OptionCost:
+    """One path's prediction: its TTFT and the score the policy compares (TTFT + stall cost)."""
+
+    path: Option
+    ttft_s: float
+    score_s: float
+
+
+def option_costs(tokens: float, kv_bytes: float, prefill: EngineCost, decode: EngineCost, link: LinkCost,
+                 *, whole: bool = False, stall_weight: float = 0.0) -> list[OptionCost]:
+    """Every option's predicted TTFT and score for one prompt and one (prefill, decode) pair.
+
+    ``whole`` adds the option of the prefill engine serving the request alone.
+    Order: split, local, whole (ties go to the earlier; see :func:`cheapest`).
+    """
+    split = split_ttft(tokens, kv_bytes, prefill, link)
+    local = local_ttft(tokens, decode)
+    stall = stall_weight * decode.running * (tokens / decode.tokens_per_s)
+    out = [OptionCost(Option.SPLIT, split, split), OptionCost(Option.LOCAL, local, local + stall)]
+    if whole:
+        w = whole_ttft(tokens, prefill)
+        out.append(OptionCost(Option.WHOLE, w, w))
+    return out
+
+
+def cheapest(options: list[OptionCost]) -> OptionCost:
+    """The option with the lowest score; on a tie, local before split before whole
+    (no handoff beats one, and decodes belong on decode engines)."""
+    rank = {Option.LOCAL: 0, Option.SPLIT: 1, Option.WHOLE: 2}
+    return min(options, key=lambda o: (o.score_s, rank[o.path]))
+
+
+def split_gain_s(tokens: int, kv_bytes: Callable[[int], float], prefill: EngineCost, decode: EngineCost,
+                 link: LinkCost) -> float:
+    """How much sooner a split answers than a local prefill (negative: later), at the engines' load."""
+    return local_ttft(tokens, decode) - split_ttft(tokens, kv_bytes(tokens), prefill, link)
+
+
+def break_even_tokens(kv_bytes: Callable[[int], float], prefill: EngineCost, decode: EngineCost,
+                      link: LinkCost, limit: int = MAX_SEARCH_TOKENS) -> int | None:
+    """The shortest prompt (<= ``limit``) that a split answers no later than a local prefill,
+    or None when none does.
+
+    The gain of a split grows with the prompt when the prefill engine is faster
+    per token than the decode engine by more than the link costs per token
+    (KV bytes per token grow no faster than linearly: sliding windows cap it);
+    the search is a bisection on that monotone gain. ``kv_bytes(n)``: the KV
+    cache of an ``n``-token prompt.
+    """
+    def splits(n: int) -> bool:
+        return split_gain_s(n, kv_bytes, prefill, decode, link) >= 0
+
+    if not splits(limit):
+        return None
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if splits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
