@@ -13,8 +13,10 @@ from disagg.proxy.config import (
     DEFAULT_MAX_CONCURRENCY,
     ENGINE_KEY_ENV,
     FALLBACKS,
+    ROUTING_POLICIES,
     ProxyConfig,
     ProxyTimeouts,
+    RoutingConfig,
 )
 
 
@@ -55,6 +57,27 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--handoff-option", action="append", default=[], metavar="KEY=VALUE",
                    help="engine-specific handoff setting, repeatable (sglang: bootstrap_ports=P1,P2 "
                         "one per --prefill URL)")
+    r = RoutingConfig()
+    p.add_argument("--routing-policy", choices=ROUTING_POLICIES, default=r.policy,
+                   help="per prompt: 'split' always through the KV handoff (default), 'local' decode "
+                        "prefills itself, 'auto' the path with the lowest predicted TTFT (needs the "
+                        "--route-* seed figures; `disagg up` passes them from the topology)")
+    p.add_argument("--route-kv-bytes-per-token", type=float, metavar="B", help="auto: KV cache bytes per token")
+    p.add_argument("--route-prefill-rate", type=float, metavar="TOK/S", help="auto: prefill engines' seed rate")
+    p.add_argument("--route-decode-rate", type=float, metavar="TOK/S",
+                   help="auto: decode engines' seed prefill rate (default: the prefill rate)")
+    p.add_argument("--route-link-rate", type=float, metavar="B/S", help="auto: seed link rate, bytes per second")
+    p.add_argument("--route-handoff-fixed", type=float, metavar="S",
+                   help="auto: seed fixed cost of one handoff (default: the largest measured per connector)")
+    p.add_argument("--route-overhead", type=float, default=r.overhead_s, metavar="S",
+                   help="auto: seed per-request engine cost besides the prompt's tokens")
+    p.add_argument("--route-stall-weight", type=float, default=r.stall_weight, metavar="W",
+                   help="auto: TTFT seconds one second of stall imposed on each running decode is worth")
+    p.add_argument("--route-whole", action="store_true",
+                   help="auto: an idle prefill engine may serve a request alone while decode engines are backed up")
+    p.add_argument("--route-chars-per-token", type=float, default=r.chars_per_token, metavar="C",
+                   help="prompt length estimate without --tokenizer (calibrated live)")
+    p.add_argument("--tokenizer", metavar="TOKENIZER.json", help="the model's tokenizer, for exact prompt lengths")
     p.set_defaults(handler=cmd_proxy)
 
 
@@ -67,7 +90,14 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
                        engine=args.engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                        engine_key=args.engine_key or os.environ.get(ENGINE_KEY_ENV) or None,
                        fallback=args.fallback, max_concurrency=args.max_concurrency, timeouts=timeouts,
-                       handoff_options=parse_handoff_options(args.handoff_option))
+                       handoff_options=parse_handoff_options(args.handoff_option),
+                       routing=RoutingConfig(
+                           policy=args.routing_policy, kv_bytes_per_token=args.route_kv_bytes_per_token,
+                           prefill_tokens_per_s=args.route_prefill_rate,
+                           decode_tokens_per_s=args.route_decode_rate, link_bytes_per_s=args.route_link_rate,
+                           handoff_fixed_s=args.route_handoff_fixed, overhead_s=args.route_overhead,
+                           stall_weight=args.route_stall_weight, whole=args.route_whole,
+                           tokenizer=args.tokenizer, chars_per_token=args.route_chars_per_token))
 
 
 def parse_handoff_options(items: list[str]) -> tuple[tuple[str, str], ...]:

@@ -48,6 +48,7 @@ from disagg.proxy.handoff import DecodeReply, EngineErrorReply, Handoff, Prefill
 from disagg.proxy.headers import REQUEST_ID, downstream_headers, upstream_headers
 from disagg.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from disagg.proxy.relay import StreamTiming, is_event_stream, observe_stream, relay_stream, relay_whole
+from disagg.proxy.router import ROUTE_HEADER, Router
 from disagg.proxy.routes import (
     CHAT,
     COMPLETIONS,
@@ -81,6 +82,7 @@ class ProxyState:
     decode: BackendPool
     prefill: BackendPool | None
     handoff_cls: type[Handoff] | None
+    router: Router
     upstream: Upstream | None = None
     handoff: Handoff | None = None
     api_key_hash: bytes | None = field(default=None, repr=False)
@@ -102,11 +104,13 @@ def build_app(config: ProxyConfig) -> web.Application:
     """The proxy as an aiohttp application (serve it with an ``AppRunner`` with
     ``handler_cancellation=True``, as :class:`~disagg.proxy.server.ProxyServer` does)."""
     metrics = ProxyMetrics()
+    decode = BackendPool("decode", config.decode, metrics)
+    prefill = BackendPool("prefill", config.prefill, metrics) if config.prefill else None
+    handoff_cls = None if config.colocated else handoff_class(config.engine)
     state = ProxyState(
-        config=config, metrics=metrics,
-        decode=BackendPool("decode", config.decode, metrics),
-        prefill=BackendPool("prefill", config.prefill, metrics) if config.prefill else None,
-        handoff_cls=None if config.colocated else handoff_class(config.engine),
+        config=config, metrics=metrics, decode=decode, prefill=prefill, handoff_cls=handoff_cls,
+        router=Router(config.routing, prefill, decode, metrics,
+                      local=handoff_cls is None or handoff_cls.serves_local),
         api_key_hash=hashlib.sha256(config.api_key.encode()).digest() if config.api_key else None)
     app = web.Application(middlewares=[_front_door], client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
@@ -132,6 +136,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         try:  # a handoff checks its options and may bind sockets
             state.handoff = state.handoff_cls(state.upstream, state.prefill, state.decode, state.metrics,
                                               options=dict(state.config.handoff_options))
+            state.handoff.observer = state.router.prefill_done
         except BaseException:
             await session.close()
             raise
@@ -284,10 +289,23 @@ def _samples(body: Mapping[str, Any]) -> int:
 
 async def _open_reply(state: ProxyState, route: PromptRoute, stack: AsyncExitStack) -> DecodeReply:
     """Decode's reply for one route, entered on ``stack``: through the handoff (``split``),
-    or from decode alone (``local``, and ``split`` when prefill failed and fallback allows);
-    sets ``route.served``."""
+    from a prefill engine alone (``whole``), or from decode alone (``local``, and ``split``
+    or ``whole`` when the prefill side failed and fallback allows); sets ``route.served``."""
     req = route.request
-    if route.path is RoutePath.SPLIT and state.handoff is not None:
+    state.router.sent(route, req.stream)
+    if route.path is RoutePath.WHOLE and state.prefill is not None:
+        try:
+            backend, resp = await stack.enter_async_context(
+                state.client().request(state.prefill, "POST", req.endpoint, data=req.raw, headers=req.headers,
+                                       prefer=route.prefill))
+            route.prefill = backend
+            route.served = "whole"
+            return DecodeReply(backend, resp)
+        except NoHealthyBackend as exc:  # every prefill engine refused the connection, or none is healthy
+            log.warning("request %s: %s; decode serves it", req.request_id, exc.message)
+            state.metrics.fallbacks.labels("no_healthy_prefill").inc()
+            route.served = "fallback"
+    elif route.path is RoutePath.SPLIT and state.handoff is not None:
         try:
             reply = await stack.enter_async_context(state.handoff.serve(route))
             route.served = "disaggregated"
@@ -307,7 +325,8 @@ async def _open_reply(state: ProxyState, route: PromptRoute, stack: AsyncExitSta
         route.served = "local"
         state.metrics.local_routes.labels(route.reason).inc()
     backend, resp = await stack.enter_async_context(
-        state.client().request(state.decode, "POST", req.endpoint, data=req.raw, headers=req.headers))
+        state.client().request(state.decode, "POST", req.endpoint, data=req.raw, headers=req.headers,
+                               prefer=route.decode))
     route.decode = backend
     return DecodeReply(backend, resp)
 
@@ -316,7 +335,7 @@ def _request_path(plan: RequestPlan) -> str:
     """The ``requests_total`` path label of a served request: how its routes were served
     (``fallback`` or ``local`` if any route was, else the routes' common label)."""
     served = {r.served for r in plan.routes}
-    for label in ("fallback", "local"):
+    for label in ("fallback", "local", "whole"):
         if label in served:
             return label
     return served.pop() if len(served) == 1 else "disaggregated"
@@ -354,13 +373,15 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     local = state.handoff is None or state.handoff.serves_local
     req = _client_request(request, await request.read(), local)
     plan = plan_request(req, split=state.handoff is not None, local=local)
+    state.router.route(plan)
+    routed = {ROUTE_HEADER: ", ".join(r.path.value for r in plan.routes)}
     label = "chat" if req.endpoint == CHAT else "completions"
     path = "error"
     try:
         timing = StreamTiming(started)
         if plan.batched:
             out = await serve_batch(request, plan, lambda route, stack: _open_reply(state, route, stack),
-                                    upstream, timing)
+                                    upstream, timing, extra=routed)
             if out.status == 200 and not timing.broken:
                 path = _request_path(plan)
                 if req.stream:
@@ -368,19 +389,24 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             return out
         async with AsyncExitStack() as stack:
             route = plan.routes[0]
+            timing.on_first = lambda now: state.router.first_token(route, started, now)
             reply = await _open_reply(state, route, stack)
             resp = reply.response
+            if resp.status != 200:
+                timing.on_first = None
             if is_event_stream(resp):
-                out = await relay_stream(request, upstream, reply.backend, resp, rid, timing)
+                out = await relay_stream(request, upstream, reply.backend, resp, rid, timing, routed)
                 if not timing.broken and resp.status == 200:
                     observe_stream(metrics, timing, reply.prefill_done, _samples(req.body))
             else:
-                out = await relay_whole(upstream, reply.backend, resp, rid)
+                out = await relay_whole(upstream, reply.backend, resp, rid, routed)
             if reply.companion is not None:
                 await reply.companion
             if resp.status == 200 and not timing.broken:
                 path = _request_path(plan)
         return out
     finally:
+        for route in plan.routes:
+            state.router.finished(route)
         metrics.requests.labels(label, path).inc()
         metrics.e2e.observe(time.perf_counter() - started)

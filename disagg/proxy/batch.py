@@ -30,13 +30,13 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from multidict import CIMultiDictProxy
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from disagg.proxy.backends import Backend
 from disagg.proxy.errors import CLIENT_ERRORS, UpstreamBadReply, sse_error_event
@@ -170,8 +170,10 @@ async def _first_failure(runs: list[_RouteRun]) -> _Opened | None:
 
 
 async def serve_batch(request: web.Request, plan: RequestPlan, open_route: OpenRoute, upstream: Upstream,
-                      timing: StreamTiming, max_parallel: int = MAX_PARALLEL_ROUTES) -> web.StreamResponse:
-    """Serve every route of ``plan`` and answer the client as one vLLM server would."""
+                      timing: StreamTiming, max_parallel: int = MAX_PARALLEL_ROUTES,
+                      extra: Mapping[str, str] | None = None) -> web.StreamResponse:
+    """Serve every route of ``plan`` and answer the client as one vLLM server would
+    (``extra``: headers added to a successful reply, e.g. the routing's path header)."""
     rid = plan.request.request_id
     queue: asyncio.Queue[_Item] | None = asyncio.Queue() if plan.request.stream else None
     limit = asyncio.Semaphore(max_parallel)
@@ -183,11 +185,13 @@ async def serve_batch(request: web.Request, plan: RequestPlan, open_route: OpenR
             return web.Response(status=failure.status, body=failure.body,
                                 headers=downstream_headers(failure.headers, rid))
         first = runs[0].opened.result()
+        headers = downstream_headers(first.headers, rid)
+        headers.update(extra or {})
         if queue is None:
             replies = [_json_object(run) for run in runs]
             merged = json.dumps(merge_replies(replies, rid)).encode()
-            return web.Response(status=200, body=merged, headers=downstream_headers(first.headers, rid))
-        return await _stream(request, queue, len(runs), first, rid, timing)
+            return web.Response(status=200, body=merged, headers=headers)
+        return await _stream(request, queue, len(runs), headers, rid, timing)
     finally:
         for task in tasks:
             task.cancel()
@@ -208,10 +212,10 @@ def _json_object(run: _RouteRun) -> dict[str, Any]:
     return value
 
 
-async def _stream(request: web.Request, queue: asyncio.Queue[_Item], routes: int, first: _Opened, rid: str,
-                  timing: StreamTiming) -> web.StreamResponse:
+async def _stream(request: web.Request, queue: asyncio.Queue[_Item], routes: int, headers: CIMultiDict[str],
+                  rid: str, timing: StreamTiming) -> web.StreamResponse:
     """Relay the routes' events as they come, re-indexed; one usage chunk and one ``[DONE]`` at the end."""
-    out = web.StreamResponse(status=200, headers=downstream_headers(first.headers, rid))
+    out = web.StreamResponse(status=200, headers=headers)
     await out.prepare(request)
     reply_id = batch_id(rid)
     usage: dict[int, dict[str, Any]] = {}

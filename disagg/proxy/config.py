@@ -68,6 +68,76 @@ def normalize_url(url: str, what: str) -> str:
     return url.strip().rstrip("/")
 
 
+#: ``--routing-policy`` values (docs/topology.md "routing"; :mod:`disagg.proxy.policy`)
+ROUTING_POLICIES = ("auto", "split", "local")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How each prompt is routed, and the numbers the ``auto`` policy starts from.
+
+    ``split`` (the default here, as before routing existed) splits every prompt
+    that can be split; ``local`` lets decode engines prefill every prompt;
+    ``auto`` predicts each prompt's TTFT on every path (:mod:`disagg.routecost`)
+    from live measurements, seeded with these figures, which ``disagg up``
+    derives from the topology (``disagg.planning.route_seeds``): rates in tokens
+    or bytes per second, times in seconds. ``whole``: a prefill engine may serve
+    a request alone (its connector lets it: vLLM with NIXL or the socket
+    connector). ``tokenizer``: the model's ``tokenizer.json`` for exact prompt
+    lengths; without it, characters / ``chars_per_token`` (calibrated live).
+    """
+
+    policy: str = "split"
+    kv_bytes_per_token: float | None = None
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None      # local prefill on a decode engine (default: prefill's)
+    link_bytes_per_s: float | None = None
+    handoff_fixed_s: float | None = None          # default: disagg.routecost.DEFAULT_HANDOFF_FIXED_S
+    overhead_s: float = 0.0                       # per-request engine cost besides the prompt's tokens
+    stall_weight: float = 1.0                     # seconds of TTFT one second of stalled decode is worth
+    whole: bool = False
+    tokenizer: str | None = None
+    chars_per_token: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ProxyError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}, got {self.policy!r}")
+        for name in ("kv_bytes_per_token", "prefill_tokens_per_s", "decode_tokens_per_s", "link_bytes_per_s",
+                     "handoff_fixed_s"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value >= 0 and value < float("inf")):
+                raise ProxyError(f"routing {name} must be a number >= 0, got {value!r}")
+        for name in ("prefill_tokens_per_s", "link_bytes_per_s", "decode_tokens_per_s"):
+            if getattr(self, name) == 0:
+                raise ProxyError(f"routing {name} must be > 0")
+        if not self.chars_per_token > 0 or self.overhead_s < 0 or self.stall_weight < 0:
+            raise ProxyError("routing chars_per_token must be > 0, overhead_s and stall_weight >= 0")
+        if self.policy == "auto":
+            missing = [n for n in ("kv_bytes_per_token", "prefill_tokens_per_s", "link_bytes_per_s")
+                       if getattr(self, n) is None]
+            if missing:
+                raise ProxyError(f"routing policy auto needs its seed figures: {', '.join(missing)} "
+                                 "(--route-kv-bytes-per-token, --route-prefill-rate, --route-link-rate)")
+
+    def to_argv(self) -> list[str]:
+        """The ``disagg proxy`` arguments that rebuild this routing configuration."""
+        argv = ["--routing-policy", self.policy]
+        for flag, value in (("--route-kv-bytes-per-token", self.kv_bytes_per_token),
+                            ("--route-prefill-rate", self.prefill_tokens_per_s),
+                            ("--route-decode-rate", self.decode_tokens_per_s),
+                            ("--route-link-rate", self.link_bytes_per_s),
+                            ("--route-handoff-fixed", self.handoff_fixed_s)):
+            if value is not None:
+                argv += [flag, repr(float(value))]
+        argv += ["--route-overhead", repr(self.overhead_s), "--route-stall-weight", repr(self.stall_weight),
+                 "--route-chars-per-token", repr(self.chars_per_token)]
+        if self.whole:
+            argv.append("--route-whole")
+        if self.tokenizer:
+            argv += ["--tokenizer", self.tokenizer]
+        return argv
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """Everything the proxy needs.
@@ -92,6 +162,8 @@ class ProxyConfig:
     #: engine-specific handoff settings (``--handoff-option KEY=VALUE``), e.g.
     #: SGLang's ``bootstrap_ports``; each handoff reads the keys it needs
     handoff_options: tuple[tuple[str, str], ...] = ()
+    #: the per-prompt routing policy and its seed figures
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -143,4 +215,6 @@ class ProxyConfig:
             argv += ["--engine-key", self.engine_key]
         for key, value in self.handoff_options:
             argv += ["--handoff-option", f"{key}={value}"]
+        if self.prefill and self.routing != RoutingConfig():
+            argv += self.routing.to_argv()
         return argv

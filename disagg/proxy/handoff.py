@@ -23,7 +23,7 @@ import importlib
 import json
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -86,6 +86,11 @@ class EngineErrorReply(ProxyError):
         self.headers = headers
 
 
+#: told when a route's prefill engine answered: (route, engine, seconds, prompt tokens it counted or None);
+#: the routing (:class:`disagg.proxy.router.Router`) learns prefill rates from it
+PrefillObserver = Callable[[PromptRoute, Backend, float, "int | None"], None]
+
+
 class Handoff(ABC):
     """The P->D protocol of one engine family.
 
@@ -107,6 +112,8 @@ class Handoff(ABC):
         self.metrics = metrics
         #: the proxy's ``--handoff-option`` settings (engine-specific)
         self.options: Mapping[str, str] = dict(options or {})
+        #: set by the app: told each time a prefill engine answers (see :data:`PrefillObserver`)
+        self.observer: PrefillObserver | None = None
 
     async def aclose(self) -> None:  # noqa: B027 (optional hook, most handoffs hold nothing)
         """Release what the handoff holds beyond requests (sockets); the proxy calls it on shutdown."""
@@ -117,7 +124,9 @@ class Handoff(ABC):
         while the proxy relays it.
 
         Called by the proxy once per ``split`` route, concurrently for many
-        routes; records the engines it used in ``route.prefill`` / ``route.decode``
+        routes; uses the engines the routing policy preset in ``route.prefill`` /
+        ``route.decode`` while they are healthy (else its own pick) and records
+        the engines it used there
         (and the prompt's ``route.kv_transfer_params`` where the protocol has
         them). Raises :class:`PrefillFailed` before anything reached decode
         when prefill is unusable (the proxy then applies its fallback policy),
@@ -169,8 +178,9 @@ class VllmHandoff(Handoff):
 
     async def run_prefill(self, route: PromptRoute,
                           kv_transfer_params: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Prefill ``route``'s prompt on the best prefill backend (recorded in ``route.prefill``);
-        returns the ``kv_transfer_params`` it answered.
+        """Prefill ``route``'s prompt on its preset prefill backend if healthy, else the best one
+        (recorded in ``route.prefill``); returns the ``kv_transfer_params`` it answered and tells
+        :attr:`observer` how long it took.
 
         Raises :class:`PrefillFailed` (fallback possible) or :class:`EngineErrorReply`.
         """
@@ -179,7 +189,7 @@ class VllmHandoff(Handoff):
         started = time.perf_counter()
         try:
             async with self.upstream.request(self.prefill, "POST", req.endpoint, data=data,
-                                             headers=req.headers) as (backend, resp):
+                                             headers=req.headers, prefer=route.prefill) as (backend, resp):
                 route.prefill = backend
                 if 400 <= resp.status < 500:
                     body = await self.upstream.read(backend, resp)
@@ -193,7 +203,12 @@ class VllmHandoff(Handoff):
             raise PrefillFailed(exc.kind, f"prefill {exc.message}") from exc
         except ProxyHTTPError as exc:  # no healthy prefill instance
             raise PrefillFailed("no_healthy_prefill", exc.message) from exc
-        self.metrics.prefill.observe(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.metrics.prefill.observe(elapsed)
+        if self.observer is not None:
+            usage = reply.get("usage")
+            counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+            self.observer(route, backend, elapsed, counted if type(counted) is int else None)
         params = reply.get("kv_transfer_params")
         if not isinstance(params, dict) or not params:
             raise PrefillFailed("no_kv_params", f"prefill {backend.url} answered without kv_transfer_params "
@@ -209,7 +224,7 @@ class VllmHandoff(Handoff):
         prefill_done = time.perf_counter()
         data = json.dumps(self.decode_body(req.body, params)).encode()
         async with self.upstream.request(self.decode, "POST", req.endpoint, data=data,
-                                         headers=req.headers) as (backend, resp):
+                                         headers=req.headers, prefer=route.decode) as (backend, resp):
             route.decode = backend
             yield DecodeReply(backend, resp, prefill_done=prefill_done)
 

@@ -165,7 +165,8 @@ class LmcacheHandoff(VllmHandoff):
     async def serve(self, route: PromptRoute) -> AsyncIterator[DecodeReply]:
         """Choose decode, prefill into its receiver, wait for the notices, then decode."""
         req = route.request
-        backend = self.decode.pick()
+        preset = route.decode
+        backend = preset if preset is not None and preset.healthy else self.decode.pick()
         if backend is None:
             raise NoHealthyBackend(f"no healthy decode instance: {self.decode.describe()}")
         rec = self.receivers[backend.url]

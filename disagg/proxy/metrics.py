@@ -24,6 +24,17 @@ Names (all prefixed ``disagg_proxy_``):
 - ``backend_in_flight{role, url}``, ``backend_healthy{role, url}``.
 - ``backend_returns_total{role, url}``: times a backend came back into service after
   being taken out (a restarted engine); what the proxy measured about it is dropped then.
+
+Routing (:mod:`disagg.proxy.policy`; named without the prefix, as issue 15 asks):
+
+- ``disagg_route_total{path, reason}``: prompts by the path chosen (``split``,
+  ``local``, ``whole``) and why (``predicted``, ``policy``, ``decode_backlog``,
+  ``no_prefill``, ``no_decode``, or a correctness reason to stay local: ``n``,
+  ``prompt_logprobs``, ... see :mod:`disagg.proxy.routes`; ``colocated``).
+- ``disagg_route_predicted_ttft_seconds{path}``: the policy's prediction for the chosen path.
+- ``disagg_route_observed_ttft_seconds{path}``: the same prompts' TTFT as the proxy saw it
+  (streamed single-prompt requests: arrival -> first event).
+- ``disagg_route_prompt_length_error_ratio``: mean |estimated - counted| / counted prompt tokens.
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ TOKEN_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
-PATHS = ("disaggregated", "fallback", "local", "colocated", "error")
+PATHS = ("disaggregated", "fallback", "local", "whole", "colocated", "error")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -79,6 +90,18 @@ class ProxyMetrics:
                              ["role", "url"], registry=r)
         self.returns = Counter("disagg_proxy_backend_returns", "Times a backend came back into service",
                                ["role", "url"], registry=r)
+
+        self.route = Counter("disagg_route", "Prompts by the path the routing chose and why",
+                             ["path", "reason"], registry=r)
+        self.route_predicted = Histogram("disagg_route_predicted_ttft_seconds",
+                                         "Predicted time to first token of the chosen path", ["path"],
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.route_observed = Histogram("disagg_route_observed_ttft_seconds",
+                                        "Observed time to first token, by the path taken", ["path"],
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_length_error = Gauge("disagg_route_prompt_length_error_ratio",
+                                         "Mean relative error of the proxy's prompt-length estimate",
+                                         registry=r)
 
     def render(self) -> bytes:
         """The text exposition format of every metric."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from disagg.proxy.backends import Backend
 from disagg.proxy.errors import CLIENT_ERRORS, sse_error_event
@@ -31,6 +33,14 @@ class StreamTiming:
     last: float | None = None           # last token event sent
     token_events: int = 0
     broken: bool = False                # the engine failed mid-stream
+    #: called with ``first`` when the first event is sent (the routing learns from it)
+    on_first: Callable[[float], None] | None = None
+
+    def mark_first(self, now: float) -> None:
+        """The first event was sent at ``now``."""
+        self.first = now
+        if self.on_first is not None:
+            self.on_first(now)
 
 
 def is_event_stream(resp: aiohttp.ClientResponse) -> bool:
@@ -38,15 +48,23 @@ def is_event_stream(resp: aiohttp.ClientResponse) -> bool:
     return resp.content_type == "text/event-stream"
 
 
+def _headers(resp: aiohttp.ClientResponse, request_id: str, extra: Mapping[str, str] | None) -> CIMultiDict[str]:
+    headers = downstream_headers(resp.headers, request_id)
+    if extra:
+        headers.update(extra)
+    return headers
+
+
 async def relay_whole(upstream: Upstream, backend: Backend, resp: aiohttp.ClientResponse,
-                      request_id: str) -> web.Response:
-    """The engine's reply as one response: its status, end-to-end headers and body."""
+                      request_id: str, extra: Mapping[str, str] | None = None) -> web.Response:
+    """The engine's reply as one response: its status, end-to-end headers (plus ``extra``) and body."""
     body = await upstream.read(backend, resp)
-    return web.Response(status=resp.status, body=body, headers=downstream_headers(resp.headers, request_id))
+    return web.Response(status=resp.status, body=body, headers=_headers(resp, request_id, extra))
 
 
 async def relay_stream(request: web.Request, upstream: Upstream, backend: Backend,
-                       resp: aiohttp.ClientResponse, request_id: str, timing: StreamTiming) -> web.StreamResponse:
+                       resp: aiohttp.ClientResponse, request_id: str, timing: StreamTiming,
+                       extra: Mapping[str, str] | None = None) -> web.StreamResponse:
     """Pass an SSE reply through event by event, as the engine writes it.
 
     If the engine fails after the stream started, the client gets vLLM's
@@ -54,7 +72,7 @@ async def relay_stream(request: web.Request, upstream: Upstream, backend: Backen
     of here (``ConnectionResetError`` or cancellation), and the caller's
     context closes the engine request.
     """
-    out = web.StreamResponse(status=resp.status, headers=downstream_headers(resp.headers, request_id))
+    out = web.StreamResponse(status=resp.status, headers=_headers(resp, request_id, extra))
     await out.prepare(request)
     content = resp.content
     parser: SSEParser | None = SSEParser()
@@ -72,7 +90,7 @@ async def relay_stream(request: web.Request, upstream: Upstream, backend: Backen
         now = time.perf_counter()
         await out.write(chunk)
         if timing.first is None:
-            timing.first = now
+            timing.mark_first(now)
         if parser is None:
             continue
         try:

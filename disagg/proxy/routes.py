@@ -37,10 +37,12 @@ Client-supplied ``kv_transfer_params`` (top level, or inside ``vllm_xargs``) are
 removed from every request on every path (:func:`strip_kv_params`): only the
 proxy may tell an engine where KV lives.
 
-Callers: :func:`disagg.proxy.app._generate` plans each request; handoffs
-(:mod:`disagg.proxy.handoff`) serve ``split`` routes and record the engines
-they used; later routing policies may set ``path``, ``prefill`` and
-``decode`` before the handoff runs.
+Callers: :func:`disagg.proxy.app._generate` plans each request; the routing
+policy (:class:`disagg.proxy.router.Router`) may then move a route that is free
+to split (no reason above) to ``local`` or ``whole`` (a prefill engine serves
+the request alone) and preset its ``prefill`` / ``decode`` engines; handoffs
+(:mod:`disagg.proxy.handoff`) serve ``split`` routes on the preset engines
+while they are healthy and record the engines they used.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class RoutePath(enum.StrEnum):
 
     SPLIT = "split"     # prefill engine -> KV over the link -> decode engine
     LOCAL = "local"     # the decode engine computes the prompt itself
+    WHOLE = "whole"     # a prefill engine serves the request alone (routing policy auto)
 
 
 @dataclass
@@ -121,6 +124,9 @@ class PromptRoute:
     decode: Backend | None = None
     kv_transfer_params: dict[str, Any] | None = field(default=None, repr=False)
     served: str = ""
+    #: the routing policy's prompt-length estimate and predicted TTFT (0 / None: not predicted)
+    tokens: int = 0
+    predicted_s: float | None = None
 
 
 @dataclass

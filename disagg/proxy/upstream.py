@@ -104,8 +104,10 @@ class Upstream:
 
     @asynccontextmanager
     async def request(self, pool: BackendPool, method: str, path: str, *, data: bytes | None,
-                      headers: Mapping[str, str]) -> AsyncIterator[tuple[Backend, aiohttp.ClientResponse]]:
-        """Send to the best backend of ``pool``; yields ``(backend, response)``.
+                      headers: Mapping[str, str],
+                      prefer: Backend | None = None) -> AsyncIterator[tuple[Backend, aiohttp.ClientResponse]]:
+        """Send to ``prefer`` while it is healthy (the routing policy's pick), else to the best
+        backend of ``pool``; yields ``(backend, response)``.
 
         A backend that refuses the connection is taken out and the next one is
         tried (the request never reached it). The backend stays leased until
@@ -114,7 +116,7 @@ class Upstream:
         """
         tried: list[Backend] = []
         while True:
-            backend = pool.pick(exclude=tried)
+            backend = prefer if prefer is not None and prefer.healthy and not tried else pool.pick(exclude=tried)
             if backend is None:
                 raise NoHealthyBackend(f"no healthy {pool.role} instance: {pool.describe()}")
             with pool.lease(backend):

@@ -1,0 +1,219 @@
+"""What the proxy measures about each engine and each prefill -> decode pair, live.
+
+:class:`Measurements` is built once per app from the seed figures
+(:class:`~disagg.proxy.config.RoutingConfig`) and fed by the proxy as it serves:
+
+- per engine, a fit of ``seconds = overhead + work_tokens / rate`` where
+  ``work_tokens`` is the prompt plus the prefill tokens already queued there
+  when it was sent: from prefill replies of split routes (prefill engines), and
+  from the first streamed token of ``local`` / ``whole`` routes;
+- per prefill -> decode pair, a fit of ``seconds = fixed + kv_bytes / rate``
+  from split routes (prefill reply -> first decode token, streamed);
+- per engine, the prefill tokens still outstanding (sent, no first token yet)
+  and so the decodes it is running.
+
+Each fit is an exponentially weighted least-squares line (:class:`EwFit`):
+every new sample weighs :data:`DECAY` of the whole, so the figures follow an
+engine that gets busy or a link that slows within a few requests. The seed
+enters as two pseudo-samples that fade the same way and leave once
+:data:`SEED_SAMPLES` real ones are in.
+
+A fit learns only from the paths the policy takes: an engine judged slow gets
+no local prompts to show it has become fast again until its queue or the
+other paths' costs change the choice (its restart resets it to the seed).
+
+Who calls what: :mod:`disagg.proxy.app` builds it and registers
+:meth:`Measurements.forget` with both pools' ``on_return`` (a restarted engine
+is a new process: what was measured about it no longer holds); the policy
+(:mod:`disagg.proxy.policy`) reads :meth:`engine_cost` and :meth:`link_cost`;
+the serving code calls :meth:`dispatch` and the ``observe_*`` methods.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from disagg.routecost import EngineCost, LinkCost
+
+#: the weight one new sample takes (an EWMA over about the last 1/DECAY samples)
+DECAY = 0.2
+#: prompt lengths (tokens) of the two pseudo-samples that carry an engine's seed line
+SEED_TOKENS = (128.0, 2048.0)
+#: KV sizes (bytes) of the two pseudo-samples that carry a link's seed line
+SEED_BYTES = (1 << 20, 64 << 20)
+#: real samples after which the seed leaves a fit altogether
+SEED_SAMPLES = 4
+#: relative spread of the samples' x below which a fit keeps its intercept and fits only the slope
+MIN_SPREAD = 0.05
+#: slowest rate a fit may report, per unit (a bad sample never makes a rate zero or negative)
+MIN_RATE = 1e-3
+
+
+class EwFit:
+    """``y = a + x / rate``, fitted by exponentially weighted least squares.
+
+    Both coefficients stay physical: ``a >= 0`` and ``rate > 0``. When the
+    samples' ``x`` hardly differ, the intercept stays where it was and only the
+    rate is refitted through the weighted mean.
+    """
+
+    __slots__ = ("_a", "_decay", "_s", "_seed", "_seed_left", "_sx", "_sxx", "_sxy", "_sy", "samples")
+
+    def __init__(self, intercept: float, rate: float, seed_x: tuple[float, float], decay: float = DECAY) -> None:
+        self._decay = decay
+        self._s = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._a = max(intercept, 0.0)
+        self.samples = 0
+        for x in seed_x:
+            self._add(x, intercept + x / rate, 1.0)
+        self._seed = (self._s, self._sx, self._sy, self._sxx, self._sxy)
+        self._seed_left = 1.0          # the seed's share still in the sums (dropped after SEED_SAMPLES)
+
+    def _add(self, x: float, y: float, w: float) -> None:
+        self._s += w
+        self._sx += w * x
+        self._sy += w * y
+        self._sxx += w * x * x
+        self._sxy += w * x * y
+
+    def add(self, x: float, y: float) -> None:
+        """One observation: ``y`` seconds for ``x`` units (tokens, bytes)."""
+        if not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0:
+            return
+        keep = 1.0 - self._decay
+        self._s *= keep
+        self._sx *= keep
+        self._sy *= keep
+        self._sxx *= keep
+        self._sxy *= keep
+        self._add(x, y, len(SEED_TOKENS) * self._decay)  # the total weight stays that of the seed
+        self.samples += 1
+        self._seed_left *= keep
+        if self.samples == SEED_SAMPLES:   # enough of its own: the seed's far points would only skew the line
+            left = self._seed_left
+            s, sx, sy, sxx, sxy = self._seed
+            self._s -= left * s
+            self._sx -= left * sx
+            self._sy -= left * sy
+            self._sxx -= left * sxx
+            self._sxy -= left * sxy
+            self._seed_left = 0.0
+
+    def coefficients(self) -> tuple[float, float]:
+        """``(intercept seconds, rate units per second)``."""
+        mx, my = self._sx / self._s, self._sy / self._s
+        var = self._sxx / self._s - mx * mx
+        if var > (MIN_SPREAD * mx) ** 2:
+            slope = (self._sxy / self._s - mx * my) / var
+            a = my - slope * mx
+            if slope > 0 and a >= 0:
+                self._a = a
+                return a, max(1.0 / slope, MIN_RATE)
+        a = min(self._a, my)
+        slope = (my - a) / mx if mx > 0 else 0.0
+        return a, (max(1.0 / slope, MIN_RATE) if slope > 0 else math.inf)
+
+
+@dataclass
+class _Pending:
+    """A prefill sent to an engine that has not produced its first token yet."""
+
+    tokens: float
+    #: perf_counter after which it no longer counts (non-streamed replies: predicted end of prefill)
+    until: float = math.inf
+
+
+@dataclass
+class _Engine:
+    fit: EwFit
+    pending: list[_Pending] = field(default_factory=list)
+
+
+class Measurements:
+    """Live prefill fits per engine, handoff fits per pair, and what each engine has queued."""
+
+    def __init__(self, *, prefill_tokens_per_s: float, decode_tokens_per_s: float, overhead_s: float,
+                 handoff_fixed_s: float, link_bytes_per_s: float, decay: float = DECAY) -> None:
+        self._seed = {"prefill": prefill_tokens_per_s, "decode": decode_tokens_per_s}
+        self._overhead = overhead_s
+        self._fixed = handoff_fixed_s
+        self._link = link_bytes_per_s
+        self._decay = decay
+        self._engines: dict[str, _Engine] = {}
+        self._links: dict[tuple[str, str], EwFit] = {}
+
+    # --- state per engine --------------------------------------------------------
+
+    def _engine(self, role: str, url: str) -> _Engine:
+        eng = self._engines.get(url)
+        if eng is None:
+            rate = self._seed.get(role, self._seed["prefill"])
+            eng = self._engines[url] = _Engine(EwFit(self._overhead, rate, SEED_TOKENS, self._decay))
+        return eng
+
+    def queued_tokens(self, role: str, url: str, now: float | None = None) -> float:
+        """Prefill tokens sent to the engine that have no first token yet."""
+        eng = self._engine(role, url)
+        if not eng.pending:
+            return 0.0
+        now = time.perf_counter() if now is None else now
+        eng.pending = [p for p in eng.pending if p.until > now]
+        return sum(p.tokens for p in eng.pending)
+
+    def engine_cost(self, role: str, url: str, outstanding: int) -> EngineCost:
+        """The engine's prefill line and load, for the predictor (``outstanding``: its requests in flight)."""
+        overhead, rate = self._engine(role, url).fit.coefficients()
+        queued = self.queued_tokens(role, url)
+        waiting = len(self._engines[url].pending)
+        return EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued,
+                          running=max(outstanding - waiting, 0))
+
+    def link_cost(self, prefill_url: str, decode_url: str) -> LinkCost:
+        """The pair's handoff line (fixed seconds, bytes per second)."""
+        fixed, rate = self._link_fit(prefill_url, decode_url).coefficients()
+        return LinkCost(fixed_s=fixed, bytes_per_s=rate)
+
+    def _link_fit(self, prefill_url: str, decode_url: str) -> EwFit:
+        key = (prefill_url, decode_url)
+        fit = self._links.get(key)
+        if fit is None:
+            fit = self._links[key] = EwFit(self._fixed, self._link, SEED_BYTES, self._decay)
+        return fit
+
+    # --- what serving tells us -------------------------------------------------------
+
+    def dispatch(self, role: str, url: str, tokens: float, until: float = math.inf) -> _Pending:
+        """A prefill of ``tokens`` sent to the engine; pass the result to :meth:`settle` at its first token."""
+        pending = _Pending(tokens, until)
+        self._engine(role, url).pending.append(pending)
+        return pending
+
+    def settle(self, role: str, url: str, pending: _Pending) -> None:
+        """The prefill is done (first token, reply, or failure): it no longer counts as queued."""
+        eng = self._engines.get(url)
+        if eng is not None and pending in eng.pending:
+            eng.pending.remove(pending)
+
+    def observe_prefill(self, role: str, url: str, work_tokens: float, seconds: float) -> None:
+        """A prefill of ``work_tokens`` (its prompt plus what was queued ahead) took ``seconds``."""
+        self._engine(role, url).fit.add(work_tokens, seconds)
+
+    def observe_handoff(self, prefill_url: str, decode_url: str, kv_bytes: float, seconds: float) -> None:
+        """A handoff of ``kv_bytes`` took ``seconds`` (prefill reply -> first decode token)."""
+        self._link_fit(prefill_url, decode_url).add(kv_bytes, seconds)
+
+    def forget(self, url: str) -> None:
+        """Drop everything measured about the engine at ``url`` (it came back: a new process).
+
+        Registered with ``BackendPool.on_return``; its pending prefills are gone with it.
+        """
+        self._engines.pop(url, None)
+        for key in [k for k in self._links if url in k]:
+            del self._links[key]
+
+    def samples(self, url: str) -> int:
+        """Real observations behind the engine's current fit (0: the seed alone)."""
+        eng = self._engines.get(url)
+        return eng.fit.samples if eng is not None else 0

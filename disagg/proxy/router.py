@@ -1,0 +1,184 @@
+"""The routing policy at work in the proxy: decide each route, then learn from how it went.
+
+One :class:`Router` per app (built by :func:`disagg.proxy.app.build_app` from
+``ProxyConfig.routing``). The proxy calls, per client request:
+
+1. :meth:`Router.route` on the plan (:func:`~disagg.proxy.routes.plan_request`):
+   every route free to split gets its path and engines from
+   :func:`disagg.proxy.policy.decide` (``auto``) or the static policy; every route
+   is counted in ``disagg_route_total`` and logged at debug level;
+2. :meth:`Router.sent` as a route goes out (its prefill now counts in the
+   engine's queue);
+3. :meth:`Router.prefill_done` from the handoff when a split route's prefill
+   engine answers (the handoff holds the router as its ``observer``);
+4. :meth:`Router.first_token` when a streamed single-prompt reply sends its first event;
+5. :meth:`Router.finished` when the route is over, whatever happened.
+
+Measurements live in :class:`~disagg.proxy.measure.Measurements`; the app
+registers :meth:`Measurements.forget` with the pools' ``on_return``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg.proxy.backends import Backend, BackendPool
+from disagg.proxy.config import RoutingConfig
+from disagg.proxy.measure import Measurements
+from disagg.proxy.metrics import ProxyMetrics
+from disagg.proxy.policy import Candidate, decide
+from disagg.proxy.promptlen import PromptLength
+from disagg.proxy.routes import CHAT, PromptRoute, RequestPlan, RoutePath
+from disagg.routecost import DEFAULT_HANDOFF_FIXED_S, Option
+
+log = logging.getLogger("disagg.proxy")
+
+#: the response header naming each prompt's path (comma-separated for a batch)
+ROUTE_HEADER = "X-Disagg-Route"
+
+_PATHS = {Option.SPLIT: RoutePath.SPLIT, Option.LOCAL: RoutePath.LOCAL, Option.WHOLE: RoutePath.WHOLE}
+
+
+@dataclass
+class _Flight:
+    """What the router remembers about one route while it runs."""
+
+    sent: float = 0.0
+    engine: Backend | None = None          # where its prefill is queued
+    queued_ahead: float = 0.0              # prefill tokens queued there when it was sent
+    pending: Any = None
+    prefill_done: float | None = None
+    tokens: dict[str, int] = field(default_factory=dict)
+
+
+class Router:
+    """Decides routes (:mod:`disagg.proxy.policy`) and feeds :class:`Measurements`."""
+
+    def __init__(self, config: RoutingConfig, prefill: BackendPool | None, decode: BackendPool,
+                 metrics: ProxyMetrics, *, local: bool) -> None:
+        self.config = config
+        self.prefill = prefill
+        self.decode = decode
+        self.metrics = metrics
+        self.local = local
+        self.auto = config.policy == "auto" and prefill is not None
+        self.kv_bytes_per_token = config.kv_bytes_per_token or 0.0
+        prefill_rate = config.prefill_tokens_per_s or 1.0
+        self.measurements = Measurements(
+            prefill_tokens_per_s=prefill_rate, decode_tokens_per_s=config.decode_tokens_per_s or prefill_rate,
+            overhead_s=config.overhead_s,
+            handoff_fixed_s=(config.handoff_fixed_s if config.handoff_fixed_s is not None
+                             else DEFAULT_HANDOFF_FIXED_S),
+            link_bytes_per_s=config.link_bytes_per_s or 1.0)
+        self.lengths = PromptLength(config.tokenizer, config.chars_per_token) if self.auto else None
+        self._flights: dict[int, _Flight] = {}
+        for pool in (prefill, decode):
+            if pool is not None:
+                pool.on_return(lambda b: self.measurements.forget(b.url))
+
+    # --- deciding --------------------------------------------------------------------
+
+    def _candidates(self, pool: BackendPool | None) -> list[Candidate[Backend]]:
+        if pool is None:
+            return []
+        return [Candidate(b, self.measurements.engine_cost(pool.role, b.url, b.outstanding))
+                for b in pool.healthy()]
+
+    def route(self, plan: RequestPlan) -> None:
+        """Set path, reason and engines of every route of ``plan`` that may split; count them all."""
+        for route in plan.routes:
+            if route.path is RoutePath.SPLIT and not route.reason and self.prefill is not None:
+                self._decide(route)
+            self.metrics.route.labels(route.path.value, route.reason or "policy").inc()
+
+    def _decide(self, route: PromptRoute) -> None:
+        policy = self.config.policy
+        if policy == "split" or not self.local:
+            route.reason = "policy"
+            return
+        if policy == "local":
+            route.path, route.reason = RoutePath.LOCAL, "policy"
+            return
+        assert self.lengths is not None
+        chat = route.request.endpoint == CHAT
+        tokens = self.lengths.tokens(route.request.body, chat)
+        route.tokens = tokens
+        d = decide(policy, tokens, tokens * self.kv_bytes_per_token, self._candidates(self.prefill),
+                   self._candidates(self.decode), lambda p, dd: self.measurements.link_cost(p.url, dd.url),
+                   whole=self.config.whole, local=self.local, stall_weight=self.config.stall_weight)
+        route.path, route.reason = _PATHS[d.path], d.reason
+        route.prefill, route.decode, route.predicted_s = d.prefill, d.decode, d.predicted_s
+        if d.predicted_s is not None:
+            self.metrics.route_predicted.labels(d.path.value).observe(d.predicted_s)
+        if log.isEnabledFor(logging.DEBUG):
+            alts = ", ".join(f"{o.path} {o.ttft_s * 1e3:.1f} ms (score {o.score_s * 1e3:.1f})" for o in d.options)
+            log.debug("route %s: %d tokens -> %s (%s) P=%s D=%s; predicted %s", route.request.request_id, tokens,
+                      d.path, d.reason, d.prefill.url if d.prefill else "-", d.decode.url if d.decode else "-",
+                      alts or "-")
+
+    # --- learning --------------------------------------------------------------------
+
+    def sent(self, route: PromptRoute, stream: bool, now: float | None = None) -> None:
+        """``route`` goes out now (``now``: perf_counter): its prefill counts in the chosen engine's queue."""
+        if not self.auto or not route.tokens:
+            return
+        flight = self._flights[id(route)] = _Flight(sent=time.perf_counter() if now is None else now)
+        if route.path is RoutePath.LOCAL:
+            role, engine = "decode", route.decode
+        else:                                   # split and whole prefill on a prefill engine
+            role, engine = "prefill", route.prefill
+        if engine is None:
+            return
+        flight.engine = engine
+        flight.queued_ahead = self.measurements.queued_tokens(role, engine.url)
+        # a non-streamed reply shows no first token: it stops counting when predicted done
+        until = float("inf") if (stream or route.path is RoutePath.SPLIT) else \
+            flight.sent + (route.predicted_s or 0.0)
+        flight.pending = self.measurements.dispatch(role, engine.url, route.tokens, until)
+
+    def _settle(self, flight: _Flight) -> None:
+        if flight.engine is not None and flight.pending is not None:
+            self.measurements.settle(flight.engine.role, flight.engine.url, flight.pending)
+            flight.pending = None
+
+    def prefill_done(self, route: PromptRoute, backend: Backend, seconds: float, prompt_tokens: int | None) -> None:
+        """A split route's prefill engine answered after ``seconds`` (``prompt_tokens``: its count)."""
+        flight = self._flights.get(id(route))
+        if prompt_tokens and self.lengths is not None and route.tokens:
+            self.lengths.calibrate(route.tokens, prompt_tokens, route.request.endpoint == CHAT)
+            if self.lengths.error is not None:
+                self.metrics.prompt_length_error.set(self.lengths.error)
+        if flight is None:
+            return
+        self._settle(flight)
+        flight.prefill_done = time.perf_counter()
+        tokens = prompt_tokens or route.tokens
+        flight.tokens["prompt"] = tokens
+        if flight.engine is backend:
+            self.measurements.observe_prefill("prefill", backend.url, flight.queued_ahead + tokens, seconds)
+
+    def first_token(self, route: PromptRoute, started: float, when: float) -> None:
+        """A streamed single-prompt reply sent its first event at ``when`` (``started``: request arrival)."""
+        path = route.path.value if route.served != "fallback" else "fallback"
+        self.metrics.route_observed.labels(path).observe(when - started)
+        flight = self._flights.get(id(route))
+        if flight is None or route.served == "fallback":
+            return
+        self._settle(flight)
+        if route.path is RoutePath.SPLIT and flight.prefill_done is not None \
+                and route.prefill is not None and route.decode is not None:
+            nbytes = flight.tokens.get("prompt", route.tokens) * self.kv_bytes_per_token
+            self.measurements.observe_handoff(route.prefill.url, route.decode.url, nbytes, when - flight.prefill_done)
+        elif route.path is not RoutePath.SPLIT and flight.engine is not None \
+                and flight.engine is (route.decode if route.path is RoutePath.LOCAL else route.prefill):
+            self.measurements.observe_prefill(flight.engine.role, flight.engine.url,
+                                              flight.queued_ahead + route.tokens, when - flight.sent)
+
+    def finished(self, route: PromptRoute) -> None:
+        """The route is over (served, failed or cancelled)."""
+        flight = self._flights.pop(id(route), None)
+        if flight is not None:
+            self._settle(flight)

@@ -1,0 +1,123 @@
+"""The routing policy as a pure function (disagg.proxy.policy.decide) with injected measurements:
+the decision flips exactly where the predictor's break-even says, as prompt length, link rate,
+prefill rate and queue cross it."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.proxy.policy import Candidate, decide
+from disagg.routecost import EngineCost, LinkCost, Option, break_even_tokens
+
+KV_PER_TOKEN = 32 * 1024.0
+
+
+def kv(n: int) -> float:
+    return n * KV_PER_TOKEN
+
+
+def choose(n: int, p: EngineCost, d: EngineCost, link: LinkCost, **kw: object) -> Option:
+    decision = decide("auto", n, kv(n), [Candidate("P", p)], [Candidate("D", d)], lambda _p, _d: link, **kw)
+    return decision.path
+
+
+FAST_P, SLOW_D = EngineCost(tokens_per_s=8000.0), EngineCost(tokens_per_s=1000.0)
+LINK = LinkCost(fixed_s=0.03, bytes_per_s=1.25e9)
+
+
+def test_prompt_length_crosses_the_break_even() -> None:
+    n = break_even_tokens(kv, FAST_P, SLOW_D, LINK)
+    assert n is not None
+    assert choose(n - 1, FAST_P, SLOW_D, LINK) is Option.LOCAL
+    assert choose(n, FAST_P, SLOW_D, LINK) is Option.SPLIT
+
+
+def test_a_slower_link_moves_the_break_even_up_then_away() -> None:
+    n = break_even_tokens(kv, FAST_P, SLOW_D, LINK)
+    assert n is not None
+    slower = LinkCost(LINK.fixed_s, LINK.bytes_per_s / 4)
+    m = break_even_tokens(kv, FAST_P, SLOW_D, slower)
+    assert m is not None and m > n
+    assert choose(n, FAST_P, SLOW_D, slower) is Option.LOCAL
+    assert choose(m, FAST_P, SLOW_D, slower) is Option.SPLIT
+    # the link moves a token's KV slower than the decode engine computes it: never split
+    crawl = LinkCost(LINK.fixed_s, KV_PER_TOKEN * SLOW_D.tokens_per_s / 2)
+    assert break_even_tokens(kv, FAST_P, SLOW_D, crawl) is None
+    assert choose(4 * m, FAST_P, SLOW_D, crawl) is Option.LOCAL
+
+
+def test_prefill_rates_decide_at_idle() -> None:
+    n = break_even_tokens(kv, FAST_P, SLOW_D, LINK)
+    assert n is not None
+    # the decode engine as fast as the prefill engine: a split never answers sooner at idle
+    assert choose(n * 10, FAST_P, EngineCost(tokens_per_s=FAST_P.tokens_per_s), LINK) is Option.LOCAL
+    # a faster decode engine than assumed pushes the break-even up
+    quicker_d = EngineCost(tokens_per_s=SLOW_D.tokens_per_s * 1.5)
+    m = break_even_tokens(kv, FAST_P, quicker_d, LINK)
+    assert m is not None and m > n
+    assert choose(n, FAST_P, quicker_d, LINK) is Option.LOCAL
+
+
+def test_queues_shift_the_choice() -> None:
+    same = EngineCost(tokens_per_s=2000.0)
+    n = 200
+    assert choose(n, same, same, LINK) is Option.LOCAL
+    # prefill tokens waiting at the decode engine: long enough and the split wins
+    wait = (LINK.seconds(kv(n))) * same.tokens_per_s
+    backed_up = EngineCost(tokens_per_s=2000.0, queued_tokens=wait * 1.01)
+    assert choose(n, same, backed_up, LINK) is Option.SPLIT
+    assert choose(n, same, EngineCost(tokens_per_s=2000.0, queued_tokens=wait * 0.99), LINK) is Option.LOCAL
+    # and a queue at the prefill engine sends it back
+    assert choose(n, EngineCost(tokens_per_s=2000.0, queued_tokens=2 * wait), backed_up, LINK) is Option.LOCAL
+
+
+def test_running_decodes_make_long_prompts_split() -> None:
+    same = EngineCost(tokens_per_s=2000.0)
+    busy = EngineCost(tokens_per_s=2000.0, running=1)
+    short, long = 8, 4000
+    per_token_stall = 1 / busy.tokens_per_s
+    assert per_token_stall > KV_PER_TOKEN / LINK.bytes_per_s     # the link outruns prefill per token
+    assert short * per_token_stall < LINK.seconds(kv(short))      # short: stalling costs less than a handoff
+    assert choose(short, same, busy, LINK) is Option.LOCAL
+    assert choose(long, same, busy, LINK) is Option.SPLIT
+    assert choose(long, same, busy, LINK, stall_weight=0.0) is Option.LOCAL
+
+
+def test_whole_only_on_an_idle_prefill_engine_while_every_decode_engine_is_backed_up() -> None:
+    same = EngineCost(tokens_per_s=2000.0)
+    backed_up = EngineCost(tokens_per_s=2000.0, queued_tokens=4000.0)
+    d = decide("auto", 100, kv(100), [Candidate("P", same)], [Candidate("D", backed_up)], lambda _p, _d: LINK,
+               whole=True)
+    assert (d.path, d.reason, d.prefill, d.decode) == (Option.WHOLE, "decode_backlog", "P", None)
+    assert d.predicted_s == pytest.approx(same.ttft_s(100))
+    assert {o.path for o in d.options} == {Option.SPLIT, Option.LOCAL, Option.WHOLE}
+    # the connector does not allow it, the prefill engine is busy, or one decode engine is free
+    assert choose(100, same, backed_up, LINK, whole=False) is not Option.WHOLE
+    busy_p = EngineCost(tokens_per_s=2000.0, running=1)
+    assert choose(100, busy_p, backed_up, LINK, whole=True) is not Option.WHOLE
+    two = decide("auto", 100, kv(100), [Candidate("P", same)], [Candidate("D1", backed_up), Candidate("D2", same)],
+                 lambda _p, _d: LINK, whole=True)
+    assert two.path is Option.LOCAL and two.decode == "D2"
+
+
+def test_picks_the_cheapest_pair() -> None:
+    slow_link, fast_link = LinkCost(0.03, 1e6), LinkCost(0.03, 1e10)
+    links = {("P1", "D"): slow_link, ("P2", "D"): fast_link}
+    busy_d = EngineCost(tokens_per_s=1000.0, running=8)
+    d = decide("auto", 2000, kv(2000), [Candidate("P1", FAST_P), Candidate("P2", FAST_P)], [Candidate("D", busy_d)],
+               lambda p, dd: links[(p, dd)])
+    assert (d.path, d.prefill, d.decode) == (Option.SPLIT, "P2", "D")
+
+
+def test_static_policies_and_what_cannot_be_served() -> None:
+    cands = ([Candidate("P", FAST_P)], [Candidate("D", SLOW_D)])
+    split = decide("split", 10**6, kv(10**6), *cands, lambda _p, _d: LINK)
+    assert (split.path, split.reason, split.prefill, split.decode) == (Option.SPLIT, "policy", None, None)
+    local = decide("local", 10**6, kv(10**6), *cands, lambda _p, _d: LINK)
+    assert (local.path, local.reason, local.decode) == (Option.LOCAL, "policy", "D")
+    # decode engines that cannot prefill (SGLang): split whatever the numbers say
+    assert decide("auto", 1, kv(1), *cands, lambda _p, _d: LINK, local=False).path is Option.SPLIT
+    # no healthy prefill engine: local; no healthy decode engine: whole where allowed, else split (503 later)
+    assert decide("auto", 10**5, kv(10**5), [], cands[1], lambda _p, _d: LINK).reason == "no_prefill"
+    assert decide("auto", 5, kv(5), cands[0], [], lambda _p, _d: LINK, whole=True).path is Option.WHOLE
+    assert decide("auto", 5, kv(5), cands[0], [], lambda _p, _d: LINK).path is Option.SPLIT
