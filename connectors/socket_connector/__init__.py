@@ -14,7 +14,7 @@ __all__ = ["SocketKVConnector"]
 
 def __getattr__(name: str) -> Any:
     if name == "SocketKVConnector":
-        from disagg_connectors.socket_connector.connector import SocketKVConnector
+        from .connector import SocketKVConnector
 
         return SocketKVConnector
     raise AttributeError(name)

@@ -32,7 +32,7 @@ import os
 import socket
 import time
 
-from disagg_connectors.socket_connector.wire import WireError, recv_exact, recv_frame, send_frame, set_io_timeout
+from .wire import WireError, recv_exact, recv_frame, send_frame, set_io_timeout
 
 #: Protocol greeting; the digit is the protocol version (DKV1 had no listener binding).
 MAGIC = b"DKV2"

@@ -17,10 +17,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from disagg_connectors.socket_connector.auth import HANDSHAKE_TIMEOUT_S, client_handshake, listener_id
-from disagg_connectors.socket_connector.layout import BlockStore
-from disagg_connectors.socket_connector.server import chunks
-from disagg_connectors.socket_connector.wire import (
+from .auth import HANDSHAKE_TIMEOUT_S, client_handshake, listener_id
+from .layout import BlockStore
+from .server import chunks
+from .wire import (
     WireError,
     recv_frame,
     recv_into_views,

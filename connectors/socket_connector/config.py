@@ -48,8 +48,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg_connectors.socket_connector.auth import check_secret
-from disagg_connectors.socket_connector.params import MAX_LEASE_S, AllowedPeers
+from .auth import check_secret
+from .params import MAX_LEASE_S, AllowedPeers
 
 DEFAULT_SECRET_ENV = "DISAGG_KV_SECRET"
 

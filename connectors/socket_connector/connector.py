@@ -18,11 +18,11 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-from disagg_connectors.socket_connector.config import SocketSettings
-from disagg_connectors.socket_connector.metadata import SocketConnectorMetadata
-from disagg_connectors.socket_connector.scheduler import SocketScheduler
-from disagg_connectors.socket_connector.stats import SocketKVConnectorStats, SocketPromMetrics
-from disagg_connectors.socket_connector.worker import SocketWorker
+from .config import SocketSettings
+from .metadata import SocketConnectorMetadata
+from .scheduler import SocketScheduler
+from .stats import SocketKVConnectorStats, SocketPromMetrics
+from .worker import SocketWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from disagg_connectors.socket_connector.wire import coalesce
+from .wire import coalesce
 
 
 class LayoutError(ValueError):

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from disagg_connectors.socket_connector.config import SocketSettings
-from disagg_connectors.socket_connector.metadata import (
+from .config import SocketSettings
+from .metadata import (
     RecvSpec,
     SendSpec,
     SocketConnectorMetadata,
 )
-from disagg_connectors.socket_connector.params import (
+from .params import (
     TRANSFER_NAME,
     Declined,
     RemotePrefill,

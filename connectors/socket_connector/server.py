@@ -34,11 +34,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from disagg_connectors.socket_connector.auth import HANDSHAKE_TIMEOUT_S, AuthError, listener_id, server_handshake
-from disagg_connectors.socket_connector.counters import TransferCounters
-from disagg_connectors.socket_connector.layout import BlockStore, LayoutError
-from disagg_connectors.socket_connector.leases import LeaseTable
-from disagg_connectors.socket_connector.wire import (
+from .auth import HANDSHAKE_TIMEOUT_S, AuthError, listener_id, server_handshake
+from .counters import TransferCounters
+from .layout import BlockStore, LayoutError
+from .leases import LeaseTable
+from .wire import (
     FrameError,
     PeerClosed,
     WireError,

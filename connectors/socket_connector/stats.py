@@ -11,7 +11,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from disagg_connectors.socket_connector.counters import STAT_KEYS
+from .counters import STAT_KEYS
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,

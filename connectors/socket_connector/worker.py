@@ -19,13 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from disagg_connectors.socket_connector.client import FetchError, FetchOptions, FetchPlan, PeerConnections
-from disagg_connectors.socket_connector.config import SocketSettings
-from disagg_connectors.socket_connector.counters import TransferCounters
-from disagg_connectors.socket_connector.layout import BlockStore, make_store
-from disagg_connectors.socket_connector.leases import LeaseTable
-from disagg_connectors.socket_connector.metadata import RecvSpec, SocketConnectorMetadata
-from disagg_connectors.socket_connector.server import KVServer
+from .client import FetchError, FetchOptions, FetchPlan, PeerConnections
+from .config import SocketSettings
+from .counters import TransferCounters
+from .layout import BlockStore, make_store
+from .leases import LeaseTable
+from .metadata import RecvSpec, SocketConnectorMetadata
+from .server import KVServer
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.logger import init_logger
 
