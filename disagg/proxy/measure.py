@@ -163,8 +163,18 @@ class Measurements:
         return sum(p.tokens for p in eng.pending)
 
     def engine_cost(self, role: str, url: str, outstanding: int) -> EngineCost:
-        """The engine's prefill line and load, for the predictor (``outstanding``: its requests in flight)."""
-        overhead, rate = self._engine(role, url).fit.coefficients()
+        """The engine's prefill line and load, for the predictor (``outstanding``: its requests in flight).
+
+        An engine without samples of its own yet takes the per-request overhead measured on the
+        others (HTTP, scheduling, a first step: alike across engines of one deployment), so that
+        one engine's measured overhead is not compared with another's optimistic seed.
+        """
+        eng = self._engine(role, url)
+        overhead, rate = eng.fit.coefficients()
+        if eng.fit.samples == 0:
+            known = [e.fit.coefficients()[0] for e in self._engines.values() if e.fit.samples]
+            if known:
+                overhead = sum(known) / len(known)
         queued = self.queued_tokens(role, url)
         waiting = len(self._engines[url].pending)
         return EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued,

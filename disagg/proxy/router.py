@@ -75,6 +75,8 @@ class Router:
             link_bytes_per_s=config.link_bytes_per_s or 1.0)
         self.lengths = PromptLength(config.tokenizer, config.chars_per_token) if self.auto else None
         self._flights: dict[int, _Flight] = {}
+        self._counters: dict[tuple[str, str], Any] = {}     # disagg_route_total children, by labels
+        self._predicted = {o: metrics.route_predicted.labels(o.value) for o in Option}
         for pool in (prefill, decode):
             if pool is not None:
                 pool.on_return(lambda b: self.measurements.forget(b.url))
@@ -92,7 +94,11 @@ class Router:
         for route in plan.routes:
             if route.path is RoutePath.SPLIT and not route.reason and self.prefill is not None:
                 self._decide(route)
-            self.metrics.route.labels(route.path.value, route.reason or "policy").inc()
+            key = (route.path.value, route.reason or "policy")
+            counter = self._counters.get(key)
+            if counter is None:
+                counter = self._counters[key] = self.metrics.route.labels(*key)
+            counter.inc()
 
     def _decide(self, route: PromptRoute) -> None:
         policy = self.config.policy
@@ -112,7 +118,7 @@ class Router:
         route.path, route.reason = _PATHS[d.path], d.reason
         route.prefill, route.decode, route.predicted_s = d.prefill, d.decode, d.predicted_s
         if d.predicted_s is not None:
-            self.metrics.route_predicted.labels(d.path.value).observe(d.predicted_s)
+            self._predicted[d.path].observe(d.predicted_s)
         if log.isEnabledFor(logging.DEBUG):
             alts = ", ".join(f"{o.path} {o.ttft_s * 1e3:.1f} ms (score {o.score_s * 1e3:.1f})" for o in d.options)
             log.debug("route %s: %d tokens -> %s (%s) P=%s D=%s; predicted %s", route.request.request_id, tokens,

@@ -14,7 +14,7 @@ from disagg.proxy.backends import BackendPool
 from disagg.proxy.config import RoutingConfig
 from disagg.proxy.measure import EwFit, Measurements
 from disagg.proxy.metrics import ProxyMetrics
-from disagg.proxy.promptlen import PromptLength
+from disagg.proxy.promptlen import SAMPLE_CHARS, PromptLength
 from disagg.proxy.router import Router
 from disagg.proxy.routes import COMPLETIONS, GenerationRequest, PromptRoute, RequestPlan, RoutePath
 
@@ -78,6 +78,10 @@ def test_seeds_then_observations_per_engine_and_pair_and_forget() -> None:
     assert link.fixed_s == pytest.approx(0.01, rel=0.2) and link.bytes_per_s == pytest.approx(2e8, rel=0.05)
     assert m.engine_cost("decode", "d", 0).tokens_per_s == pytest.approx(500.0, rel=0.05)
     assert m.samples("d") == 30
+    # an engine not measured yet takes the measured per-request overhead, its own seeded rate
+    unseen = m.engine_cost("prefill", "p2", 0)
+    assert unseen.overhead_s == pytest.approx(m.engine_cost("decode", "d", 0).overhead_s)
+    assert unseen.tokens_per_s == pytest.approx(4000.0)
     m.forget("d")
     assert m.samples("d") == 0
     assert m.engine_cost("decode", "d", 0).tokens_per_s == pytest.approx(2000.0)
@@ -93,10 +97,13 @@ def test_prompt_length_exact_with_the_tokenizer(tokenizer_json: Path) -> None:
     tok = load_tokenizer(tokenizer_json.parent)
     lengths = PromptLength(str(tokenizer_json))
     assert lengths.exact
-    for n in (1, 50, 2000):
+    for n in (1, 50, 300):
         prompt = exact_prompt(tok, n, f"t{n}")
-        counted = len(tok.encode(prompt).ids)
-        assert lengths.tokens({"prompt": prompt}, chat=False) == counted
+        assert len(prompt) <= SAMPLE_CHARS
+        assert lengths.tokens({"prompt": prompt}, chat=False) == len(tok.encode(prompt).ids)
+    for n in (1000, 2000, 4000):   # longer prompts are sampled: within 10% (the benchmark reports it)
+        prompt = exact_prompt(tok, n, f"t{n}")
+        assert lengths.tokens({"prompt": prompt}, chat=False) == pytest.approx(len(tok.encode(prompt).ids), rel=0.1)
     assert lengths.tokens({"prompt": [5, 6, 7]}, chat=False) == 3
 
 

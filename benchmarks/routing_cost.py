@@ -1,0 +1,99 @@
+"""What the routing costs the proxy per prompt: the policy's decision and the prompt-length estimate.
+
+Times, in this process (no engines, no network):
+
+- the decision: ``Router.route`` on a one-prompt plan, as the proxy calls it per request
+  (candidates from the live measurements, every option of every prefill x decode pair,
+  the metric and the route written), with ``--pairs`` prefill and decode engines;
+- the prompt-length estimate of a ``--tokens``-token prompt: with the embedded model's
+  ``tokenizer.json`` (the ``tokenizers`` library) and from characters.
+
+Targets (issue 15): decision p50 <= 0.1 ms; length estimate p50 <= 1 ms for 2,000 tokens.
+
+    .venv/bin/python benchmarks/routing_cost.py [--repeats 5000] [--tokens 2000] [--pairs 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from disagg.modelgen import build_model
+from disagg.prompts import exact_prompt, load_tokenizer
+from disagg.proxy.backends import BackendPool
+from disagg.proxy.config import RoutingConfig
+from disagg.proxy.metrics import ProxyMetrics
+from disagg.proxy.promptlen import SAMPLE_CHARS, PromptLength
+from disagg.proxy.router import Router
+from disagg.proxy.routes import COMPLETIONS, GenerationRequest, PromptRoute, RequestPlan, RoutePath
+
+
+def _percentiles(samples: list[float]) -> str:
+    q = statistics.quantiles(samples, n=100)
+    return f"p50 {statistics.median(samples) * 1e3:.4f} ms, p90 {q[89] * 1e3:.4f} ms, p99 {q[98] * 1e3:.4f} ms"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5000)
+    parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--pairs", type=int, default=1, help="prefill and decode engines each")
+    args = parser.parse_args()
+
+    model = build_model("tiny", Path(tempfile.mkdtemp(prefix="disagg-routing-")) / "tiny")
+    tok = load_tokenizer(model)
+    prompt = exact_prompt(tok, args.tokens, "bench")
+    metrics = ProxyMetrics()
+    pools = [BackendPool(role, [f"http://{role}{i}:1" for i in range(args.pairs)], metrics)
+             for role in ("prefill", "decode")]
+    for pool in pools:
+        for b in pool.backends:
+            pool.mark_up(b)
+    config = RoutingConfig(policy="auto", kv_bytes_per_token=32768.0, prefill_tokens_per_s=2000.0,
+                           link_bytes_per_s=1.25e8, handoff_fixed_s=0.016, whole=True,
+                           tokenizer=str(model / "tokenizer.json"))
+    router = Router(config, pools[0], pools[1], metrics, local=True)
+    ids = tok.encode(prompt).ids
+    # the decision alone: a prompt of token ids has an exact length that costs nothing to read
+    by_ids = GenerationRequest(COMPLETIONS, {"prompt": ids, "max_tokens": 16}, b"{}", {}, "bench")
+    body = {"prompt": prompt, "max_tokens": 16}
+    by_chars = PromptLength(None)
+    assert router.lengths is not None
+    decide, estimate_tok, estimate_chars = [], [], []
+    for _ in range(args.repeats):
+        route = PromptRoute(0, by_ids, RoutePath.SPLIT)
+        plan = RequestPlan(by_ids, [route])
+        t0 = time.perf_counter()
+        router.route(plan)
+        t1 = time.perf_counter()
+        router.lengths.tokens(body, chat=False)
+        t2 = time.perf_counter()
+        by_chars.tokens(body, chat=False)
+        t3 = time.perf_counter()
+        decide.append(t1 - t0)
+        estimate_tok.append(t2 - t1)
+        estimate_chars.append(t3 - t2)
+    errors = []
+    for i, n in enumerate(range(100, 4001, 100)):
+        p = exact_prompt(tok, n, f"err{i}")
+        errors.append(abs(router.lengths.tokens({"prompt": p}, chat=False) - len(tok.encode(p).ids))
+                      / len(tok.encode(p).ids))
+    print(f"routing cost, {args.repeats} repeats, {args.pairs} prefill x {args.pairs} decode engines, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"  decision (Router.route, a token-id prompt): {_percentiles(decide)}")
+    print(f"  length estimate, tokenizer, {len(ids)}-token prompt ({len(prompt)} chars): {_percentiles(estimate_tok)}")
+    print(f"  length estimate error with the tokenizer, prompts of 100..4,000 tokens: mean "
+          f"{statistics.mean(errors):.1%}, max {max(errors):.1%} (exact up to {SAMPLE_CHARS} characters)")
+    chars_est = by_chars.tokens(body, chat=False)
+    print(f"  length estimate, characters / 4: {_percentiles(estimate_chars)} "
+          f"(uncalibrated: {chars_est} for {len(ids)}, error {abs(chars_est - len(ids)) / len(ids):.0%}; "
+          "the proxy corrects it from the engines' counts)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
