@@ -20,12 +20,21 @@ there (``pip install vllm-router`` / ``sglang-router``).
 
 from __future__ import annotations
 
+import logging
 import sys
+from pathlib import Path
 
 from disagg.deployment import Deployment
-from disagg.errors import PlanError
+from disagg.errors import DisaggError, PlanError
 from disagg.kv.lmcache import proxy_options
-from disagg.proxy.config import DEFAULT_MAX_CONCURRENCY, ProxyConfig, ProxyTimeouts
+from disagg.planning import route_seeds
+from disagg.proxy.config import DEFAULT_MAX_CONCURRENCY, ProxyConfig, ProxyTimeouts, RoutingConfig
+
+log = logging.getLogger("disagg")
+
+#: connectors whose prefill engines serve a plain request alone (routing path ``whole``;
+#: tests/e2e/test_nixl_whole.py and test_socket_conformance.py prove it)
+WHOLE_CONNECTORS = ("nixl", "socket")
 
 ROUTER_MODULES = {"vllm-router": "vllm_router.launch_router", "sglang-router": "sglang_router.launch_router"}
 #: proxy kind -> the engine it can route P/D requests for
@@ -53,6 +62,31 @@ def handoff_options(dep: Deployment) -> tuple[tuple[str, str], ...]:
     return ()
 
 
+def routing_config(dep: Deployment) -> RoutingConfig:
+    """The proxy's routing for a planned topology: ``routing.policy`` and, for ``auto``, the seed
+    figures ``disagg plan`` works with (:func:`disagg.planning.route_seeds`) and the model's
+    tokenizer when it is on this machine. When the seeds cannot be worked out (a model whose
+    config is not at hand), the proxy splits every prompt, and says so."""
+    topo = dep.topology
+    if topo.colocated or topo.engine == "sglang":  # nothing to choose: one server, or decode cannot prefill
+        return RoutingConfig()
+    if topo.routing.policy != "auto":
+        return RoutingConfig(policy=topo.routing.policy)
+    try:
+        seeds = route_seeds(topo)
+    except DisaggError as exc:
+        log.warning("routing: policy auto needs the model's KV size and the hosts' rates (%s); "
+                    "the proxy splits every prompt", exc)
+        return RoutingConfig(policy="split")
+    tokenizer = Path(topo.model.path).expanduser() / "tokenizer.json"
+    return RoutingConfig(
+        policy="auto", kv_bytes_per_token=seeds.kv_bytes_per_token, prefill_tokens_per_s=seeds.prefill_tokens_per_s,
+        decode_tokens_per_s=seeds.decode_tokens_per_s, link_bytes_per_s=seeds.link_bytes_per_s,
+        handoff_fixed_s=seeds.handoff_fixed_s,
+        whole=topo.engine == "vllm" and topo.connector in WHOLE_CONNECTORS,
+        tokenizer=str(tokenizer) if tokenizer.is_file() else None)
+
+
 def proxy_config(dep: Deployment) -> ProxyConfig:
     """The built-in proxy's configuration for a planned topology: URLs, the handoff kind and its
     options (role ``both`` instances act as decode servers)."""
@@ -65,7 +99,7 @@ def proxy_config(dep: Deployment) -> ProxyConfig:
         api_key=topo.proxy.api_key, fallback=topo.proxy.fallback,
         max_concurrency=topo.proxy.max_concurrency or DEFAULT_MAX_CONCURRENCY,
         timeouts=ProxyTimeouts(connect=t.connect, request=t.request, health_interval=t.health_interval),
-        handoff_options=handoff_options(dep))
+        handoff_options=handoff_options(dep), routing=routing_config(dep))
 
 
 def builtin_argv(dep: Deployment) -> list[str]:

@@ -25,6 +25,7 @@ from tests.e2e.conformance import Case, Recorded, build_cases, record
 from tests.e2e.engines import (
     ENGINE_ARGS,
     ENGINE_KEY,
+    SPLIT_EVERY_PROMPT,
     Running,
     bring_up,
     bring_up_foreground,
@@ -87,6 +88,14 @@ def requests_(tokenizer: Tokenizer) -> dict[str, dict]:
         "async-chat": chat("async-ch", 80),
         "async-chat-stream": chat("async-chs", 90),
         "prefill-killed": completion("killed", 64),
+        # a prefill engine answering alone (routing path whole), per connector, then a handoff after
+        "whole-completion": completion("whole-c", 60),
+        "whole-chat": chat("whole-ch", 60),
+        "whole-stream": completion("whole-cs", 70),
+        "whole-after": completion("whole-after", 80),
+        "socket-whole-completion": completion("s-whole-c", 60),
+        "socket-whole-chat": chat("s-whole-ch", 60),
+        "socket-whole-stream": completion("s-whole-cs", 70),
     }
     return reqs
 
@@ -142,11 +151,14 @@ def pd(reference: dict[str, str], e2e_dir: Path, tiny_model: Path) -> Iterator[R
     """1 prefill + 1 decode with NIXL over loopback behind the proxy, up for the whole session.
 
     Started with a foreground `disagg up`, as `make serve` does; the last test stops it with Ctrl-C.
+    ``routing: {policy: split}``: the tests of this deployment are about the KV handoff, which
+    the default ``auto`` routing skips for most prompts on one machine.
     """
     proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
     roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
              f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
-    topo = write_topology(e2e_dir / "pd.yaml", tiny_model, proxy_port=proxy_port, roles=roles)
+    topo = write_topology(e2e_dir / "pd.yaml", tiny_model, proxy_port=proxy_port, roles=roles,
+                          extra=SPLIT_EVERY_PROMPT)
     run = bring_up_foreground(topo, e2e_dir / "run-pd")
     yield run
     if run.process is not None and run.process.poll() is None:

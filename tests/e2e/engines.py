@@ -29,6 +29,9 @@ ENGINE_ARGS = '["-O0", "--max-num-seqs", "8"]'
 #: directly the way only the proxy may.
 ENGINE_KEY = "e2e-engine-key-0123456789abcdef"
 ENGINE_ENV = {"DISAGG_ENGINE_KEY": ENGINE_KEY}
+#: topology lines for tests of the KV handoff itself: every prompt that can split does
+#: (the default ``auto`` routing prefills most prompts on the decode engine on one machine)
+SPLIT_EVERY_PROMPT = "routing: {policy: split}\n"
 
 
 def free_ports(count: int) -> list[int]:
@@ -132,6 +135,26 @@ def post_json(url: str, body: dict, timeout: float = 300, key: str | None = None
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.load(resp)
+
+
+def plain_answer(engine: str, body: dict, timeout: float = 300) -> str:
+    """The greedy text one engine answers to a completion or chat ``body`` sent to it directly
+    (with the engine key), streamed when ``body`` says so."""
+    chat = "messages" in body
+    url = engine + ("/v1/chat/completions" if chat else "/v1/completions")
+    if not body.get("stream"):
+        reply = post_json(url, body, timeout=timeout, key=ENGINE_KEY)
+        return reply["choices"][0]["message"]["content"] if chat else reply["choices"][0]["text"]
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
+        "content-type": "application/json", "Authorization": f"Bearer {ENGINE_KEY}"})
+    text = []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    text.append((choice.get("delta") or {}).get("content") or "" if chat else choice.get("text", ""))
+    return "".join(text)
 
 
 def get_text(url: str, timeout: float = 30) -> str:

@@ -32,6 +32,7 @@ def test_pd_over_emulated_link(reference: dict[str, str], requests_: dict[str, d
 model: {{path: {tiny_model}, max_model_len: 4096, served_name: tiny}}
 connector: nixl
 link: {{type: emulated, rate: 1gbit}}
+routing: {{policy: split}}
 proxy: {{host: 127.0.0.1, port: {proxy_port}}}
 hosts:
   p: {{address: 198.18.30.1}}
