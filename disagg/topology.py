@@ -149,6 +149,9 @@ class Timeouts:
     connect: float = 10.0               # opening an upstream connection
 
 
+#: where state and logs go when the topology does not say (``run_dir``; a remote host's ``workdir``)
+DEFAULT_RUN_DIR = ".disagg"
+
 RESTART_POLICIES = ("on-failure", "always", "no")
 
 
@@ -184,7 +187,7 @@ class Topology:
     proxy: ProxySpec = field(default_factory=ProxySpec)
     timeouts: Timeouts = field(default_factory=Timeouts)
     routing: RoutingSpec = field(default_factory=RoutingSpec)
-    run_dir: str = ".disagg"
+    run_dir: str = DEFAULT_RUN_DIR
     restart: RestartSpec = field(default_factory=RestartSpec)
 
     @property
@@ -214,7 +217,7 @@ def build_topology(root: Node, path: Path, *, run_dir: str | None = None) -> Top
     """Build a :class:`Topology` from a parsed YAML tree."""
     top = Fields(root, "a mapping of topology fields (model, engine, hosts, roles, ...)")
     name = _name(top.take("name"), path, root)
-    file_run_dir = top.str("run_dir", ".disagg") or ".disagg"
+    file_run_dir = top.str("run_dir", DEFAULT_RUN_DIR) or DEFAULT_RUN_DIR
     resolved_run_dir = run_dir or file_run_dir
     model = _model(top.required("model"), path, resolved_run_dir)
     engine = top.choice("engine", ENGINES, "vllm")

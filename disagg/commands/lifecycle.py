@@ -18,11 +18,12 @@ from disagg.deployment import plan_deployment
 from disagg.launch import processes
 from disagg.launch.health import http_status
 from disagg.launch.launcher import Launcher, resolve_state, stop_run
-from disagg.launch.state import STATE_FILE, load_state, lock_holder, run_path
-from disagg.topology import load_topology
+from disagg.launch.state import STATE_FILE, RunState, load_state, lock_holder
+from disagg.paths import LOGS, run_path
+from disagg.topology import DEFAULT_RUN_DIR, Timeouts, load_topology
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``up``, ``down`` and ``status``."""
     p = sub.add_parser("up", help="start every engine and the proxy of a topology")
     p.add_argument("topology", metavar="TOPOLOGY.yaml")
@@ -65,6 +66,15 @@ class _Signals:
         return self.count > 0
 
 
+def _echo(line: str) -> None:
+    """The launcher's output: stdout, which for the detached supervisor is a pipe to the waiting
+    `up --detach` until it is ready; if that `up` was killed, carry on (stopping included) silently."""
+    try:
+        print(line, flush=True)
+    except OSError:  # BrokenPipeError: nobody reads any more
+        pass
+
+
 def _say(line: str) -> None:
     try:
         print(line, file=sys.stderr, flush=True)
@@ -92,7 +102,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.detach and args.supervisor_fd is None:
         return detach(args)
     topo = load_topology(args.topology, run_dir=args.run_dir)
-    launcher = Launcher(plan_deployment(topo))
+    launcher = Launcher(plan_deployment(topo), echo=_echo)
     signals = _Signals(launcher)
     with _handling(signals):
         try:
@@ -120,7 +130,7 @@ DRAIN_S = 2.0
 
 def supervisor_log(run_dir: str, name: str) -> Path:
     """Where a detached supervisor writes once ``up --detach`` has returned."""
-    return run_path(run_dir, name) / "logs" / "supervisor.log"
+    return run_path(run_dir, name) / LOGS / "supervisor.log"
 
 
 def _detached(fd: int, launcher: Launcher) -> None:
@@ -210,11 +220,11 @@ def _signal(child: subprocess.Popen[bytes], sig: int) -> None:
         pass
 
 
-def _state_for(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _state_for(args: argparse.Namespace) -> tuple[RunState, float]:
     if args.topology:
         topo = load_topology(args.topology, run_dir=args.run_dir)
         return resolve_state(topo.run_dir, topo.name), topo.timeouts.shutdown_grace
-    return resolve_state(args.run_dir or ".disagg", None), 20.0
+    return resolve_state(args.run_dir or DEFAULT_RUN_DIR, None), Timeouts().shutdown_grace
 
 
 def _stop_owner(run_dir: str, name: str, grace: float) -> bool:

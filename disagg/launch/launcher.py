@@ -54,19 +54,19 @@ from disagg.launch import processes
 from disagg.launch.frontend import frontend_argv
 from disagg.launch.health import busy_ports, http_status, local_port_free
 from disagg.launch.state import (
+    STATE_FILE,
     ProcessRecord,
     RunLock,
     RunState,
     find_states,
     load_state,
     remove_state,
-    run_path,
     save_state,
 )
 from disagg.launch.supervisor import Supervisor
 from disagg.linkemu import EmulatedLink, remove_namespace
 from disagg.modelgen import ensure_model
-from disagg.paths import host_run_dir
+from disagg.paths import LOGS, host_log, host_run_dir, run_path
 from disagg.proxy.config import API_KEY_ENV, ENGINE_KEY_ENV, check_key
 from disagg.registry import engine_adapter
 from disagg.topology import Topology, iter_ports
@@ -136,7 +136,7 @@ class Launcher:
         self.run = RunState(topology=str(Path(self.topo.file).resolve()), name=self.topo.name,
                             run_dir=str(Path(self.topo.run_dir).resolve()), proxy_url=dep.proxy_url,
                             started_at=time.time(), up_pid=os.getpid())
-        self.log_dir = run_path(self.run.run_dir, self.topo.name) / "logs"
+        self.log_dir = run_path(self.run.run_dir, self.topo.name) / LOGS
         self.link: EmulatedLink | None = None
         #: the run's engine key: in every engine's and the proxy's environment, nowhere else
         self.engine_key = run_engine_key(self.topo)
@@ -336,7 +336,7 @@ class Launcher:
     # -- steps ------------------------------------------------------------------
     def _refuse_if_running(self) -> None:
         """Refuse while an earlier run of this topology has processes; remove a stale state (and its link)."""
-        path = run_path(self.run.run_dir, self.topo.name) / "state.json"
+        path = run_path(self.run.run_dir, self.topo.name) / STATE_FILE
         if not path.exists():
             return
         try:
@@ -436,8 +436,7 @@ class Launcher:
         """Start one engine process with the run's secrets; its record (not yet in the state)."""
         env = {**dict(eng.env), **self._extra_env}
         if eng.host.is_remote:
-            workdir = eng.host.workdir or ".disagg"
-            log = f"{workdir}/runs/{self.topo.name}/logs/{eng.log_name}"
+            log = host_log(self.topo, eng.host, eng.log_name)
             secret = {k: v for k, v in env.items() if k in SECRET_ENVS}
             public = tuple(sorted((k, v) for k, v in env.items() if k not in SECRET_ENVS))
             shell = EngineLaunch(eng.instance, eng.host, eng.argv, public, eng.health_path, eng.files).shell_command()
@@ -577,7 +576,7 @@ def stop_run(run: RunState, *, grace: float, echo: Callable[[str], None],
 def resolve_state(run_dir: str, topology_name: str | None) -> RunState:
     """The run state for a topology name, or the only one under ``run_dir``."""
     if topology_name is not None:
-        return load_state(run_path(run_dir, topology_name) / "state.json")
+        return load_state(run_path(run_dir, topology_name) / STATE_FILE)
     found = find_states(run_dir)
     if not found:
         raise StateError(f"nothing is running: no state files under {Path(run_dir) / 'runs'}")

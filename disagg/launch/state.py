@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from disagg.errors import StateError
+from disagg.paths import run_path
 
 STATE_FILE = "state.json"
 LOCK_FILE = "up.lock"
@@ -70,11 +71,6 @@ class RunState:
         data = json.loads(text)
         procs = [ProcessRecord(**p) for p in data.pop("processes", [])]
         return cls(**data, processes=procs)
-
-
-def run_path(run_dir: str | Path, name: str) -> Path:
-    """The directory holding one topology's state and logs."""
-    return Path(run_dir) / "runs" / name
 
 
 def save_state(state: RunState) -> Path:

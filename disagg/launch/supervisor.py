@@ -73,7 +73,7 @@ class RestartBudget:
             self.restarts.popleft()
         if len(self.restarts) >= self.spec.max:
             return None
-        return min(self.spec.max_backoff, self.spec.backoff * 2 ** len(self.restarts))
+        return min(self.spec.max_backoff, self.spec.backoff * 2.0 ** len(self.restarts))
 
     def record(self, now: float) -> None:
         """A restart happened at ``now``."""
