@@ -165,14 +165,15 @@ class Measurements:
     def engine_cost(self, role: str, url: str, outstanding: int) -> EngineCost:
         """The engine's prefill line and load, for the predictor (``outstanding``: its requests in flight).
 
-        An engine without samples of its own yet takes the per-request overhead measured on the
-        others (HTTP, scheduling, a first step: alike across engines of one deployment), so that
-        one engine's measured overhead is not compared with another's optimistic seed.
+        An engine with fewer than :data:`SEED_SAMPLES` samples of its own takes the per-request
+        overhead measured on the engines that have them (HTTP, scheduling, a first step: alike
+        across the engines of one deployment), so that one engine's measured overhead is never
+        compared with another's optimistic seed.
         """
         eng = self._engine(role, url)
         overhead, rate = eng.fit.coefficients()
-        if eng.fit.samples == 0:
-            known = [e.fit.coefficients()[0] for e in self._engines.values() if e.fit.samples]
+        if eng.fit.samples < SEED_SAMPLES:
+            known = [e.fit.coefficients()[0] for e in self._engines.values() if e.fit.samples >= SEED_SAMPLES]
             if known:
                 overhead = sum(known) / len(known)
         queued = self.queued_tokens(role, url)
