@@ -23,6 +23,7 @@ them. Harmless where vLLM already intersects (the result is the same).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -45,8 +46,8 @@ def _wrap(discover: Callable[[], list[list[int]]]) -> Callable[[type], list[list
                                        sorted(allowed), nodes, kept)
         return kept
 
-    discover_own_numa_topology.__wrapped__ = discover  # type: ignore[attr-defined]
-    return discover_own_numa_topology
+    # only __wrapped__ (register() looks for it), not discover's name or docstring
+    return functools.update_wrapper(discover_own_numa_topology, discover, assigned=(), updated=())
 
 
 def register() -> None:
@@ -60,4 +61,4 @@ def register() -> None:
     current = CpuPlatform.discover_numa_topology
     if hasattr(current, "__wrapped__"):  # registered already in this process
         return
-    CpuPlatform.discover_numa_topology = classmethod(_wrap(current))  # type: ignore[method-assign]
+    CpuPlatform.discover_numa_topology = classmethod(_wrap(current))

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .auth import HANDSHAKE_TIMEOUT_S, client_handshake, listener_id
 from .layout import BlockStore
@@ -192,7 +193,7 @@ class PeerConnections:
                 return
         conn.sock.close()
 
-    def _exchange(self, plan: FetchPlan, conn: _Conn, request: dict) -> dict:
+    def _exchange(self, plan: FetchPlan, conn: _Conn, request: dict[str, Any]) -> dict[str, Any]:
         """Send ``request`` and read the reply; a stale pooled connection is replaced once."""
         while True:
             try:

@@ -113,7 +113,7 @@ class SocketSettings:
         port: int | None = None
         if port_raw not in (None, ""):
             try:
-                port = int(port_raw)  # type: ignore[arg-type]
+                port = int(port_raw)
             except (TypeError, ValueError):
                 raise ConfigError(f"kv_connector_extra_config.port: expected an integer, got {port_raw!r}") from None
             if not 0 <= port < 65536:

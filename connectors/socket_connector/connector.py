@@ -18,11 +18,6 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-from .config import SocketSettings
-from .metadata import SocketConnectorMetadata
-from .scheduler import SocketScheduler
-from .stats import SocketKVConnectorStats, SocketPromMetrics
-from .worker import SocketWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -31,6 +26,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .config import SocketSettings
+from .metadata import SocketConnectorMetadata
+from .scheduler import SocketScheduler
+from .stats import SocketKVConnectorStats, SocketPromMetrics
+from .worker import SocketWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

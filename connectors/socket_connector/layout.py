@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
 from .wire import coalesce
 
 

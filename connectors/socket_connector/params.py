@@ -17,7 +17,7 @@ import ipaddress
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 #: ``transfer`` value the prefill side puts in its params.
 TRANSFER_NAME = "socket"
@@ -64,12 +64,12 @@ def quote(value: Any) -> str:
     return f"{type(value).__name__} {text}"
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """A real JSON integer: not a bool, float or string."""
     return type(value) is int
 
 
-def _clean_str(value: Any, max_chars: int) -> bool:
+def _clean_str(value: Any, max_chars: int) -> TypeGuard[str]:
     return isinstance(value, str) and 0 < len(value) <= max_chars and value.isprintable()
 
 

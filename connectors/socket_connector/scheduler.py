@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm.logger import init_logger
+
 from .config import SocketSettings
 from .metadata import (
     RecvSpec,
@@ -35,7 +37,6 @@ from .params import (
     check_remote_decode,
     check_remote_prefill,
 )
-from vllm.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

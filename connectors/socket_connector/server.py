@@ -33,6 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, TypeGuard
 
 from .auth import HANDSHAKE_TIMEOUT_S, AuthError, listener_id, server_handshake
 from .counters import TransferCounters
@@ -62,7 +63,7 @@ _ACCEPT_RETRY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.
                  errno.EPERM, errno.EINTR}
 
 
-def start_thread(target: Callable[..., None], args: tuple, name: str) -> None:
+def start_thread(target: Callable[..., None], args: tuple[object, ...], name: str) -> None:
     """Start a daemon thread (a seam for tests: ``Thread.start`` can raise RuntimeError)."""
     threading.Thread(target=target, args=args, name=name, daemon=True).start()
 
@@ -207,7 +208,7 @@ class KVServer:
         except OSError:
             pass
 
-    def _serve(self, conn: socket.socket, addr: tuple) -> None:
+    def _serve(self, conn: socket.socket, addr: tuple[Any, ...]) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         with conn:
             try:
@@ -261,10 +262,10 @@ class KVServer:
                 logger.exception("socket KV connector: serving %s failed", peer)
 
     @staticmethod
-    def _valid_request_id(rid: object) -> bool:
+    def _valid_request_id(rid: object) -> TypeGuard[str]:
         return isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_CHARS
 
-    def _fetch(self, conn: socket.socket, peer: str, msg: dict) -> bool:
+    def _fetch(self, conn: socket.socket, peer: str, msg: dict[str, Any]) -> bool:
         rid = msg.get("request_id")
         if not self._valid_request_id(rid):
             self._refuse(conn, peer, f"malformed request id {_short(rid)} in fetch")

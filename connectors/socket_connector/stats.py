@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from .counters import STAT_KEYS
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -20,6 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
+
+from .counters import STAT_KEYS
 
 
 @dataclass
@@ -34,7 +35,7 @@ class SocketKVConnectorStats(KVConnectorStats):
 
     def reset(self) -> None:
         """Empty every series."""
-        self.data = {key: [] for key in STAT_KEYS}
+        self.data: dict[str, list[float]] = {key: [] for key in STAT_KEYS}
 
     def clone_and_reset(self) -> SocketKVConnectorStats:
         """A copy of the current series, leaving this object empty."""
@@ -82,8 +83,12 @@ class SocketPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
         def counter(name: str, doc: str) -> dict[int, PromMetric]:
-            return create_metric_per_engine(
-                self._counter_cls(name=name, documentation=doc, labelnames=labelnames), self.per_engine_labelvalues
+            # vLLM is not followed by mypy (pyproject [tool.mypy]): its helper is Any
+            return cast(
+                "dict[int, PromMetric]",
+                create_metric_per_engine(
+                    self._counter_cls(name=name, documentation=doc, labelnames=labelnames), self.per_engine_labelvalues
+                ),
             )
 
         self.xfer_time = create_metric_per_engine(

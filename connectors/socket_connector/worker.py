@@ -19,6 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.logger import init_logger
+
 from .client import FetchError, FetchOptions, FetchPlan, PeerConnections
 from .config import SocketSettings
 from .counters import TransferCounters
@@ -26,8 +29,6 @@ from .layout import BlockStore, make_store
 from .leases import LeaseTable
 from .metadata import RecvSpec, SocketConnectorMetadata
 from .server import KVServer
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
