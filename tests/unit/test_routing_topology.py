@@ -56,3 +56,23 @@ def test_split_and_local_carry_no_seeds_and_split_adds_no_options() -> None:
     argv = local.to_argv()
     assert argv[argv.index("--routing-policy") + 1] == "local"
     assert config_from_args(build_parser().parse_args(argv)).routing.policy == "local"
+
+
+def test_plan_prints_the_idle_break_even_the_policy_uses(tmp_path: Path) -> None:
+    from disagg.commands.plan import render_plan
+    from disagg.kvmath import BUILTIN_MODELS
+    from disagg.planning import LinkEstimate, MemoryEstimate, PrefillEstimate, make_plan
+    from disagg.routecost import break_even_tokens
+
+    arch = BUILTIN_MODELS["llama-3.1-8b"]
+    fast, slow = (PrefillEstimate("t", estimated=False, arch=arch, tokens_per_s=r) for r in (8000.0, 1000.0))
+    link = LinkEstimate(10e9, 1e-4, "test link", measured=False, connector_fixed_s=handoff_fixed_s("socket"))
+    plan = make_plan(arch, "bfloat16", link, fast, MemoryEstimate(None, "?"), [256], 0, decode_prefill=slow)
+    expected = break_even_tokens(lambda n: arch.kv_bytes(n, "bfloat16"), fast.cost(), slow.cost(), link.cost())
+    assert expected is not None and plan.idle_split_from_tokens == expected
+    assert plan.to_json()["idle_split_from_prompt_tokens"] == expected
+    # alike hosts: never at idle, and plan says so for a real topology
+    topo = topology()
+    text = render_plan(plan_topology(topo, [128], 0), topo)
+    assert "Routing (auto) at idle load: every prompt stays local" in text
+    assert "handoff" in text and "benchmarks/handoff_fixed_cost.py" in text
