@@ -17,10 +17,11 @@ alias that crossed the limit.
 
 from __future__ import annotations
 
+import builtins
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import yaml
 from yaml.composer import Composer
@@ -34,6 +35,8 @@ try:  # libyaml's scanner and parser (about 10x faster); our own composer either
     _FAST = True
 except ImportError:  # pragma: no cover - PyYAML built without libyaml
     _FAST = False
+if TYPE_CHECKING:
+    from yaml._yaml import Mark as _CMark  # the marks on libyaml's events (same fields as yaml.Mark)
 
 #: a topology is a few KB; a bigger file is refused before it is parsed
 MAX_FILE_BYTES = 1 << 20
@@ -49,13 +52,21 @@ class _LimitError(yaml.MarkedYAMLError):
     """A loading limit was crossed (carries the mark of where)."""
 
 
+def _mark(mark: yaml.Mark | _CMark | None) -> yaml.Mark | None:
+    """libyaml's mark as a yaml.Mark: the same fields. The stubs admit only yaml.Mark on nodes and
+    errors, though PyYAML puts libyaml's marks there as well."""
+    return cast("yaml.Mark | None", mark)
+
+
 class _Alias(yaml.Node):
     """An alias use (``*name``) as written: the node it names and where the alias stands."""
 
     id = "alias"
 
-    def __init__(self, target: yaml.Node, anchor: str, start_mark: yaml.Mark, end_mark: yaml.Mark) -> None:
-        super().__init__(None, target, start_mark, end_mark)
+    def __init__(self, target: yaml.Node, anchor: str, start_mark: yaml.Mark | _CMark | None,
+                 end_mark: yaml.Mark | _CMark | None) -> None:
+        # an alias has no tag (PyYAML's nodes want a str; nothing reads it)
+        super().__init__("", target, _mark(start_mark), _mark(end_mark))
         self.anchor = anchor
 
 
@@ -67,25 +78,31 @@ class _BoundedComposer(Composer):
         self._depth = 0
         self._composed = 0
 
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+    if TYPE_CHECKING:
+        # From the parser this composer is mixed with (_Loader); there is an event whenever
+        # compose_node runs (the composer checks first).
+        def peek_event(self) -> yaml.Event: ...
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
         event = self.peek_event()
         self._composed += 1
         if self._composed > MAX_NODES:
-            raise _LimitError(None, None, f"more than {MAX_NODES} values in one file", event.start_mark)
+            raise _LimitError(None, None, f"more than {MAX_NODES} values in one file", _mark(event.start_mark))
         if isinstance(event, yaml.AliasEvent):
             target = super().compose_node(parent, index)
+            assert target is not None  # an alias names a composed node (an unknown anchor raises)
             return _Alias(target, str(event.anchor), event.start_mark, event.end_mark)
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
-                raise _LimitError(None, None, f"nested deeper than {MAX_DEPTH} levels", event.start_mark)
+                raise _LimitError(None, None, f"nested deeper than {MAX_DEPTH} levels", _mark(event.start_mark))
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
 
 
 if _FAST:
-    class _Loader(_BoundedComposer, _Parser, SafeConstructor, Resolver):  # type: ignore[misc,valid-type]
+    class _Loader(_BoundedComposer, _Parser, SafeConstructor, Resolver):
         def __init__(self, stream: str) -> None:
             _Parser.__init__(self, stream)
             _BoundedComposer.__init__(self)
@@ -96,6 +113,7 @@ else:  # pragma: no cover
     from yaml.reader import Reader
     from yaml.scanner import Scanner
 
+    # the same loader where PyYAML lacks libyaml: a conditional second definition of one class
     class _Loader(_BoundedComposer, Reader, Scanner, Parser, SafeConstructor, Resolver):  # type: ignore[no-redef]
         def __init__(self, stream: str) -> None:
             Reader.__init__(self, stream)
@@ -255,6 +273,9 @@ def parse_yaml(text: str, file: str = "<string>") -> Node:
 class Fields:
     """Pops typed fields out of a mapping node; ``done()`` rejects leftovers.
 
+    (The getters are named after the types they return, so signatures below
+    ``str()`` spell the type ``builtins.str``.)
+
     Every getter raises :class:`TopologyError` naming file, line and field path
     with what was expected.
     """
@@ -263,7 +284,7 @@ class Fields:
         if not node.is_mapping:
             raise node.error(f"expected {what}, got {describe(node.value)}")
         self.node = node
-        self._remaining = dict(node.children)
+        self._remaining: dict[str, Node] = dict(node.children)
         self._known: list[str] = []
 
     def take(self, key: str) -> Node | None:
@@ -294,14 +315,14 @@ class Fields:
             raise child.error(f"expected a string, got {describe(child.value)}")
         return str(child.value)
 
-    def int(self, key: str, default: int | None = None, *, required: bool = False,
+    def int(self, key: builtins.str, default: int | None = None, *, required: bool = False,
             minimum: int | None = None, maximum: int | None = None) -> int | None:
         child = self.required(key) if required else self.take(key)
         if child is None:
             return default
         return node_int(child, minimum=minimum, maximum=maximum)
 
-    def float(self, key: str, default: float | None = None, *, minimum: float = 0.0) -> float | None:
+    def float(self, key: builtins.str, default: float | None = None, *, minimum: float = 0.0) -> float | None:
         child = self.take(key)
         if child is None:
             return default
@@ -311,7 +332,7 @@ class Fields:
             raise child.error(f"expected a number greater than {minimum:g}, got {child.value}")
         return float(child.value)
 
-    def bool(self, key: str, default: bool) -> bool:
+    def bool(self, key: builtins.str, default: bool) -> bool:
         child = self.take(key)
         if child is None:
             return default
@@ -319,7 +340,8 @@ class Fields:
             raise child.error(f"expected true or false, got {describe(child.value)}")
         return child.value
 
-    def choice(self, key: str, choices: tuple[str, ...], default: str | None = None) -> str:
+    def choice(self, key: builtins.str, choices: tuple[builtins.str, ...],
+               default: builtins.str | None = None) -> builtins.str:
         child = self.take(key) if default is not None else self.required(key)
         if child is None:
             assert default is not None
@@ -330,7 +352,7 @@ class Fields:
                               + did_you_mean(str(value), choices))
         return value
 
-    def str_list(self, key: str) -> tuple[str, ...]:
+    def str_list(self, key: builtins.str) -> tuple[builtins.str, ...]:
         child = self.take(key)
         if child is None:
             return ()
