@@ -27,6 +27,7 @@ from disagg.emulation import emulated_link
 from disagg.errors import LinkError
 from disagg.measurements import LinkMeasurement, now_iso
 from disagg.planning import first_pair
+from disagg.ssh import ssh_prefix
 from disagg.topology import HostSpec, Topology
 
 AGENT_MODULE = "disagg._probe_agent"
@@ -38,18 +39,13 @@ Wrap = Callable[[list[str]], list[str]]
 
 
 def ssh_argv(host: HostSpec, remote_argv: Sequence[str], options: Sequence[str] = ()) -> list[str]:
-    """``ssh [-p port] [-i key] -o BatchMode=yes [options] target 'cmd ...'`` for a remote host.
+    """The ssh command line that ``disagg up`` uses for ``host`` (:func:`disagg.ssh.ssh_prefix`:
+    the host's ``ssh_options`` included), running ``remote_argv`` there.
 
-    ``options`` are extra ssh arguments (e.g. ``-o UserKnownHostsFile=...``).
+    ``options`` are further ssh arguments placed before the target (e.g. ``-o UserKnownHostsFile=...``).
     """
-    if host.ssh is None:
-        raise ValueError(f"host {host.name} is local")
-    argv = ["ssh", "-o", "BatchMode=yes", *options]
-    if host.ssh_port:
-        argv += ["-p", str(host.ssh_port)]
-    if host.ssh_key:
-        argv += ["-i", host.ssh_key]
-    return [*argv, host.ssh, shlex.join(remote_argv)]
+    prefix = ssh_prefix(host)
+    return [*prefix[:-1], *options, prefix[-1], shlex.join(remote_argv)]
 
 
 @dataclass(frozen=True)

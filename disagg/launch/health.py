@@ -8,7 +8,8 @@ import socket
 import urllib.error
 import urllib.request
 
-from disagg.launch.processes import run_remote, ssh_prefix
+from disagg.launch.processes import run_remote
+from disagg.ssh import ssh_prefix
 from disagg.topology import HostSpec
 
 

@@ -69,6 +69,7 @@ from disagg.modelgen import ensure_model
 from disagg.paths import LOGS, host_log, host_run_dir, run_path
 from disagg.proxy.config import API_KEY_ENV, ENGINE_KEY_ENV, check_key
 from disagg.registry import engine_adapter
+from disagg.ssh import ssh_prefix
 from disagg.topology import Topology, iter_ports
 
 STOP_ORDER = {"proxy": 0, "decode": 1, "both": 2, "prefill": 3}
@@ -403,7 +404,7 @@ class Launcher:
             script = f"mkdir -p {shlex.quote(directory)}"
             for name, text in eng.files:
                 script += f" && printf %s {shlex.quote(text)} > {shlex.quote(directory + '/' + name)}"
-            processes.run_remote(processes.ssh_prefix(eng.host), script)
+            processes.run_remote(ssh_prefix(eng.host), script)
         else:
             Path(directory).mkdir(parents=True, exist_ok=True)
             for name, text in eng.files:
@@ -443,7 +444,7 @@ class Launcher:
             pid = processes.start_remote(eng.host, shell, log, secret_env=secret)
             return ProcessRecord(name=eng.name, kind="engine", host=eng.host.name, address=eng.host.address,
                                  port=eng.instance.port, url=eng.url, log=log, pid=pid,
-                                 ssh=processes.ssh_prefix(eng.host))
+                                 ssh=ssh_prefix(eng.host))
         log_path = self.log_dir / eng.log_name
         if fresh_log:
             log_path.unlink(missing_ok=True)

@@ -36,6 +36,7 @@ import psutil
 
 from disagg.errors import HostUnreachableError, LaunchError, RemoteCommandError
 from disagg.launch.state import ProcessRecord
+from disagg.ssh import ssh_prefix
 from disagg.topology import HostSpec
 
 LOG_TAIL_LINES = 30
@@ -60,20 +61,6 @@ class StopOutcome:
 
     leader_running: bool   # the recorded leader itself was still running
     others: int            # further processes of its group, session or descendants that were signalled
-
-
-def ssh_prefix(host: HostSpec) -> list[str]:
-    """The ``ssh ...`` argv that runs a command on ``host``."""
-    assert host.ssh is not None
-    argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
-            "-o", "StrictHostKeyChecking=accept-new", "-o", "LogLevel=ERROR"]
-    if host.ssh_port:
-        argv += ["-p", str(host.ssh_port)]
-    if host.ssh_key:
-        argv += ["-i", os.path.expanduser(host.ssh_key)]
-    for option in host.ssh_options:
-        argv += ["-o", option]
-    return [*argv, host.ssh]
 
 
 def run_remote(prefix: list[str], command: str, *, timeout: float = 60.0, stdin_text: str | None = None) -> str:

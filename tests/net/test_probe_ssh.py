@@ -30,7 +30,7 @@ PROBE = """
 import json, sys
 from disagg.probe import probe_topology
 from disagg.topology import load_topology
-m = probe_topology(load_topology(sys.argv[1]), streams=(1,), seconds=1.5, ssh_options=sys.argv[2:])
+m = probe_topology(load_topology(sys.argv[1]), streams=(1,), seconds=1.5)
 print(json.dumps(m.to_json()))
 """
 
@@ -82,7 +82,8 @@ def test_probe_link_over_ssh(tmp_path: Path) -> None:
                 hosts:
                   p: {{address: {link.a.address}}}
                   d: {{address: {link.b.address}, ssh: root@{link.b.address}, ssh_port: {PORT},
-                      ssh_key: {tmp_path / "client_key"}, python: {python}}}
+                      ssh_key: {tmp_path / "client_key"}, python: {python},
+                      ssh_options: ["UserKnownHostsFile={known}", "StrictHostKeyChecking=yes"]}}
                 roles:
                   prefill: [{{host: p, port: 8100}}]
                   decode: [{{host: d, port: 8200}}]
@@ -90,8 +91,8 @@ def test_probe_link_over_ssh(tmp_path: Path) -> None:
             deadline = time.monotonic() + 10
             while not (tmp_path / "sshd.pid").exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
-            done = link.run("a", [sys.executable, "-c", PROBE, str(topo), "-o", f"UserKnownHostsFile={known}",
-                                  "-o", "StrictHostKeyChecking=yes"],
+            # only what a user can say: the topology's ssh_options (known_hosts, strict checking)
+            done = link.run("a", [sys.executable, "-c", PROBE, str(topo)],
                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
             assert done.returncode == 0, done.stderr + (tmp_path / "sshd.log").read_text()
             result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -115,7 +115,8 @@ def test_the_engine_key_travels_on_stdin_to_a_remote_engine(tmp_path: Path, monk
             return real_run_remote(prefix, command, **kw)
 
         monkeypatch.setattr(processes, "run_remote", run_remote)
-        pending = launcher._start_engine(eng, launcher._engine_key_env())
+        launcher._extra_env = launcher._engine_key_env()  # what up() hands every (re)start
+        pending = launcher._start_engine(eng)
         rec = pending.record
         try:
             deadline = time.monotonic() + 15

@@ -3,25 +3,39 @@
 from __future__ import annotations
 
 import subprocess
+from dataclasses import replace
 
 import pytest
 
 from disagg.errors import LinkError
 from disagg.probe import AgentSide, measure, probe_topology, ssh_argv
+from disagg.ssh import ssh_prefix
 from disagg.topology import HostSpec, parse_topology
 
 LOCAL = HostSpec(name="here", address="127.0.0.1")
 REMOTE = HostSpec(name="far", address="10.1.2.3", ssh="me@far", ssh_port=2222, ssh_key="/k/id", python="/v/bin/python")
 
 
-def test_ssh_command_line() -> None:
+DEFAULTS = ["-o", "ConnectTimeout=10", "-o", "StrictHostKeyChecking=accept-new", "-o", "LogLevel=ERROR"]
+
+
+def test_ssh_command_line_is_the_launchers() -> None:
     assert ssh_argv(REMOTE, ["python", "-m", "x", "a b"]) == [
-        "ssh", "-o", "BatchMode=yes", "-p", "2222", "-i", "/k/id", "me@far", "python -m x 'a b'"]
+        "ssh", "-o", "BatchMode=yes", *DEFAULTS, "-p", "2222", "-i", "/k/id", "me@far", "python -m x 'a b'"]
+    assert ssh_argv(REMOTE, ["true"])[:-1] == ssh_prefix(REMOTE)  # `disagg up` reaches it the same way
+
+
+def test_the_hosts_ssh_options_come_first_so_they_win_except_batch_mode() -> None:
+    host = replace(REMOTE, ssh_options=("ConnectTimeout=30", "UserKnownHostsFile=/k/known"))
+    argv = ssh_argv(host, ["true"], ["-v"])
+    assert argv[:7] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30", "-o", "UserKnownHostsFile=/k/known"]
+    assert argv.index("ConnectTimeout=30") < argv.index("ConnectTimeout=10")  # ssh keeps the first value
+    assert argv[-3:] == ["-v", "me@far", "true"]
 
 
 def test_remote_side_runs_the_hosts_python_over_ssh() -> None:
     argv = AgentSide(REMOTE, REMOTE.address).argv("serve", "--bind", "10.1.2.3")
-    assert argv[:-1] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "-i", "/k/id", "me@far"]
+    assert argv[:-1] == ["ssh", "-o", "BatchMode=yes", *DEFAULTS, "-p", "2222", "-i", "/k/id", "me@far"]
     assert argv[-1] == "/v/bin/python -m disagg._probe_agent serve --bind 10.1.2.3"
 
 
