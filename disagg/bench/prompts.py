@@ -19,7 +19,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -51,7 +51,11 @@ def _tag(salt: str, seed: int, round_index: int, index: int) -> str:
     return f"[{salt}{seed}-{round_index}-{index}] "
 
 
-def _cyclic(items: Any, start: int, length: int) -> Any:
+#: text (characters) or token ids
+_Items = TypeVar("_Items", str, list[int])
+
+
+def _cyclic(items: _Items, start: int, length: int) -> _Items:
     """``length`` items of ``items`` from ``start``, wrapping around."""
     reps = (start + length) // len(items) + 1
     return (items * reps)[start:start + length]

@@ -51,7 +51,7 @@ def _classes(doc: Document) -> list[str]:
 
 
 def _slo_text(doc: Document) -> str:
-    slo = next((r["slo"] for r in doc.values() if r.get("slo")), {})
+    slo: Mapping[str, float] = next((r["slo"] for r in doc.values() if r.get("slo")), {})
     return ", ".join(f"{k} <= {v * 1000:g} ms" for k, v in slo.items())
 
 

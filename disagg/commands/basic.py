@@ -16,7 +16,7 @@ from disagg.registry import engine_adapter
 from disagg.topology import load_topology
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``check`` and ``make-model``."""
     p = sub.add_parser("check", help="validate topology files and print the resolved plan")
     p.add_argument("topologies", nargs="+", metavar="TOPOLOGY.yaml")
@@ -80,11 +80,11 @@ def describe(dep: Deployment) -> str:
             for fname, text in eng.files:
                 lines.append(f"    file: {fname}")
                 lines += [f"      | {line}" for line in text.splitlines()]
-    ports = sorted({(e.host.address, p) for e in dep.engines
-                    for p in (e.instance.port, e.instance.kv_port) if p})
-    ports.append((topo.proxy.host, topo.proxy.port))
+    listens = sorted({(e.host.address, p) for e in dep.engines
+                      for p in (e.instance.port, e.instance.kv_port) if p})
+    listens.append((topo.proxy.host, topo.proxy.port))
     lines.append(f"proxy ({topo.proxy.kind}): " + " ".join(shlex.quote(a) for a in frontend_argv(dep)))
-    lines.append("ports: " + ", ".join(f"{a}:{p}" for a, p in ports))
+    lines.append("ports: " + ", ".join(f"{a}:{p}" for a, p in listens))
     return "\n".join(lines)
 
 

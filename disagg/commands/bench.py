@@ -28,7 +28,7 @@ USAGE = ("disagg bench URL [options]\n"
          "       disagg bench compare TOPOLOGY.yaml [TOPOLOGY.yaml ...] [--out DIR] [options]")
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``bench``."""
     p = sub.add_parser(
         "bench", usage=USAGE, help="measure TTFT/TPOT/goodput of an endpoint, or compare topologies",

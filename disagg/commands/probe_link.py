@@ -12,7 +12,7 @@ from disagg.topology import load_topology
 from disagg.units import fmt_rate, fmt_seconds
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``probe-link``."""
     p = sub.add_parser(
         "probe-link", help="measure TCP throughput (1, 2, 4 streams) and RTT between prefill and decode hosts",
