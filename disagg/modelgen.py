@@ -16,10 +16,14 @@ import struct
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from disagg.errors import ModelError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 SPECIAL_TOKENS = ("<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
 CHAT_TEMPLATE = (
@@ -60,7 +64,7 @@ EMBEDDED_MODELS: dict[str, TinyModelConfig] = {
 }
 
 
-def _train_tokenizer(vocab_target: int) -> object:
+def _train_tokenizer(vocab_target: int) -> Tokenizer:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -129,7 +133,7 @@ def _weights(cfg: TinyModelConfig, vocab: int) -> dict[str, np.ndarray]:
     return t
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -148,10 +152,10 @@ def build_model(name: str, out_dir: str | Path) -> Path:
         raise ModelError(f"cannot create model directory {out}: {exc.strerror or exc}") from exc
 
     tokenizer = _train_tokenizer(cfg.vocab_target)
-    token_count = tokenizer.get_vocab_size()  # type: ignore[attr-defined]
+    token_count = tokenizer.get_vocab_size()
     vocab = -(-token_count // 64) * 64  # pad the embedding to a multiple of 64
-    bos, eos = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")  # type: ignore[attr-defined]
-    (out / "tokenizer.json").write_text(tokenizer.to_str(), encoding="utf-8")  # type: ignore[attr-defined]
+    bos, eos = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
+    (out / "tokenizer.json").write_text(tokenizer.to_str(), encoding="utf-8")
     _write_json(out / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>",

@@ -116,12 +116,14 @@ def check_ports(topo: Topology) -> None:
 
 def hash_seed(topo: Topology) -> str:
     """The one ``PYTHONHASHSEED`` of all instances; an error if the topology sets different ones."""
-    seeds = {dict(i.env).get("PYTHONHASHSEED") for i in topo.instances if i.role != "both"}
-    seeds.discard(None)
+    seeds: set[str] = set()
+    for inst in topo.instances:
+        if inst.role != "both" and (seed := dict(inst.env).get("PYTHONHASHSEED")) is not None:
+            seeds.add(seed)
     if len(seeds) > 1:
         raise PlanError(f"{topo.file}: instances set different PYTHONHASHSEED values ({', '.join(sorted(seeds))}"
                         "); LMCache needs one seed on prefill and decode")
-    return seeds.pop() if seeds else DEFAULT_HASH_SEED  # type: ignore[return-value]
+    return seeds.pop() if seeds else DEFAULT_HASH_SEED
 
 
 def config_name(inst: InstanceSpec) -> str:
