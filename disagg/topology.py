@@ -349,8 +349,8 @@ def _link(node: Node | None, root: Node) -> LinkSpec:
             raise rate_node.error(str(exc)) from exc
     if link_type == "emulated" and rate_bps is None:
         raise node.error("an emulated link needs a rate, e.g. rate: 1gbit", path="link.rate")
-    if link_type == "loopback" and rate_bps is not None:
-        raise rate_node.error("a loopback link has no rate; use type: emulated to shape it")  # type: ignore[union-attr]
+    if link_type == "loopback" and rate_node is not None:
+        raise rate_node.error("a loopback link has no rate; use type: emulated to shape it")
     return LinkSpec(type=link_type, rate_bps=rate_bps, rate_text=rate_text, interface=interface)
 
 
@@ -470,8 +470,8 @@ def _instance(node: Node, role: str, index: int, hosts: dict[str, HostSpec]) -> 
     f.done()
     cpus = _parse_cpus(cpus_node) if cpus_node is not None else ()
     gpus = _parse_cpus(gpus_node) if gpus_node is not None else ()
-    if gpus and hosts[host].device != "cuda":
-        raise gpus_node.error(f"host {host!r} has device: cpu; set device: cuda to use gpus")  # type: ignore[union-attr]
+    if gpus_node is not None and gpus and hosts[host].device != "cuda":
+        raise gpus_node.error(f"host {host!r} has device: cpu; set device: cuda to use gpus")
     return InstanceSpec(role=role, index=index, host=host, port=port or 0, kv_port=kv_port,
                         args=args, env=tuple(env.items()), cpus=cpus, gpus=gpus, line=node.line)
 
