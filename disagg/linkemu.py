@@ -127,11 +127,11 @@ class EmulatedLink:
                  burst_bytes: int | None = None, addresses: tuple[str, str] | None = None,
                  b_in_root: bool = False) -> None:
         if rate_bps <= 0:
-            raise ValueError("rate_bps must be positive")
+            raise LinkError("rate_bps must be positive")
         seq = next(_counter)
         self.tag = tag or f"{os.getpid() % 100000}x{seq}"
         if len(self.tag) > 11 or not self.tag.replace("-", "").isalnum():
-            raise ValueError(f"tag {self.tag!r}: at most 11 letters, digits or dashes (interface names)")
+            raise LinkError(f"tag {self.tag!r}: at most 11 letters, digits or dashes (interface names)")
         if addresses is None:
             index = (subnet if subnet is not None else (os.getpid() * 7 + seq)) % (256 * 64)
             base = f"198.18.{index // 64}."
@@ -214,7 +214,7 @@ class EmulatedLink:
 
     def _end(self, side: str) -> LinkEnd:
         if side not in ("a", "b"):
-            raise ValueError(f"side must be 'a' or 'b', got {side!r}")
+            raise LinkError(f"side must be 'a' or 'b', got {side!r}")
         if self.state is not LinkState.OPEN:
             raise LinkError(f"{self!r} is not open")
         return self.a if side == "a" else self.b

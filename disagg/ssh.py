@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+from disagg.errors import LaunchError
 from disagg.topology import HostSpec
 
 #: seconds ssh waits for the TCP connection (a host's ssh_options may say otherwise)
@@ -26,7 +27,7 @@ DEFAULT_OPTIONS = (f"ConnectTimeout={CONNECT_TIMEOUT_S}", "StrictHostKeyChecking
 def ssh_prefix(host: HostSpec) -> list[str]:
     """``ssh -o BatchMode=yes [host options] [defaults] [-p port] [-i key] target``; append a command."""
     if host.ssh is None:
-        raise ValueError(f"host {host.name} is reached without ssh")
+        raise LaunchError(f"host {host.name} is reached without ssh")
     argv = ["ssh", "-o", "BatchMode=yes"]
     for option in (*host.ssh_options, *DEFAULT_OPTIONS):
         argv += ["-o", option]

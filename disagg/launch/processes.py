@@ -105,7 +105,7 @@ def start_remote(host: HostSpec, command: str, log: str, secret_env: Mapping[str
     secrets = sorted((secret_env or {}).items())
     for name, value in secrets:
         if not name.isidentifier() or "\n" in value:
-            raise ValueError(f"secret variable {name!r}: needs an identifier name and a one-line value")
+            raise LaunchError(f"secret variable {name!r}: needs an identifier name and a one-line value")
     reads = "".join(f"IFS= read -r {name} || exit 1; export {name}; " for name, _ in secrets)
     # `mkdir ... || exit` first: a list before `&` would be backgrounded whole and keep the ssh channel open.
     script = (f"mkdir -p {shlex.quote(log_dir)} || exit 1; {reads}"

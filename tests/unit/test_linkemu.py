@@ -22,9 +22,9 @@ def test_burst_is_at_least_1_mib_and_grows_with_rate() -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="tag"):
+    with pytest.raises(LinkError, match="tag"):
         EmulatedLink(1e9, tag="far-too-long-tag")
-    with pytest.raises(ValueError, match="rate"):
+    with pytest.raises(LinkError, match="rate"):
         EmulatedLink(0)
 
 
