@@ -15,17 +15,14 @@ Stored in ``<run_dir>/measurements/prefill.json``::
                                    "measured_at": "2026-01-01T00:00:00+00:00",
                                    "source": "..."}}}
 
-The writer merges (read-modify-write under a lock file), so measurements of
-other models and hosts are kept. NOTE: disagg/measurements.py (another
-branch) owns this format; this writer should be unified with it.
+The format and its writer belong to :mod:`disagg.measurements` (it merges, so
+measurements of other models and hosts are kept); this module only measures.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import aiohttp
 
@@ -34,8 +31,6 @@ from disagg.bench.prompts import build_prompts
 from disagg.bench.records import RequestRecord
 from disagg.bench.workload import PromptClass, Workload
 from disagg.errors import DisaggError
-
-PREFILL_FILE = Path("measurements") / "prefill.json"
 
 
 def isolated(records: Sequence[RequestRecord]) -> list[RequestRecord]:
@@ -92,8 +87,3 @@ async def probe_prefill_rate(base_url: str, model: str, prompt_tokens: int, coun
             records.append(rec)
     used = records[1:]
     return sum(r.prompt_tokens for r in used) / sum(r.ttft or 0.0 for r in used)
-
-
-def run_probe(base_url: str, model: str, prompt_tokens: int, count: int = 3) -> float:
-    """Synchronous :func:`probe_prefill_rate`."""
-    return asyncio.run(probe_prefill_rate(base_url, model, prompt_tokens, count))

@@ -18,8 +18,6 @@ class VllmKVAdapter(ABC):
 
     #: the topology's ``connector:`` value
     name: str
-    #: True when each instance needs a kv_port (side channel or listener)
-    needs_kv_port: bool = True
 
     @abstractmethod
     def transfer_config(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, Any]:
