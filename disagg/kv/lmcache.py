@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
+import yaml
+
 from disagg.errors import PlanError
 from disagg.kv.base import VllmKVAdapter, kv_role
 from disagg.kv.ucx import ucx_tls
@@ -154,19 +156,9 @@ def lmcache_config(topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[s
 
 
 def to_yaml(cfg: dict[str, Any]) -> str:
-    """Flat LMCache settings as YAML (scalars, and lists of scalars in flow style)."""
-    def scalar(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, int):
-            return str(v)
-        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-    lines = ["# written by disagg (connector lmcache); LMCache reads it via LMCACHE_CONFIG_FILE"]
-    for key, value in cfg.items():
-        text = "[" + ", ".join(scalar(v) for v in value) + "]" if isinstance(value, list) else scalar(value)
-        lines.append(f"{key}: {text}")
-    return "\n".join(lines) + "\n"
+    """LMCache settings as the YAML file LMCache reads (PyYAML's emitter; keys in the given order)."""
+    header = "# written by disagg (connector lmcache); LMCache reads it via LMCACHE_CONFIG_FILE\n"
+    return header + yaml.safe_dump(cfg, sort_keys=False, default_flow_style=None)
 
 
 class LmcacheVllmAdapter(VllmKVAdapter):
