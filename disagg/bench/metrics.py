@@ -19,6 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from disagg.bench.records import RequestRecord
 from disagg.bench.slo import NO_SLO, SLO
 
@@ -26,17 +28,13 @@ DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 
 
 def percentile(values: Sequence[float], p: float) -> float:
-    """The ``p``-th percentile (0..100) by linear interpolation between closest ranks,
-    numpy's default method. An empty sequence gives 0.0 (as vLLM reports it)."""
+    """The ``p``-th percentile (0..100), numpy's default ("linear") method as vLLM computes it.
+    An empty sequence gives 0.0 (as vLLM reports it)."""
     if not 0.0 <= p <= 100.0:
         raise ValueError(f"percentile {p} outside 0..100")
     if not values:
         return 0.0
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * p / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return float(np.percentile(values, p))
 
 
 def tpot(e2el: float, ttft: float, output_tokens: int) -> float | None:
