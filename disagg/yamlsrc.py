@@ -322,14 +322,14 @@ class Fields:
             return default
         return node_int(child, minimum=minimum, maximum=maximum)
 
-    def float(self, key: builtins.str, default: float | None = None, *, minimum: float = 0.0) -> float | None:
+    def float(self, key: builtins.str, default: float | None = None, *, above: float = 0.0) -> float | None:
         child = self.take(key)
         if child is None:
             return default
         if isinstance(child.value, bool) or not isinstance(child.value, (int, float)):
             raise child.error(f"expected a number, got {describe(child.value)}")
-        if child.value <= minimum:
-            raise child.error(f"expected a number greater than {minimum:g}, got {child.value}")
+        if child.value <= above:
+            raise child.error(f"expected a number greater than {above:g}, got {child.value}")
         return float(child.value)
 
     def bool(self, key: builtins.str, default: bool) -> bool:
