@@ -288,6 +288,7 @@ class Launcher:
         else:
             new = self._spawn_engine(self._engine(rec.name), fresh_log=False)
         rec.pid, rec.create_time = new.pid, new.create_time
+        self._exit_codes.pop(rec.pid, None)  # a pid number handed out again: not the old exit
         self.save()
         self.echo(f"{rec.name}: started again (restart {rec.restarts}, pid {rec.pid})")
 
