@@ -671,6 +671,7 @@ def scenario_e(dep: Deployment, prompts: Prompts, rep: Report, kills: int = 6) -
     failed state can be read back; a decode engine that fails for good stops the whole run.
     """
     times: list[str] = []
+    exits: set[str] = set()  # last_exit as state.json gave it after each restart
     all_back = True
     disaggregated = "disagg_proxy_requests_total"
     for i in range(1, kills):
@@ -691,6 +692,7 @@ def scenario_e(dep: Deployment, prompts: Prompts, rep: Report, kills: int = 6) -
             all_back = False
             break
         times.append(f"{time.monotonic() - t_kill:.0f}")
+        exits.add(str(dep.record(PREFILL).get("last_exit", "?")))
         print(f"  restart {i}: back and used after {times[-1]} s", flush=True)
     rec = dep.record(PREFILL)
     restarts_before = rec.get("restarts", "?")
@@ -705,13 +707,14 @@ def scenario_e(dep: Deployment, prompts: Prompts, rep: Report, kills: int = 6) -
         restarted_again = int(rec.get("pid", final_pid)) != final_pid and pid_alive(int(rec["pid"]))
         time.sleep(1)
     status = dep.status_text()
-    line = next((ln.strip() for ln in status.splitlines() if PREFILL in ln), status.strip()[-200:])
+    line = " ".join(next((ln for ln in status.splitlines() if PREFILL in ln), status[-200:]).split())
     says_failed = "failed" in line or "gave up" in line
     served_after = asyncio.run(_serve(dep, [completion(prompts(50, "e2"), 4) for _ in range(3)]))
     measured = (f"back and serving disaggregated after each kill (s): {', '.join(times)}; restarts recorded "
-                f"{restarts_before}; 6th kill: state 'failed' {within(failed, 120)}, "
+                f"{restarts_before}, last exits: {' / '.join(sorted(exits))}; "
+                f"6th kill: state 'failed' {within(failed, 120)}, "
                 f"{'restarted again' if restarted_again else 'no new process in the next 60 s'}; "
-                f"decode alone then served {sum(o.ok for o in served_after)}/3; `disagg status`: `{line[:150]}`")
+                f"decode alone then served {sum(o.ok for o in served_after)}/3; `disagg status`: `{line[:200]}`")
     rep.add(Row("e", "e. prefill SIGKILLed 5 times, then a 6th",
                 "back each time; the 6th failure reported (failed / gave up), not retried",
                 measured, all_back and failed is not None and not restarted_again and says_failed))
