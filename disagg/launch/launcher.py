@@ -76,6 +76,8 @@ STOP_ORDER = {"proxy": 0, "decode": 1, "both": 2, "prefill": 3}
 #: SIGTERM -> SIGKILL when start-up is abandoned (Ctrl-C, an engine failed): nothing is served yet,
 #: so there is nothing to drain, and Ctrl-C must stop everything within a few seconds
 ABORT_GRACE_S = 2.0
+#: how long to wait for the exit status of a local leader seen dead
+REAP_WAIT_S = 0.5
 #: variables passed to remote engines over ssh's stdin, never on a command line
 SECRET_ENVS = frozenset({SECRET_ENV, VLLM_KEY_ENV})
 
@@ -263,8 +265,18 @@ class Launcher:
         return processes.is_alive(rec)
 
     def exit_code(self, rec: ProcessRecord) -> int | None:
-        """The exit code of an exited local leader this process started (negative: a signal), else None."""
-        return self._exit_codes.get(rec.pid)
+        """The exit code of an exited local leader this process started (negative: a signal), else None.
+
+        A leader can be seen dead (a zombie) a moment before ``waitpid`` reports it: wait up
+        to :data:`REAP_WAIT_S` for the status."""
+        if rec.ssh or rec.pid in self._exit_codes:
+            return self._exit_codes.get(rec.pid)
+        deadline = time.monotonic() + REAP_WAIT_S
+        while (code := processes.exit_status(rec.pid)) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if code is not None:
+            self._exit_codes[rec.pid] = code
+        return code
 
     @staticmethod
     def log_tail(rec: ProcessRecord) -> str:
