@@ -17,6 +17,7 @@ test: install
 	@bash scripts/system-deps.sh
 	$(PY) -m ruff check disagg connectors tests benchmarks scripts
 	$(VENV)/bin/lint-imports
+	$(PY) -m mypy
 	@VENV=$(VENV) bash scripts/engine-package-checks.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -28,6 +29,7 @@ engine-checks: install
 lint: install
 	$(PY) -m ruff check disagg connectors tests benchmarks scripts
 	$(VENV)/bin/lint-imports
+	$(PY) -m mypy
 
 # mypy --strict on disagg/ and connectors/ ([tool.mypy] in pyproject.toml; ~15 s cold).
 typecheck: install

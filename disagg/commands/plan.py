@@ -16,7 +16,7 @@ DEFAULT_PROMPTS = "256,2048,8192"
 WIDTH = 100
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``plan``."""
     p = sub.add_parser(
         "plan", help="does the prefill/decode split pay? KV size vs link vs prefill time, per prompt length",

@@ -20,7 +20,7 @@ from disagg.proxy.config import (
 )
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``proxy``."""
     d = ProxyTimeouts()
     p = sub.add_parser(

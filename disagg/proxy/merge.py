@@ -36,7 +36,7 @@ def sum_usage(usages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for key in USAGE_COUNTS:
         values = [u.get(key) for u in usages]
         if all(isinstance(v, int) for v in values):
-            out[key] = sum(values)  # type: ignore[arg-type]
+            out[key] = sum(values)
     return out
 
 

@@ -140,7 +140,7 @@ def loop_factory(loop: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
         if loop == "uvloop":
             raise ProxyError("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
         return None
-    return uvloop.new_event_loop  # type: ignore[no-any-return]
+    return uvloop.new_event_loop
 
 
 def run_proxy(config: ProxyConfig, *, access_log: bool = False, loop: str = "auto") -> int:
