@@ -124,8 +124,10 @@ def test_client_disconnect_aborts_decode(pd: Running, tokenizer: Tokenizer) -> N
     assert metric_value(get_text(pd.engines["prefill[0]"] + "/metrics"), "vllm:num_requests_running") == 0
 
 
-def test_prefill_loss_falls_back_to_decode(pd: Running, reference: dict[str, str],
-                                           requests_: dict[str, dict]) -> None:
+def test_prefill_loss_falls_back_to_decode_until_it_is_restarted(
+        pd: Running, reference: dict[str, str], requests_: dict[str, dict]) -> None:
+    """Prefill's whole group SIGKILLed: decode serves alone meanwhile; `disagg up` (foreground)
+    restarts it, the proxy takes it back (and counts the return), and it is used again."""
     prefill = next(r for r in pd.state().processes if r.name == "prefill[0]")
     os.killpg(prefill.pid, signal.SIGKILL)
     psutil.wait_procs([psutil.Process(prefill.pid)], timeout=30)
@@ -134,6 +136,25 @@ def test_prefill_loss_falls_back_to_decode(pd: Running, reference: dict[str, str
     proxy_metrics = get_text(pd.proxy_url + "/metrics")
     assert metric_value(proxy_metrics, "disagg_proxy_requests_total", path="fallback") == 1
     assert metric_value(proxy_metrics, "disagg_proxy_fallbacks_total") == 1
+
+    deadline = time.monotonic() + 300
+    while True:
+        again = next(r for r in pd.state().processes if r.name == "prefill[0]")
+        if again.status == "running" and again.pid != prefill.pid:
+            break
+        assert time.monotonic() < deadline, "prefill[0] was not restarted"
+        time.sleep(0.5)
+    assert (again.restarts, again.last_exit) == (1, "killed by SIGKILL")
+    while metric_value(get_text(pd.proxy_url + "/metrics"), "disagg_proxy_backend_healthy", role="prefill") != 1:
+        assert time.monotonic() < deadline, "the proxy did not take prefill[0] back"
+        time.sleep(0.2)
+    before = get_text(pd.proxy_url + "/metrics")
+    reply = post_json(pd.proxy_url + "/v1/completions", requests_["prefill-killed"])
+    assert reply["choices"][0]["text"] == reference["prefill-killed"]
+    after = get_text(pd.proxy_url + "/metrics")
+    assert (metric_value(after, "disagg_proxy_requests_total", path="disaggregated")
+            - metric_value(before, "disagg_proxy_requests_total", path="disaggregated")) == 1
+    assert metric_value(after, "disagg_proxy_backend_returns_total", role="prefill") == 1
 
 
 def test_ctrl_c_leaves_nothing(pd: Running) -> None:

@@ -1,9 +1,12 @@
 """An engine on a "remote" host reached over SSH (a network namespace with its
 own address running sshd): `disagg up` starts it there, logs stay there and
-are fetched on failure, `disagg down` kills the remote process group."""
+are fetched on failure, a remote engine that dies is restarted there, `disagg down` kills the
+remote process group."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import textwrap
 import time
@@ -60,6 +63,23 @@ def test_engine_over_ssh(engine_lock: None, remote: SshHost, tiny_model: Path, r
         assert reply["choices"][0]["text"] == reference["short"]
         status = disagg("status", str(topo), "--run-dir", str(run.run_dir))
         assert status.returncode == 0 and "via ssh" in status.stdout and "healthy" in status.stdout
+
+        # the remote API server dies: the supervisor sweeps its group over ssh and starts it again there
+        old_group = remote.namespace_pids()
+        os.kill(record.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 400
+        while (again := next(r for r in run.state().processes if r.kind == "engine")).pid == record.pid \
+                or again.status != "running":
+            assert time.monotonic() < deadline, "the remote engine was not restarted"
+            time.sleep(0.5)
+        assert again.pid in remote.namespace_pids() and again.restarts == 1
+        assert again.last_exit.startswith("exited (status unknown")
+        assert not (old_group - {p for p in old_group if _is_sshd(p)}) & remote.namespace_pids()
+        reply = post_json(run.proxy_url + "/v1/completions", requests_["short"])
+        assert reply["choices"][0]["text"] == reference["short"]
+        status = disagg("status", str(topo), "--run-dir", str(run.run_dir))
+        assert "restarts 1, last exit: exited (status unknown" in status.stdout
+        record = again
     finally:
         done = run.down()
     assert done.returncode == 0, done.stderr
