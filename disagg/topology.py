@@ -148,6 +148,9 @@ class Timeouts:
     shutdown_grace: float = 20.0        # SIGTERM -> SIGKILL
     request: float = 600.0              # one upstream request in the proxy
     connect: float = 10.0               # opening an upstream connection
+    health_timeout: float = 5.0         # one proxy health probe
+    drain: float = 15.0                 # proxy SIGTERM: in-flight requests may finish this long
+    proxy_startup: float = 60.0         # proxy start until its /health answers
 
 
 #: where state and logs go when the topology does not say (``run_dir``; a remote host's ``workdir``)
@@ -515,7 +518,10 @@ def _timeouts(node: Node | None) -> Timeouts:
                  health_interval=f.float("health_interval", d.health_interval) or d.health_interval,
                  shutdown_grace=f.float("shutdown_grace", d.shutdown_grace) or d.shutdown_grace,
                  request=f.float("request", d.request) or d.request,
-                 connect=f.float("connect", d.connect) or d.connect)
+                 connect=f.float("connect", d.connect) or d.connect,
+                 health_timeout=f.float("health_timeout", d.health_timeout) or d.health_timeout,
+                 drain=f.float("drain", d.drain) or d.drain,
+                 proxy_startup=f.float("proxy_startup", d.proxy_startup) or d.proxy_startup)
     f.done()
     return t
 

@@ -98,7 +98,8 @@ def proxy_config(dep: Deployment) -> ProxyConfig:
         host=topo.proxy.host, port=topo.proxy.port, engine=handoff_engine(dep),
         api_key=topo.proxy.api_key, fallback=topo.proxy.fallback,
         max_concurrency=topo.proxy.max_concurrency or DEFAULT_MAX_CONCURRENCY,
-        timeouts=ProxyTimeouts(connect=t.connect, request=t.request, health_interval=t.health_interval),
+        timeouts=ProxyTimeouts(connect=t.connect, request=t.request, health_interval=t.health_interval,
+                               health_timeout=t.health_timeout, drain=t.drain),
         handoff_options=handoff_options(dep), routing=routing_config(dep))
 
 

@@ -518,9 +518,11 @@ class Launcher:
                 if not self.alive(record):
                     raise EngineStartError("proxy", record.address, record.port, "exited while starting",
                                            processes.log_tail(record))
-                if time.monotonic() - started > 60:
+                limit = self.topo.timeouts.proxy_startup
+                if time.monotonic() - started > limit:
                     raise EngineStartError("proxy", record.address, record.port,
-                                           "did not report healthy within 60 s", processes.log_tail(record))
+                                           f"did not report healthy within {limit:g} s (timeouts.proxy_startup)",
+                                           processes.log_tail(record))
                 time.sleep(0.2)
         self.echo(f"proxy: healthy at {self.dep.proxy_url}")
 
