@@ -115,3 +115,13 @@ roles:
     assert cfg.decode == ("http://127.0.0.1:8200",)
     assert (cfg.port, cfg.fallback, cfg.api_key, cfg.timeouts.request) == (8010, "never", "k", 30)
     assert cfg.max_concurrency == 64
+
+
+def test_every_proxy_wait_comes_from_the_topologys_timeouts() -> None:
+    text = TEXT.replace("ENGINE", "vllm").replace("CONNECTOR", "nixl").replace("KIND", "builtin") + (
+        "timeouts: {connect: 3, request: 30, health_interval: 0.5, health_timeout: 1.5, drain: 4}\n")
+    cfg = proxy_config(plan_deployment(parse_topology(text, "t.yaml", run_dir="/tmp/run")))
+    t = cfg.timeouts
+    assert (t.connect, t.request, t.health_interval, t.health_timeout, t.drain) == (3, 30, 0.5, 1.5, 4)
+    a = cfg.to_argv(with_api_key=False)
+    assert a[a.index("--health-timeout") + 1] == "1.5" and a[a.index("--drain-timeout") + 1] == "4"
