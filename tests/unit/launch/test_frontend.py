@@ -124,4 +124,4 @@ def test_every_proxy_wait_comes_from_the_topologys_timeouts() -> None:
     t = cfg.timeouts
     assert (t.connect, t.request, t.health_interval, t.health_timeout, t.drain) == (3, 30, 0.5, 1.5, 4)
     a = cfg.to_argv(with_api_key=False)
-    assert a[a.index("--health-timeout") + 1] == "1.5" and a[a.index("--drain-timeout") + 1] == "4"
+    assert a[a.index("--health-timeout") + 1] == "1.5" and a[a.index("--drain-timeout") + 1] == "4.0"
