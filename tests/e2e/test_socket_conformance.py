@@ -22,12 +22,14 @@ from tests.e2e.crafted import EVIL_KV, Crafted, cases, engines_idle_and_alive, s
 from tests.e2e.engines import (
     ENGINE_ARGS,
     ENGINE_KEY,
+    SPLIT_EVERY_PROMPT,
     Running,
     bring_up,
     busy_ports,
     engine_processes,
     foreground_up_processes,
     free_ports,
+    plain_answer,
     write_topology,
 )
 
@@ -48,7 +50,7 @@ def socket_pd(conformance_reference: dict[str, Recorded], e2e_dir: Path, tiny_mo
     roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
              f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
     topo = write_topology(e2e_dir / "pd-socket.yaml", tiny_model, proxy_port=proxy_port, roles=roles,
-                          connector="socket")
+                          connector="socket", extra=SPLIT_EVERY_PROMPT)
     run = bring_up(topo, e2e_dir / "run-pd-socket")
     try:
         yield run
@@ -106,6 +108,16 @@ def test_crafted_kv_params_with_the_key_are_declined_by_decode(socket_pd: Runnin
         answer = send(decode, case, key=ENGINE_KEY)
         assert answer.status == 200, (params, answer.status, answer.body[:300])
         assert json.loads(answer.body)["choices"][0]["finish_reason"] == "length"
+
+
+def test_prefill_engine_serves_a_plain_request_alone(socket_pd: Running, reference: dict[str, str],
+                                                    requests_: dict[str, dict]) -> None:
+    """The routing's ``whole`` path: a kv_producer prefill engine with the socket connector answers
+    the client's own request (no kv_transfer_params) like one vLLM server, streamed or not."""
+    for name in ("socket-whole-completion", "socket-whole-chat"):
+        assert plain_answer(socket_pd.engines["prefill[0]"], requests_[name]) == reference[name]
+    streamed = {**requests_["socket-whole-stream"], "stream": True}
+    assert plain_answer(socket_pd.engines["prefill[0]"], streamed) == reference["socket-whole-stream"]
 
 
 def test_engines_alive_and_idle_after_crafted_inputs(socket_pd: Running) -> None:
