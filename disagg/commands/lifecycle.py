@@ -304,4 +304,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         history = f"  restarts {rec.restarts}" + (f", last exit: {rec.last_exit}" if rec.last_exit else "")
         print(f"  {rec.name:<11} {rec.address}:{rec.port:<6} pid {rec.pid:<8} {where:<12} {state}{history}"
               f"  log {rec.log}")
+        if rec.exit_log:
+            print(f"    last lines of its log when it exited ({rec.last_exit}):")
+            print("\n".join(f"      {line}" for line in rec.exit_log.splitlines()))
     return 1 if bad else 0

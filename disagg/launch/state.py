@@ -48,6 +48,7 @@ class ProcessRecord:
     status: str = "running"
     restarts: int = 0               # times the supervisor started it again
     last_exit: str = ""             # how it last exited: "exit status 1", "killed by SIGKILL", ...
+    exit_log: str = ""              # the last lines of its log when it last exited
 
 
 @dataclass

@@ -38,6 +38,11 @@ if TYPE_CHECKING:
     from disagg.launch.launcher import Launcher
 
 
+#: how much of the log at an exit the state file keeps for `disagg status`
+EXIT_LOG_LINES = 10
+EXIT_LOG_CHARS = 4000
+
+
 def exit_reason(code: int | None) -> str:
     """How a process ended, from its exit code (negative: the signal that killed it; None: unknown)."""
     if code is None:
@@ -148,8 +153,10 @@ class Supervisor:
         rec = w.record
         code = self.launcher.exit_code(rec)
         rec.last_exit = why or exit_reason(code)
+        tail = self.launcher.log_tail(rec)
+        rec.exit_log = "\n".join(tail.splitlines()[-EXIT_LOG_LINES:])[-EXIT_LOG_CHARS:]
         self.launcher.echo(f"error: {rec.name} on {rec.address}:{rec.port} {rec.last_exit}; "
-                           f"last lines of {rec.log}:\n" + self.launcher.log_tail(rec))
+                           f"last lines of {rec.log}:\n" + tail)
         self.launcher.sweep(rec)
         now = self.clock()
         delay = w.budget.delay(now) if w.budget.wants_restart(code) else None

@@ -267,6 +267,9 @@ def test_status_shows_restarts_and_the_last_exit(tmp_path: Path, standins: _Star
         line = next(x for x in out.splitlines() if x.strip().startswith("decode[0]"))
         assert f"pid {decode.pid}" in line and "healthy" in line
         assert "restarts 1, last exit: killed by SIGKILL" in line
+        after = out.split(line + "\n", 1)[1].splitlines()
+        assert after[0] == "    last lines of its log when it exited (killed by SIGKILL):"
+        assert after[1].startswith("      stand-in up ")  # the old process's own output
         assert f"supervisor  pid {os.getpid()}" in out  # this test's launcher holds the run's lock
     finally:
         launcher.stop(grace=1.0)
