@@ -32,7 +32,7 @@ from __future__ import annotations
 from disagg.engines.base import EngineAdapter
 from disagg.engines.vllm import served_model_name
 from disagg.errors import PlanError
-from disagg.kv.ucx import ucx_tls
+from disagg.kv.ucx import ucx_env
 from disagg.topology import HostSpec, InstanceSpec, Topology
 
 LAUNCH_MODULE = "sglang.launch_server"
@@ -98,8 +98,6 @@ class SglangEngine(EngineAdapter):
             if backend == "mooncake" and topo.link.type in TCP_LINKS:
                 env["MC_FORCE_TCP"] = "1"
             if backend == "nixl":
-                tls = ucx_tls(topo, host)
-                if tls:
-                    env["UCX_TLS"] = tls
+                env.update(ucx_env(topo, host))
         env.update(dict(inst.env))
         return env

@@ -33,7 +33,7 @@ import yaml
 
 from disagg.errors import PlanError
 from disagg.kv.base import VllmKVAdapter, kv_role
-from disagg.kv.ucx import ucx_tls
+from disagg.kv.ucx import ucx_env
 from disagg.paths import host_run_dir
 from disagg.topology import HostSpec, InstanceSpec, Topology, iter_ports
 
@@ -178,11 +178,7 @@ class LmcacheVllmAdapter(VllmKVAdapter):
     def env(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, str]:
         env = {"LMCACHE_CONFIG_FILE": str(PurePosixPath(host_run_dir(topo, host)) / config_name(inst)),
                "PYTHONHASHSEED": hash_seed(topo)}
-        tls = ucx_tls(topo, host)
-        if tls:
-            env["UCX_TLS"] = tls
-        if topo.link.interface:
-            env["UCX_NET_DEVICES"] = topo.link.interface
+        env.update(ucx_env(topo, host))
         return env
 
     def files(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, str]:

@@ -7,9 +7,8 @@ from typing import Any
 from disagg_connectors.nixl_cpu_affinity import ENABLED as NIXL_CPU_AFFINITY_OWN_CORES
 from disagg_connectors.nixl_cpu_affinity import ENV as NIXL_CPU_AFFINITY_ENV
 
-from disagg.emulation import interface_for
 from disagg.kv.base import VllmKVAdapter, kv_role
-from disagg.kv.ucx import ucx_tls
+from disagg.kv.ucx import ucx_env
 from disagg.topology import HostSpec, InstanceSpec, Topology
 
 
@@ -38,12 +37,7 @@ class NixlVllmAdapter(VllmKVAdapter):
             "VLLM_NIXL_SIDE_CHANNEL_HOST": host.address,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(inst.kv_port),
         }
-        tls = ucx_tls(topo, host)  # GPU buffers also need cuda_copy over TCP
-        if tls:
-            env["UCX_TLS"] = tls
-        device = interface_for(topo, host) or topo.link.interface
-        if device:
-            env["UCX_NET_DEVICES"] = device
+        env.update(ucx_env(topo, host))  # GPU buffers also need cuda_copy over TCP
         if host.device == "cpu" and inst.cpus:
             # vLLM's NIXL worker moves its compute thread to the machine's last core
             # unless told otherwise; keep it on the engine's own cores

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from disagg.emulation import interface_for
 from disagg.topology import HostSpec, Topology
 
 # UCX transports per link type. RoCE is left to UCX's own choice (it prefers
@@ -26,3 +27,18 @@ def ucx_tls(topo: Topology, host: HostSpec) -> str | None:
     if host.device == "cuda":
         return f"{CUDA_TLS[topo.link.type]},{tls}"
     return tls
+
+
+def ucx_env(topo: Topology, host: HostSpec) -> dict[str, str]:
+    """The UCX environment of an engine on ``host``, for every connector that moves KV over UCX
+    (NIXL in vLLM and SGLang, LMCache's NIXL channel): ``UCX_TLS`` as :func:`ucx_tls` says, and
+    ``UCX_NET_DEVICES``: the emulated link's interface on this host, else the topology's
+    ``link.interface`` (unset: UCX's own choice)."""
+    env = {}
+    tls = ucx_tls(topo, host)
+    if tls:
+        env["UCX_TLS"] = tls
+    device = interface_for(topo, host) or topo.link.interface
+    if device:
+        env["UCX_NET_DEVICES"] = device
+    return env
