@@ -113,6 +113,18 @@ class InstanceSpec:
         """``prefill[0]``, ``decode[1]``, ``both[0]``."""
         return f"{self.role}[{self.index}]"
 
+    def arg(self, *flags: str) -> str | None:
+        """The value given to the first of ``flags`` found in the extra engine ``args``
+        (``--flag value`` or ``--flag=value``), or None. The one place that reads them."""
+        args = list(self.args)
+        for flag in flags:
+            for i, a in enumerate(args):
+                if a == flag and i + 1 < len(args):
+                    return args[i + 1]
+                if a.startswith(flag + "="):
+                    return a.split("=", 1)[1]
+        return None
+
 
 @dataclass(frozen=True)
 class ProxySpec:
@@ -614,16 +626,20 @@ def iter_ports(topo: Topology) -> Iterator[tuple[str, int, str]]:
     yield topo.proxy.host, topo.proxy.port, "proxy.port"
 
 
-def _same_place(a: str, b: str) -> bool:
-    wildcard = {"0.0.0.0", "::", ""}
-    return a == b or a in wildcard or b in wildcard
+#: bind addresses that mean every address of the host
+WILDCARD_ADDRESSES = ("0.0.0.0", "::", "")
+
+
+def same_place(a: str, b: str) -> bool:
+    """Whether listeners on addresses ``a`` and ``b`` of one port would clash."""
+    return a == b or a in WILDCARD_ADDRESSES or b in WILDCARD_ADDRESSES
 
 
 def _check_ports(topo: Topology, root: Node) -> None:
     seen: list[tuple[str, int, str]] = []
     for address, port, where in iter_ports(topo):
         for other_addr, other_port, other_where in seen:
-            if port == other_port and _same_place(address, other_addr):
+            if port == other_port and same_place(address, other_addr):
                 raise TopologyError(topo.file, _line(root, where), where,
                                     f"{port} is already used by {other_where.rsplit('.', 1)[0]}"
                                     + ("" if other_where.endswith(".port") and where.endswith(".port")

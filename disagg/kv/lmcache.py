@@ -35,26 +35,24 @@ from disagg.errors import PlanError
 from disagg.kv.base import VllmKVAdapter, kv_role
 from disagg.kv.ucx import ucx_env
 from disagg.paths import host_run_dir
-from disagg.topology import HostSpec, InstanceSpec, Topology, iter_ports
+from disagg.topology import WILDCARD_ADDRESSES, HostSpec, InstanceSpec, Topology, iter_ports, same_place
 
 #: the one hash seed of every LMCache instance, unless the topology sets its own
 DEFAULT_HASH_SEED = "0"
 #: LMCache's P/D staging buffer per instance, bytes
 BUFFER_BYTES = {"cuda": 1 << 30, "cpu": 256 << 20}
 CONFIG_SUFFIX = ".lmcache.yaml"
-WILDCARD = ("0.0.0.0", "::", "")
 
 
-def tp_size(inst: InstanceSpec) -> int:
+def tp_size(inst: InstanceSpec, file: str = "") -> int:
     """The instance's tensor-parallel width, from its vLLM args (default 1)."""
-    args = list(inst.args)
-    for flag in ("--tensor-parallel-size", "-tp"):
-        if flag in args and args.index(flag) + 1 < len(args):
-            return int(args[args.index(flag) + 1])
-        for arg in args:
-            if arg.startswith(flag + "="):
-                return int(arg.split("=", 1)[1])
-    return 1
+    given = inst.arg("--tensor-parallel-size", "-tp")
+    if given is None:
+        return 1
+    if not given.isdigit() or int(given) < 1:
+        raise PlanError(f"{file or 'topology'}: roles.{inst.name}.args: --tensor-parallel-size must be a "
+                        f"positive integer, got {given!r}")
+    return int(given)
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,7 @@ def receiver_ports(topo: Topology, inst: InstanceSpec) -> ReceiverPorts:
     """The receiver ports of a decode instance (from its ``kv_port``)."""
     if inst.kv_port is None:
         raise PlanError(f"{topo.file}: {inst.name} has no kv_port for its LMCache receiver")
-    tp = tp_size(inst)
+    tp = tp_size(inst, topo.file)
     return ReceiverPorts(host=topo.hosts[inst.host].address,
                          init=tuple(inst.kv_port + r for r in range(tp)),
                          alloc=tuple(inst.kv_port + tp + r for r in range(tp)))
@@ -88,7 +86,7 @@ def notify_port(topo: Topology) -> int:
 def notify_host(topo: Topology) -> str:
     """The proxy address prefill instances send notifications to."""
     host = topo.proxy.host
-    if host not in WILDCARD:
+    if host not in WILDCARD_ADDRESSES:
         return host
     if all(not h.is_remote for h in topo.hosts.values()):
         return "127.0.0.1"
@@ -106,8 +104,7 @@ def check_ports(topo: Topology) -> None:
         extra += [(rp.host, p, f"roles.{inst.name} LMCache receiver port") for p in rp.init[1:] + rp.alloc]
     for address, port, what in extra:
         for (other_addr, other_port), where in taken.items():
-            same = address == other_addr or address in WILDCARD or other_addr in WILDCARD
-            if port == other_port and same:
+            if port == other_port and same_place(address, other_addr):
                 raise PlanError(f"{topo.file}: {what} {address}:{port} clashes with {where}; "
                                 "change the ports (connector lmcache uses kv_port..kv_port+2*TP-1 on decode "
                                 "and proxy.port+1 on the proxy)")

@@ -124,3 +124,16 @@ def test_yaml_loads_with_lmcaches_own_loader() -> None:
     e = engines()
     assert check_lmcache(e["prefill[0]"])["pd_role"] == "sender"
     assert check_lmcache(e["decode[0]"])["pd_peer_alloc_port"] == [7302, 7303]
+
+
+@pytest.mark.parametrize("tp", ["two", "0", "-1"])
+def test_a_bad_tensor_parallel_size_is_a_plan_error_not_a_traceback(tp: str) -> None:
+    with pytest.raises(PlanError, match=rf"roles\.decode\[0\]\.args: --tensor-parallel-size must be a positive "
+                                        rf"integer, got '{tp}'"):
+        engines(text=BASE.replace('[--tensor-parallel-size, "2"]', f'["--tensor-parallel-size={tp}"]'))
+
+
+def test_tensor_parallel_size_in_either_spelling() -> None:
+    for args in ('[-tp, "2"]', '["--tensor-parallel-size=2"]'):
+        receivers = dict(proxy_options(topo(text=BASE.replace('[--tensor-parallel-size, "2"]', args))))
+        assert receivers["receivers"] == "10.0.0.2:7300/7301:7302/7303"
