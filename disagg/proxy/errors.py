@@ -3,8 +3,9 @@ client exceptions become proxy errors.
 
 ::
 
-    ProxyError (disagg.errors)          bad proxy configuration
-    └── ProxyHTTPError                  an error the client sees; carries its status
+    ProxyError (disagg.errors)          bad proxy configuration (the CLI prints it; nothing starts)
+
+    ProxyHTTPError                      an error one client request ends with; carries its status
         ├── BadRequest                  400: unreadable client request
         ├── Unauthorized                401: missing or wrong API key
         ├── RetryLater                  an error that passes (Retry-After)
@@ -29,8 +30,6 @@ from http import HTTPStatus
 
 import aiohttp
 from aiohttp import web
-
-from disagg.errors import ProxyError
 
 #: OpenAI/vLLM error ``type`` for each status the proxy produces itself
 _ERROR_TYPES: dict[int, str] = {
@@ -66,8 +65,9 @@ def sse_error_event(status: int, message: str) -> bytes:
     return b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\ndata: [DONE]\n\n"
 
 
-class ProxyHTTPError(ProxyError):
-    """An error that ends one client request with ``status``."""
+class ProxyHTTPError(Exception):
+    """An error that ends one client request with ``status`` (never a configuration error);
+    the app's error middleware turns it into the response."""
 
     status: int = 500
 
