@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from importlib import resources
@@ -185,12 +186,12 @@ def ensure_model(name: str, out_dir: str | Path) -> Path:
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
         return out
     staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    build_model(name, staging)
     try:
+        build_model(name, staging)
         staging.rename(out)  # atomic: a concurrent builder may have won, which is fine
     except OSError:
-        import shutil
-        shutil.rmtree(staging, ignore_errors=True)
         if not (out / "model.safetensors").is_file():
             raise
+    finally:  # also on Ctrl-C during the build: no half-built copy is left behind
+        shutil.rmtree(staging, ignore_errors=True)
     return out

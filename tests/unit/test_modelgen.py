@@ -67,3 +67,16 @@ def test_ensure_model_reuses_existing(tmp_path: Path) -> None:
 def test_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="unknown embedded model 'huge'; choose one of tiny, tiny-kvheavy"):
         build_model("huge", tmp_path)
+
+
+def test_ctrl_c_during_the_build_leaves_no_half_built_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from disagg import modelgen
+
+    def interrupted(name: str, out_dir: str | Path) -> Path:
+        build_model(name, out_dir)  # written, then Ctrl-C before the rename
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(modelgen, "build_model", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ensure_model("tiny", tmp_path / "m")
+    assert list(tmp_path.iterdir()) == []
