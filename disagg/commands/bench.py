@@ -23,6 +23,7 @@ from disagg.bench.workload import ARRIVALS, DEFAULT_OUTPUT_LEN, Workload, parse_
 from disagg.errors import DisaggError
 from disagg.measurements import store_prefill
 from disagg.proxy.config import ENGINE_KEY_ENV
+from disagg.topology import DEFAULT_RUN_DIR
 
 USAGE = ("disagg bench URL [options]\n"
          "       disagg bench compare TOPOLOGY.yaml [TOPOLOGY.yaml ...] [--out DIR] [options]")
@@ -88,7 +89,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     pf.add_argument("--prefill-probe", type=int, default=None, metavar="N",
                     help="probe N long prompts at concurrency 1 (compare: default 3 per prefill host, "
                          "0 = off; URL mode: default 0 = use requests that ran alone)")
-    pf.add_argument("--run-dir", default=".disagg",
+    pf.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
                     help="URL mode: where measurements/prefill.json lives (default .disagg; "
                          "compare uses each topology's run_dir)")
     p.set_defaults(handler=cmd_bench)
