@@ -17,8 +17,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from disagg.errors import StateError
 from disagg.paths import run_path
@@ -70,8 +71,15 @@ class RunState:
     @classmethod
     def from_json(cls, text: str) -> RunState:
         data = json.loads(text)
-        procs = [ProcessRecord(**p) for p in data.pop("processes", [])]
-        return cls(**data, processes=procs)
+        procs = [ProcessRecord(**_known(ProcessRecord, p)) for p in data.pop("processes", [])]
+        return cls(**_known(cls, data), processes=procs)
+
+
+def _known(kind: type, data: dict[str, Any]) -> dict[str, Any]:
+    """The fields of ``data`` that ``kind`` has: a state file written by a newer disagg
+    (more fields) can still be read, to stop what it lists."""
+    names = {f.name for f in fields(kind)}
+    return {k: v for k, v in data.items() if k in names}
 
 
 def save_state(state: RunState) -> Path:

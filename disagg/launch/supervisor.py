@@ -151,7 +151,7 @@ class Supervisor:
     def _exited(self, w: _Watched, why: str = "") -> None:
         """``w`` exited (or failed to start): report, sweep, then back off or give up."""
         rec = w.record
-        code = self.launcher.exit_code(rec)
+        code = None if why else self.launcher.exit_code(rec)  # with a reason given it may still run
         rec.last_exit = why or exit_reason(code)
         tail = self.launcher.log_tail(rec)
         rec.exit_log = "\n".join(tail.splitlines()[-EXIT_LOG_LINES:])[-EXIT_LOG_CHARS:]

@@ -108,7 +108,11 @@ def bring_up(topology: Path, run_dir: Path) -> Running:
     """`disagg up --detach`; raises AssertionError with the output on failure."""
     done = disagg("up", str(topology), "--detach", "--run-dir", str(run_dir))
     assert done.returncode == 0, f"disagg up failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
-    return _running(topology, run_dir, done.stdout)
+    try:
+        return _running(topology, run_dir, done.stdout)
+    except BaseException:  # the caller never gets the run to stop: stop it here
+        disagg("down", str(topology), "--run-dir", str(run_dir), timeout=180)
+        raise
 
 
 def bring_up_foreground(topology: Path, run_dir: Path, timeout: float = 900) -> Running:

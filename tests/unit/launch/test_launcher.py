@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -165,3 +166,16 @@ def test_supervise_survives_a_lost_prefill_but_not_the_last_decode(tmp_path: Pat
     finally:
         for rec in launcher.run.processes:
             stop_local(rec, grace=1.0)
+
+
+def test_a_state_file_from_a_newer_disagg_can_still_be_read(tmp_path: Path) -> None:
+    state = RunState(topology="/t.yaml", name="t", run_dir=str(tmp_path), proxy_url="http://127.0.0.1:1",
+                     started_at=1.0, up_pid=2,
+                     processes=[ProcessRecord(name="proxy", kind="proxy", host="local", address="127.0.0.1",
+                                              port=1, url="http://127.0.0.1:1", log="l", pid=3)])
+    path = save_state(state)
+    data = json.loads(path.read_text())
+    data["added_later"] = 1
+    data["processes"][0]["also_added_later"] = "x"
+    path.write_text(json.dumps(data))
+    assert load_state(path) == state
