@@ -166,6 +166,21 @@ def get_text(url: str, timeout: float = 30) -> str:
         return resp.read().decode()
 
 
+def wait_proxy_healthy(url: str, timeout: float = 60) -> None:
+    """Wait until ``GET url/health`` answers 200 (a proxy takes an engine back within one probe
+    interval of its restart; until then it answers 503 with Retry-After)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:  # HTTPError (503), refused, timeout
+            pass
+        assert time.monotonic() < deadline, f"{url}/health did not answer 200 within {timeout:.0f} s"
+        time.sleep(0.2)
+
+
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.engines import Running, bring_up, disagg, free_ports, post_json
+from tests.e2e.engines import Running, bring_up, disagg, free_ports, post_json, wait_proxy_healthy
 from tests.e2e.sshhost import SshHost, ssh_namespace, unavailable_reason
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns,
@@ -75,6 +75,7 @@ def test_engine_over_ssh(engine_lock: None, remote: SshHost, tiny_model: Path, r
         assert again.pid in remote.namespace_pids() and again.restarts == 1
         assert again.last_exit.startswith("exited (status unknown")
         assert not (old_group - {p for p in old_group if _is_sshd(p)}) & remote.namespace_pids()
+        wait_proxy_healthy(run.proxy_url)
         reply = post_json(run.proxy_url + "/v1/completions", requests_["short"])
         assert reply["choices"][0]["text"] == reference["short"]
         status = disagg("status", str(topo), "--run-dir", str(run.run_dir))
