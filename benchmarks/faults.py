@@ -72,7 +72,7 @@ import aiohttp
 import psutil
 
 from disagg import topology
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.modelgen import build_model
 from disagg.prompts import exact_prompt, load_tokenizer
 from disagg.promtext import sample_sum
@@ -727,7 +727,7 @@ SHARED = ("c", "d", "a", "b")  # order on the shared deployment: no restart befo
 
 def lease_seconds(dep: Deployment) -> float:
     """The ``kv_lease_duration`` the plan gives P (NIXL and our connector both default to 30 s)."""
-    plan = plan_deployment(load_topology(dep.topology))
+    plan = build_deployment(load_topology(dep.topology))
     engine = next(e for e in plan.engines if e.instance.role == "prefill")
     config = json.loads(engine.argv[engine.argv.index("--kv-transfer-config") + 1])
     extra = config.get("kv_connector_extra_config") or {}

@@ -24,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.engines.vllm import served_model_name
 from disagg.launch.state import load_state, run_path
 from disagg.prompts import exact_prompt, load_tokenizer
@@ -81,7 +81,7 @@ def main() -> int:
     args = parser.parse_args()
 
     topo = load_topology(args.topology)
-    dep = plan_deployment(topo)
+    dep = build_deployment(topo)
     if topo.colocated:
         parser.error("needs a disaggregated topology (prefill + decode)")
     started = time.perf_counter()

@@ -74,7 +74,7 @@ def python_for(host: HostSpec) -> str:
     return "python3" if host.is_remote else sys.executable
 
 
-def plan_deployment(topo: Topology) -> Deployment:
+def build_deployment(topo: Topology) -> Deployment:
     """Resolve every instance of ``topo`` into an :class:`EngineLaunch`."""
     adapter = engine_adapter(topo.engine)
     engines = []

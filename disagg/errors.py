@@ -44,8 +44,12 @@ class TopologyError(DisaggError):
         super().__init__(prefix + message)
 
 
+class DeploymentError(DisaggError):
+    """A topology is well formed but cannot be turned into engine commands (``build_deployment``)."""
+
+
 class PlanError(DisaggError):
-    """A topology is well formed but cannot be turned into engine commands."""
+    """``disagg plan`` cannot price a topology (a link or device it knows no figures for)."""
 
 
 class ModelError(DisaggError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, cast
 
-from disagg.errors import PlanError
+from disagg.errors import DeploymentError
 
 if TYPE_CHECKING:
     from disagg.engines.base import EngineAdapter
@@ -31,7 +31,7 @@ def _load(table: dict[str, str], name: str, what: str) -> object:
     try:
         target = table[name]
     except KeyError:
-        raise PlanError(f"{what} {name!r} is not supported yet; supported: {', '.join(table)}") from None
+        raise DeploymentError(f"{what} {name!r} is not supported yet; supported: {', '.join(table)}") from None
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)()
 

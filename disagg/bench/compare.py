@@ -27,7 +27,7 @@ from disagg.bench.report import write_json, write_report
 from disagg.bench.runner import BenchResult, Step, Target, run_sweep
 from disagg.bench.slo import NO_SLO, SLO
 from disagg.bench.workload import Workload
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.engines.vllm import served_model_name
 from disagg.errors import DisaggError, LaunchError
 from disagg.measurements import store_prefill
@@ -66,7 +66,7 @@ class TopologyUnderTest:
     @classmethod
     def load(cls, file: Path) -> TopologyUnderTest:
         """Parse and plan ``file`` (no I/O besides reading it)."""
-        dep = plan_deployment(load_topology(file))
+        dep = build_deployment(load_topology(file))
         topo = dep.topology
         prefill: dict[str, tuple[str, str, str]] = {}
         for eng in dep.engines:

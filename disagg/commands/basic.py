@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from disagg.deployment import Deployment, plan_deployment
+from disagg.deployment import Deployment, build_deployment
 from disagg.emulation import emulated_link, prefill_host
 from disagg.errors import DisaggError
 from disagg.launch.frontend import frontend_argv
@@ -36,7 +36,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         if index:
             print()
         try:
-            print(describe(plan_deployment(load_topology(path))))
+            print(describe(build_deployment(load_topology(path))))
         except DisaggError as exc:
             if len(args.topologies) == 1:
                 raise

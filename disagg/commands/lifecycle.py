@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.launch import processes
 from disagg.launch.health import http_status
 from disagg.launch.launcher import Launcher, resolve_state, stop_run
@@ -102,7 +102,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.detach and args.supervisor_fd is None:
         return detach(args)
     topo = load_topology(args.topology, run_dir=args.run_dir)
-    launcher = Launcher(plan_deployment(topo), echo=_echo)
+    launcher = Launcher(build_deployment(topo), echo=_echo)
     signals = _Signals(launcher)
     with _handling(signals):
         try:

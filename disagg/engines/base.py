@@ -1,7 +1,7 @@
 """The engine adapter interface: how one engine family is started for a role.
 
 An adapter turns (topology, instance) into the exact argv and environment of
-one stock engine process. ``disagg.deployment.plan_deployment`` calls
+one stock engine process. ``disagg.deployment.build_deployment`` calls
 ``argv``/``env`` once per instance while building the plan that ``check``
 prints and ``up`` runs; adapters are pure (no I/O, no process start) so the
 plan can be printed, tested and sent over SSH unchanged.

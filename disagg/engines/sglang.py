@@ -14,7 +14,7 @@ Connector -> ``--disaggregation-transfer-backend``:
   such as ``mlx5_0``).
 - ``connector: nixl`` -> ``nixl`` (UCX). TCP-only links pin ``UCX_TLS`` to
   TCP as for vLLM; on ``roce`` the HCA goes to ``--disaggregation-ib-device``.
-- ``lmcache`` and ``socket`` are vLLM connectors: a :class:`PlanError`.
+- ``lmcache`` and ``socket`` are vLLM connectors: a :class:`DeploymentError`.
 
 Engine key: SGLang engines are not guarded. SGLang's ``--api-key`` would
 guard every route but ``/health*`` and ``/metrics*``, but it is read only from
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from disagg.engines.base import EngineAdapter
 from disagg.engines.vllm import served_model_name
-from disagg.errors import PlanError
+from disagg.errors import DeploymentError
 from disagg.kv.ucx import ucx_env
 from disagg.topology import HostSpec, InstanceSpec, Topology
 
@@ -47,7 +47,7 @@ def transfer_backend(topo: Topology) -> str:
     try:
         return TRANSFER_BACKENDS[topo.connector]
     except KeyError:
-        raise PlanError(f"{topo.file}: connector {topo.connector!r} does not work with engine sglang; "
+        raise DeploymentError(f"{topo.file}: connector {topo.connector!r} does not work with engine sglang; "
                         f"use one of {', '.join(TRANSFER_BACKENDS)}") from None
 
 
@@ -82,7 +82,7 @@ class SglangEngine(EngineAdapter):
                      "--disaggregation-transfer-backend", transfer_backend(topo)]
             if inst.role == "prefill":
                 if inst.kv_port is None:  # the topology assigns one to every prefill instance
-                    raise PlanError(f"{topo.file}: {inst.name} has no kv_port for its bootstrap server")
+                    raise DeploymentError(f"{topo.file}: {inst.name} has no kv_port for its bootstrap server")
                 argv += ["--disaggregation-bootstrap-port", str(inst.kv_port)]
             if topo.link.type == "roce" and topo.link.interface:
                 argv += ["--disaggregation-ib-device", topo.link.interface]

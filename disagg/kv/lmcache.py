@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from disagg.errors import PlanError
+from disagg.errors import DeploymentError
 from disagg.kv.base import VllmKVAdapter, kv_role
 from disagg.kv.ucx import ucx_env
 from disagg.paths import host_run_dir
@@ -50,7 +50,7 @@ def tp_size(inst: InstanceSpec, file: str = "") -> int:
     if given is None:
         return 1
     if not given.isdigit() or int(given) < 1:
-        raise PlanError(f"{file or 'topology'}: roles.{inst.name}.args: --tensor-parallel-size must be a "
+        raise DeploymentError(f"{file or 'topology'}: roles.{inst.name}.args: --tensor-parallel-size must be a "
                         f"positive integer, got {given!r}")
     return int(given)
 
@@ -71,7 +71,7 @@ class ReceiverPorts:
 def receiver_ports(topo: Topology, inst: InstanceSpec) -> ReceiverPorts:
     """The receiver ports of a decode instance (from its ``kv_port``)."""
     if inst.kv_port is None:
-        raise PlanError(f"{topo.file}: {inst.name} has no kv_port for its LMCache receiver")
+        raise DeploymentError(f"{topo.file}: {inst.name} has no kv_port for its LMCache receiver")
     tp = tp_size(inst, topo.file)
     return ReceiverPorts(host=topo.hosts[inst.host].address,
                          init=tuple(inst.kv_port + r for r in range(tp)),
@@ -90,13 +90,13 @@ def notify_host(topo: Topology) -> str:
         return host
     if all(not h.is_remote for h in topo.hosts.values()):
         return "127.0.0.1"
-    raise PlanError(f"{topo.file}: proxy.host is {host!r}, but with connector lmcache the prefill hosts send "
+    raise DeploymentError(f"{topo.file}: proxy.host is {host!r}, but with connector lmcache the prefill hosts send "
                     f"'KV sent' notices to the proxy at proxy.host:{notify_port(topo)}; set proxy.host to "
                     "this machine's address on the link")
 
 
 def check_ports(topo: Topology) -> None:
-    """Raise :class:`PlanError` if an LMCache port clashes with any other port of the topology."""
+    """Raise :class:`DeploymentError` if an LMCache port clashes with any other port of the topology."""
     taken = {(address, port): where for address, port, where in iter_ports(topo)}
     extra: list[tuple[str, int, str]] = [(topo.proxy.host, notify_port(topo), "proxy notification port")]
     for inst in topo.role("decode"):
@@ -105,12 +105,12 @@ def check_ports(topo: Topology) -> None:
     for address, port, what in extra:
         for (other_addr, other_port), where in taken.items():
             if port == other_port and same_place(address, other_addr):
-                raise PlanError(f"{topo.file}: {what} {address}:{port} clashes with {where}; "
+                raise DeploymentError(f"{topo.file}: {what} {address}:{port} clashes with {where}; "
                                 "change the ports (connector lmcache uses kv_port..kv_port+2*TP-1 on decode "
                                 "and proxy.port+1 on the proxy)")
         taken[(address, port)] = what
         if not 0 < port < 65536:
-            raise PlanError(f"{topo.file}: {what} {port} is out of range")
+            raise DeploymentError(f"{topo.file}: {what} {port} is out of range")
 
 
 def hash_seed(topo: Topology) -> str:
@@ -120,7 +120,7 @@ def hash_seed(topo: Topology) -> str:
         if inst.role != "both" and (seed := dict(inst.env).get("PYTHONHASHSEED")) is not None:
             seeds.add(seed)
     if len(seeds) > 1:
-        raise PlanError(f"{topo.file}: instances set different PYTHONHASHSEED values ({', '.join(sorted(seeds))}"
+        raise DeploymentError(f"{topo.file}: instances set different PYTHONHASHSEED values ({', '.join(sorted(seeds))}"
                         "); LMCache needs one seed on prefill and decode")
     return seeds.pop() if seeds else DEFAULT_HASH_SEED
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from disagg.errors import PlanError
+from disagg.errors import DeploymentError
 from disagg.kv.base import VllmKVAdapter, kv_role
 from disagg.topology import HostSpec, InstanceSpec, Topology
 
@@ -45,7 +45,7 @@ def prefill_peers(topo: Topology) -> list[str]:
     peers = []
     for inst in topo.role("prefill"):
         if inst.kv_port is None:
-            raise PlanError(f"{inst.name} (line {inst.line}): the socket connector needs a kv_port")
+            raise DeploymentError(f"{inst.name} (line {inst.line}): the socket connector needs a kv_port")
         peer = format_peer(topo.host_of(inst).address, inst.kv_port)
         if peer not in peers:
             peers.append(peer)
@@ -67,7 +67,7 @@ class SocketVllmAdapter(VllmKVAdapter):
         }
         if inst.role == "prefill":
             if inst.kv_port is None:
-                raise PlanError(f"{inst.name} (line {inst.line}): the socket connector needs a kv_port")
+                raise DeploymentError(f"{inst.name} (line {inst.line}): the socket connector needs a kv_port")
             extra.update(host=host.address, port=inst.kv_port)
         else:
             # A failed fetch makes the decode engine prefill locally instead of

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from disagg.deployment import Deployment
-from disagg.errors import DisaggError, PlanError
+from disagg.errors import DeploymentError, DisaggError
 from disagg.kv.lmcache import proxy_options
 from disagg.planning import route_seeds
 from disagg.proxy.config import DEFAULT_MAX_CONCURRENCY, ProxyConfig, ProxyTimeouts, RoutingConfig
@@ -114,13 +114,13 @@ def router_argv(dep: Deployment, python: str | None = None) -> list[str]:
     topo = dep.topology
     kind = topo.proxy.kind
     if ROUTER_ENGINES[kind] != topo.engine:
-        raise PlanError(f"{topo.file}: proxy.kind {kind} routes engine {ROUTER_ENGINES[kind]}, "
+        raise DeploymentError(f"{topo.file}: proxy.kind {kind} routes engine {ROUTER_ENGINES[kind]}, "
                         f"but the topology's engine is {topo.engine}")
     if kind == "vllm-router" and not topo.colocated and topo.connector != "nixl":
-        raise PlanError(f"{topo.file}: proxy.kind vllm-router speaks vLLM's NIXL handoff; "
+        raise DeploymentError(f"{topo.file}: proxy.kind vllm-router speaks vLLM's NIXL handoff; "
                         f"connector {topo.connector} needs proxy.kind builtin")
     if topo.proxy.api_key:
-        raise PlanError(f"{topo.file}: proxy.api_key is enforced by the builtin proxy only; "
+        raise DeploymentError(f"{topo.file}: proxy.api_key is enforced by the builtin proxy only; "
                         f"remove it or use proxy.kind builtin instead of {kind}")
     argv = [python or sys.executable, "-m", ROUTER_MODULES[kind],
             "--host", topo.proxy.host, "--port", str(topo.proxy.port)]

@@ -128,6 +128,7 @@ class _Pending:
 @dataclass
 class _Engine:
     fit: EwFit
+    seed_rate: float
     pending: list[_Pending] = field(default_factory=list)
 
 
@@ -150,7 +151,7 @@ class Measurements:
         eng = self._engines.get(url)
         if eng is None:
             rate = self._seed.get(role, self._seed["prefill"])
-            eng = self._engines[url] = _Engine(EwFit(self._overhead, rate, SEED_TOKENS, self._decay))
+            eng = self._engines[url] = _Engine(EwFit(self._overhead, rate, SEED_TOKENS, self._decay), rate)
         return eng
 
     def queued_tokens(self, role: str, url: str, now: float | None = None) -> float:
@@ -165,17 +166,21 @@ class Measurements:
     def engine_cost(self, role: str, url: str, outstanding: int) -> EngineCost:
         """The engine's prefill line and load, for the predictor (``outstanding``: its requests in flight).
 
-        An engine with fewer than :data:`SEED_SAMPLES` samples of its own takes the per-request
-        overhead measured on the engines that have them (HTTP, scheduling, a first step: alike
-        across the engines of one deployment), so that one engine's measured overhead is never
-        compared with another's optimistic seed.
+        An engine with fewer than :data:`SEED_SAMPLES` samples of its own is judged by the
+        engines that have them: their mean per-request overhead (HTTP, scheduling, a first step:
+        alike across the engines of one deployment), and its seed rate scaled by how far their
+        measured rates fell from their own seeds (the seeds' ratios between hosts are kept, their
+        scale is what was measured: a spec-sheet estimate may be far off for every host alike).
+        So one engine's measurement is never compared with another's optimistic seed.
         """
         eng = self._engine(role, url)
         overhead, rate = eng.fit.coefficients()
         if eng.fit.samples < SEED_SAMPLES:
-            known = [e.fit.coefficients()[0] for e in self._engines.values() if e.fit.samples >= SEED_SAMPLES]
+            known = [(e.fit.coefficients(), e.seed_rate) for e in self._engines.values()
+                     if e.fit.samples >= SEED_SAMPLES]
             if known:
-                overhead = sum(known) / len(known)
+                overhead = sum(c[0] for c, _ in known) / len(known)
+                rate = eng.seed_rate * sum(c[1] / seed for c, seed in known) / len(known)
         queued = self.queued_tokens(role, url)
         waiting = len(self._engines[url].pending)
         return EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued,

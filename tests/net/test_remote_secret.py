@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.launch import processes
 from disagg.launch.launcher import Launcher
 from disagg.launch.state import ProcessRecord
@@ -98,7 +98,7 @@ def test_the_engine_key_travels_on_stdin_to_a_remote_engine(tmp_path: Path, monk
               prefill: [{{host: far, port: 8100}}]
               decode: [{{host: near, port: 8200}}]
             """))
-        dep = plan_deployment(load_topology(topo, run_dir=str(tmp_path / "run")))
+        dep = build_deployment(load_topology(topo, run_dir=str(tmp_path / "run")))
         launcher = Launcher(dep, echo=lambda _: None)
         key = launcher.engine_key
         assert key

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from disagg.cli import main
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.emulation import link_tag
 from disagg.launch import processes
 from disagg.launch.launcher import Launcher
@@ -139,7 +139,7 @@ def test_stale_state_goes_with_its_network_namespace(tmp_path: Path) -> None:
                     "link: {type: emulated, rate: 1gbit}\n"
                     "hosts: {p: {address: 198.18.200.1}, d: {address: 198.18.200.2}}\n"
                     "roles: {prefill: [{host: p, port: 8100}], decode: [{host: d, port: 8200}]}\n")
-    dep = plan_deployment(load_topology(topo, run_dir=str(tmp_path / "run")))
+    dep = build_deployment(load_topology(topo, run_dir=str(tmp_path / "run")))
     namespace = f"disagg-{link_tag(dep.topology)}-a"
     subprocess.run(["ip", "netns", "add", namespace], check=True)
     try:

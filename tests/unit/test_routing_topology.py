@@ -8,7 +8,7 @@ import pytest
 
 from disagg.cli import build_parser
 from disagg.commands.proxy import config_from_args
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.errors import TopologyError
 from disagg.launch.frontend import proxy_config
 from disagg.planning import plan_topology, route_seeds
@@ -35,7 +35,7 @@ def test_policy_defaults_to_auto_and_is_checked() -> None:
 @pytest.mark.parametrize("connector", ["nixl", "socket"])
 def test_auto_hands_the_plan_figures_to_the_proxy(connector: str) -> None:
     topo = topology(connector=connector)
-    config = proxy_config(plan_deployment(topo))
+    config = proxy_config(build_deployment(topo))
     seeds, plan = route_seeds(topo), plan_topology(topo, [], 0)
     r = config.routing
     assert (r.policy, r.whole) == ("auto", True)
@@ -50,9 +50,9 @@ def test_auto_hands_the_plan_figures_to_the_proxy(connector: str) -> None:
 
 
 def test_split_and_local_carry_no_seeds_and_split_adds_no_options() -> None:
-    split = proxy_config(plan_deployment(topology("routing: {policy: split}\n")))
+    split = proxy_config(build_deployment(topology("routing: {policy: split}\n")))
     assert split.routing.policy == "split" and "--routing-policy" not in split.to_argv()
-    local = proxy_config(plan_deployment(topology("routing: {policy: local}\n")))
+    local = proxy_config(build_deployment(topology("routing: {policy: local}\n")))
     argv = local.to_argv()
     assert argv[argv.index("--routing-policy") + 1] == "local"
     assert config_from_args(build_parser().parse_args(argv)).routing.policy == "local"

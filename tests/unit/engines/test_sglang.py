@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from disagg.deployment import EngineLaunch, plan_deployment
-from disagg.errors import PlanError
+from disagg.deployment import EngineLaunch, build_deployment
+from disagg.errors import DeploymentError
 from disagg.topology import parse_topology
 
 BASE = """\
@@ -32,7 +32,7 @@ def plan(connector: str = "mooncake", link: str = "{type: ethernet, rate: 10gbit
          text: str = BASE) -> dict[str, EngineLaunch]:
     topo = parse_topology(textwrap.dedent(text).replace("CONNECTOR", connector).replace("LINK", link),
                           "t.yaml", run_dir="/tmp/run")
-    return {e.name: e for e in plan_deployment(topo).engines}
+    return {e.name: e for e in build_deployment(topo).engines}
 
 
 def flag(eng: EngineLaunch, name: str) -> str | None:
@@ -75,7 +75,7 @@ def test_nixl_backend_pins_ucx_to_tcp_with_cuda_copies() -> None:
 
 @pytest.mark.parametrize("connector", ["lmcache", "socket"])
 def test_vllm_only_connectors_are_refused(connector: str) -> None:
-    with pytest.raises(PlanError, match=f"connector '{connector}' does not work with engine sglang"):
+    with pytest.raises(DeploymentError, match=f"connector '{connector}' does not work with engine sglang"):
         plan(connector=connector)
 
 

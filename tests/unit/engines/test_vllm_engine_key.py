@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.engines.vllm import GUARD_MIDDLEWARE, KEY_ENV, VllmEngine
 from disagg.topology import parse_topology
 
@@ -29,7 +29,7 @@ roles:
 
 
 def plan(kind: str = "builtin", text: str = TOPOLOGY):
-    return plan_deployment(parse_topology(textwrap.dedent(text).replace("KIND", kind), "t.yaml", run_dir="/tmp/r"))
+    return build_deployment(parse_topology(textwrap.dedent(text).replace("KIND", kind), "t.yaml", run_dir="/tmp/r"))
 
 
 def middleware_of(argv: tuple[str, ...]) -> list[str]:

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 import yaml
 
-from disagg.deployment import EngineLaunch, plan_deployment
-from disagg.errors import PlanError
+from disagg.deployment import EngineLaunch, build_deployment
+from disagg.errors import DeploymentError
 from disagg.kv.lmcache import proxy_options
 from disagg.launch.frontend import builtin_argv
 from disagg.topology import parse_topology
@@ -38,7 +38,7 @@ def topo(proxy: str = "10.0.0.9", text: str = BASE):
 
 
 def engines(proxy: str = "10.0.0.9", text: str = BASE) -> dict[str, EngineLaunch]:
-    return {e.name: e for e in plan_deployment(topo(proxy, text)).engines}
+    return {e.name: e for e in build_deployment(topo(proxy, text)).engines}
 
 
 def kv_config(eng: EngineLaunch) -> dict:
@@ -86,31 +86,31 @@ def test_one_seed_set_on_one_instance_goes_to_both() -> None:
 def test_different_hash_seeds_are_refused() -> None:
     text = BASE.replace("gpus: [0]}", "gpus: [0], env: {PYTHONHASHSEED: '1'}}", 1)
     text = text.replace('args: [--tensor', "env: {PYTHONHASHSEED: '2'}, args: [--tensor")
-    with pytest.raises(PlanError, match="different PYTHONHASHSEED"):
+    with pytest.raises(DeploymentError, match="different PYTHONHASHSEED"):
         engines(text=text)
 
 
 def test_receiver_port_clash_is_refused() -> None:
     text = BASE.replace("port: 8200, kv_port: 7300", "port: 7302, kv_port: 7300")
-    with pytest.raises(PlanError, match=r"LMCache receiver port 10\.0\.0\.2:7302 clashes with roles\.decode"):
+    with pytest.raises(DeploymentError, match=r"LMCache receiver port 10\.0\.0\.2:7302 clashes with roles\.decode"):
         engines(text=text)
 
 
 def test_notification_port_clash_is_refused() -> None:
     text = BASE.replace("{host: p, port: 8100,", "{host: p, port: 8001,")
-    with pytest.raises(PlanError, match="proxy notification port"):
+    with pytest.raises(DeploymentError, match="proxy notification port"):
         engines(proxy="0.0.0.0", text=text.replace("ssh: me@d, workdir: /srv/disagg", "ssh: me@d"))
 
 
 def test_wildcard_proxy_with_remote_hosts_needs_an_address() -> None:
-    with pytest.raises(PlanError, match=r"set proxy\.host to this machine's address"):
+    with pytest.raises(DeploymentError, match=r"set proxy\.host to this machine's address"):
         engines(proxy="0.0.0.0")
 
 
 def test_proxy_gets_receivers_and_notify_options() -> None:
     t = topo()
     assert proxy_options(t) == (("receivers", "10.0.0.2:7300/7301:7302/7303"), ("notify", "10.0.0.9:8001"))
-    argv = builtin_argv(plan_deployment(t))
+    argv = builtin_argv(build_deployment(t))
     assert argv[argv.index("--engine") + 1] == "vllm-lmcache"
     assert "receivers=10.0.0.2:7300/7301:7302/7303" in argv and "notify=10.0.0.9:8001" in argv
 
@@ -128,7 +128,7 @@ def test_yaml_loads_with_lmcaches_own_loader() -> None:
 
 @pytest.mark.parametrize("tp", ["two", "0", "-1"])
 def test_a_bad_tensor_parallel_size_is_a_plan_error_not_a_traceback(tp: str) -> None:
-    with pytest.raises(PlanError, match=rf"roles\.decode\[0\]\.args: --tensor-parallel-size must be a positive "
+    with pytest.raises(DeploymentError, match=rf"roles\.decode\[0\]\.args: --tensor-parallel-size must be a positive "
                                         rf"integer, got '{tp}'"):
         engines(text=BASE.replace('[--tensor-parallel-size, "2"]', f'["--tensor-parallel-size={tp}"]'))
 

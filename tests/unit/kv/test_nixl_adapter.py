@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.topology import parse_topology
 
 TEXT = """\
@@ -22,7 +22,7 @@ roles:
 
 def env_of(device: str, placement: str, role: str = "prefill") -> dict[str, str]:
     text = textwrap.dedent(TEXT).replace("DEVICE", device).replace("PLACEMENT", placement)
-    dep = plan_deployment(parse_topology(text, "t.yaml", run_dir="/tmp/run"))
+    dep = build_deployment(parse_topology(text, "t.yaml", run_dir="/tmp/run"))
     return dict(dep.role(role)[0].env)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import textwrap
 
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.kv.socket import SECRET_ENV, generate_secret
 from disagg.registry import vllm_kv_adapter
 from disagg.topology import parse_topology
@@ -28,7 +28,7 @@ roles:
 
 def plan():
     topo = parse_topology(textwrap.dedent(TOPO), "topo.yaml", run_dir="/tmp/run")
-    return {e.instance.role: e for e in plan_deployment(topo).engines}
+    return {e.instance.role: e for e in build_deployment(topo).engines}
 
 
 def kv_config(launch) -> dict:
@@ -88,7 +88,7 @@ def test_every_decode_instance_may_fetch_from_every_prefill_listener() -> None:
     from disagg_connectors.socket_connector.config import SocketSettings
 
     topo = parse_topology(TWO_PREFILL, "topo.yaml", run_dir="/tmp/run")
-    launches = plan_deployment(topo).engines
+    launches = build_deployment(topo).engines
     prefill = [e for e in launches if e.instance.role == "prefill"]
     decode = [e for e in launches if e.instance.role == "decode"]
     listeners = [(kv_config(e)["kv_connector_extra_config"]["host"], kv_config(e)["kv_connector_extra_config"]["port"])

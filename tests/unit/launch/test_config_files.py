@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.launch.launcher import Launcher
 from disagg.topology import parse_topology
 
@@ -24,7 +24,7 @@ def test_lmcache_yaml_is_written_where_the_env_points(tmp_path: Path) -> None:
       decode: [{host: h, port: 8200, kv_port: 7300}]
     """
     topo = parse_topology(textwrap.dedent(text), str(tmp_path / "lm.yaml"), run_dir=str(tmp_path / "run"))
-    dep = plan_deployment(topo)
+    dep = build_deployment(topo)
     launcher = Launcher(dep, echo=lambda line: None)
     for eng in dep.engines:
         launcher._write_files(eng)
@@ -54,7 +54,7 @@ def test_remote_files_go_over_ssh_as_one_shell_command(tmp_path: Path, monkeypat
       decode: [{{host: d, port: 8200, kv_port: 7300}}]
     """
     topo = parse_topology(textwrap.dedent(text), str(tmp_path / "lm.yaml"), run_dir=str(tmp_path / "run"))
-    dep = plan_deployment(topo)
+    dep = build_deployment(topo)
     sent: list[tuple[list[str], str]] = []
     monkeypatch.setattr(processes, "run_remote", lambda prefix, cmd, **kw: sent.append((prefix, cmd)) or "")
     eng = dep.role("prefill")[0]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.engines.vllm import GUARD_MIDDLEWARE
 from disagg.errors import LaunchError
 from disagg.launch import launcher as launcher_mod
@@ -41,7 +41,7 @@ def _topology(tmp_path: Path, *, engine: str = "vllm", kind: str = "builtin", re
 
 
 def _launcher(path: Path, tmp_path: Path, lines: list[str] | None = None) -> Launcher:
-    dep = plan_deployment(load_topology(path, run_dir=str(tmp_path / "run")))
+    dep = build_deployment(load_topology(path, run_dir=str(tmp_path / "run")))
     return Launcher(dep, echo=(lines.append if lines is not None else lambda _: None), poll_interval=0.01)
 
 

@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from disagg.deployment import plan_deployment
-from disagg.errors import PlanError, TopologyError
+from disagg.deployment import build_deployment
+from disagg.errors import DeploymentError, TopologyError
 from disagg.launch.frontend import frontend_argv, proxy_config
 from disagg.topology import parse_topology
 
@@ -29,7 +29,7 @@ roles:
 def argv(kind: str = "builtin", engine: str = "vllm", connector: str = "nixl", text: str = TEXT) -> list[str]:
     topo = parse_topology(textwrap.dedent(text).replace("ENGINE", engine).replace("CONNECTOR", connector)
                           .replace("KIND", kind), "t.yaml", run_dir="/tmp/run")
-    return frontend_argv(plan_deployment(topo))
+    return frontend_argv(build_deployment(topo))
 
 
 def test_builtin_vllm_has_no_handoff_options() -> None:
@@ -53,7 +53,7 @@ def test_builtin_argv_rebuilds_the_topologys_proxy_config_without_the_api_key(
     text = TEXT.replace("kind: KIND}", "kind: builtin, api_key: s3cret}")
     topo = parse_topology(text.replace("ENGINE", "sglang").replace("CONNECTOR", "mooncake"), "t.yaml",
                           run_dir="/tmp/run")
-    dep = plan_deployment(topo)
+    dep = build_deployment(topo)
     a = frontend_argv(dep)
     assert "s3cret" not in a and "--api-key" not in a
     monkeypatch.setenv(API_KEY_ENV, "s3cret")  # what the launcher puts in the proxy's environment
@@ -76,9 +76,9 @@ def test_sglang_router_pd_flags_carry_bootstrap_ports() -> None:
 
 
 def test_router_for_the_other_engine_is_refused() -> None:
-    with pytest.raises(PlanError, match=r"proxy\.kind sglang-router routes engine sglang"):
+    with pytest.raises(DeploymentError, match=r"proxy\.kind sglang-router routes engine sglang"):
         argv(kind="sglang-router")
-    with pytest.raises(PlanError, match=r"connector lmcache needs proxy\.kind builtin"):
+    with pytest.raises(DeploymentError, match=r"connector lmcache needs proxy\.kind builtin"):
         argv(kind="vllm-router", connector="lmcache")
 
 
@@ -110,7 +110,7 @@ roles:
   prefill: [{host: a, port: 8100}, {host: a, port: 8101}]
   decode: [{host: a, port: 8200}]
 """
-    cfg = proxy_config(plan_deployment(parse_topology(text, "t.yaml")))
+    cfg = proxy_config(build_deployment(parse_topology(text, "t.yaml")))
     assert cfg.prefill == ("http://127.0.0.1:8100", "http://127.0.0.1:8101")
     assert cfg.decode == ("http://127.0.0.1:8200",)
     assert (cfg.port, cfg.fallback, cfg.api_key, cfg.timeouts.request) == (8010, "never", "k", 30)
@@ -120,7 +120,7 @@ roles:
 def test_every_proxy_wait_comes_from_the_topologys_timeouts() -> None:
     text = TEXT.replace("ENGINE", "vllm").replace("CONNECTOR", "nixl").replace("KIND", "builtin") + (
         "timeouts: {connect: 3, request: 30, health_interval: 0.5, health_timeout: 1.5, drain: 4}\n")
-    cfg = proxy_config(plan_deployment(parse_topology(text, "t.yaml", run_dir="/tmp/run")))
+    cfg = proxy_config(build_deployment(parse_topology(text, "t.yaml", run_dir="/tmp/run")))
     t = cfg.timeouts
     assert (t.connect, t.request, t.health_interval, t.health_timeout, t.drain) == (3, 30, 0.5, 1.5, 4)
     a = cfg.to_argv(with_api_key=False)

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from disagg.cli import main
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.launch import launcher as launcher_mod
 from disagg.launch import processes
 from disagg.launch.launcher import Launcher
@@ -212,7 +212,7 @@ def test_a_second_up_of_the_same_topology_is_refused(tmp_path: Path, capsys: pyt
 def test_the_lock_is_held_for_the_launchers_life_and_not_inherited(tmp_path: Path, trees: _Trees,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launcher_mod, "http_status", lambda url, timeout=2.0: 200)
-    launcher = Launcher(plan_deployment(load_topology(_topology(tmp_path), run_dir=str(tmp_path / "run"))),
+    launcher = Launcher(build_deployment(load_topology(_topology(tmp_path), run_dir=str(tmp_path / "run"))),
                         echo=lambda _: None, poll_interval=0.01)
     launcher.up()
     try:
@@ -255,7 +255,7 @@ def test_stale_state_is_removed_with_its_network_namespace(tmp_path: Path, monke
                      started_at=1.0, up_pid=1, processes=[dead], namespaces=["disagg-e1234567-a"])
     save_state(state)
     lines: list[str] = []
-    launcher = Launcher(plan_deployment(load_topology(_topology(tmp_path), run_dir=str(tmp_path / "run"))),
+    launcher = Launcher(build_deployment(load_topology(_topology(tmp_path), run_dir=str(tmp_path / "run"))),
                         echo=lines.append)
     launcher._refuse_if_running()
     assert removed == ["disagg-e1234567-a"]
@@ -271,7 +271,7 @@ def test_a_state_on_an_unreachable_host_refuses_up(tmp_path: Path, monkeypatch: 
                         url="http://x", log="l", pid=4242, ssh=UNREACHABLE_SSH)
     save_state(RunState(topology="/t.yaml", name="t", run_dir=str(tmp_path / "run"), proxy_url="http://x",
                         started_at=1.0, up_pid=1, processes=[far]))
-    launcher = Launcher(plan_deployment(load_topology(_topology(tmp_path), run_dir=str(tmp_path / "run"))),
+    launcher = Launcher(build_deployment(load_topology(_topology(tmp_path), run_dir=str(tmp_path / "run"))),
                         echo=lambda _: None)
     with pytest.raises(launcher_mod.LaunchError) as info:
         launcher._refuse_if_running()

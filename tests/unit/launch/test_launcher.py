@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from disagg.cli import main
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.launch.launcher import Launcher
 from disagg.launch.processes import start_local, stop_local
 from disagg.launch.state import ProcessRecord, RunState, find_states, load_state, save_state
@@ -102,7 +102,7 @@ def _launcher(tmp_path: Path, extra: str) -> Launcher:
         model: disagg:tiny
         hosts: {a: {address: 127.0.0.1}, b: {address: 127.0.0.2}}
         """) + textwrap.dedent(extra))
-    return Launcher(plan_deployment(load_topology(path, run_dir=str(tmp_path))), echo=lambda _: None)
+    return Launcher(build_deployment(load_topology(path, run_dir=str(tmp_path))), echo=lambda _: None)
 
 
 def test_proxy_command_for_disaggregated(tmp_path: Path) -> None:

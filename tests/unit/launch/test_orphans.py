@@ -193,7 +193,7 @@ def test_supervise_sweeps_what_a_dead_engine_left_and_keeps_serving(tmp_path: Pa
     its group is stopped at once (not at `down`), and serving goes on."""
     import textwrap
 
-    from disagg.deployment import plan_deployment
+    from disagg.deployment import build_deployment
     from disagg.launch.launcher import Launcher
     from disagg.topology import load_topology
 
@@ -205,7 +205,7 @@ def test_supervise_sweeps_what_a_dead_engine_left_and_keeps_serving(tmp_path: Pa
         restart: {policy: "no"}
         """))
     lines: list[str] = []
-    launcher = Launcher(plan_deployment(load_topology(path, run_dir=str(tmp_path / "run"))), echo=lines.append,
+    launcher = Launcher(build_deployment(load_topology(path, run_dir=str(tmp_path / "run"))), echo=lines.append,
                         poll_interval=0.05)
     trees = {}
     for name in ("prefill[0]", "decode[0]", "proxy"):

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from disagg.cli import main
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.launch import processes
 from disagg.launch.launcher import Launcher
 from disagg.launch.state import ProcessRecord, load_state
@@ -126,7 +126,7 @@ def _launcher(tmp_path: Path, restart: str) -> Launcher:
         timeouts: {{startup: 30, shutdown_grace: 2}}
         restart: {restart}
         """))
-    launcher = Launcher(plan_deployment(load_topology(path, run_dir=str(tmp_path / "run"))), poll_interval=0.05)
+    launcher = Launcher(build_deployment(load_topology(path, run_dir=str(tmp_path / "run"))), poll_interval=0.05)
     launcher.lines = []  # type: ignore[attr-defined]
     launcher.echo = launcher.lines.append  # type: ignore[attr-defined]
     return launcher
