@@ -1,0 +1,142 @@
+"""Routing policy ``auto`` (the default) on real engines: the KV-heavy embedded model (32 KiB of KV
+per token) across an emulated 1 Gb/s link, socket connector, prefill in a network namespace, one
+core per engine.
+
+While the decode engine is decoding a long answer, a long prompt prefilled there would stall it
+for the whole prefill, while the link moves its KV in a fraction of that time (one core prefills
+this model at about 2 ms per token; the link moves a token's KV in 0.28 ms): the proxy splits
+it. A very short prompt would stall that decode for less than a handoff's fixed cost: the decode
+engine prefills it. At idle every prompt stays local (alike engines: a split never answers sooner).
+
+The proxy learns the decode engine's rate from the first token of streamed local prompts, and
+judges the not yet measured prefill engine by its seed scaled the way the decode engine's
+measurement fell from its own. The decisions are read from the proxy's metrics
+(``disagg_route_total``) and the ``X-Disagg-Route`` header, and each answer equals the one the
+decode engine gives alone.
+
+Starts engines of its own (sorts after test_emulated_link, before the modules that use the
+session's NIXL 1P1D), under the engine lock: never more than two engines on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from disagg.linkemu import netns_unavailable_reason
+from disagg.prompts import exact_prompt, load_tokenizer
+from disagg.promtext import sample_sum
+from disagg.topology import load_topology
+from tests.e2e.engines import ENGINE_ARGS, bring_up, free_ports, get_text, plain_answer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.netns,
+              pytest.mark.skipif(netns_unavailable_reason() is not None, reason=str(netns_unavailable_reason()))]
+
+
+def _routed(proxy: str, body: dict) -> tuple[str, str]:
+    """(X-Disagg-Route, the answer's text) of one streamed completion through the proxy (the proxy
+    learns an engine's prefill rate from the first token of streamed replies)."""
+    req = urllib.request.Request(proxy + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"content-type": "application/json"})
+    text = []
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        route = resp.headers["X-Disagg-Route"]
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                text += [c.get("text", "") for c in json.loads(line[6:]).get("choices") or []]
+    return route, "".join(text)
+
+
+def _count(metrics: str, path: str) -> float:
+    return sample_sum(metrics, "disagg_route_total", path=path, reason="predicted")
+
+
+class _LongDecode:
+    """A streamed completion through the proxy that keeps the decode engine decoding until closed."""
+
+    def __init__(self, proxy: str, body: dict) -> None:
+        self.first = threading.Event()
+        self.route = ""
+        self._stop = threading.Event()
+        req = urllib.request.Request(proxy + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"content-type": "application/json"})
+        self._resp = urllib.request.urlopen(req, timeout=600)
+        self.route = self._resp.headers["X-Disagg-Route"]
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for raw in self._resp:
+                if raw.startswith(b"data: {"):
+                    self.first.set()
+                if self._stop.is_set():
+                    break
+        except (OSError, ValueError, AttributeError):  # closed under the reader by close()
+            if not self._stop.is_set():
+                raise
+
+    def close(self) -> None:
+        """Stop reading and close the stream (the proxy aborts the decode)."""
+        self._stop.set()
+        self._resp.close()
+        self._thread.join(timeout=30)
+
+
+def test_short_prompts_stay_local_long_ones_split_while_decode_is_busy(engine_lock: None, tmp_path: Path) -> None:
+    proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
+    topo_path = tmp_path / "emu-routing.yaml"
+    topo_path.write_text(f"""\
+model: {{path: "disagg:tiny-kvheavy", max_model_len: 4096, served_name: m}}
+connector: socket
+link: {{type: emulated, rate: 1gbit}}
+proxy: {{host: 127.0.0.1, port: {proxy_port}}}
+hosts:
+  p: {{address: 198.18.31.1}}
+  d: {{address: 198.18.31.2}}
+roles:
+  prefill: [{{host: p, port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]
+  decode: [{{host: d, port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]
+""")
+    run = bring_up(topo_path, tmp_path / "run")
+    try:
+        topo = load_topology(topo_path, run_dir=str(tmp_path / "run"))
+        assert topo.routing.policy == "auto"
+        tok = load_tokenizer(Path(topo.model.path))
+        proxy, decode = run.proxy_url, run.engines["decode[0]"]
+
+        def body(tokens: int, tag: str, max_tokens: int = 4) -> dict:
+            return {"model": "m", "prompt": exact_prompt(tok, tokens, tag), "max_tokens": max_tokens,
+                    "temperature": 0}
+
+        # idle: the decode engine answers a prompt sooner than any split would; the proxy learns it
+        for i, n in enumerate((8, 256, 64, 384, 32)):
+            assert _routed(proxy, body(n, f"warm{i}"))[0] == "local"
+
+        busy = _LongDecode(proxy, {**body(8, "busy", max_tokens=4000), "ignore_eos": True})
+        assert busy.route == "local"
+        assert busy.first.wait(120), "the long decode never started"
+        before = get_text(proxy + "/metrics")
+        long_route, long_text = _routed(proxy, body(768, "long"))
+        middle = get_text(proxy + "/metrics")
+        short_route, short_text = _routed(proxy, body(2, "short"))
+        after = get_text(proxy + "/metrics")
+        busy.close()
+        # the long decode was still running on the decode engine when both prompts were answered
+        assert sample_sum(after, "disagg_proxy_backend_in_flight", role="decode") == 1
+
+        assert (long_route, short_route) == ("split", "local")
+        assert _count(middle, "split") - _count(before, "split") == 1
+        assert _count(after, "local") - _count(middle, "local") == 1
+        assert sample_sum(after, "disagg_route_predicted_ttft_seconds_count", path="split") >= 1
+        # whichever path, the answer is the decode engine's own
+        assert long_text == plain_answer(decode, body(768, "long"))
+        assert short_text == plain_answer(decode, body(2, "short"))
+    finally:
+        done = run.down()
+    assert done.returncode == 0, done.stderr
