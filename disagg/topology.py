@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from disagg.errors import TopologyError
+from disagg.serving import FALLBACKS, ROUTING_POLICIES
 from disagg.yamlsrc import Fields, Node, describe, load_yaml, node_int, parse_yaml
 
 ENGINES = ("vllm", "sglang")
@@ -27,11 +28,7 @@ ROLES = ("prefill", "decode", "both")
 #: the kinds of device a host runs engines on (the accelerator models for `plan` are disagg.hardware.DEVICES)
 DEVICE_KINDS = ("cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-FALLBACKS = ("local", "never")
 PROXY_KINDS = ("builtin", "vllm-router", "sglang-router")
-#: how the builtin proxy routes each prompt (docs/topology.md "routing"): ``auto`` predicts the
-#: fastest of split / local / whole per prompt, ``split`` always splits, ``local`` never does
-ROUTING_POLICIES = ("auto", "split", "local")
 EMBEDDED_MODEL_PREFIX = "disagg:"
 
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)\s*$", re.IGNORECASE)

@@ -12,12 +12,11 @@ from disagg.proxy.config import (
     API_KEY_ENV,
     DEFAULT_MAX_CONCURRENCY,
     ENGINE_KEY_ENV,
-    FALLBACKS,
-    ROUTING_POLICIES,
     ProxyConfig,
     ProxyTimeouts,
     RoutingConfig,
 )
+from disagg.serving import FALLBACKS, ROUTING_POLICIES
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

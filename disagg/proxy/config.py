@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from disagg.errors import ProxyError
-
-FALLBACKS = ("local", "never")
+from disagg.serving import FALLBACKS, ROUTING_POLICIES
 
 #: environment variable read when ``--api-key`` is not given (keeps the key out of ``ps``)
 API_KEY_ENV = "DISAGG_PROXY_API_KEY"
@@ -68,8 +67,6 @@ def normalize_url(url: str, what: str) -> str:
     return url.strip().rstrip("/")
 
 
-#: ``--routing-policy`` values (docs/topology.md "routing"; :mod:`disagg.proxy.policy`)
-ROUTING_POLICIES = ("auto", "split", "local")
 
 
 @dataclass(frozen=True)

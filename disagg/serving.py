@@ -1,0 +1,15 @@
+"""Names of the serving path that the topology file and the proxy's options both use.
+
+One owner for each: :mod:`disagg.topology` validates a file against these, and
+:mod:`disagg.proxy.config` its command-line options (the proxy reads no topology).
+"""
+
+from __future__ import annotations
+
+#: ``proxy.fallback`` / ``--fallback``: when prefill fails, decode serves alone (local) or the
+#: request fails with 503 (never)
+FALLBACKS = ("local", "never")
+
+#: ``routing.policy`` / ``--routing-policy``: ``auto`` predicts the fastest of split / local /
+#: whole per prompt (:mod:`disagg.routecost`), ``split`` always splits, ``local`` never does
+ROUTING_POLICIES = ("auto", "split", "local")
