@@ -21,7 +21,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from disagg.deployment import plan_deployment
+from disagg.deployment import build_deployment
 from disagg.enginecheck import EngineCheckError, check_lmcache, check_sglang, resolve_sglang
 from disagg.topology import load_topology
 
@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     status = 0
     for path in argv:
         topo = load_topology(path)
-        dep = plan_deployment(topo)
+        dep = build_deployment(topo)
         check, package = (check_sglang, "sglang") if topo.engine == "sglang" else (check_lmcache, "lmcache")
         if topo.engine == "vllm" and topo.connector != "lmcache":
             print(f"{path}: nothing to check (engine vllm, connector {topo.connector})")
