@@ -74,8 +74,8 @@ import psutil
 from disagg import topology
 from disagg.deployment import build_deployment
 from disagg.modelgen import build_model
+from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
-from disagg.promtext import sample_sum
 from disagg.topology import load_topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests.e2e

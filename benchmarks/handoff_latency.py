@@ -27,8 +27,8 @@ from pathlib import Path
 from disagg.deployment import build_deployment
 from disagg.engines.vllm import served_model_name
 from disagg.launch.state import load_state, run_path
+from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
-from disagg.promtext import sample_sum
 from disagg.topology import load_topology
 
 

@@ -29,8 +29,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from disagg.prometheus_text import sample_label, sample_sum
 from disagg.prompts import exact_prompt
-from disagg.promtext import sample_label, sample_sum
 from tests.e2e.engines import get_text
 
 COMPLETIONS = "/v1/completions"

@@ -18,7 +18,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 
-from disagg.promtext import sample_sum
+from disagg.prometheus_text import sample_sum
 from tests.e2e.engines import get_text
 
 #: a kv_transfer_params that would make a decode engine fetch from an address of the attacker's

@@ -12,7 +12,7 @@ import pytest
 
 from disagg.emulation import emulated_link
 from disagg.linkemu import netns_unavailable_reason
-from disagg.promtext import sample_sum as metric_value
+from disagg.prometheus_text import sample_sum as metric_value
 from disagg.topology import load_topology
 from tests.e2e.engines import ENGINE_ARGS, bring_up, free_ports, get_text, post_json
 

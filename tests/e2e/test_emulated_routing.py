@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 
 from disagg.linkemu import netns_unavailable_reason
+from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
-from disagg.promtext import sample_sum
 from disagg.topology import load_topology
 from tests.e2e.engines import ENGINE_ARGS, bring_up, free_ports, get_text, plain_answer
 

@@ -22,7 +22,7 @@ import urllib.request
 
 import pytest
 
-from disagg.promtext import sample_sum
+from disagg.prometheus_text import sample_sum
 from tests.e2e.engines import ENGINE_KEY, Running, get_text
 
 pytestmark = pytest.mark.e2e

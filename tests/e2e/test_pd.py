@@ -19,9 +19,9 @@ import psutil
 import pytest
 from tokenizers import Tokenizer
 
+from disagg.prometheus_text import sample_label as metric_label
+from disagg.prometheus_text import sample_sum as metric_value
 from disagg.prompts import exact_prompt
-from disagg.promtext import sample_label as metric_label
-from disagg.promtext import sample_sum as metric_value
 from tests.e2e.engines import Running, busy_ports, get_text, post_json
 
 pytestmark = pytest.mark.e2e

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.promtext import sample_sum
+from disagg.prometheus_text import sample_sum
 from tests.e2e.conformance import CASE_NAMES, Recorded, check_case
 from tests.e2e.engines import ENGINE_ARGS, Running, bring_up, engine_processes, free_ports, get_text, write_topology
 

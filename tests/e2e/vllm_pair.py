@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from disagg.promtext import sample_sum
+from disagg.prometheus_text import sample_sum
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from proxy_standin import read_events, wait_for
 
-from disagg.promtext import sample_sum
+from disagg.prometheus_text import sample_sum
 
 
 async def test_batch_gets_one_prefill_and_one_decode_per_prompt(standin, proxy, http) -> None:

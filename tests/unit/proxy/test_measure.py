@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from disagg.modelgen import build_model
+from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
-from disagg.promtext import sample_sum
 from disagg.proxy.backends import BackendPool
 from disagg.proxy.config import RoutingConfig
 from disagg.proxy.measure import EwFit, Measurements

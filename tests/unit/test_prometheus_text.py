@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from disagg.promtext import sample_label, sample_sum
+from disagg.prometheus_text import sample_label, sample_sum
 
 VLLM_TEXT = """\
 # HELP vllm:nixl_bytes_transferred Bytes moved per transfer
