@@ -32,7 +32,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill engine URLs")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL",
                    help="decode engine URLs (colocated servers when --prefill is absent)")
-    p.add_argument("--engine", default="vllm", help="engine family, selects the handoff (default: vllm)")
+    p.add_argument("--handoff", "--engine", dest="handoff", default="vllm",
+                   help="the KV handoff protocol between the engines: vllm (NIXL, the socket connector), "
+                        "sglang, vllm-lmcache (default vllm; --engine is its old name)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV} if set)")
     p.add_argument("--engine-key", default=None,
@@ -86,7 +88,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
                              health_interval=args.health_interval, health_timeout=args.health_timeout,
                              drain=args.drain_timeout)
     return ProxyConfig(decode=tuple(args.decode), prefill=tuple(args.prefill), host=args.host, port=args.port,
-                       engine=args.engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                       handoff=args.handoff, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                        engine_key=args.engine_key or os.environ.get(ENGINE_KEY_ENV) or None,
                        fallback=args.fallback, max_concurrency=args.max_concurrency, timeouts=timeouts,
                        handoff_options=parse_handoff_options(args.handoff_option),

@@ -3,7 +3,7 @@
 ``proxy.kind`` in the topology picks it:
 
 - ``builtin``: ``python -m disagg proxy`` with the handoff of the topology's
-  engine and connector (``--engine vllm | sglang | vllm-lmcache``) and its
+  engine and connector (``--handoff vllm | sglang | vllm-lmcache``) and its
   ``--handoff-option`` settings (SGLang: the prefill bootstrap ports; LMCache:
   decode receiver ports and the notification port).
 - ``vllm-router`` (PyPI ``vllm-router``, module ``vllm_router.launch_router``):
@@ -41,7 +41,7 @@ ROUTER_MODULES = {"vllm-router": "vllm_router.launch_router", "sglang-router": "
 ROUTER_ENGINES = {"vllm-router": "vllm", "sglang-router": "sglang"}
 
 
-def handoff_engine(dep: Deployment) -> str:
+def handoff_kind(dep: Deployment) -> str:
     """The proxy's ``engine`` (the handoff protocol) for a planned topology."""
     topo = dep.topology
     if topo.engine == "vllm" and topo.connector == "lmcache" and not topo.colocated:
@@ -57,7 +57,7 @@ def handoff_options(dep: Deployment) -> tuple[tuple[str, str], ...]:
         return ()
     if topo.engine == "sglang":
         return (("bootstrap_ports", ",".join(str(e.instance.kv_port) for e in dep.role("prefill"))),)
-    if handoff_engine(dep) == "vllm-lmcache":
+    if handoff_kind(dep) == "vllm-lmcache":
         return tuple(proxy_options(topo))
     return ()
 
@@ -95,7 +95,7 @@ def proxy_config(dep: Deployment) -> ProxyConfig:
     return ProxyConfig(
         decode=tuple(e.url for e in dep.role("decode") + dep.role("both")),
         prefill=tuple(e.url for e in dep.role("prefill")),
-        host=topo.proxy.host, port=topo.proxy.port, engine=handoff_engine(dep),
+        host=topo.proxy.host, port=topo.proxy.port, handoff=handoff_kind(dep),
         api_key=topo.proxy.api_key, fallback=topo.proxy.fallback,
         max_concurrency=topo.proxy.max_concurrency or DEFAULT_MAX_CONCURRENCY,
         timeouts=ProxyTimeouts(connect=t.connect, request=t.request, health_interval=t.health_interval,

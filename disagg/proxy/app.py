@@ -106,7 +106,7 @@ def build_app(config: ProxyConfig) -> web.Application:
     metrics = ProxyMetrics()
     decode = BackendPool("decode", config.decode, metrics)
     prefill = BackendPool("prefill", config.prefill, metrics) if config.prefill else None
-    handoff_cls = None if config.colocated else handoff_class(config.engine)
+    handoff_cls = None if config.colocated else handoff_class(config.handoff)
     state = ProxyState(
         config=config, metrics=metrics, decode=decode, prefill=prefill, handoff_cls=handoff_cls,
         router=Router(config.routing, prefill, decode, metrics,

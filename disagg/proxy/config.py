@@ -147,7 +147,7 @@ class ProxyConfig:
     prefill: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
-    engine: str = "vllm"
+    handoff: str = "vllm"
     api_key: str | None = None
     #: sent as ``Authorization: Bearer KEY`` with every request to an engine (``disagg up``
     #: generates one per run and guards the engines with it); like ``api_key``, never in argv
@@ -201,7 +201,7 @@ class ProxyConfig:
         argv = ["proxy", "--host", self.host, "--port", str(self.port)]
         if self.prefill:
             argv += ["--prefill", *self.prefill]
-        argv += ["--decode", *self.decode, "--engine", self.engine, "--fallback", self.fallback,
+        argv += ["--decode", *self.decode, "--handoff", self.handoff, "--fallback", self.fallback,
                  "--max-concurrency", str(self.max_concurrency),
                  "--connect-timeout", str(t.connect), "--request-timeout", str(t.request),
                  "--health-interval", str(t.health_interval), "--health-timeout", str(t.health_timeout),

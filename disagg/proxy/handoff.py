@@ -98,8 +98,8 @@ class Handoff(ABC):
     must not change the pools' membership except through ``mark_down``.
     """
 
-    #: the ``--engine`` value this protocol serves
-    engine: ClassVar[str]
+    #: the ``--handoff`` value this protocol serves
+    kind: ClassVar[str]
     #: whether a decode engine of this family can serve a request alone
     #: (``local`` routes, fallback); if not, every route goes through :meth:`serve`
     serves_local: ClassVar[bool] = True
@@ -140,7 +140,7 @@ class Handoff(ABC):
 class VllmHandoff(Handoff):
     """vLLM with NixlConnector (pull mode): prefill first, then decode."""
 
-    engine = "vllm"
+    kind = "vllm"
 
     #: kv_transfer_params sent to prefill (vLLM's NixlConnector pull protocol; docs/proxy.md)
     PREFILL_KV_PARAMS: ClassVar[dict[str, Any]] = {
@@ -229,7 +229,7 @@ class VllmHandoff(Handoff):
             yield DecodeReply(backend, resp, prefill_done=prefill_done)
 
 
-#: ``--engine`` value -> "module:Class" of its handoff (imported on use)
+#: ``--handoff`` value -> "module:Class" of its handoff (imported on use)
 HANDOFFS: dict[str, str] = {
     "vllm": "disagg.proxy.handoff:VllmHandoff",
     "sglang": "disagg.proxy.sglang_handoff:SglangHandoff",

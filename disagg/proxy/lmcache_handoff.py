@@ -142,7 +142,7 @@ class KvNotices:
 class LmcacheHandoff(VllmHandoff):
     """Prefill pushes the KV to the chosen decode's LMCache receiver; decode runs the request."""
 
-    engine = "vllm-lmcache"
+    kind = "vllm-lmcache"
 
     def __init__(self, upstream: Upstream, prefill: BackendPool, decode: BackendPool,
                  metrics: ProxyMetrics, options: Mapping[str, str] | None = None) -> None:

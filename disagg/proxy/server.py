@@ -108,7 +108,7 @@ async def serve_until_signal(config: ProxyConfig, *, access_log: bool = False) -
         loop.add_signal_handler(sig, on_signal)
     try:
         async with ProxyServer(config, access_log=access_log) as server:
-            mode = "colocated" if config.colocated else f"{config.engine} prefill->decode"
+            mode = "colocated" if config.colocated else f"{config.handoff} prefill->decode"
             log.info("listening on %s (%s; prefill %s; decode %s)", server.url, mode,
                      ", ".join(config.prefill) or "-", ", ".join(config.decode))
             await stop.wait()

@@ -187,7 +187,7 @@ class MergedResponse:
 class SglangHandoff(Handoff):
     """SGLang prefill and decode in parallel, joined by a bootstrap room."""
 
-    engine = "sglang"
+    kind = "sglang"
     serves_local = False
 
     def __init__(self, upstream: Upstream, prefill: BackendPool, decode: BackendPool,

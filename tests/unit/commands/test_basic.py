@@ -48,7 +48,7 @@ def test_lmcache_example_plan(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = json.loads(_argv_of(out, "decode[0]")[_argv_of(out, "decode[0]").index("--kv-transfer-config") + 1])
     assert cfg["kv_connector"] == "LMCacheConnectorV1" and cfg["kv_role"] == "kv_consumer"
     assert _env_of(out, "prefill[0]")["LMCACHE_CONFIG_FILE"].endswith("runs/lmcache-1p1d/prefill-0.lmcache.yaml")
-    assert "      | pd_peer_init_port: [7300]" in out and "--engine vllm-lmcache" in out
+    assert "      | pd_peer_init_port: [7300]" in out and "--handoff vllm-lmcache" in out
 
 
 def _argv_of(out: str, name: str) -> list[str]:

@@ -111,7 +111,7 @@ def test_proxy_gets_receivers_and_notify_options() -> None:
     t = topo()
     assert proxy_options(t) == (("receivers", "10.0.0.2:7300/7301:7302/7303"), ("notify", "10.0.0.9:8001"))
     argv = builtin_argv(build_deployment(t))
-    assert argv[argv.index("--engine") + 1] == "vllm-lmcache"
+    assert argv[argv.index("--handoff") + 1] == "vllm-lmcache"
     assert "receivers=10.0.0.2:7300/7301:7302/7303" in argv and "notify=10.0.0.9:8001" in argv
 
 

@@ -40,7 +40,7 @@ def test_builtin_vllm_has_no_handoff_options() -> None:
 
 def test_builtin_sglang_passes_bootstrap_ports_in_prefill_order() -> None:
     a = argv(engine="sglang", connector="mooncake")
-    assert a[a.index("--engine") + 1] == "sglang"
+    assert a[a.index("--handoff") + 1] == "sglang"
     assert a[a.index("--handoff-option") + 1] == "bootstrap_ports=8998,8999"
 
 

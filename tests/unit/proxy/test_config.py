@@ -43,8 +43,8 @@ def test_unknown_engine_is_refused_when_building_the_app() -> None:
     from disagg.proxy import build_app
 
     with pytest.raises(ProxyError, match="engine 'tgi' has no proxy handoff"):
-        build_app(ProxyConfig(decode=("http://d:1",), prefill=("http://p:1",), engine="tgi"))
-    build_app(ProxyConfig(decode=("http://d:1",), engine="tgi"))  # colocated needs no handoff
+        build_app(ProxyConfig(decode=("http://d:1",), prefill=("http://p:1",), handoff="tgi"))
+    build_app(ProxyConfig(decode=("http://d:1",), handoff="tgi"))  # colocated needs no handoff
 
 
 def test_cli_arguments_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,3 +85,10 @@ def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     args = build_parser().parse_args(["proxy", "--decode", "http://d:1"])
     cfg = config_from_args(args)
     assert cfg.api_key == "from-env" and cfg.colocated and cfg.port == 8000 and cfg.host == "127.0.0.1"
+
+
+def test_the_handoff_flag_and_its_old_name() -> None:
+    for flag in ("--handoff", "--engine"):  # --engine: the name before it said what it selects
+        args = build_parser().parse_args(["proxy", "--decode", "http://d:1", "--prefill", "http://p:1",
+                                          flag, "vllm-lmcache"])
+        assert config_from_args(args).handoff == "vllm-lmcache"

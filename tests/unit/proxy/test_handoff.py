@@ -37,7 +37,7 @@ def test_decode_body_is_client_body_plus_prefill_params() -> None:
 
 def test_every_registered_handoff_loads() -> None:
     for engine in HANDOFFS:
-        assert handoff_class(engine).engine == engine
+        assert handoff_class(engine).kind == engine
 
 
 async def test_disaggregated_stream_sends_exact_bodies(standin, proxy, http) -> None:

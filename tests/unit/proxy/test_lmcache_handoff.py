@@ -93,7 +93,7 @@ async def pair(proxy):
             made.append(s)
         init = "/".join(str(7300 + r) for r in range(tp))
         alloc = "/".join(str(7400 + r) for r in range(tp))
-        server = await proxy(prefill=[p.url], decode=[d.url], engine="vllm-lmcache", timeouts=timeouts,
+        server = await proxy(prefill=[p.url], decode=[d.url], handoff="vllm-lmcache", timeouts=timeouts,
                              handoff_options=(("receivers", f"10.0.0.2:{init}:{alloc}"),
                                               ("notify", f"127.0.0.1:{port}")))
         return p, d, server
@@ -159,7 +159,7 @@ async def test_notify_port_in_use_fails_at_start(proxy) -> None:
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     try:
         with pytest.raises(ProxyError, match="cannot listen for LMCache notices"):
-            await proxy(prefill=["http://127.0.0.1:1"], decode=["http://127.0.0.1:2"], engine="vllm-lmcache",
+            await proxy(prefill=["http://127.0.0.1:1"], decode=["http://127.0.0.1:2"], handoff="vllm-lmcache",
                         handoff_options=(("receivers", "h:1:2"), ("notify", f"127.0.0.1:{port}")))
     finally:
         sock.close(linger=0)

@@ -47,7 +47,7 @@ async def _pair(sglang: Any, proxy: Any, p_kw: dict[str, Any] | None = None,
                 d_kw: dict[str, Any] | None = None) -> tuple[SglangStandIn, SglangStandIn, ProxyServer]:
     p = await sglang("prefill", **(p_kw or {}))
     d = await sglang("decode", **(d_kw or {}))
-    server = await proxy(prefill=[p.url], decode=[d.url], engine="sglang",
+    server = await proxy(prefill=[p.url], decode=[d.url], handoff="sglang",
                          handoff_options=(("bootstrap_ports", str(p.bootstrap_port)),))
     return p, d, server
 
@@ -82,7 +82,7 @@ def test_merge_input_logprobs_puts_prefill_first() -> None:
 async def test_missing_bootstrap_ports_fails_at_start(sglang, proxy) -> None:
     p, d = await sglang("prefill"), await sglang("decode")
     with pytest.raises(ProxyError, match="bootstrap_ports"):
-        await proxy(prefill=[p.url], decode=[d.url], engine="sglang")
+        await proxy(prefill=[p.url], decode=[d.url], handoff="sglang")
 
 
 async def test_stream_same_room_on_both_sides_and_decode_reaches_client(sglang, proxy, http) -> None:
@@ -184,7 +184,7 @@ def test_handoff_options_cli_round_trip() -> None:
     from disagg.commands.proxy import config_from_args, parse_handoff_options
     from disagg.proxy import ProxyConfig
 
-    config = ProxyConfig(decode=("http://d:1",), prefill=("http://p:1",), engine="sglang",
+    config = ProxyConfig(decode=("http://d:1",), prefill=("http://p:1",), handoff="sglang",
                          handoff_options=(("bootstrap_ports", "8998"),))
     assert config.to_argv()[-2:] == ["--handoff-option", "bootstrap_ports=8998"]
     assert config_from_args(build_parser().parse_args(config.to_argv())).handoff_options == \
