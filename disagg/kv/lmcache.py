@@ -25,6 +25,7 @@ against every other port of the topology (:func:`check_ports`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
@@ -63,9 +64,9 @@ class ReceiverPorts:
     init: tuple[int, ...]
     alloc: tuple[int, ...]
 
-    def option(self) -> str:
-        """``host:i1/i2:a1/a2``, the proxy's ``receivers`` handoff option item."""
-        return f"{self.host}:{'/'.join(map(str, self.init))}:{'/'.join(map(str, self.alloc))}"
+    def option(self) -> dict[str, Any]:
+        """This receiver as one item of the proxy's ``receivers`` handoff option (a JSON list)."""
+        return {"host": self.host, "init": list(self.init), "alloc": list(self.alloc)}
 
 
 def receiver_ports(topo: Topology, inst: InstanceSpec) -> ReceiverPorts:
@@ -184,6 +185,6 @@ class LmcacheVllmAdapter(VllmKVAdapter):
 
 def proxy_options(topo: Topology) -> tuple[tuple[str, str], ...]:
     """The proxy's ``--handoff-option`` values for an LMCache topology."""
-    receivers = ",".join(receiver_ports(topo, i).option() for i in topo.role("decode"))
+    receivers = json.dumps([receiver_ports(topo, i).option() for i in topo.role("decode")], separators=(",", ":"))
     bind = topo.proxy.host
     return (("receivers", receivers), ("notify", f"{bind}:{notify_port(topo)}"))

@@ -18,15 +18,16 @@ LMCache's ``examples/disagg_prefill/disagg_proxy_server.py``.
 If prefill fails or no notification comes within the request timeout, the
 request falls back to decode alone (:class:`PrefillFailed`), as for NIXL.
 
-Options (``--handoff-option``): ``receivers=HOST:I1/I2:A1/A2,...`` (one per
-``--decode`` URL, in order: the receiver host, its init ports and alloc ports
-per TP rank) and ``notify=BIND_HOST:PORT`` (where the proxy listens for the
+Options (``--handoff-option``): ``receivers=[{"host": H, "init": [I1, I2], "alloc": [A1, A2]}, ...]``
+(JSON, one object per ``--decode`` URL, in order: the receiver host, its init
+ports and alloc ports per TP rank) and ``notify=BIND_HOST:PORT`` (where the proxy listens for the
 notifications).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -61,25 +62,33 @@ class Receiver:
 
 
 def parse_receivers(decode_urls: tuple[str, ...], option: str | None) -> dict[str, Receiver]:
-    """Decode URL -> :class:`Receiver` from ``receivers=HOST:I1/I2:A1/A2,...``."""
+    """Decode URL -> :class:`Receiver` from ``receivers=[{"host", "init", "alloc"}, ...]`` (JSON)."""
+    usage = ('--handoff-option receivers=[{"host": HOST, "init": [PORT, ...], "alloc": [PORT, ...]}, ...] '
+             "(one per --decode URL, ports per TP rank)")
     if not option:
-        raise ProxyError("engine vllm-lmcache needs the decode receivers: --handoff-option "
-                         "receivers=HOST:INIT_PORTS:ALLOC_PORTS,... (one per --decode URL)")
-    items = option.split(",")
-    if len(items) != len(decode_urls):
-        raise ProxyError(f"receivers has {len(items)} entries for {len(decode_urls)} decode URLs")
+        raise ProxyError(f"handoff vllm-lmcache needs the decode receivers: {usage}")
+    try:
+        items = json.loads(option)
+    except ValueError:
+        raise ProxyError(f"receivers is not JSON: {option!r}; expected {usage}") from None
+    if not isinstance(items, list) or len(items) != len(decode_urls):
+        count = len(items) if isinstance(items, list) else "no list of"
+        raise ProxyError(f"receivers has {count} entries for {len(decode_urls)} decode URLs; expected {usage}")
     out = {}
     for url, item in zip(decode_urls, items, strict=True):
-        try:
-            host, init, alloc = item.rsplit(":", 2)
-            rec = Receiver(host, tuple(int(p) for p in init.split("/")), tuple(int(p) for p in alloc.split("/")))
-        except ValueError:
-            raise ProxyError(f"receivers item {item!r}: expected HOST:INIT_PORTS:ALLOC_PORTS, "
-                             "ports separated by '/' per TP rank") from None
-        if not rec.host or len(rec.init_ports) != len(rec.alloc_ports):
-            raise ProxyError(f"receivers item {item!r}: a host and as many init ports as alloc ports")
-        out[url] = rec
+        if not (isinstance(item, dict) and set(item) == {"host", "init", "alloc"}
+                and isinstance(item["host"], str) and item["host"]
+                and all(isinstance(item[k], list) and item[k] and all(_port(p) for p in item[k])
+                        for k in ("init", "alloc"))
+                and len(item["init"]) == len(item["alloc"])):
+            raise ProxyError(f"receivers item {json.dumps(item)}: expected a host and as many init ports as "
+                             f"alloc ports (1-65535); {usage}")
+        out[url] = Receiver(item["host"], tuple(item["init"]), tuple(item["alloc"]))
     return out
+
+
+def _port(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536
 
 
 def parse_bind(option: str | None) -> str:

@@ -33,6 +33,10 @@ roles:
 """
 
 
+#: the proxy's receivers option for BASE's decode instance (TP 2: two init, two alloc ports)
+RECEIVERS = '[{"host":"10.0.0.2","init":[7300,7301],"alloc":[7302,7303]}]'
+
+
 def topo(proxy: str = "10.0.0.9", text: str = BASE):
     return parse_topology(textwrap.dedent(text).replace("PROXY", proxy), "t.yaml", run_dir="/tmp/run")
 
@@ -109,10 +113,10 @@ def test_wildcard_proxy_with_remote_hosts_needs_an_address() -> None:
 
 def test_proxy_gets_receivers_and_notify_options() -> None:
     t = topo()
-    assert proxy_options(t) == (("receivers", "10.0.0.2:7300/7301:7302/7303"), ("notify", "10.0.0.9:8001"))
+    assert proxy_options(t) == (("receivers", RECEIVERS), ("notify", "10.0.0.9:8001"))
     argv = builtin_argv(build_deployment(t))
     assert argv[argv.index("--handoff") + 1] == "vllm-lmcache"
-    assert "receivers=10.0.0.2:7300/7301:7302/7303" in argv and "notify=10.0.0.9:8001" in argv
+    assert f"receivers={RECEIVERS}" in argv and "notify=10.0.0.9:8001" in argv
 
 
 @pytest.mark.skipif(importlib.util.find_spec("lmcache") is None,
@@ -136,4 +140,4 @@ def test_a_bad_tensor_parallel_size_is_a_plan_error_not_a_traceback(tp: str) -> 
 def test_tensor_parallel_size_in_either_spelling() -> None:
     for args in ('[-tp, "2"]', '["--tensor-parallel-size=2"]'):
         receivers = dict(proxy_options(topo(text=BASE.replace('[--tensor-parallel-size, "2"]', args))))
-        assert receivers["receivers"] == "10.0.0.2:7300/7301:7302/7303"
+        assert receivers["receivers"] == RECEIVERS

@@ -6,6 +6,7 @@ socket per TP rank, and a stand-in decode; real LMCache P/D needs a GPU
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import msgspec
@@ -91,10 +92,10 @@ async def pair(proxy):
         for s in (p, d):
             await s.start()
             made.append(s)
-        init = "/".join(str(7300 + r) for r in range(tp))
-        alloc = "/".join(str(7400 + r) for r in range(tp))
+        receivers = json.dumps([{"host": "10.0.0.2", "init": [7300 + r for r in range(tp)],
+                                 "alloc": [7400 + r for r in range(tp)]}])
         server = await proxy(prefill=[p.url], decode=[d.url], handoff="vllm-lmcache", timeouts=timeouts,
-                             handoff_options=(("receivers", f"10.0.0.2:{init}:{alloc}"),
+                             handoff_options=(("receivers", receivers),
                                               ("notify", f"127.0.0.1:{port}")))
         return p, d, server
 
@@ -108,10 +109,17 @@ def test_registered_for_vllm_lmcache() -> None:
 
 
 def test_option_parsing() -> None:
-    rec = parse_receivers(("http://d:1",), "10.0.0.2:7300/7301:7302/7303")["http://d:1"]
+    rec = parse_receivers(("http://d:1",), '[{"host": "10.0.0.2", "init": [7300, 7301], "alloc": [7302, 7303]}]'
+                          )["http://d:1"]
     assert (rec.host, rec.init_ports, rec.alloc_ports) == ("10.0.0.2", (7300, 7301), (7302, 7303))
     assert parse_bind("0.0.0.0:8001") == "tcp://0.0.0.0:8001"
-    for bad in (None, "h:1", "h:1:2,h:3:4", "h:x:y", "h:1/2:3"):
+    bad_items = ({"host": "h", "init": [1]}, {"host": "", "init": [1], "alloc": [2]},
+                 {"host": "h", "init": [1, 2], "alloc": [3]}, {"host": "h", "init": [0], "alloc": [2]},
+                 {"host": "h", "init": [True], "alloc": [2]}, {"host": "h", "init": ["1"], "alloc": [2]},
+                 {"host": "h", "init": [], "alloc": []}, {"host": 1, "init": [1], "alloc": [2]},
+                 {"host": "h", "init": [1], "alloc": [2], "x": 1})
+    for bad in (None, "", "h:1:2", "{}", "[]", "[1]", json.dumps([{"host": "h", "init": [1], "alloc": [2]}] * 2),
+                *(json.dumps([item]) for item in bad_items)):
         with pytest.raises(ProxyError):
             parse_receivers(("http://d:1",), bad)
     with pytest.raises(ProxyError):
@@ -160,7 +168,8 @@ async def test_notify_port_in_use_fails_at_start(proxy) -> None:
     try:
         with pytest.raises(ProxyError, match="cannot listen for LMCache notices"):
             await proxy(prefill=["http://127.0.0.1:1"], decode=["http://127.0.0.1:2"], handoff="vllm-lmcache",
-                        handoff_options=(("receivers", "h:1:2"), ("notify", f"127.0.0.1:{port}")))
+                        handoff_options=(("receivers", '[{"host": "h", "init": [1], "alloc": [2]}]'),
+                                         ("notify", f"127.0.0.1:{port}")))
     finally:
         sock.close(linger=0)
         ctx.term()
