@@ -347,17 +347,6 @@ def first_pair(topo: Topology) -> tuple[InstanceSpec, InstanceSpec]:
     return topo.role("prefill")[0], topo.role("decode")[0]
 
 
-def _arg(inst: InstanceSpec, flag: str) -> str | None:
-    """The value after ``flag`` (or in ``flag=value``) in an instance's extra args."""
-    args = list(inst.args)
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def host_device(host: HostSpec) -> DeviceSpec | None:
     """The spec sheet for a host: its ``gpu``, the CPU entry, or None (cuda, no gpu given)."""
     if host.gpu:
@@ -411,7 +400,7 @@ def decode_memory(topo: Topology, arch: ModelArch) -> MemoryEstimate:
     spec = host_device(host)
     if spec is None or spec.memory_gb is None:
         return MemoryEstimate(None, f"{host.name}: unknown (add gpu: or kv_memory_gb: to the host)")
-    util = float(_arg(inst, "--gpu-memory-utilization") or DEFAULT_GPU_MEMORY_UTILISATION)
+    util = float(inst.arg("--gpu-memory-utilization") or DEFAULT_GPU_MEMORY_UTILISATION)
     weight_bytes = arch.params * (4 if topo.model.dtype == "float32" else 2)
     kv = spec.memory_gb * 1e9 * util - weight_bytes
     label = (f"{host.name}: ESTIMATE {spec.memory_gb:g} GB x {util:g} - {weight_bytes / 1e9:.1f} GB weights"
@@ -422,7 +411,7 @@ def decode_memory(topo: Topology, arch: ModelArch) -> MemoryEstimate:
 def kv_cache_dtype(topo: Topology) -> str:
     """``--kv-cache-dtype`` from the decode instance's args, else the model dtype."""
     _, inst = first_pair(topo)
-    given = _arg(inst, "--kv-cache-dtype")
+    given = inst.arg("--kv-cache-dtype")
     if given and given != "auto":
         return given
     return "float32" if topo.model.dtype == "float32" else (
