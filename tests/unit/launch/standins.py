@@ -50,6 +50,25 @@ def start_tree(tmp_path: Path, name: str = "decode[0]") -> tuple[ProcessRecord, 
         time.sleep(0.05)
 
 
+class Started:
+    """Every stand-in process tree a test started in place of an engine or the proxy (its pids),
+    for the final check and the cleanup."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+
+    def processes(self) -> list[psutil.Process]:
+        """Each started root with its descendants, while they exist."""
+        out = []
+        for pid in self.pids:
+            try:
+                root = psutil.Process(pid)
+                out += [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+        return out
+
+
 def running(procs: list[psutil.Process]) -> list[psutil.Process]:
     """Those of ``procs`` still running (zombies count as gone)."""
     out = []

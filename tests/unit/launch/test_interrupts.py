@@ -30,7 +30,7 @@ from disagg.launch.launcher import Launcher
 from disagg.launch.state import ProcessRecord, RunState, lock_holder, save_state
 from disagg.topology import load_topology
 from tests.e2e.engines import free_ports
-from tests.unit.launch.standins import ENGINE_TREE, TREE_SIZE, kill_all, running, start_tree
+from tests.unit.launch.standins import ENGINE_TREE, TREE_SIZE, Started, kill_all, running, start_tree
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -50,27 +50,10 @@ def _topology(tmp_path: Path, *, model: str = "/models/m", grace: float = 20) ->
     return path
 
 
-class _Trees:
-    """Every stand-in process started in place of an engine (for the final check and cleanup)."""
-
-    def __init__(self) -> None:
-        self.pids: list[int] = []
-
-    def processes(self) -> list[psutil.Process]:
-        out = []
-        for pid in self.pids:
-            try:
-                root = psutil.Process(pid)
-                out += [root, *root.children(recursive=True)]
-            except psutil.Error:
-                continue
-        return out
-
-
 @pytest.fixture
-def trees(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Trees]:
+def trees(monkeypatch: pytest.MonkeyPatch) -> Iterator[Started]:
     """`start_local` starts a stand-in engine tree instead of the planned argv."""
-    started = _Trees()
+    started = Started()
     real = processes.start_local
 
     def start_standin(argv, env, log):
@@ -100,7 +83,7 @@ def _sigint_when(ready: Callable[[], bool]) -> dict[str, float]:
     return sent
 
 
-def _trees_up(trees: _Trees, count: int) -> Callable[[], bool]:
+def _trees_up(trees: Started, count: int) -> Callable[[], bool]:
     return lambda: len(trees.pids) >= count and len(running(trees.processes())) >= count * TREE_SIZE
 
 
@@ -113,7 +96,7 @@ def _state(tmp_path: Path) -> Path:
 
 
 def test_ctrl_c_while_engines_load_stops_everything_within_5_s(
-        tmp_path: Path, trees: _Trees, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, trees: Started, capsys: pytest.CaptureFixture[str]) -> None:
     """The stand-ins never become healthy and one of each tree's children ignores SIGTERM."""
     sent = _sigint_when(_trees_up(trees, 2))
     assert _up(_topology(tmp_path), tmp_path) == 130
@@ -128,7 +111,7 @@ def test_ctrl_c_while_engines_load_stops_everything_within_5_s(
 
 
 def test_ctrl_c_while_a_process_starts_is_held_until_it_is_recorded(
-        tmp_path: Path, trees: _Trees, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, trees: Started, monkeypatch: pytest.MonkeyPatch) -> None:
     """The signal lands while prefill[0] is being started: it is recorded, then stopped, and decode never starts."""
     standin = processes.start_local
 
@@ -147,7 +130,7 @@ def test_ctrl_c_while_a_process_starts_is_held_until_it_is_recorded(
 
 
 @pytest.mark.parametrize("stage", ["port checks", "building the model"])
-def test_ctrl_c_in_a_start_up_wait_stops_at_once(tmp_path: Path, trees: _Trees, monkeypatch: pytest.MonkeyPatch,
+def test_ctrl_c_in_a_start_up_wait_stops_at_once(tmp_path: Path, trees: Started, monkeypatch: pytest.MonkeyPatch,
                                                  stage: str) -> None:
     """A wait that takes long (an SSH port check, building the embedded model) is cut short."""
     entered = threading.Event()
@@ -167,7 +150,7 @@ def test_ctrl_c_in_a_start_up_wait_stops_at_once(tmp_path: Path, trees: _Trees, 
     assert trees.pids == []
 
 
-def test_a_second_signal_while_stopping_kills_at_once(tmp_path: Path, trees: _Trees,
+def test_a_second_signal_while_stopping_kills_at_once(tmp_path: Path, trees: Started,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """With a 60 s grace an interrupted start-up still stops within 5 s: the start-up grace is
     capped, and a second Ctrl-C during the stop sends SIGKILL at once."""
@@ -209,7 +192,7 @@ def test_a_second_up_of_the_same_topology_is_refused(tmp_path: Path, capsys: pyt
     assert lock_holder(tmp_path / "run", "t") is None  # the kernel dropped the dead holder's lock
 
 
-def test_the_lock_is_held_for_the_launchers_life_and_not_inherited(tmp_path: Path, trees: _Trees,
+def test_the_lock_is_held_for_the_launchers_life_and_not_inherited(tmp_path: Path, trees: Started,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launcher_mod, "http_status", lambda url, timeout=2.0: 200)
     launcher = Launcher(build_deployment(load_topology(_topology(tmp_path), run_dir=str(tmp_path / "run"))),

@@ -29,7 +29,7 @@ from disagg.launch.state import ProcessRecord, load_state
 from disagg.launch.supervisor import RestartBudget, exit_reason
 from disagg.topology import RestartSpec, load_topology
 from tests.e2e.engines import free_ports
-from tests.unit.launch.standins import kill_all, running
+from tests.unit.launch.standins import Started, kill_all, running
 
 #: a stand-in engine or proxy: answers every GET with 200 on argv[1], one child in its group
 HTTP_STANDIN = r"""
@@ -80,26 +80,9 @@ def test_exit_reasons() -> None:
 
 
 # -- the supervisor over stand-ins -----------------------------------------------------
-class _Started:
-    """Every stand-in process tree started in place of an engine or the proxy."""
-
-    def __init__(self) -> None:
-        self.pids: list[int] = []
-
-    def processes(self) -> list[psutil.Process]:
-        out = []
-        for pid in self.pids:
-            try:
-                root = psutil.Process(pid)
-                out += [root, *root.children(recursive=True)]
-            except psutil.Error:
-                continue
-        return out
-
-
 @pytest.fixture
-def standins(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Started]:
-    started = _Started()
+def standins(monkeypatch: pytest.MonkeyPatch) -> Iterator[Started]:
+    started = Started()
     real = processes.start_local
 
     def start_standin(argv, env, log):  # type: ignore[no-untyped-def]
@@ -161,7 +144,7 @@ def _state_record(launcher: Launcher, name: str) -> ProcessRecord:
 
 
 def test_a_sigkilled_decode_is_restarted_and_nothing_of_the_old_one_is_left(
-        tmp_path: Path, standins: _Started) -> None:
+        tmp_path: Path, standins: Started) -> None:
     launcher = _launcher(tmp_path, "{backoff: 100ms}")
     launcher.up()
     try:
@@ -188,7 +171,7 @@ def test_a_sigkilled_decode_is_restarted_and_nothing_of_the_old_one_is_left(
     assert running(standins.processes()) == []
 
 
-def test_the_proxy_is_restarted_too(tmp_path: Path, standins: _Started) -> None:
+def test_the_proxy_is_restarted_too(tmp_path: Path, standins: Started) -> None:
     launcher = _launcher(tmp_path, "{backoff: 100ms}")
     launcher.up()
     try:
@@ -201,7 +184,7 @@ def test_the_proxy_is_restarted_too(tmp_path: Path, standins: _Started) -> None:
         launcher.stop(grace=1.0)
 
 
-def test_after_max_restarts_in_the_window_the_next_exit_is_final(tmp_path: Path, standins: _Started) -> None:
+def test_after_max_restarts_in_the_window_the_next_exit_is_final(tmp_path: Path, standins: Started) -> None:
     launcher = _launcher(tmp_path, "{max: 2, window: 10m, backoff: 50ms}")
     launcher.up()
     try:
@@ -226,7 +209,7 @@ def test_after_max_restarts_in_the_window_the_next_exit_is_final(tmp_path: Path,
     assert running(standins.processes()) == []
 
 
-def test_policy_no_loses_the_service_with_the_last_decode(tmp_path: Path, standins: _Started) -> None:
+def test_policy_no_loses_the_service_with_the_last_decode(tmp_path: Path, standins: Started) -> None:
     launcher = _launcher(tmp_path, "{policy: 'no'}")
     launcher.up()
     try:
@@ -242,7 +225,7 @@ def test_policy_no_loses_the_service_with_the_last_decode(tmp_path: Path, standi
     assert running(standins.processes()) == []
 
 
-def test_ctrl_c_during_a_backoff_stops_everything(tmp_path: Path, standins: _Started) -> None:
+def test_ctrl_c_during_a_backoff_stops_everything(tmp_path: Path, standins: Started) -> None:
     launcher = _launcher(tmp_path, "{backoff: 60s}")
     launcher.up()
     decode = _record(launcher, "decode[0]")
@@ -252,7 +235,7 @@ def test_ctrl_c_during_a_backoff_stops_everything(tmp_path: Path, standins: _Sta
     assert running(standins.processes()) == []
 
 
-def test_status_shows_restarts_and_the_last_exit(tmp_path: Path, standins: _Started,
+def test_status_shows_restarts_and_the_last_exit(tmp_path: Path, standins: Started,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     launcher = _launcher(tmp_path, "{backoff: 100ms}")
     launcher.up()
