@@ -40,7 +40,14 @@ from disagg.errors import PlanError
 from disagg.hardware import DEVICES, PREFILL_UTILISATION, DeviceSpec, lookup_device
 from disagg.kvmath import ModelArch, human_count, resolve_model
 from disagg.measurements import LinkMeasurement, load_link, lookup_prefill
-from disagg.routecost import HANDOFF_FIXED_SOURCE, EngineCost, LinkCost, break_even_tokens, handoff_fixed_s
+from disagg.routecost import (
+    HANDOFF_FIXED_SOURCE,
+    EngineCost,
+    LinkCost,
+    break_even_tokens,
+    handoff_fixed_s,
+    shortest,
+)
 from disagg.topology import HostSpec, InstanceSpec, Topology
 from disagg.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
 
@@ -251,19 +258,7 @@ def verdict_for(handoff_s: float, prefill_s: float, nbytes: float, link: LinkEst
 def _shortest_prompt(arch: ModelArch, dtype: str, link: LinkEstimate, prefill: PrefillEstimate,
                      ratio: float, limit: int) -> int | None:
     """Smallest prompt length <= limit with handoff <= ratio x prefill (the ratio falls with length)."""
-    def ok(n: int) -> bool:
-        return link.handoff_s(arch.kv_bytes(n, dtype)) <= ratio * prefill.seconds(n)
-
-    if not ok(limit):
-        return None
-    lo, hi = 1, limit
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    return shortest(lambda n: link.handoff_s(arch.kv_bytes(n, dtype)) <= ratio * prefill.seconds(n), limit)
 
 
 def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: PrefillEstimate,

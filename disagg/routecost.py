@@ -167,15 +167,18 @@ def break_even_tokens(kv_bytes: Callable[[int], float], prefill: EngineCost, dec
     the search is a bisection on that monotone gain. ``kv_bytes(n)``: the KV
     cache of an ``n``-token prompt.
     """
-    def splits(n: int) -> bool:
-        return split_gain_s(n, kv_bytes, prefill, decode, link) >= 0
+    return shortest(lambda n: split_gain_s(n, kv_bytes, prefill, decode, link) >= 0, limit)
 
-    if not splits(limit):
+
+def shortest(holds: Callable[[int], bool], limit: int) -> int | None:
+    """The smallest n in 1..limit for which ``holds(n)``, by bisection (``holds`` must stay true
+    once true as n grows), or None when it does not hold at ``limit``."""
+    if not holds(limit):
         return None
     lo, hi = 1, limit
     while lo < hi:
         mid = (lo + hi) // 2
-        if splits(mid):
+        if holds(mid):
             hi = mid
         else:
             lo = mid + 1
