@@ -114,9 +114,11 @@ roles:
             return {"model": "m", "prompt": exact_prompt(tok, tokens, tag), "max_tokens": max_tokens,
                     "temperature": 0}
 
-        # idle: the decode engine answers a prompt sooner than any split would; the proxy learns it
+        # warm-up: the proxy learns the engines' rates from these. Their routes are not asserted: an
+        # engine's first requests carry one-off costs that the first measurements include, so a warm-up
+        # prompt may go either way; what must hold is the decision once decode is busy, below.
         for i, n in enumerate((8, 256, 64, 384, 32)):
-            assert _routed(proxy, body(n, f"warm{i}"))[0] == "local"
+            _routed(proxy, body(n, f"warm{i}"))
 
         busy = _LongDecode(proxy, {**body(8, "busy", max_tokens=4000), "ignore_eos": True})
         assert busy.route == "local"
