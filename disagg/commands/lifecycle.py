@@ -220,11 +220,12 @@ def _signal(child: subprocess.Popen[bytes], sig: int) -> None:
         pass
 
 
-def _state_for(args: argparse.Namespace) -> tuple[RunState, float]:
+def _state_for(args: argparse.Namespace) -> tuple[RunState, Timeouts]:
+    """The run state, and the topology's timeouts (the defaults when no topology file is named)."""
     if args.topology:
         topo = load_topology(args.topology, run_dir=args.run_dir)
-        return resolve_state(topo.run_dir, topo.name), topo.timeouts.shutdown_grace
-    return resolve_state(args.run_dir or DEFAULT_RUN_DIR, None), Timeouts().shutdown_grace
+        return resolve_state(topo.run_dir, topo.name), topo.timeouts
+    return resolve_state(args.run_dir or DEFAULT_RUN_DIR, None), Timeouts()
 
 
 def _stop_owner(run_dir: str, name: str, grace: float) -> bool:
@@ -255,8 +256,8 @@ def cmd_down(args: argparse.Namespace) -> int:
 
     Ctrl-C while stopping skips the rest of the grace period (SIGKILL at once).
     """
-    run, grace = _state_for(args)
-    grace = args.grace if args.grace is not None else grace
+    run, timeouts = _state_for(args)
+    grace = args.grace if args.grace is not None else timeouts.shutdown_grace
     state_file = run_path(run.run_dir, run.name) / STATE_FILE
     if _stop_owner(run.run_dir, run.name, grace):
         if not state_file.exists():
@@ -265,7 +266,8 @@ def cmd_down(args: argparse.Namespace) -> int:
         run = load_state(state_file)
     signals = _Signals()
     with _handling(signals):
-        stop_run(run, grace=grace, echo=lambda s: print(s, flush=True), hurry=lambda: signals.stop)
+        stop_run(run, grace=grace, ssh_timeout=timeouts.ssh_check, echo=lambda s: print(s, flush=True),
+                 hurry=lambda: signals.stop)
     print(f"{run.name}: down")
     return 0
 
@@ -273,7 +275,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     """Print the supervisor and each process of a run with liveness, health, restarts and the
     last exit; exit 1 if any process is unhealthy."""
-    run, _ = _state_for(args)
+    run, timeouts = _state_for(args)
     print(f"{run.name}: proxy {run.proxy_url} (topology {run.topology})")
     holder = lock_holder(run.run_dir, run.name)
     if holder:
@@ -282,7 +284,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("  supervisor  not running: nothing restarts what exits (`disagg down`, then `disagg up`)")
     bad = 0
     for rec in run.processes:
-        found = processes.liveness(rec)
+        found = processes.liveness(rec, ssh_timeout=timeouts.ssh_check)
         alive = found is processes.Liveness.RUNNING
         code = http_status(rec.url + "/health") if alive else None
         if rec.status == "backoff" and holder:

@@ -10,7 +10,7 @@ import urllib.request
 
 from disagg.launch.processes import run_remote
 from disagg.ssh import ssh_prefix
-from disagg.topology import HostSpec
+from disagg.topology import HostSpec, Timeouts
 
 
 def http_status(url: str, timeout: float = 3.0) -> int | None:
@@ -52,11 +52,12 @@ _REMOTE_BIND_CHECK = (
 )
 
 
-def busy_ports(host: HostSpec, python: str, ports: list[int]) -> list[int]:
-    """The ports among ``ports`` already bound on ``host``'s address (over SSH if remote)."""
+def busy_ports(host: HostSpec, python: str, ports: list[int], *,
+               ssh_timeout: float = Timeouts.ssh_command) -> list[int]:
+    """The ports among ``ports`` already bound on ``host``'s address (over SSH if remote, one call)."""
     if not host.is_remote:
         return [p for p in ports if not local_port_free(host.address, p)]
     pairs = ",".join(f"({host.address!r},{p})" for p in ports)
     script = _REMOTE_BIND_CHECK.format(pairs=pairs)
-    out = run_remote(ssh_prefix(host), f"{shlex.quote(python)} -c {shlex.quote(script)}")
+    out = run_remote(ssh_prefix(host), f"{shlex.quote(python)} -c {shlex.quote(script)}", timeout=ssh_timeout)
     return [int(p) for p in out.split()]

@@ -237,7 +237,7 @@ class Launcher:
         self._signals_at_stop = min(self._signals, 1)  # the Ctrl-C that asked for this stop does not hurry it
         try:
             stop_run(self.run, grace=self.topo.timeouts.shutdown_grace if grace is None else grace,
-                     echo=self.echo, hurry=self.hurry)
+                     ssh_timeout=self.topo.timeouts.ssh_check, echo=self.echo, hurry=self.hurry)
         finally:
             self.state = LauncherState.STOPPED
             self.release()
@@ -247,7 +247,8 @@ class Launcher:
         """Stop what an exited leader left in its group (a SIGKILLed API server's EngineCore and workers),
         or the whole process when it still runs (a restart that never became healthy)."""
         try:
-            outcome = processes.stop_process(dead, min(self.topo.timeouts.shutdown_grace, ABORT_GRACE_S))
+            outcome = processes.stop_process(dead, min(self.topo.timeouts.shutdown_grace, ABORT_GRACE_S),
+                                             ssh_timeout=self.topo.timeouts.ssh_check)
         except LaunchError as exc:
             self.echo(f"{dead.name}: could not stop what it left behind: {exc}")
             return
@@ -263,7 +264,7 @@ class Launcher:
                 self._exit_codes[rec.pid] = code
         if rec.pid in self._exit_codes:
             return False
-        return processes.is_alive(rec)
+        return processes.is_alive(rec, ssh_timeout=self.topo.timeouts.ssh_check)
 
     def exit_code(self, rec: ProcessRecord) -> int | None:
         """The exit code of an exited local leader this process started (negative: a signal), else None.
@@ -285,10 +286,9 @@ class Launcher:
                 return None
             time.sleep(0.02)
 
-    @staticmethod
-    def log_tail(rec: ProcessRecord) -> str:
+    def log_tail(self, rec: ProcessRecord) -> str:
         """The last lines of a process's log."""
-        return processes.log_tail(rec)
+        return processes.log_tail(rec, ssh_timeout=self.topo.timeouts.ssh_check)
 
     def ready(self, rec: ProcessRecord) -> bool:
         """An engine answers its health path with 200; the proxy answers at all (its /health
@@ -365,7 +365,7 @@ class Launcher:
         except StateError:
             path.unlink(missing_ok=True)
             return
-        found = {r.name: processes.liveness(r) for r in old.processes}
+        found = {r.name: processes.liveness(r, ssh_timeout=self.topo.timeouts.ssh_check) for r in old.processes}
         live = [f"{name} ({state.value})" for name, state in found.items()
                 if state in (processes.Liveness.RUNNING, processes.Liveness.LEFTOVERS)]
         if live:
@@ -394,7 +394,8 @@ class Launcher:
         for host_name, ports in by_host.items():
             if host_name:
                 host = self.topo.hosts[host_name]
-                busy = set(busy_ports(host, python_for(host), [p for p, _ in ports]))
+                busy = set(busy_ports(host, python_for(host), [p for p, _ in ports],
+                                      ssh_timeout=self.topo.timeouts.ssh_command))
                 address = host.address
             else:  # the proxy on an address that is no topology host: this machine
                 address = self.topo.proxy.host
@@ -424,7 +425,7 @@ class Launcher:
             script = f"mkdir -p {shlex.quote(directory)}"
             for name, text in eng.files:
                 script += f" && printf %s {shlex.quote(text)} > {shlex.quote(directory + '/' + name)}"
-            processes.run_remote(ssh_prefix(eng.host), script)
+            processes.run_remote(ssh_prefix(eng.host), script, timeout=self.topo.timeouts.ssh_command)
         else:
             Path(directory).mkdir(parents=True, exist_ok=True)
             for name, text in eng.files:
@@ -461,7 +462,8 @@ class Launcher:
             secret = {k: v for k, v in env.items() if k in SECRET_ENVS}
             public = tuple(sorted((k, v) for k, v in env.items() if k not in SECRET_ENVS))
             shell = EngineLaunch(eng.instance, eng.host, eng.argv, public, eng.health_path, eng.files).shell_command()
-            pid = processes.start_remote(eng.host, shell, log, secret_env=secret)
+            pid = processes.start_remote(eng.host, shell, log, secret_env=secret,
+                                         ssh_timeout=self.topo.timeouts.ssh_command)
             return ProcessRecord(name=eng.name, kind="engine", host=eng.host.name, address=eng.host.address,
                                  port=eng.instance.port, url=eng.url, log=log, pid=pid,
                                  ssh=ssh_prefix(eng.host))
@@ -489,7 +491,7 @@ class Launcher:
                 if not self.alive(rec):
                     code = processes.exit_status(rec.pid) if not rec.ssh else None
                     why = f"exited (status {code}) while starting" if code is not None else "exited while starting"
-                    raise EngineStartError(rec.name, rec.address, rec.port, why, processes.log_tail(rec))
+                    raise EngineStartError(rec.name, rec.address, rec.port, why, self.log_tail(rec))
                 if http_status(rec.url + health[rec.name], timeout=2.0) == 200:
                     p.healthy_at = time.monotonic()
                     self.echo(f"{rec.name}: healthy after {p.healthy_at - p.started:.0f} s")
@@ -498,7 +500,7 @@ class Launcher:
                 rec = next(p.record for p in pending if p.healthy_at is None)
                 raise EngineStartError(rec.name, rec.address, rec.port,
                                        f"did not become healthy within {self.topo.timeouts.startup:.0f} s "
-                                       "(timeouts.startup)", processes.log_tail(rec))
+                                       "(timeouts.startup)", self.log_tail(rec))
             names = ", ".join(p.record.name for p in pending if p.healthy_at is None)
             if names and now - last_note >= 15:
                 self.echo(f"... loading: {names} ({now - t0:.0f} s)")
@@ -524,12 +526,12 @@ class Launcher:
             while http_status(self.dep.proxy_url + "/health", timeout=2.0) != 200:
                 if not self.alive(record):
                     raise EngineStartError("proxy", record.address, record.port, "exited while starting",
-                                           processes.log_tail(record))
+                                           self.log_tail(record))
                 limit = self.topo.timeouts.proxy_startup
                 if time.monotonic() - started > limit:
                     raise EngineStartError("proxy", record.address, record.port,
                                            f"did not report healthy within {limit:g} s (timeouts.proxy_startup)",
-                                           processes.log_tail(record))
+                                           self.log_tail(record))
                 time.sleep(0.2)
         self.echo(f"proxy: healthy at {self.dep.proxy_url}")
 
@@ -561,13 +563,14 @@ def _failure_line(rec: ProcessRecord, exc: BaseException) -> str:
     return f"{rec.name} on {where}: {exc}"
 
 
-def stop_run(run: RunState, *, grace: float, echo: Callable[[str], None],
+def stop_run(run: RunState, *, grace: float, ssh_timeout: float, echo: Callable[[str], None],
              hurry: Callable[[], bool] | None = None) -> None:
     """Stop every process of ``run``, then remove its network namespaces and its state file.
 
     The proxy first, then every engine at once, each whatever state its leader
     is in (``processes.stop_process``); ``hurry()`` turning true cuts the grace
-    short. Processes that could not be stopped (their host did not answer over
+    short (a SIGKILL over ssh limited to ``ssh_timeout``, ``timeouts.ssh_check``).
+    Processes that could not be stopped (their host did not answer over
     SSH, or they survived SIGKILL) are named in a LaunchError; the state file
     is then kept, listing only them, so ``disagg down`` can retry.
     """
@@ -576,7 +579,8 @@ def stop_run(run: RunState, *, grace: float, echo: Callable[[str], None],
     waves = [[r for r in ordered if r.kind == "proxy"], [r for r in ordered if r.kind != "proxy"]]
     for wave in (w for w in waves if w):
         with ThreadPoolExecutor(max_workers=len(wave), thread_name_prefix="disagg-stop") as pool:
-            futures = [(rec, pool.submit(processes.stop_process, rec, grace, hurry)) for rec in wave]
+            futures = [(rec, pool.submit(processes.stop_process, rec, grace, hurry, ssh_timeout=ssh_timeout))
+                       for rec in wave]
         for rec, future in futures:
             exc = future.exception()
             if exc is None:

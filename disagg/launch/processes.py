@@ -37,7 +37,7 @@ import psutil
 from disagg.errors import HostUnreachableError, LaunchError, RemoteCommandError
 from disagg.launch.state import ProcessRecord
 from disagg.ssh import ssh_prefix
-from disagg.topology import HostSpec
+from disagg.topology import HostSpec, Timeouts
 
 LOG_TAIL_LINES = 30
 #: ssh's own exit status when it fails (connection, authentication), as opposed to the command's
@@ -63,13 +63,16 @@ class StopOutcome:
     others: int            # further processes of its group, session or descendants that were signalled
 
 
-def run_remote(prefix: list[str], command: str, *, timeout: float = 60.0, stdin_text: str | None = None) -> str:
-    """Run a shell command over SSH (``stdin_text`` on its stdin); return stdout or raise RemoteCommandError."""
+def run_remote(prefix: list[str], command: str, *, timeout: float, stdin_text: str | None = None) -> str:
+    """Run a shell command over SSH (``stdin_text`` on its stdin); return stdout or raise RemoteCommandError.
+
+    ``timeout``: the topology's ``timeouts.ssh_command`` or ``timeouts.ssh_check``; past it the host
+    counts as unreachable (HostUnreachableError)."""
     try:
         stdin = {"input": stdin_text} if stdin_text is not None else {"stdin": subprocess.DEVNULL}
         done = subprocess.run([*prefix, command], capture_output=True, text=True, timeout=timeout, **stdin)
     except subprocess.TimeoutExpired as exc:
-        raise HostUnreachableError(f"{prefix[-1]}: no answer within {timeout:.0f} s") from exc
+        raise HostUnreachableError(f"{prefix[-1]}: no answer within {timeout:g} s") from exc
     except OSError as exc:
         raise RemoteCommandError(f"cannot run ssh: {exc.strerror or exc}") from exc
     if done.returncode == SSH_FAILED:
@@ -94,7 +97,8 @@ def start_local(argv: list[str] | tuple[str, ...], env: dict[str, str], log: Pat
     return proc.pid, created
 
 
-def start_remote(host: HostSpec, command: str, log: str, secret_env: Mapping[str, str] | None = None) -> int:
+def start_remote(host: HostSpec, command: str, log: str, secret_env: Mapping[str, str] | None = None, *,
+                 ssh_timeout: float = Timeouts.ssh_command) -> int:
     """Start a shell ``command`` on ``host`` under setsid, output to ``log``; return its pid (= pgid).
 
     ``secret_env`` variables reach the command's environment through ssh's
@@ -111,7 +115,7 @@ def start_remote(host: HostSpec, command: str, log: str, secret_env: Mapping[str
     script = (f"mkdir -p {shlex.quote(log_dir)} || exit 1; {reads}"
               f"setsid sh -c {shlex.quote(f'exec {command}')} >>{shlex.quote(log)} 2>&1 </dev/null & echo $!")
     stdin_text = "".join(f"{value}\n" for _, value in secrets) if secrets else None
-    out = run_remote(ssh_prefix(host), script, stdin_text=stdin_text).strip()
+    out = run_remote(ssh_prefix(host), script, timeout=ssh_timeout, stdin_text=stdin_text).strip()
     try:
         return int(out.splitlines()[-1])
     except (ValueError, IndexError) as exc:
@@ -208,11 +212,11 @@ def _remote_liveness(pid: int) -> str:
             "elif [ -n \"$(m)\" ]; then echo disagg-liveness leftovers; else echo disagg-liveness gone; fi")
 
 
-def liveness(rec: ProcessRecord) -> Liveness:
+def liveness(rec: ProcessRecord, *, ssh_timeout: float = Timeouts.ssh_check) -> Liveness:
     """What is left of a recorded process, locally or over SSH (one ssh call)."""
     if rec.ssh:
         try:
-            out = run_remote(rec.ssh, _remote_liveness(int(rec.pid)), timeout=20)
+            out = run_remote(rec.ssh, _remote_liveness(int(rec.pid)), timeout=ssh_timeout)
         except RemoteCommandError:
             return Liveness.UNREACHABLE
         words = [line.split()[-1] for line in out.splitlines() if line.startswith("disagg-liveness ")]
@@ -223,7 +227,7 @@ def liveness(rec: ProcessRecord) -> Liveness:
     return Liveness.LEFTOVERS if members else Liveness.GONE
 
 
-def is_alive(rec: ProcessRecord) -> bool:
+def is_alive(rec: ProcessRecord, *, ssh_timeout: float = Timeouts.ssh_check) -> bool:
     """False only once the recorded leader is known to have exited.
 
     Local: the leader runs (cheap: no sweep). Remote: the same over SSH (a
@@ -233,7 +237,7 @@ def is_alive(rec: ProcessRecord) -> bool:
     """
     if rec.ssh:
         try:
-            run_remote(rec.ssh, _remote_members(int(rec.pid)) + "l", timeout=20)
+            run_remote(rec.ssh, _remote_members(int(rec.pid)) + "l", timeout=ssh_timeout)
             return True
         except HostUnreachableError:
             return True
@@ -326,10 +330,11 @@ def _remote_kill(pid: int) -> str:
     return _remote_members(pid) + _remote_signal(pid, "KILL") + "echo disagg-killed"
 
 
-def stop_remote(rec: ProcessRecord, grace: float, hurry: Callable[[], bool] | None = None) -> StopOutcome:
+def stop_remote(rec: ProcessRecord, grace: float, hurry: Callable[[], bool] | None = None, *,
+                ssh_timeout: float = Timeouts.ssh_check) -> StopOutcome:
     """Stop a remote engine on its host: TERM its group and session, wait, KILL (one ssh call).
 
-    Once ``hurry()`` is true a second ssh call SIGKILLs at once. Raises
+    Once ``hurry()`` is true a second ssh call (limit ``ssh_timeout``) SIGKILLs at once. Raises
     :class:`HostUnreachableError` when ssh cannot reach the host, and
     LaunchError when something is still running there after SIGKILL.
     """
@@ -350,7 +355,7 @@ def stop_remote(rec: ProcessRecord, grace: float, hurry: Callable[[], bool] | No
         if hurry is not None and not hurried and hurry():
             hurried = True
             try:
-                run_remote(rec.ssh, _remote_kill(int(rec.pid)), timeout=20)
+                run_remote(rec.ssh, _remote_kill(int(rec.pid)), timeout=ssh_timeout)
             except RemoteCommandError:
                 pass  # the first call reports
         time.sleep(0.05)
@@ -368,18 +373,19 @@ def stop_remote(rec: ProcessRecord, grace: float, hurry: Callable[[], bool] | No
     return StopOutcome(bool(leader), max(0, found - leader))
 
 
-def stop_process(rec: ProcessRecord, grace: float, hurry: Callable[[], bool] | None = None) -> StopOutcome:
+def stop_process(rec: ProcessRecord, grace: float, hurry: Callable[[], bool] | None = None, *,
+                 ssh_timeout: float = Timeouts.ssh_check) -> StopOutcome:
     """Stop a recorded process wherever it runs, whatever state its leader is in."""
     if rec.ssh:
-        return stop_remote(rec, grace, hurry)
+        return stop_remote(rec, grace, hurry, ssh_timeout=ssh_timeout)
     return stop_local(rec, grace, hurry)
 
 
-def log_tail(rec: ProcessRecord, lines: int = LOG_TAIL_LINES) -> str:
+def log_tail(rec: ProcessRecord, lines: int = LOG_TAIL_LINES, *, ssh_timeout: float = Timeouts.ssh_check) -> str:
     """The last ``lines`` lines of the process's log (fetched over SSH for remote ones)."""
     if rec.ssh:
         try:
-            return run_remote(rec.ssh, f"tail -n {lines} {shlex.quote(rec.log)}", timeout=20)
+            return run_remote(rec.ssh, f"tail -n {lines} {shlex.quote(rec.log)}", timeout=ssh_timeout)
         except RemoteCommandError as exc:
             return f"(could not fetch the remote log {rec.log}: {exc})"
     try:

@@ -271,3 +271,20 @@ def test_a_file_name_that_would_leave_the_run_directory_is_refused(tmp_path: Pat
     assert str(info.value).startswith(f"{path}:1: name: '.' is '.' (the file name '..yaml' without .yaml; set name:)")
     path.with_name("ok.yaml").write_text("name: fine-name\n" + GOOD)
     assert load_topology(path.with_name("ok.yaml")).name == "fine-name"
+
+
+def test_ssh_limits_default_and_take_durations() -> None:
+    assert (parse(GOOD).timeouts.ssh_command, parse(GOOD).timeouts.ssh_check) == (60.0, 20.0)
+    topo = parse(GOOD + "timeouts: {ssh_command: 90, ssh_check: 500ms}\n")
+    assert (topo.timeouts.ssh_command, topo.timeouts.ssh_check) == (90.0, 0.5)
+    assert topo.timeouts.startup == 900.0
+
+
+@pytest.mark.parametrize(("timeouts", "message"), [
+    ("{ssh_check: 0}", "topo.yaml:13: timeouts.ssh_check: expected a duration greater than 0 and below 1e7 s, got 0"),
+    ("{ssh_command: soon}",
+     "topo.yaml:13: timeouts.ssh_command: expected a duration (seconds, or e.g. 30s, 10m), got the string 'soon'"),
+    ("{ssh_comand: 30}", "topo.yaml:13: timeouts.ssh_comand: unknown field (did you mean 'ssh_command'?)"),
+])
+def test_ssh_limits_are_checked(timeouts: str, message: str) -> None:
+    assert error_of(GOOD + f"timeouts: {timeouts}\n").startswith(message)

@@ -88,7 +88,7 @@ class _Started:
         self.local.append((list(argv), dict(env)))
         return os.getpid(), 0.0
 
-    def start_remote(self, host, command, log, secret_env=None):
+    def start_remote(self, host, command, log, secret_env=None, **_):
         self.remote.append((command, dict(secret_env or {})))
         return 4242
 
@@ -98,10 +98,10 @@ def started(monkeypatch: pytest.MonkeyPatch) -> _Started:
     fake = _Started()
     monkeypatch.setattr(processes, "start_local", fake.start_local)
     monkeypatch.setattr(processes, "start_remote", fake.start_remote)
-    monkeypatch.setattr(processes, "is_alive", lambda rec: True)
+    monkeypatch.setattr(processes, "is_alive", lambda rec, **_: True)
     monkeypatch.setattr(processes, "exit_status", lambda pid: None)
-    monkeypatch.setattr(processes, "stop_process", lambda rec, grace, hurry=None: None)
-    monkeypatch.setattr(launcher_mod, "busy_ports", lambda host, python, ports: [])
+    monkeypatch.setattr(processes, "stop_process", lambda rec, grace, hurry=None, **_: None)
+    monkeypatch.setattr(launcher_mod, "busy_ports", lambda host, python, ports, **_: [])
     monkeypatch.setattr(launcher_mod, "http_status", lambda url, timeout=5.0: 200)
     return fake
 
