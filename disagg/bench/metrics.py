@@ -10,11 +10,16 @@
 - Goodput: completed requests/s that meet every SLO given; SLO attainment is
   the share of all requests (failed ones count as missed) that met them.
 - Percentiles: numpy's default ("linear") method, as vLLM uses.
+- Failures are counted by kind (:func:`failure_kind`): the HTTP status of a
+  refused request (the proxy's 429 at its concurrency cap, 503 with no healthy
+  backend), else ``stream``, ``timeout`` or ``connection``.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +56,21 @@ def pooled_itls(records: Iterable[RequestRecord]) -> list[float]:
         if rec.success:
             out.extend(rec.itls)
     return out
+
+
+def failure_kind(error: str) -> str:
+    """What a failed request's recorded error (:mod:`disagg.bench.client`) says went wrong:
+    ``"HTTP 429"`` for an HTTP status, ``"stream"`` (an error event, or no token), ``"timeout"``,
+    ``"connection"``, else ``"other"``. Called per failed record by :func:`compute_metrics`."""
+    if m := re.match(r"HTTP (\d{3})\b", error):
+        return f"HTTP {m.group(1)}"
+    if error.startswith(("stream error", "the stream ended")):
+        return "stream"
+    if error.startswith("TimeoutError"):
+        return "timeout"
+    if error.startswith(("Client", "Server")):      # aiohttp's ClientConnectorError, ServerDisconnectedError ...
+        return "connection"
+    return "other"
 
 
 def meets_slo(slo: SLO, ttft: float, tpot_s: float | None, e2el: float) -> bool:
@@ -111,6 +131,7 @@ class Metrics:
     good: int | None                   # requests meeting the SLO (None: no SLO)
     goodput: float | None              # good / duration
     slo_attainment: float | None       # good / requests
+    failures: dict[str, int] = field(default_factory=dict)   # failed requests by failure_kind
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (latencies in ms)."""
@@ -121,7 +142,7 @@ class Metrics:
                 "total_token_throughput": self.total_token_throughput,
                 "ttft": self.ttft.to_dict(), "tpot": self.tpot.to_dict(), "itl": self.itl.to_dict(),
                 "e2el": self.e2el.to_dict(), "good": self.good, "goodput": self.goodput,
-                "slo_attainment": self.slo_attainment}
+                "slo_attainment": self.slo_attainment, "failures": dict(self.failures)}
 
 
 def compute_metrics(records: Sequence[RequestRecord], duration_s: float, slo: SLO = NO_SLO,
@@ -157,7 +178,8 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float, slo: SL
         itl=Distribution.of(pooled_itls(done), percentiles), e2el=Distribution.of(e2els, percentiles),
         good=None if slo.empty else good,
         goodput=None if slo.empty else good / duration_s,
-        slo_attainment=None if slo.empty or n == 0 else good / n)
+        slo_attainment=None if slo.empty or n == 0 else good / n,
+        failures=dict(sorted(Counter(failure_kind(r.error or "") for r in records if not r.success).items())))
 
 
 def metrics_by_class(records: Sequence[RequestRecord], duration_s: float, slo: SLO = NO_SLO,

@@ -1,6 +1,14 @@
 """Run a workload against one endpoint: one run per request rate (open loop) or per
 concurrency (closed loop), each with fresh prompts so the prefix cache of an
 earlier run cannot help a later one.
+
+With ``repeats`` > 1 every step is run that many times back to back; repeat k
+uses the workload's seed + k and a salt of its own (:func:`repeat_workload`),
+so repeats differ in class order, arrivals and prompts and never hit each
+other's prefix cache, while every endpoint of a compare sees the same repeats.
+Around every run the target's ``/metrics`` is scraped for the proxy's route
+mix (:mod:`disagg.bench.routes`). Called by ``disagg bench serve``
+(:mod:`disagg.commands.bench`) and by :mod:`disagg.bench.compare`.
 """
 
 from __future__ import annotations
@@ -9,7 +17,7 @@ import asyncio
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,6 +28,7 @@ from disagg.bench.metrics import DEFAULT_PERCENTILES, Metrics, metrics_by_class
 from disagg.bench.progress import Progress
 from disagg.bench.prompts import DEFAULT_CHARS_PER_TOKEN, Prompt, build_prompts
 from disagg.bench.records import RequestRecord
+from disagg.bench.routes import route_delta, scrape
 from disagg.bench.slo import NO_SLO, SLO
 from disagg.bench.workload import Workload, arrival_offsets, class_sequence
 from disagg.errors import DisaggError
@@ -69,6 +78,8 @@ class RunResult:
     records: list[RequestRecord]
     metrics: dict[str, Metrics] = field(default_factory=dict)
     exact_prompts: bool = False
+    repeat: int = 0                         # which repeat of its step (0-based)
+    routes: dict[str, Any] | None = None    # the proxy's route deltas over the run (routes.route_delta)
 
     @property
     def x(self) -> float:
@@ -81,11 +92,15 @@ class RunResult:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, with every record."""
         rate = self.step.rate
-        return {"label": self.step.label, "rate": "inf" if rate is not None and math.isinf(rate) else rate,
-                "concurrency": self.step.concurrency, "x": self.x, "started_at": self.started_at,
-                "duration_s": self.duration_s, "exact_prompts": self.exact_prompts,
-                "metrics": {k: m.to_dict() for k, m in self.metrics.items()},
-                "records": [r.to_dict() for r in self.records]}
+        d: dict[str, Any] = {
+            "label": self.step.label, "rate": "inf" if rate is not None and math.isinf(rate) else rate,
+            "concurrency": self.step.concurrency, "repeat": self.repeat, "x": self.x,
+            "started_at": self.started_at, "duration_s": self.duration_s, "exact_prompts": self.exact_prompts,
+            "metrics": {k: m.to_dict() for k, m in self.metrics.items()}}
+        if self.routes is not None:
+            d["routes"] = self.routes
+        d["records"] = [r.to_dict() for r in self.records]
+        return d
 
 
 @dataclass
@@ -96,12 +111,13 @@ class BenchResult:
     model: str
     workload: Workload
     slo: SLO
-    runs: list[RunResult]
+    runs: list[RunResult]                   # each step's repeats back to back, steps in order
+    repeats: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
         w = self.workload
-        return {"base_url": self.base_url, "model": self.model, "slo": self.slo.to_dict(),
+        return {"base_url": self.base_url, "model": self.model, "slo": self.slo.to_dict(), "repeats": self.repeats,
                 "workload": {"classes": [vars(c) for c in w.classes], "num_requests": w.num_requests,
                              "duration_s": w.duration_s, "arrival": w.arrival, "burstiness": w.burstiness,
                              "concurrency": w.concurrency, "seed": w.seed, "salt": w.salt, "api": w.api,
@@ -127,10 +143,12 @@ async def resolve_model(session: aiohttp.ClientSession, base_url: str) -> str:
 
 async def run_step(session: aiohttp.ClientSession, url: str, model: str, prompts: Sequence[Prompt],
                    workload: Workload, step: Step, slo: SLO, headers: dict[str, str] | None = None,
-                   progress: bool = True, percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> RunResult:
-    """Send ``prompts`` to ``url`` at ``step``'s rate or concurrency; gather the records."""
+                   progress: bool = True, percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+                   title: str | None = None) -> RunResult:
+    """Send ``prompts`` to ``url`` at ``step``'s rate or concurrency; gather the records.
+    ``title`` names the run on the progress bar (default: the step's label)."""
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
-    bar = Progress(len(prompts), f"{step.label:>16}", enabled=progress)
+    bar = Progress(len(prompts), f"{title or step.label:>16}", enabled=progress)
     records: list[RequestRecord] = []
     t0 = time.perf_counter()
     deadline = workload.duration_s
@@ -189,10 +207,22 @@ async def _warm_up(session: aiohttp.ClientSession, url: str, model: str, workloa
         raise DisaggError(f"warm-up request to {url} failed: {rec.error}")
 
 
+def repeat_workload(workload: Workload, repeat: int) -> Workload:
+    """The workload of repeat ``repeat`` (0-based) of a step: seed + repeat and, from the second
+    repeat on, a salt of its own (its prompts' tags differ from every other repeat's)."""
+    if repeat == 0:
+        return workload
+    return replace(workload, seed=workload.seed + repeat, salt=f"{workload.salt}r{repeat}.")
+
+
 async def run_sweep(target: Target, workload: Workload, steps: Sequence[Step], slo: SLO = NO_SLO,
                     progress: bool = True, warmup: int = 1,
-                    percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> BenchResult:
-    """Resolve the model, warm up, then one run per step with fresh prompts (same seed, new tags)."""
+                    percentiles: Sequence[float] = DEFAULT_PERCENTILES, repeats: int = 1) -> BenchResult:
+    """Resolve the model, warm up, then ``repeats`` runs per step (back to back), each with fresh
+    prompts (:func:`repeat_workload`; each step its own tags), the target's route counters scraped
+    before and after each run."""
+    if repeats < 1:
+        raise DisaggError(f"repeats must be at least 1, got {repeats}")
     base = normalize_base_url(target.base_url)
     headers = dict(target.headers) or None
     path = CHAT_PATH if workload.api == "chat" else COMPLETIONS_PATH
@@ -202,11 +232,16 @@ async def run_sweep(target: Target, workload: Workload, steps: Sequence[Step], s
         for _ in range(warmup):
             await _warm_up(session, base + path, model, workload, headers)
         tok_urls = () if target.tokenize_urls is None else (target.tokenize_urls or (base,))
-        classes = class_sequence(workload)
         runs = []
         for round_index, step in enumerate(steps):
-            prompts = await build_prompts(session, tok_urls, model, workload, classes,
-                                          chars_per_token=target.chars_per_token, round_index=round_index)
-            runs.append(await run_step(session, base + path, model, prompts, workload, step, slo,
-                                       headers, progress, percentiles))
-    return BenchResult(base_url=base, model=model, workload=workload, slo=slo, runs=runs)
+            for k in range(repeats):
+                wl = repeat_workload(workload, k)
+                prompts = await build_prompts(session, tok_urls, model, wl, class_sequence(wl),
+                                              chars_per_token=target.chars_per_token, round_index=round_index)
+                before = await scrape(session, base)
+                run = await run_step(session, base + path, model, prompts, wl, step, slo, headers, progress,
+                                     percentiles, title=f"{step.label} #{k + 1}" if repeats > 1 else None)
+                run.repeat = k
+                run.routes = route_delta(before, await scrape(session, base))
+                runs.append(run)
+    return BenchResult(base_url=base, model=model, workload=workload, slo=slo, runs=runs, repeats=repeats)

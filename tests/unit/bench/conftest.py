@@ -6,7 +6,13 @@ vLLM: it answers /v1/models, streaming /v1/completions and
 a character-level tokenizer (one token per character, plus one BOS). Its
 timing is programmed: TTFT = base + prompt tokens / prefill rate, then one
 token every ``tpot`` seconds, so the bench's measurements can be checked
-against known values. Requests whose prompt contains ``FAIL`` get HTTP 500.
+against known values. Requests whose prompt contains ``FAIL`` get HTTP 500;
+``refuse`` lists statuses (429, 503) to answer the next generation requests
+with, as the disagg proxy refuses them. With ``routes`` (the proxy's own
+:class:`~disagg.proxy.metrics.ProxyMetrics`, so the series names are the real
+ones) it serves ``GET /metrics`` and routes like a proxy would: prompts under
+``split_from`` tokens ``local``, others ``split``, predicting ``predict_factor``
+x the programmed TTFT; without it ``/metrics`` is 404, like a server without it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from disagg.bench.records import RequestRecord
 from disagg.bench.runner import BenchResult, RunResult, Step
 from disagg.bench.slo import SLO
 from disagg.bench.workload import Workload, parse_classes
+from disagg.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 
 
 @dataclass
@@ -41,6 +48,11 @@ class StandIn:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     #: the Authorization header of each generation request (None: absent)
     authorizations: list[str | None] = field(default_factory=list)
+    #: statuses to refuse the next generation requests with (popped from the front)
+    refuse: list[int] = field(default_factory=list)
+    routes: ProxyMetrics | None = None
+    split_from: int = 100
+    predict_factor: float = 1.5
 
 
 def _count(text: str) -> int:
@@ -75,11 +87,20 @@ def _app(state: StandIn) -> web.Application:
         text = body["messages"][0]["content"] if chat else body["prompt"]
         if "FAIL" in text:
             return web.json_response({"error": {"message": "stand-in failure"}}, status=500)
+        if state.refuse:
+            status = state.refuse.pop(0)
+            return web.json_response({"error": {"message": f"stand-in refusal {status}"}}, status=status)
         prompt_tokens = _count(text) + (2 if chat else 0)
+        ttft = state.base_ttft + prompt_tokens / state.prefill_tokens_per_s
+        if state.routes is not None:
+            path = "local" if prompt_tokens < state.split_from else "split"
+            state.routes.route.labels(path=path, reason="predicted").inc()
+            state.routes.route_predicted.labels(path=path).observe(state.predict_factor * ttft)
+            state.routes.route_observed.labels(path=path).observe(ttft)
         n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        await asyncio.sleep(state.base_ttft + prompt_tokens / state.prefill_tokens_per_s)
+        await asyncio.sleep(ttft)
         for i in range(n):
             if i:
                 await asyncio.sleep(state.tpot)
@@ -92,7 +113,13 @@ def _app(state: StandIn) -> web.Application:
         await resp.write_eof()
         return resp
 
+    async def metrics(_: web.Request) -> web.Response:
+        if state.routes is None:
+            raise web.HTTPNotFound()
+        return web.Response(body=state.routes.render(), headers={"Content-Type": CONTENT_TYPE})
+
     app = web.Application()
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)

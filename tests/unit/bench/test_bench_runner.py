@@ -10,9 +10,10 @@ import aiohttp
 import pytest
 
 from disagg.bench.client import request_body, send_request
+from disagg.bench.metrics import failure_kind
 from disagg.bench.progress import Progress
 from disagg.bench.prompts import Prompt, build_prompts
-from disagg.bench.runner import Step, Target, normalize_base_url, run_sweep
+from disagg.bench.runner import Step, Target, normalize_base_url, repeat_workload, run_sweep
 from disagg.bench.slo import SLO
 from disagg.bench.workload import Workload, class_sequence, parse_classes
 from disagg.errors import DisaggError
@@ -149,3 +150,44 @@ def test_progress_prints_deciles_when_not_a_tty() -> None:
     bar.close()
     lines = out.getvalue().splitlines()
     assert 10 <= len(lines) <= 11 and lines[-1].startswith("rate 1/s [" + "#" * 30 + "] 20/20 (1 failed)")
+
+
+async def test_repeats_run_each_step_back_to_back_with_fresh_prompts(standin) -> None:
+    w = _workload(num_requests=4, salt="s-")
+    result = await run_sweep(Target(standin.url), w, [Step(rate=200.0), Step(rate=400.0)], progress=False,
+                             repeats=3)
+    assert result.repeats == 3 and result.to_dict()["repeats"] == 3
+    assert [(r.step.rate, r.repeat) for r in result.runs] == [(200.0, 0), (200.0, 1), (200.0, 2),
+                                                              (400.0, 0), (400.0, 1), (400.0, 2)]
+    assert [r.to_dict()["repeat"] for r in result.runs] == [0, 1, 2, 0, 1, 2]
+    prompts = [b["prompt"] for b in standin.bodies[1:]]          # [0] is the warm-up
+    assert len(prompts) == 24 and len({p[:14] for p in prompts}) == 24, "no prompt shares its tag"
+    # repeat k: seed + k and its own salt; repeat 0 is the workload as given (a single run is unchanged)
+    assert repeat_workload(w, 0) is w
+    assert (repeat_workload(w, 2).seed, repeat_workload(w, 2).salt) == (3, "s-r2.")
+    first_tags = [p.split("]")[0] for p in prompts[:4]]
+    assert all(t.startswith("[s-1-0-") for t in first_tags)
+    assert all(p.startswith("[s-r1.2-0-") for p in prompts[4:8])
+    with pytest.raises(DisaggError, match="repeats must be at least 1"):
+        await run_sweep(Target(standin.url), w, [Step(rate=1.0)], progress=False, repeats=0)
+
+
+async def test_refusals_count_as_failures_by_status(standin) -> None:
+    standin.refuse = [429, 429, 503]             # what the proxy answers at its cap / with no healthy backend
+    w = _workload(num_requests=8)
+    result = await run_sweep(Target(standin.url), w, [Step(rate=400.0)], progress=False, warmup=0)
+    m = result.runs[0].metrics["all"]
+    assert (m.completed, m.failed) == (5, 3)
+    assert m.failures == {"HTTP 429": 2, "HTTP 503": 1}
+    assert m.to_dict()["failures"] == {"HTTP 429": 2, "HTTP 503": 1}
+    assert sum(sum(result.runs[0].metrics[k].failures.values()) for k in ("short", "long")) == 3
+
+
+def test_failure_kinds() -> None:
+    assert failure_kind("HTTP 429: {\"error\": ...}") == "HTTP 429"
+    assert failure_kind("stream error: {}") == "stream"
+    assert failure_kind("the stream ended without a token chunk") == "stream"
+    assert failure_kind("TimeoutError: ") == "timeout"
+    assert failure_kind("ClientConnectorError: Cannot connect") == "connection"
+    assert failure_kind("ServerDisconnectedError: gone") == "connection"
+    assert failure_kind("SSEError: bad") == "other"
