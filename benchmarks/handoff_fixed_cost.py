@@ -30,14 +30,13 @@ import fcntl
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
+
+from _common import free_ports, streamed_ttft
 
 from disagg.kvmath import resolve_model
 from disagg.launch.state import load_state, run_path
@@ -48,35 +47,10 @@ from disagg.topology import load_topology
 LOCK = os.environ.get("DISAGG_ENGINE_LOCK", "/tmp/disagg-engines.lock")
 
 
-def _ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _ttft(url: str, body: dict, key: str | None) -> tuple[float, int]:
-    """(seconds to the first token event, prompt tokens) of one streamed completion."""
-    headers = {"content-type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    data = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=data, headers=headers)
-    t0 = time.perf_counter()
-    first, tokens = 0.0, 0
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("choices") and not first:
-                first = time.perf_counter() - t0
-            tokens = (event.get("usage") or {}).get("prompt_tokens", tokens)
-    return first, tokens
+def _ttft(url: str, body: dict[str, object], key: str | None) -> tuple[float, int]:
+    """(seconds to the first token event, prompt tokens) of one streamed completion at ``url``."""
+    ttft, usage = streamed_ttft(url + "/v1/completions", body, key)
+    return ttft, int(usage.get("prompt_tokens", 0))
 
 
 def main() -> int:
@@ -89,7 +63,7 @@ def main() -> int:
     args = parser.parse_args()
     lengths = [int(t) for t in args.prompt_tokens.split(",")]
     work = Path(tempfile.mkdtemp(prefix="disagg-fixed-"))
-    proxy_port, p_port, d_port, p_kv, d_kv = _ports(5)
+    proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
     topo_file = work / f"fixed-{args.connector}.yaml"
     engine_args = '["-O0", "--max-num-seqs", "8"]'
     topo_file.write_text(f"""\

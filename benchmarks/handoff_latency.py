@@ -16,13 +16,14 @@ figures measured on the project's machines.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from _common import streamed_ttft
 
 from disagg.deployment import build_deployment
 from disagg.engines.vllm import served_model_name
@@ -37,29 +38,10 @@ def _get(url: str) -> str:
         return resp.read().decode()
 
 
-def _stream(url: str, body: dict) -> tuple[float, dict]:
-    """POST a streaming completion; (seconds to the first token event, the usage of the last event)."""
-    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True,
-                                                       "stream_options": {"include_usage": True}}).encode(),
-                                 headers={"content-type": "application/json"})
-    t0 = time.perf_counter()
-    ttft, usage = 0.0, {}
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("choices") and not ttft:
-                ttft = time.perf_counter() - t0
-            usage = event.get("usage") or usage
-    return ttft, usage
-
-
 def _measure(proxy: str, decode: str, body: dict) -> dict[str, float]:
     p0, d0 = _get(proxy + "/metrics"), _get(decode + "/metrics")
     t0 = time.perf_counter()
-    ttft, usage = _stream(proxy + "/v1/completions", body)
+    ttft, usage = streamed_ttft(proxy + "/v1/completions", body)
     wall = time.perf_counter() - t0
     p1, d1 = _get(proxy + "/metrics"), _get(decode + "/metrics")
 
