@@ -10,6 +10,7 @@ is about, and it can be made to do it on demand (a real engine takes a minute).
 from __future__ import annotations
 
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import psutil
 
 from disagg.launch import processes
 from disagg.launch.state import ProcessRecord
+from disagg.topology import Topology, load_topology
 
 #: the stand-in "API server": three children like EngineCore and workers, one ignoring SIGTERM,
 #: one moved to a process group of its own (still in the session), one grandchild
@@ -90,3 +92,24 @@ def kill_all(procs: list[psutil.Process]) -> None:
             pass
     for proc in procs:
         processes.exit_status(proc.pid)
+
+
+def remote_lmcache_topology(tmp_path: Path, extra: str = "") -> Topology:
+    """An LMCache 1P1D whose prefill host ``p`` is reached over ssh (``me@p``, workdir under
+    ``tmp_path``; a test stands in for ssh) and whose decode host and proxy are not this
+    machine's addresses; ``extra``: more topology lines. Written to ``tmp_path/lm.yaml``."""
+    path = tmp_path / "lm.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        model: {{path: /models/m}}
+        engine: vllm
+        connector: lmcache
+        link: {{type: ethernet}}
+        proxy: {{host: 10.0.0.9}}
+        hosts:
+          p: {{address: 10.0.0.1, ssh: me@p, workdir: {tmp_path}/remote}}
+          d: {{address: 10.0.0.2}}
+        roles:
+          prefill: [{{host: p, port: 8100}}]
+          decode: [{{host: d, port: 8200, kv_port: 7300}}]
+        """) + extra)
+    return load_topology(path, run_dir=str(tmp_path / "run"))

@@ -11,6 +11,7 @@ import yaml
 from disagg.deployment import build_deployment
 from disagg.launch.launcher import Launcher
 from disagg.topology import parse_topology
+from tests.unit.launch.standins import remote_lmcache_topology
 
 
 def test_lmcache_yaml_is_written_where_the_env_points(tmp_path: Path) -> None:
@@ -40,21 +41,7 @@ def test_remote_files_go_over_ssh_as_one_shell_command(tmp_path: Path, monkeypat
 
     from disagg.launch import processes
 
-    text = f"""\
-    model: {{path: /models/m}}
-    engine: vllm
-    connector: lmcache
-    link: {{type: ethernet}}
-    proxy: {{host: 10.0.0.9}}
-    hosts:
-      p: {{address: 10.0.0.1, ssh: me@p, workdir: {tmp_path}/remote}}
-      d: {{address: 10.0.0.2}}
-    roles:
-      prefill: [{{host: p, port: 8100}}]
-      decode: [{{host: d, port: 8200, kv_port: 7300}}]
-    """
-    topo = parse_topology(textwrap.dedent(text), str(tmp_path / "lm.yaml"), run_dir=str(tmp_path / "run"))
-    dep = build_deployment(topo)
+    dep = build_deployment(remote_lmcache_topology(tmp_path))
     sent: list[tuple[list[str], str]] = []
     monkeypatch.setattr(processes, "run_remote", lambda prefix, cmd, **kw: sent.append((prefix, cmd)) or "")
     eng = dep.role("prefill")[0]

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,28 +14,12 @@ from disagg.errors import HostUnreachableError
 from disagg.launch import health, processes
 from disagg.launch.launcher import Launcher
 from disagg.launch.state import ProcessRecord, RunState, save_state
-from disagg.topology import Timeouts, load_topology
-
-REMOTE = """\
-    model: {{path: /models/m}}
-    engine: vllm
-    connector: lmcache
-    link: {{type: ethernet}}
-    proxy: {{host: 10.0.0.9}}
-    hosts:
-      p: {{address: 10.0.0.1, ssh: me@p, workdir: {tmp}/remote}}
-      d: {{address: 10.0.0.2}}
-    roles:
-      prefill: [{{host: p, port: 8100}}]
-      decode: [{{host: d, port: 8200, kv_port: 7300}}]
-    {timeouts}
-    """
+from disagg.topology import Timeouts
+from tests.unit.launch.standins import remote_lmcache_topology
 
 
 def _launcher(tmp_path: Path, timeouts: str = "") -> Launcher:
-    path = tmp_path / "far.yaml"
-    path.write_text(textwrap.dedent(REMOTE.format(tmp=tmp_path, timeouts=timeouts)))
-    return Launcher(build_deployment(load_topology(path, run_dir=str(tmp_path / "run"))), echo=lambda _: None)
+    return Launcher(build_deployment(remote_lmcache_topology(tmp_path, timeouts)), echo=lambda _: None)
 
 
 class _Ssh:
@@ -84,7 +67,7 @@ def test_the_defaults_are_60_s_per_command_and_20_s_per_check(tmp_path: Path, ss
 
 
 def test_a_topology_sets_both_limits(tmp_path: Path, ssh: _Ssh) -> None:
-    launcher = _launcher(tmp_path, "timeouts: {ssh_command: 2m, ssh_check: 7}")
+    launcher = _launcher(tmp_path, "timeouts: {ssh_command: 2m, ssh_check: 7}\n")
     assert (launcher.topo.timeouts.ssh_command, launcher.topo.timeouts.ssh_check) == (120.0, 7.0)
     assert _limits_of_each_step(launcher, ssh) == [120.0, 120.0, 120.0, 7.0, 7.0]
 
@@ -92,8 +75,8 @@ def test_a_topology_sets_both_limits(tmp_path: Path, ssh: _Ssh) -> None:
 def test_disagg_status_checks_with_the_topology_limit(tmp_path: Path, ssh: _Ssh,
                                                       monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    launcher = _launcher(tmp_path, "timeouts: {ssh_check: 3s}")
-    save_state(RunState(topology=launcher.topo.file, name="far", run_dir=launcher.topo.run_dir,
+    launcher = _launcher(tmp_path, "timeouts: {ssh_check: 3s}\n")
+    save_state(RunState(topology=launcher.topo.file, name="lm", run_dir=launcher.topo.run_dir,
                         proxy_url="http://10.0.0.9:8000", started_at=0.0, up_pid=0,
                         processes=[_remote_record()]))
     monkeypatch.setattr(lifecycle, "http_status", lambda url, timeout=3.0: 200)
