@@ -6,6 +6,7 @@ and stopped with `disagg down`, exactly as a user would.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,6 +143,23 @@ def post_json(url: str, body: dict, timeout: float = 300, key: str | None = None
         return json.load(resp)
 
 
+def open_stream(proxy_url: str, prompt: str, *, timeout: float = 120,
+                events: int = 3) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """POST a streamed completion of ``prompt`` that would run 8000 tokens (``ignore_eos``) to the
+    proxy and read its first ``events`` lines, so decode is generating; the open connection and
+    response, for the test to hang up or read on."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8000, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    url = urllib.parse.urlsplit(proxy_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()[:500]
+    for _ in range(events):
+        assert resp.fp.readline()
+    return conn, resp
+
+
 def plain_answer(engine: str, body: dict, timeout: float = 300) -> str:
     """The greedy text one engine answers to a completion or chat ``body`` sent to it directly
     (with the engine key), streamed when ``body`` says so."""
@@ -209,6 +228,24 @@ def foreground_up_processes(topology: Path) -> list[psutil.Process]:
         if "disagg" in cmd and "up" in cmd and str(topology) in cmd:
             found.append(proc)
     return found
+
+
+def bring_up_socket_pd(e2e_dir: Path, model: Path, name: str, *, extra: str = "",
+                       wait_s: float = 60) -> Running:
+    """1 prefill + 1 decode with the socket connector over loopback behind the proxy, one pinned
+    core each (``<name>.yaml``, run directory ``run-<name>`` in ``e2e_dir``); ``extra``: more
+    topology lines. Starts only once no other engine on ``model`` runs (waiting up to ``wait_s``),
+    so that never more than two engines run at once."""
+    deadline = time.monotonic() + wait_s
+    while (left := engine_processes(model)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"engines of another deployment still run: {[p.pid for p in left]}"
+    proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
+    roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
+             f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
+    topo = write_topology(e2e_dir / f"{name}.yaml", model, proxy_port=proxy_port, roles=roles,
+                          connector="socket", extra=extra)
+    return bring_up(topo, e2e_dir / f"run-{name}")
 
 
 def busy_ports(ports: list[int], timeout_s: float = 10) -> list[int]:

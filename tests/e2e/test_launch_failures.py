@@ -6,14 +6,12 @@ mid-stream under the detached supervisor (restarted). Nothing is left running.""
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.parse
 from pathlib import Path
 
 import psutil
@@ -30,6 +28,7 @@ from tests.e2e.engines import (
     bring_up,
     disagg,
     free_ports,
+    open_stream,
     port_is_free,
     post_json,
     wait_proxy_healthy,
@@ -205,15 +204,7 @@ def test_the_detached_supervisor_restarts_a_sigkilled_decode(
         decode = next(r for r in running.state().processes if r.name == "decode[0]")
         old_tree = _session(decode.pid)
         assert len(old_tree) >= 2, "the API server and its EngineCore"
-        body = {"model": "tiny", "prompt": exact_prompt(tokenizer, 40, "restart"), "max_tokens": 8000,
-                "ignore_eos": True, "temperature": 0, "stream": True}
-        url = urllib.parse.urlsplit(running.proxy_url)
-        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200
-        for _ in range(3):  # decode is generating
-            assert resp.fp.readline()
+        conn, resp = open_stream(running.proxy_url, exact_prompt(tokenizer, 40, "restart"), timeout=60)
         os.kill(decode.pid, signal.SIGKILL)
         killed = time.monotonic()
         rest = ""  # the raw chunked body (chunk sizes included) until the proxy ends the stream

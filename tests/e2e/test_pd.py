@@ -7,13 +7,10 @@ Tests in this module run in file order; the last two change the deployment
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import signal
 import socket
 import time
-import urllib.parse
 
 import psutil
 import pytest
@@ -22,7 +19,7 @@ from tokenizers import Tokenizer
 from disagg.prometheus_text import sample_label as metric_label
 from disagg.prometheus_text import sample_sum as metric_value
 from disagg.prompts import exact_prompt
-from tests.e2e.engines import Running, busy_ports, get_text, post_json
+from tests.e2e.engines import Running, busy_ports, get_text, open_stream, post_json
 
 pytestmark = pytest.mark.e2e
 KV_BYTES_PER_TOKEN = 1024  # the embedded tiny model, bf16
@@ -89,15 +86,7 @@ def test_client_disconnect_aborts_decode(pd: Running, tokenizer: Tokenizer) -> N
     as finished by length. Instead nothing runs any more within seconds
     and no request finished (vLLM does not count aborts as finished requests).
     """
-    body = {"model": "tiny", "prompt": exact_prompt(tokenizer, 40, "disconnect"), "max_tokens": 8000,
-            "ignore_eos": True, "temperature": 0, "stream": True}
-    url = urllib.parse.urlsplit(pd.proxy_url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
-    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    for _ in range(3):  # a few streamed events arrive, so decode is generating
-        assert resp.fp.readline()
+    conn, _ = open_stream(pd.proxy_url, exact_prompt(tokenizer, 40, "disconnect"))
     decode = pd.engines["decode[0]"]
     before = get_text(decode + "/metrics")
     assert metric_value(before, "vllm:num_requests_running") == 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,17 +19,14 @@ import pytest
 from tests.e2e.conformance import CASE_NAMES, KV_CASE, Recorded, check_case, check_kv_batch
 from tests.e2e.crafted import EVIL_KV, Crafted, cases, engines_idle_and_alive, send
 from tests.e2e.engines import (
-    ENGINE_ARGS,
     ENGINE_KEY,
     SPLIT_EVERY_PROMPT,
     Running,
-    bring_up,
+    bring_up_socket_pd,
     busy_ports,
     engine_processes,
     foreground_up_processes,
-    free_ports,
     plain_answer,
-    write_topology,
 )
 
 pytestmark = pytest.mark.e2e
@@ -42,16 +38,7 @@ def socket_pd(conformance_reference: dict[str, Recorded], e2e_dir: Path, tiny_mo
     for up in foreground_up_processes(e2e_dir / "pd.yaml"):  # the NIXL `pd`, if test_pd did not stop it
         up.send_signal(signal.SIGINT)
         up.wait(timeout=120)
-    deadline = time.monotonic() + 30
-    while (left := engine_processes(tiny_model)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, f"engines of another deployment still run: {[p.pid for p in left]}"
-    proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
-    roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
-             f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
-    topo = write_topology(e2e_dir / "pd-socket.yaml", tiny_model, proxy_port=proxy_port, roles=roles,
-                          connector="socket", extra=SPLIT_EVERY_PROMPT)
-    run = bring_up(topo, e2e_dir / "run-pd-socket")
+    run = bring_up_socket_pd(e2e_dir, tiny_model, "pd-socket", extra=SPLIT_EVERY_PROMPT)
     try:
         yield run
     finally:  # test_down_leaves_nothing normally did this already

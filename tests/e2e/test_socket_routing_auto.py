@@ -9,7 +9,6 @@ once no other engine on the session's model runs (never more than two engines at
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 
 from disagg.prometheus_text import sample_sum
 from tests.e2e.conformance import CASE_NAMES, Recorded, check_case
-from tests.e2e.engines import ENGINE_ARGS, Running, bring_up, engine_processes, free_ports, get_text, write_topology
+from tests.e2e.engines import Running, bring_up_socket_pd, engine_processes, get_text
 
 pytestmark = pytest.mark.e2e
 
@@ -26,17 +25,8 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def auto_pd(conformance_reference: dict[str, Recorded], e2e_dir: Path, tiny_model: Path) -> Iterator[Running]:
     """1 prefill + 1 decode, socket connector, loopback, the topology's default routing."""
-    deadline = time.monotonic() + 60
-    while (left := engine_processes(tiny_model)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, f"engines of another deployment still run: {[p.pid for p in left]}"
-    proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
-    roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
-             f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
-    topo = write_topology(e2e_dir / "pd-socket-auto.yaml", tiny_model, proxy_port=proxy_port, roles=roles,
-                          connector="socket")
-    assert "routing" not in topo.read_text()
-    run = bring_up(topo, e2e_dir / "run-pd-socket-auto")
+    run = bring_up_socket_pd(e2e_dir, tiny_model, "pd-socket-auto")
+    assert "routing" not in run.topology.read_text()
     try:
         yield run
     finally:
