@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from disagg.bench.metrics import tpot
 from disagg.bench.records import RequestRecord
+from disagg.bench.routes import merge_deltas, route_summary
 
 Document = Mapping[str, Mapping[str, Any]]
 
@@ -59,50 +61,169 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def step_groups(result: Mapping[str, Any]) -> list[list[Mapping[str, Any]]]:
+    """The runs of one result grouped by step: each step's repeats (consecutive runs with the same
+    label, as :func:`disagg.bench.runner.run_sweep` writes them), steps in order."""
+    groups: list[list[Mapping[str, Any]]] = []
+    for run in result["runs"]:
+        if groups and groups[-1][0]["label"] == run["label"]:
+            groups[-1].append(run)
+        else:
+            groups.append([run])
+    return groups
+
+
+def _repeated(doc: Document) -> bool:
+    return any(len(g) > 1 for result in doc.values() for g in step_groups(result))
+
+
+#: the table's metrics: key -> (what it reads from a class's metrics, digits)
+_COLUMNS: dict[str, tuple[tuple[str, ...], int]] = {
+    "req/s": (("request_throughput",), 2), "tok/s": (("output_throughput",), 1),
+    "ttft_mean": (("ttft", "mean_ms"), 1), "ttft_p50": (("ttft", "median_ms"), 1), "ttft_p99": (("ttft", "p99_ms"), 1),
+    "tpot_mean": (("tpot", "mean_ms"), 1), "tpot_p99": (("tpot", "p99_ms"), 1), "itl_mean": (("itl", "mean_ms"), 1),
+    "e2el_p99": (("e2el", "p99_ms"), 1), "goodput": (("goodput",), 2), "slo": (("slo_attainment",), 0)}
+
+
+def _value(m: Mapping[str, Any], keys: tuple[str, ...]) -> float | None:
+    v: Any = m
+    for k in keys:
+        v = v.get(k) if isinstance(v, Mapping) else None
+    return None if v is None else float(v)
+
+
+def _median(values: list[float]) -> float | None:
+    return float(statistics.median(values)) if values else None
+
+
+def _classes_of(group: list[Mapping[str, Any]]) -> list[str]:
+    names: list[str] = []
+    for run in group:
+        names += [k for k in run["metrics"] if k not in names]
+    return names
+
+
+def _group_cells(group: list[Mapping[str, Any]], klass: str) -> dict[str, str]:
+    """One table row's cells: the median over the step's repeats of each metric, totals of
+    completed and failed requests, and the min-max spread of TTFT p50 and goodput."""
+    ms = [run["metrics"][klass] for run in group if klass in run["metrics"]]
+    cells = {"ok": str(sum(int(m["completed"]) for m in ms)), "fail": str(sum(int(m["failed"]) for m in ms)),
+             "runs": str(len(ms))}
+    for name, (keys, digits) in _COLUMNS.items():
+        values = [v for m in ms if (v := _value(m, keys)) is not None]
+        med = _median(values)
+        if name == "slo":
+            cells[name] = "-" if med is None else f"{100 * med:.0f}%"
+        else:
+            cells[name] = _fmt(med, digits)
+        if name in ("ttft_p50", "goodput"):
+            cells[name + "_range"] = (f"{_fmt(min(values), digits)}-{_fmt(max(values), digits)}"
+                                      if values else "-")
+    return cells
+
+
+def _rows(doc: Document) -> list[tuple[str, str, str, dict[str, str]]]:
+    return [(label, group[0]["label"], klass, _group_cells(group, klass))
+            for label, result in doc.items() for group in step_groups(result) for klass in _classes_of(group)]
+
+
+_MD_COLS = ("req/s", "tok/s", "ttft_mean", "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p99", "itl_mean",
+            "e2el_p99", "goodput", "slo")
+
+
 def markdown_table(doc: Document) -> str:
-    """One row per label, run and class (``all`` first), latencies in ms."""
+    """One row per label, step and class (``all`` first), latencies in ms; with repeats each cell is
+    the median over the step's repeats, ok/failed the totals, plus the spread of TTFT p50 and goodput."""
+    repeated = _repeated(doc)
     head = ("| run | load | class | ok/failed | req/s | out tok/s | TTFT mean | TTFT p50 | TTFT p99 | "
             "TPOT mean | TPOT p99 | ITL mean | E2EL p99 | goodput req/s | SLO met |")
+    if repeated:
+        head += " repeats | TTFT p50 min-max | goodput min-max |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for label, result in doc.items():
-        for run in result["runs"]:
-            for klass, m in run["metrics"].items():
-                att = m.get("slo_attainment")
-                lines.append(
-                    f"| {label} | {run['label']} | {klass} | {m['completed']}/{m['failed']} | "
-                    f"{m['request_throughput']:.2f} | {m['output_throughput']:.1f} | "
-                    f"{_fmt(m['ttft']['mean_ms'])} | {_fmt(m['ttft']['median_ms'])} | "
-                    f"{_fmt(m['ttft'].get('p99_ms'))} | {_fmt(m['tpot']['mean_ms'])} | "
-                    f"{_fmt(m['tpot'].get('p99_ms'))} | {_fmt(m['itl']['mean_ms'])} | "
-                    f"{_fmt(m['e2el'].get('p99_ms'))} | {_fmt(m.get('goodput'), 2)} | "
-                    f"{'-' if att is None else f'{100 * att:.0f}%'} |")
-    return ("Latencies in ms (vLLM bench definitions); throughputs per second of run time.\n"
-            f"SLO: {_slo_text(doc) or 'none'}.\n\n" + "\n".join(lines) + "\n")
+    for label, load, klass, c in _rows(doc):
+        line = f"| {label} | {load} | {klass} | {c['ok']}/{c['fail']} | " + " | ".join(c[k] for k in _MD_COLS) + " |"
+        if repeated:
+            line += f" {c['runs']} | {c['ttft_p50_range']} | {c['goodput_range']} |"
+        lines.append(line)
+    intro = "Latencies in ms (vLLM bench definitions); throughputs per second of run time.\n"
+    if repeated:
+        intro += ("Each step ran several times back to back: a cell is the median over its repeats, "
+                  "ok/failed the totals, min-max the spread.\n")
+    return intro + f"SLO: {_slo_text(doc) or 'none'}.\n\n" + "\n".join(lines) + "\n"
 
 
 def text_table(doc: Document) -> str:
-    """The same rows as :func:`markdown_table`, aligned for a terminal."""
-    head = ("run", "load", "class", "ok", "fail", "req/s", "tok/s", "TTFT mean", "p50", "p99",
-            "TPOT mean", "p99", "ITL mean", "E2EL p99", "goodput", "SLO met")
+    """The same rows as :func:`markdown_table`, aligned for a terminal, then the failure and route notes."""
+    repeated = _repeated(doc)
+    head: tuple[str, ...] = ("run", "load", "class", "ok", "fail", "req/s", "tok/s", "TTFT mean", "p50", "p99",
+                             "TPOT mean", "p99", "ITL mean", "E2EL p99", "goodput", "SLO met")
+    if repeated:
+        head += ("reps", "p50 min-max", "goodput min-max")
     rows = [head]
-    for label, result in doc.items():
-        for run in result["runs"]:
-            for klass, m in run["metrics"].items():
-                att = m.get("slo_attainment")
-                rows.append((label, run["label"], klass, str(m["completed"]), str(m["failed"]),
-                             f"{m['request_throughput']:.2f}", f"{m['output_throughput']:.1f}",
-                             _fmt(m["ttft"]["mean_ms"]), _fmt(m["ttft"]["median_ms"]),
-                             _fmt(m["ttft"].get("p99_ms")), _fmt(m["tpot"]["mean_ms"]),
-                             _fmt(m["tpot"].get("p99_ms")), _fmt(m["itl"]["mean_ms"]),
-                             _fmt(m["e2el"].get("p99_ms")), _fmt(m.get("goodput"), 2),
-                             "-" if att is None else f"{100 * att:.0f}%"))
+    for label, load, klass, c in _rows(doc):
+        row = (label, load, klass, c["ok"], c["fail"], *(c[k] for k in _MD_COLS))
+        if repeated:
+            row += (c["runs"], c["ttft_p50_range"], c["goodput_range"])
+        rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(cell.rjust(w) if i > 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths,
                                                                                                    strict=True)))
              for r in rows]
     slo = _slo_text(doc)
-    return ("latencies in ms; " + (f"SLO {slo}" if slo else "no SLO (goodput not reported)") + "\n"
-            + "\n".join(lines) + "\n")
+    notes = [f"failed {line}" for line in failure_lines(doc)]
+    notes += [f"routes {r[0]}, {r[1]}: {r[2]} {r[3]} prompts ({r[4]}; {r[5]}), TTFT mean predicted {r[6]} "
+              f"observed {r[7]} ms ({r[8]})" for r in _route_rows(doc)]
+    return ("latencies in ms; " + (f"SLO {slo}" if slo else "no SLO (goodput not reported)")
+            + ("; with repeats: medians" if repeated else "") + "\n"
+            + "\n".join(lines + notes) + "\n")
+
+
+def failure_lines(doc: Document) -> list[str]:
+    """One line per step with failed requests: ``LABEL, LOAD: N failed (HTTP 429 x 10, ...)``,
+    summed over the step's repeats (a refusal by the proxy is an HTTP 429 or 503)."""
+    out = []
+    for label, result in doc.items():
+        for group in step_groups(result):
+            kinds: dict[str, int] = {}
+            for run in group:
+                for kind, n in run["metrics"].get("all", {}).get("failures", {}).items():
+                    kinds[kind] = kinds.get(kind, 0) + int(n)
+            if kinds:
+                what = ", ".join(f"{kind} x {n}" for kind, n in sorted(kinds.items()))
+                out.append(f"{label}, {group[0]['label']}: {sum(kinds.values())} failed ({what})")
+    return out
+
+
+def _route_rows(doc: Document) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = []
+    for label, result in doc.items():
+        for group in step_groups(result):
+            merged = merge_deltas(run.get("routes") for run in group)
+            if merged is None:
+                continue
+            for path, s in route_summary(merged).items():
+                share = s["share"]
+                err = s["relative_error"]
+                reasons = ", ".join(f"{r} {n:g}" for r, n in sorted(s["reasons"].items()))
+                rows.append((label, str(group[0]["label"]), path, f"{s['prompts']:g}",
+                             "-" if share is None else f"{100 * share:.0f}%", reasons or "-",
+                             _fmt(s["predicted_ttft_ms"]), _fmt(s["observed_ttft_ms"]),
+                             "-" if err is None else f"{100 * err:+.0f}%"))
+    return rows
+
+
+def routes_table(doc: Document) -> str:
+    """The proxy's route mix per step (summed over repeats): prompts and share per path, why, and the
+    mean predicted vs mean observed TTFT of the path (ms) with the prediction's relative error.
+    Empty when no endpoint exposed the routing metrics."""
+    rows = _route_rows(doc)
+    if not rows:
+        return ""
+    head = ("| run | load | path | prompts | share | reasons | predicted TTFT mean | observed TTFT mean | "
+            "error (pred/obs - 1) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)] + ["| " + " | ".join(r) + " |" for r in rows]
+    return ("Route mix (the proxy's `disagg_route_total` and its predicted/observed TTFT histograms, "
+            "deltas over the measured runs):\n\n" + "\n".join(lines) + "\n")
 
 
 def write_markdown(doc: Document, path: Path, title: str = "disagg bench report") -> Path:
@@ -116,6 +237,11 @@ def write_markdown(doc: Document, path: Path, title: str = "disagg bench report"
             f"(burstiness {wl.get('burstiness')}), seed {wl.get('seed')}, API {wl.get('api')}, "
             f"classes (prompt->answer tokens): {classes}.", "",
             markdown_table(doc), ""]
+    if fails := failure_lines(doc):
+        body += ["Failed requests by status (a refusal by the proxy is HTTP 429 or 503):", "",
+                 *(f"- {line}" for line in fails), ""]
+    if routes := routes_table(doc):
+        body += [routes, ""]
     body += [f"![{name}]({name})" for name in PLOT_FILES]
     path.write_text("\n".join(body) + "\n", encoding="utf-8")
     return path
@@ -169,28 +295,58 @@ def _label_styles(doc: Document) -> dict[str, str]:
 
 
 def plot_cdf(doc: Document, metric: str, path: Path) -> Path:
-    """CDF of TTFT or TPOT (``metric``), one panel per class, one curve per label and rate."""
+    """CDF of TTFT or TPOT (``metric``), one panel per class, one curve per label and step (a step's
+    repeats pooled), on a log x axis: good curves crowd at zero on a linear one."""
     plt = _pyplot()
     classes = _classes(doc)
     fig, axes = _grid(plt, len(classes))
     colors = _label_styles(doc)
     for ax, klass in zip(axes, classes, strict=True):
         for label, result in doc.items():
-            for i, run in enumerate(result["runs"]):
-                values = _cdf_values(run, klass, metric)
+            for i, group in enumerate(step_groups(result)):
+                values = sorted(v for run in group for v in _cdf_values(run, klass, metric) if v > 0)
                 if not values:
                     continue
                 ys = [(k + 1) / len(values) for k in range(len(values))]
                 ax.step(values, ys, where="post", color=colors[label], linestyle=_LINESTYLES[i % 4],
-                        label=f"{label}, {run['label']}")
+                        label=f"{label}, {group[0]['label']}" + (f" (x{len(group)})" if len(group) > 1 else ""))
         ax.set_title(f"{metric.upper()} CDF, class {klass}")
-        ax.set_xlabel(f"{metric.upper()} (ms)")
+        if ax.has_data():
+            ax.set_xscale("log")
+        ax.set_xlabel(f"{metric.upper()} (ms, log scale)")
         ax.set_ylabel("fraction of requests")
         ax.set_ylim(0, 1.02)
         ax.grid(True, alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize=7)
     return _save(plt, fig, path)
+
+
+#: (x, median y, min y, max y) of one step
+_Point = tuple[float, float, float, float]
+
+
+def _points(result: Mapping[str, Any], read: Callable[[Mapping[str, Any]], float | None]) -> list[_Point]:
+    """Per step: the median x (offered or achieved rate) and the median, min and max over its repeats
+    of ``read(run metrics)`` (None: the run lacks it)."""
+    pts = []
+    for group in step_groups(result):
+        ys = [y for run in group if (y := read(run["metrics"])) is not None]
+        if ys:
+            x = float(statistics.median(float(run["x"]) for run in group))
+            pts.append((x, float(statistics.median(ys)), min(ys), max(ys)))
+    return sorted(pts)
+
+
+def _plot_points(ax: Any, pts: list[_Point], color: str, label: str) -> None:
+    """A line through the medians; the min-max spread as error bars when a step ran more than once."""
+    if not pts:
+        return
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    ax.plot(xs, ys, marker="o", color=color, label=label)
+    if any(p[2] != p[3] for p in pts):
+        ax.errorbar(xs, ys, yerr=[[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]], fmt="none",
+                    ecolor=color, capsize=3, alpha=0.7)
 
 
 def plot_goodput(doc: Document, path: Path) -> Path:
@@ -203,11 +359,11 @@ def plot_goodput(doc: Document, path: Path) -> Path:
     slo_text = _slo_text(doc)
     what = "goodput" if has_slo else "request_throughput"
     for ax, klass in zip(axes, panels, strict=True):
+        def read(m: Mapping[str, Any], k: str = klass) -> float | None:
+            return float(m[k][what] or 0.0) if k in m else None
+
         for label, result in doc.items():
-            pts = sorted((run["x"], run["metrics"][klass][what] or 0.0)
-                         for run in result["runs"] if klass in run["metrics"])
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[label], label=label)
+            _plot_points(ax, _points(result, read), colors[label], label)
         ax.set_title(f"{'goodput' if has_slo else 'throughput'}, {klass}" + (f"\n(SLO {slo_text})" if has_slo else ""))
         ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)
@@ -225,10 +381,11 @@ def plot_p99(doc: Document, path: Path) -> Path:
     fig, axes = _grid(plt, 3)
     colors = _label_styles(doc)
     for ax, metric in zip(axes, ("ttft", "tpot", "e2el"), strict=True):
+        def p99(m: Mapping[str, Any], k: str = metric) -> float | None:
+            return float(m["all"][k].get("p99_ms", 0.0))
+
         for label, result in doc.items():
-            pts = sorted((run["x"], run["metrics"]["all"][metric].get("p99_ms", 0.0)) for run in result["runs"])
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[label], label=label)
+            _plot_points(ax, _points(result, p99), colors[label], label)
         ax.set_title(f"p99 {metric.upper()}, all classes")
         ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)

@@ -5,8 +5,22 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from disagg.bench.report import PLOT_FILES, load_json, markdown_table, write_report
+import pytest
+
+from disagg.bench import report
+from disagg.bench.report import (
+    PLOT_FILES,
+    failure_lines,
+    load_json,
+    markdown_table,
+    plot_cdf,
+    routes_table,
+    step_groups,
+    text_table,
+    write_report,
+)
 from disagg.bench.runner import BenchResult
 
 
@@ -54,3 +68,73 @@ def test_report_redraws_from_its_own_json(tmp_path: Path, synthetic) -> None:
     doc = load_json(tmp_path / "a" / "results.json")
     paths = write_report(doc, tmp_path / "b")
     assert all(p.exists() for p in paths)
+
+
+def _repeated_doc(synthetic: Callable[..., BenchResult]) -> dict:
+    """One label whose two steps each ran three times (the repeats differ: seeds 0, 1, 2)."""
+    reps = [synthetic(k, rates=(1.0, 2.0)).to_dict() for k in range(3)]
+    doc = reps[0]
+    doc["runs"] = [dict(reps[k]["runs"][step], repeat=k) for step in range(2) for k in range(3)]
+    doc["repeats"] = 3
+    return {"auto": doc}
+
+
+def test_repeats_show_the_median_and_the_spread(synthetic) -> None:
+    doc = _repeated_doc(synthetic)
+    assert [len(g) for g in step_groups(doc["auto"])] == [3, 3]
+    table = markdown_table(doc)
+    assert "median over its repeats" in table
+    header = table.splitlines()[4]
+    assert header.endswith("| repeats | TTFT p50 min-max | goodput min-max |")
+    rows = [line for line in table.splitlines() if line.startswith("| auto | rate 1/s | all |")]
+    assert len(rows) == 1 and rows[0].count("|") == header.count("|")
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    p50s = sorted(r["metrics"]["all"]["ttft"]["median_ms"] for r in doc["auto"]["runs"][:3])
+    assert cells[3] == "120/0"                                  # totals over the repeats
+    assert cells[7] == f"{p50s[1]:.1f}"                         # TTFT p50: the median repeat
+    assert cells[15] == "3" and cells[16] == f"{p50s[0]:.1f}-{p50s[2]:.1f}"
+    assert len([line for line in table.splitlines() if line.startswith("| auto |")]) == 2 * 3
+    text = text_table(doc)
+    assert "with repeats: medians" in text and "p50 min-max" in text
+
+
+def test_a_single_run_per_step_keeps_the_plain_table(synthetic) -> None:
+    table = markdown_table(_doc(synthetic))
+    assert "repeats" not in table and "min-max" not in table
+    assert table.splitlines()[3].endswith("| goodput req/s | SLO met |")
+
+
+def test_failures_by_status_and_route_mix_in_the_report(tmp_path: Path, synthetic) -> None:
+    doc = _repeated_doc(synthetic)
+    runs = doc["auto"]["runs"]
+    runs[0]["metrics"]["all"]["failures"] = {"HTTP 429": 2}
+    runs[1]["metrics"]["all"]["failures"] = {"HTTP 429": 1, "HTTP 503": 1}
+    delta = {"routes": {"local": {"predicted": 3}, "split": {"predicted": 1}},
+             "predicted_ttft": {"split": {"sum_s": 0.1, "count": 1}, "local": {"sum_s": 0.06, "count": 3}},
+             "observed_ttft": {"split": {"sum_s": 0.08, "count": 1}, "local": {"sum_s": 0.06, "count": 3}}}
+    runs[0]["routes"] = runs[1]["routes"] = delta
+    assert failure_lines(doc) == ["auto, rate 1/s: 4 failed (HTTP 429 x 3, HTTP 503 x 1)"]
+    routes = routes_table(doc)
+    # two repeats pooled: 8 prompts, split 2 of them (25%), predicted 100 ms vs 80 observed: +25%
+    assert "| auto | rate 1/s | split | 2 | 25% | predicted 2 | 100.0 | 80.0 | +25% |" in routes
+    assert "| auto | rate 1/s | local | 6 | 75% | predicted 6 | 20.0 | 20.0 | +0% |" in routes
+    assert "rate 2/s" not in routes                             # no routing series there: left out
+    write_report(doc, tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "- auto, rate 1/s: 4 failed (HTTP 429 x 3, HTTP 503 x 1)" in md and "Route mix" in md
+    assert "failed auto, rate 1/s: 4 failed" in text_table(doc)
+    assert routes_table(_doc(synthetic)) == "" and failure_lines(_doc(synthetic)) == []
+
+
+def test_cdf_plots_use_a_log_axis(tmp_path: Path, synthetic, monkeypatch: pytest.MonkeyPatch) -> None:
+    scales: list[str] = []
+    real_save = report._save
+
+    def save(plt: Any, fig: Any, path: Path) -> Path:
+        scales.extend(ax.get_xscale() for ax in fig.axes if ax.get_visible())
+        return real_save(plt, fig, path)
+
+    monkeypatch.setattr(report, "_save", save)
+    plot_cdf(_repeated_doc(synthetic), "ttft", tmp_path / "ttft.png")
+    plot_cdf(_doc(synthetic), "tpot", tmp_path / "tpot.png")
+    assert scales == ["log"] * 4                                # 2 classes x 2 plots
