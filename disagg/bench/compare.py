@@ -7,19 +7,29 @@ FILE`` -- always, also when the bench fails or is interrupted. After each
 topology the results so far are written to ``results.json``; at the end the
 full report (JSON, Markdown, PNGs) is written to the output directory.
 
+With ``routing`` (``--routing auto,split``), each split topology (prefill and
+decode roles behind the builtin proxy) runs once per routing policy, from a
+derived copy of its file (:func:`routing_variant`) labelled ``NAME[POLICY]``;
+other topologies run once, unchanged. With ``repeats`` every step runs that
+many times (:func:`disagg.bench.runner.run_sweep`).
+
 The up/down steps are a :data:`Lifecycle` callable, so tests (and other
-launchers) can inject their own.
+launchers) can inject their own. Called by ``disagg bench compare``
+(:mod:`disagg.commands.bench`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from disagg.bench.metrics import DEFAULT_PERCENTILES
 from disagg.bench.prefill import probe_prefill_rate
@@ -30,8 +40,9 @@ from disagg.bench.workload import Workload
 from disagg.deployment import build_deployment
 from disagg.engines.vllm import served_model_name
 from disagg.errors import DisaggError, LaunchError
-from disagg.measurements import store_prefill
-from disagg.topology import load_topology
+from disagg.measurements import probe_path, store_prefill
+from disagg.serving import ROUTING_POLICIES
+from disagg.topology import Topology, load_topology
 
 #: ``lifecycle("up" | "down", topology_file)``; raises DisaggError on failure
 Lifecycle = Callable[[str, Path], None]
@@ -62,6 +73,9 @@ class TopologyUnderTest:
     run_dir: str
     engine_urls: tuple[str, ...]
     prefill_engines: tuple[tuple[str, str, str], ...]   # (host name, engine name, engine URL), one per host
+    split: bool = False                 # prefill and decode roles behind the builtin proxy
+    source: Path | None = None          # the file this one was derived from (routing variants)
+    routing: str | None = None          # the routing policy a variant sets
 
     @classmethod
     def load(cls, file: Path) -> TopologyUnderTest:
@@ -74,15 +88,84 @@ class TopologyUnderTest:
                 prefill[eng.host.name] = (eng.host.name, eng.name, eng.url)
         return cls(file=file, label=topo.name, proxy_url=dep.proxy_url, model=served_model_name(topo),
                    run_dir=topo.run_dir, engine_urls=tuple(e.url for e in dep.engines),
-                   prefill_engines=tuple(prefill.values()))
+                   prefill_engines=tuple(prefill.values()), split=is_split(topo))
+
+
+def is_split(topo: Topology) -> bool:
+    """Whether ``topo`` is a split topology whose routing policy matters: prefill and decode
+    roles, served by the builtin proxy (the routers of vllm-router / sglang-router do not read it)."""
+    return bool(topo.role("prefill")) and bool(topo.role("decode")) and topo.proxy.kind == "builtin"
+
+
+def routing_variant(file: Path, policy: str, out_dir: Path, stem: str) -> Path:
+    """Write ``out_dir/STEM-POLICY.yaml``: ``file`` with ``routing: {policy: POLICY}`` set, and
+    the same deployment otherwise. What the loader resolves against the file's own directory
+    is pinned: ``name`` (the file's stem by default; it names the run directory) is written out,
+    a model ``path`` on disk becomes absolute, and the link measurement ``disagg probe-link``
+    stored next to the file (``<stem>.probe.json``, which the proxy's routing seeds and
+    ``disagg plan`` read) is copied next to the copy. ``run_dir`` and the other paths resolve
+    against the working directory, as before. Comments are not kept. Returns the new file."""
+    if policy not in ROUTING_POLICIES:
+        raise DisaggError(f"unknown routing policy {policy!r}: expected one of {', '.join(ROUTING_POLICIES)}")
+    topo = load_topology(file)
+    data = {"name": topo.name, **{k: v for k, v in yaml.safe_load(file.read_text(encoding="utf-8")).items()
+                                  if k != "name"}}
+    model = topo.model
+    if model.embedded is None and model.path != model.source:       # a path on disk, resolved from the file
+        if isinstance(data["model"], dict):
+            data["model"]["path"] = model.path
+        else:
+            data["model"] = model.path
+    routing = data.get("routing")
+    data["routing"] = {**(routing if isinstance(routing, dict) else {}), "policy": policy}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    derived = out_dir / f"{stem}-{policy}.yaml"
+    derived.write_text(f"# {file} with routing.policy {policy} (written by disagg bench compare --routing)\n"
+                       + yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    probe = probe_path(file)
+    if probe.exists():
+        shutil.copyfile(probe, probe_path(derived))
+    elif probe_path(derived).exists():
+        probe_path(derived).unlink()
+    load_topology(derived)      # the copy must load: a policy the topology refuses fails here, before any `up`
+    return derived
+
+
+def plan_topologies(files: Sequence[Path], routing: Sequence[str], out_dir: Path,
+                    log: Callable[[str], None] = lambda s: None) -> list[TopologyUnderTest]:
+    """What :func:`compare` runs, in order: each file once, or with ``routing`` each split
+    topology once per policy (a derived copy under ``out_dir/topologies/``, labelled
+    ``NAME[POLICY]``). Loads and writes files; starts nothing."""
+    tops: list[TopologyUnderTest] = []
+    stems: set[str] = set()
+    for file in files:
+        t = TopologyUnderTest.load(Path(file))
+        if not routing:
+            tops.append(t)
+            continue
+        if not t.split:
+            log(f"disagg bench compare: {t.label}: not a split topology with the builtin proxy: "
+                "runs once, routing unchanged")
+            tops.append(t)
+            continue
+        stem, n = t.label, 1
+        while stem in stems:
+            n += 1
+            stem = f"{t.label}-{n}"
+        stems.add(stem)
+        for policy in routing:
+            derived = routing_variant(Path(file), policy, out_dir / "topologies", stem)
+            tops.append(replace(TopologyUnderTest.load(derived), label=f"{t.label}[{policy}]", source=Path(file),
+                                routing=policy))
+    return tops
 
 
 async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[Step], slo: SLO,
                      progress: bool, probe_count: int, percentiles: Sequence[float],
-                     warmup: int, engine_key: str | None) -> tuple[BenchResult, dict[str, Any]]:
+                     warmup: int, engine_key: str | None, repeats: int) -> tuple[BenchResult, dict[str, Any]]:
     target = Target(t.proxy_url, model=t.model, tokenize_urls=(t.proxy_url, *t.engine_urls))
     result = await run_sweep(target, workload, steps, slo, progress=progress, warmup=warmup,
-                             percentiles=percentiles)
+                             percentiles=percentiles, repeats=repeats)
     measured: dict[str, Any] = {}
     if probe_count > 0:
         longest = max(c.input_len for c in workload.classes)
@@ -100,12 +183,14 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
             slo: SLO = NO_SLO, lifecycle: Lifecycle = cli_lifecycle, progress: bool = True,
             probe_count: int = 3, percentiles: Sequence[float] = DEFAULT_PERCENTILES, warmup: int = 1,
             log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
-            engine_key: str | None = None) -> dict[str, dict[str, Any]]:
+            engine_key: str | None = None, repeats: int = 1,
+            routing: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """Bench every topology in turn and write one report into ``out_dir``; returns the report document.
 
     ``engine_key``: the key ``lifecycle`` starts the engines with (the prefill probe goes
-    straight to prefill engines, which answer only with it)."""
-    tops = [TopologyUnderTest.load(Path(f)) for f in files]
+    straight to prefill engines, which answer only with it). ``repeats``: runs per step.
+    ``routing``: policies to run each split topology with (:func:`plan_topologies`)."""
+    tops = plan_topologies(files, routing, out_dir, log)
     labels: dict[str, int] = {}
     doc: dict[str, dict[str, Any]] = {}
     for t in tops:
@@ -116,7 +201,7 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
             lifecycle("up", t.file)
             log(f"disagg bench compare: {label}: bench {t.proxy_url} (model {t.model})")
             result, measured = asyncio.run(_bench_one(t, workload, steps, slo, progress, probe_count,
-                                                      percentiles, warmup, engine_key))
+                                                      percentiles, warmup, engine_key, repeats))
         finally:
             log(f"disagg bench compare: {label}: down {t.file}")
             try:
@@ -126,6 +211,8 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
         if not all(run.exact_prompts for run in result.runs):
             log(f"disagg bench compare: {label}: no /tokenize answered; prompt lengths are estimates")
         doc[label] = {**result.to_dict(), "topology": str(t.file), "prefill_measured": measured}
+        if t.routing is not None:
+            doc[label].update(source_topology=str(t.source), routing=t.routing)
         write_json(doc, out_dir / "results.json")
     write_report(doc, out_dir, title="disagg bench compare: " + ", ".join(doc))
     return doc

@@ -9,11 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from disagg.bench.compare import TopologyUnderTest, compare
+from disagg.bench.compare import TopologyUnderTest, compare, plan_topologies, routing_variant
 from disagg.bench.runner import Step
 from disagg.bench.workload import Workload, parse_classes
+from disagg.deployment import build_deployment
 from disagg.errors import DisaggError, LaunchError
+from disagg.launch.frontend import routing_config
+from disagg.proxy.metrics import ProxyMetrics
+from disagg.topology import load_topology
 
 TOPOLOGY = """\
 name: {name}
@@ -127,3 +132,110 @@ async def test_compare_downs_on_ctrl_c(tmp_path: Path) -> None:
         await _compare_in_thread(files, _workload(), [Step(rate=10.0)], tmp_path / "out", lifecycle=lifecycle,
                                  progress=False, log=lambda s: None)
     assert calls == ["up", "down"]
+
+
+SPLIT = """\
+model: {{path: {model}}}
+engine: vllm
+connector: nixl
+link: {{type: loopback}}
+run_dir: {run_dir}
+proxy: {{host: 127.0.0.1, port: {proxy_port}}}
+hosts:
+  box: {{address: 127.0.0.1, device: cpu}}
+roles:
+  prefill:
+    - {{host: box, port: {prefill_port}, kv_port: 5601, cpus: [0], args: [-O0]}}
+  decode:
+    - {{host: box, port: {decode_port}, kv_port: 5602, cpus: [1]}}
+"""
+
+PROBE = {"prefill_host": "box", "decode_host": "box", "sender": "127.0.0.1", "receiver": "127.0.0.1",
+         "path": "local", "method": "python", "seconds": 3.0, "streams_bps": {"1": 8e9}, "rtt_s": 0.0001,
+         "measured_at": "2026-11-29T09:12:00+00:00"}
+
+
+def _split(tmp_path: Path, stem: str, proxy_url: str = "http://127.0.0.1:18000", model: str = "disagg:tiny",
+           prefill_port: int = 18101, decode_port: int = 18102) -> Path:
+    path = tmp_path / "topos" / f"{stem}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(SPLIT.format(model=model, run_dir=tmp_path / "run", proxy_port=proxy_url.rsplit(":", 1)[1],
+                                 prefill_port=prefill_port, decode_port=decode_port))
+    return path
+
+
+def test_routing_variant_is_the_same_deployment_with_the_policy_set(tmp_path: Path, monkeypatch) -> None:
+    original = _split(tmp_path, "pd")
+    (tmp_path / "topos" / "pd.probe.json").write_text(json.dumps(PROBE))
+    monkeypatch.chdir(tmp_path)                  # run_dir and the embedded model resolve from the working dir
+    derived = {p: routing_variant(original, p, tmp_path / "out" / "topologies", "pd") for p in ("auto", "split")}
+    assert derived["auto"] == tmp_path / "out" / "topologies" / "pd-auto.yaml"
+    data = yaml.safe_load(derived["split"].read_text())
+    assert data["routing"] == {"policy": "split"} and data["name"] == "pd"   # same name: same run directory
+    assert (tmp_path / "out" / "topologies" / "pd-split.probe.json").read_text() == json.dumps(PROBE)
+    dep = build_deployment(load_topology(original))
+    for policy, file in derived.items():
+        d = build_deployment(load_topology(file))
+        assert d.topology.name == "pd" and d.topology.run_dir == dep.topology.run_dir
+        assert d.topology.routing.policy == policy
+        assert [(e.argv, e.env) for e in d.engines] == [(e.argv, e.env) for e in dep.engines]
+    # auto is the default: its copy hands the proxy exactly the original's routing, seeds from the
+    # link measurement stored next to the file included (8 Gb/s = 1e9 B/s, not the loopback table)
+    seeds = routing_config(dep)
+    assert routing_config(build_deployment(load_topology(derived["auto"]))) == seeds
+    assert seeds.link_bytes_per_s == pytest.approx(1e9)
+    assert routing_config(build_deployment(load_topology(derived["split"]))).policy == "split"
+    (tmp_path / "out" / "topologies" / "pd-auto.probe.json").unlink()     # the copy is what keeps the seeds
+    assert routing_config(build_deployment(load_topology(derived["auto"]))).link_bytes_per_s != seeds.link_bytes_per_s
+
+
+def test_routing_variant_pins_a_model_path_relative_to_the_file(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "topos" / "models" / "m").mkdir(parents=True)
+    original = _split(tmp_path, "rel", model="./models/m")
+    monkeypatch.chdir(tmp_path)
+    derived = routing_variant(original, "split", tmp_path / "elsewhere", "rel")
+    assert load_topology(derived).model.path == load_topology(original).model.path \
+        == str((tmp_path / "topos" / "models" / "m").resolve())
+    assert not (tmp_path / "elsewhere" / "rel-split.probe.json").exists()
+    with pytest.raises(DisaggError, match="unknown routing policy"):
+        routing_variant(original, "fastest", tmp_path / "elsewhere", "rel")
+
+
+def test_plan_topologies_runs_split_ones_once_per_policy(tmp_path: Path) -> None:
+    colo = _topology(tmp_path, "colo", "http://127.0.0.1:18000", "http://127.0.0.1:18001")
+    pd = _split(tmp_path, "pd")
+    plain = plan_topologies([colo, pd], (), tmp_path / "out")
+    assert [(t.label, t.file) for t in plain] == [("colo", colo), ("pd", pd)]
+    assert [t.split for t in plain] == [False, True]
+    logged: list[str] = []
+    tops = plan_topologies([colo, pd, pd], ("auto", "split"), tmp_path / "out", logged.append)
+    assert [t.label for t in tops] == ["colo", "pd[auto]", "pd[split]", "pd[auto]", "pd[split]"]
+    assert tops[0].file == colo and "colo: not a split topology" in logged[0]
+    assert [t.file.name for t in tops[1:]] == ["pd-auto.yaml", "pd-split.yaml", "pd-2-auto.yaml", "pd-2-split.yaml"]
+    assert all(t.source == pd for t in tops[1:]) and [t.routing for t in tops[1:3]] == ["auto", "split"]
+
+
+async def test_compare_with_routing_variants_and_repeats(tmp_path: Path, standin_factory) -> None:
+    proxy = await standin_factory()
+    proxy.model = "tiny"
+    proxy.routes = ProxyMetrics()
+    pd = _split(tmp_path, "pd", proxy_url=proxy.url)
+    ups: list[str] = []
+
+    def lifecycle(action: str, file: Path) -> None:
+        if action == "up":
+            ups.append(file.name)
+
+    doc = await _compare_in_thread([pd], _workload(), [Step(rate=200.0)], tmp_path / "out", lifecycle=lifecycle,
+                                   progress=False, probe_count=0, log=lambda s: None, repeats=2,
+                                   routing=("auto", "split"))
+    assert ups == ["pd-auto.yaml", "pd-split.yaml"]
+    assert list(doc) == ["pd[auto]", "pd[split]"]
+    for policy in ("auto", "split"):
+        result = doc[f"pd[{policy}]"]
+        assert result["routing"] == policy and result["source_topology"] == str(pd)
+        assert result["topology"] == str(tmp_path / "out" / "topologies" / f"pd-{policy}.yaml")
+        assert result["repeats"] == 2 and [r["repeat"] for r in result["runs"]] == [0, 1]
+        assert all(sum(sum(v.values()) for v in r["routes"]["routes"].values()) == 6 for r in result["runs"])
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| pd[auto] | rate 200/s | all | 12/0 |" in md and "Route mix" in md
