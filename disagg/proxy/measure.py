@@ -18,9 +18,39 @@ engine that gets busy or a link that slows within a few requests. The seed
 enters as two pseudo-samples that fade the same way and leave once
 :data:`SEED_SAMPLES` real ones are in.
 
+Robust to one-off costs (the rule, and why). An engine's first requests after
+it starts or comes back, and a pair's first handoff, pay costs that never
+recur (warm-up and compilation, the first NIXL or socket handshake, the
+allocator growing): taken at face value, one slow first handoff made the link
+look several times slower than it is, and the policy stopped splitting for as
+long as it took other paths to change the choice. Two rules, both inside
+:class:`EwFit`:
+
+1. *Warm-up discard*: the first :data:`WARMUP_SAMPLES` observation(s) of each
+   fit are dropped. A fit is made per engine and per prefill -> decode pair,
+   and :meth:`Measurements.forget` drops both when an engine comes back, so
+   "first" means first after start or return: exactly where the one-off costs
+   are.
+2. *Upward clipping* (a winsorised update): once a fit stands on its own
+   samples (the seed gone), an observation above :data:`CLIP` x the fit's
+   current prediction for that size enters as ``CLIP x`` the prediction. One-off
+   costs only ever add time, so only samples above the prediction are clipped;
+   a faster one is taken as it is. A single outlier then moves the prediction
+   at its size by about ``DECAY x (CLIP - 1)`` (+45% for a size amid the
+   samples', up to x2.2 for one far outside their range, where it has more
+   leverage on the line) instead of without bound (a 10x outlier unclipped:
+   x3 amid the samples, x6 outside), while a genuine, repeated slow-down is
+   clipped less and less as the prediction rises (a 10x slow-down: x1.8 after
+   4 samples, x4.2 after 6), which flips a decision with any margin within a
+   few requests. While the seed is still in a fit, samples are not clipped: a
+   seed may be far off (a spec-sheet rate was 40x the measured one), and the
+   first samples must be free to say so.
+
 A fit learns only from the paths the policy takes: an engine judged slow gets
 no local prompts to show it has become fast again until its queue or the
-other paths' costs change the choice (its restart resets it to the seed).
+other paths' costs change the choice, or the policy's exploration
+(:class:`disagg.proxy.policy.Explorer`) re-measures a path not taken for a
+while; its restart resets it to the seed.
 
 Who calls what: :mod:`disagg.proxy.app` builds it and registers
 :meth:`Measurements.forget` with both pools' ``on_return`` (a restarted engine
@@ -49,6 +79,10 @@ SEED_SAMPLES = 4
 MIN_SPREAD = 0.05
 #: slowest rate a fit may report, per unit (a bad sample never makes a rate zero or negative)
 MIN_RATE = 1e-3
+#: observations a new fit drops (an engine's or a pair's first after start or return: one-off costs)
+WARMUP_SAMPLES = 1
+#: an observation above CLIP x the fit's prediction enters as CLIP x the prediction (once the seed is gone)
+CLIP = 3.0
 
 
 class EwFit:
@@ -56,16 +90,24 @@ class EwFit:
 
     Both coefficients stay physical: ``a >= 0`` and ``rate > 0``. When the
     samples' ``x`` hardly differ, the intercept stays where it was and only the
-    rate is refitted through the weighted mean.
+    rate is refitted through the weighted mean. The first ``warmup``
+    observations are dropped and, once the seed has left, an observation above
+    ``clip`` x the prediction enters as ``clip`` x the prediction (module doc).
     """
 
-    __slots__ = ("_a", "_decay", "_s", "_seed", "_seed_left", "_sx", "_sxx", "_sxy", "_sy", "samples")
+    __slots__ = ("_a", "_clip", "_decay", "_s", "_seed", "_seed_left", "_sx", "_sxx", "_sxy", "_sy", "_warmup",
+                 "clipped", "discarded", "samples")
 
-    def __init__(self, intercept: float, rate: float, seed_x: tuple[float, float], decay: float = DECAY) -> None:
+    def __init__(self, intercept: float, rate: float, seed_x: tuple[float, float], decay: float = DECAY, *,
+                 warmup: int = WARMUP_SAMPLES, clip: float = CLIP) -> None:
         self._decay = decay
+        self._warmup = warmup
+        self._clip = clip
         self._s = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._a = max(intercept, 0.0)
-        self.samples = 0
+        self.samples = 0               # observations in the fit
+        self.discarded = 0             # warm-up observations dropped
+        self.clipped = 0               # observations clipped to ``clip`` x the prediction
         for x in seed_x:
             self._add(x, intercept + x / rate, 1.0)
         self._seed = (self._s, self._sx, self._sy, self._sxx, self._sxy)
@@ -78,10 +120,26 @@ class EwFit:
         self._sxx += w * x * x
         self._sxy += w * x * y
 
-    def add(self, x: float, y: float) -> None:
-        """One observation: ``y`` seconds for ``x`` units (tokens, bytes)."""
+    def predict(self, x: float) -> float:
+        """The fit's ``y`` for ``x`` units."""
+        a, rate = self.coefficients()
+        return a + x / rate
+
+    def add(self, x: float, y: float) -> str:
+        """One observation: ``y`` seconds for ``x`` units (tokens, bytes). Returns what became of it:
+        ``used``, ``clipped``, ``discarded`` (warm-up) or ``invalid`` (not finite, negative)."""
         if not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0:
-            return
+            return "invalid"
+        if self.discarded < self._warmup:
+            self.discarded += 1
+            return "discarded"
+        outcome = "used"
+        if self.samples >= SEED_SAMPLES:    # the fit stands on its own samples: clip what is far above it
+            ceiling = self._clip * self.predict(x)
+            if 0 < ceiling < y:
+                y = ceiling
+                self.clipped += 1
+                outcome = "clipped"
         keep = 1.0 - self._decay
         self._s *= keep
         self._sx *= keep
@@ -100,6 +158,7 @@ class EwFit:
             self._sxx -= left * sxx
             self._sxy -= left * sxy
             self._seed_left = 0.0
+        return outcome
 
     def coefficients(self) -> tuple[float, float]:
         """``(intercept seconds, rate units per second)``."""
@@ -212,13 +271,15 @@ class Measurements:
         if eng is not None and pending in eng.pending:
             eng.pending.remove(pending)
 
-    def observe_prefill(self, role: str, url: str, work_tokens: float, seconds: float) -> None:
-        """A prefill of ``work_tokens`` (its prompt plus what was queued ahead) took ``seconds``."""
-        self._engine(role, url).fit.add(work_tokens, seconds)
+    def observe_prefill(self, role: str, url: str, work_tokens: float, seconds: float) -> str:
+        """A prefill of ``work_tokens`` (its prompt plus what was queued ahead) took ``seconds``;
+        returns what the fit made of it (:meth:`EwFit.add`)."""
+        return self._engine(role, url).fit.add(work_tokens, seconds)
 
-    def observe_handoff(self, prefill_url: str, decode_url: str, kv_bytes: float, seconds: float) -> None:
-        """A handoff of ``kv_bytes`` took ``seconds`` (prefill reply -> first decode token)."""
-        self._link_fit(prefill_url, decode_url).add(kv_bytes, seconds)
+    def observe_handoff(self, prefill_url: str, decode_url: str, kv_bytes: float, seconds: float) -> str:
+        """A handoff of ``kv_bytes`` took ``seconds`` (prefill reply -> first decode token);
+        returns what the fit made of it (:meth:`EwFit.add`)."""
+        return self._link_fit(prefill_url, decode_url).add(kv_bytes, seconds)
 
     def forget(self, url: str) -> None:
         """Drop everything measured about the engine at ``url`` (it came back: a new process).
@@ -230,6 +291,6 @@ class Measurements:
             del self._links[key]
 
     def samples(self, url: str) -> int:
-        """Real observations behind the engine's current fit (0: the seed alone)."""
+        """Real observations behind the engine's current fit (0: the seed alone; warm-up discards not counted)."""
         eng = self._engines.get(url)
         return eng.fit.samples if eng is not None else 0

@@ -3,6 +3,7 @@ and the router that joins them to the policy (disagg.proxy.router)."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -12,16 +13,18 @@ from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
 from disagg.proxy.backends import BackendPool
 from disagg.proxy.config import RoutingConfig
-from disagg.proxy.measure import EwFit, Measurements
+from disagg.proxy.measure import CLIP, SEED_SAMPLES, EwFit, Measurements
 from disagg.proxy.metrics import ProxyMetrics
+from disagg.proxy.policy import Candidate, decide
 from disagg.proxy.promptlen import SAMPLE_CHARS, PromptLength
 from disagg.proxy.router import Router
 from disagg.proxy.routes import COMPLETIONS, GenerationRequest, PromptRoute, RequestPlan, RoutePath
+from disagg.routecost import EngineCost, LinkCost, Option
 
 
 def test_fit_recovers_a_line_and_follows_change() -> None:
     seed_rate, seed_a = 1000.0, 0.0
-    fit = EwFit(seed_a, seed_rate, (128.0, 2048.0))
+    fit = EwFit(seed_a, seed_rate, (128.0, 2048.0), warmup=0)
     assert fit.coefficients() == pytest.approx((seed_a, seed_rate))
     true_a, true_rate = 0.012, 2500.0
     for i in range(40):
@@ -42,9 +45,110 @@ def test_fit_with_one_prompt_length_keeps_its_intercept() -> None:
         fit.add(500.0, 0.005 + 500 / 4000)
     a, rate = fit.coefficients()
     assert a == pytest.approx(0.005, rel=0.05) and rate == pytest.approx(4000.0, rel=0.05)
-    fit.add(float("nan"), 1.0)
-    fit.add(-1.0, 1.0)
+    assert fit.add(float("nan"), 1.0) == "invalid" and fit.add(-1.0, 1.0) == "invalid"
     assert fit.coefficients() == pytest.approx((a, rate))
+
+
+# --- robust to one-off costs: warm-up discard and upward clipping ----------------------------
+
+KV_PER_TOKEN = 32 * 1024.0
+#: a prefill engine twice the decode engine's speed, a 10 Gb/s link (a token's KV in 26 us)
+FAST_P, SLOW_D = EngineCost(tokens_per_s=4000.0), EngineCost(tokens_per_s=2000.0)
+TRUE_FIXED, TRUE_LINK = 0.016, 1.25e9
+N = 400                                        # a prompt that the seeds and the real link both split
+
+
+def handoff_s(nbytes: float, slower: float = 1.0) -> float:
+    return slower * (TRUE_FIXED + nbytes / TRUE_LINK)
+
+
+def path_with(link: LinkCost, n: int = N) -> Option:
+    return decide("auto", n, n * KV_PER_TOKEN, [Candidate("P", FAST_P)], [Candidate("D", SLOW_D)],
+                  lambda _p, _d: link).path
+
+
+def link_of(fit: EwFit) -> LinkCost:
+    fixed, rate = fit.coefficients()
+    return LinkCost(fixed_s=fixed, bytes_per_s=rate)
+
+
+def test_an_outlier_first_handoff_does_not_stop_splits() -> None:
+    """The CI case: the first handoff of a pair pays a handshake (here 1 s, 40x the steady cost);
+    seeds and every later sample say split. Robust: split throughout. At face value (no warm-up
+    discard, no clipping): the first sample alone flips the decision to local."""
+    assert path_with(LinkCost(TRUE_FIXED, TRUE_LINK)) is Option.SPLIT
+    sizes = [N * KV_PER_TOKEN * f for f in (1.0, 0.5, 2.0, 1.5, 0.75, 1.25, 1.0, 0.6)]
+    robust = EwFit(0.03, 1e9, (1 << 20, 64 << 20))
+    naive = EwFit(0.03, 1e9, (1 << 20, 64 << 20), warmup=0, clip=float("inf"))
+    assert path_with(link_of(robust)) is Option.SPLIT
+    paths_robust, paths_naive = [], []
+    for i, nbytes in enumerate(sizes):
+        seconds = 1.0 if i == 0 else handoff_s(nbytes)
+        assert robust.add(nbytes, seconds) == ("discarded" if i == 0 else "used")
+        naive.add(nbytes, seconds)
+        paths_robust.append(path_with(link_of(robust)))
+        paths_naive.append(path_with(link_of(naive)))
+    assert paths_robust == [Option.SPLIT] * len(sizes)
+    assert paths_naive[0] is Option.LOCAL
+    assert robust.samples == len(sizes) - 1 and robust.discarded == 1
+    fixed, rate = robust.coefficients()
+    assert fixed == pytest.approx(TRUE_FIXED, rel=0.05) and rate == pytest.approx(TRUE_LINK, rel=0.05)
+
+
+def test_a_later_outlier_is_clipped_a_repeated_slow_down_still_moves_the_estimate() -> None:
+    def established() -> tuple[EwFit, EwFit]:
+        robust, naive = EwFit(0.03, 1e9, (1 << 20, 64 << 20)), EwFit(0.03, 1e9, (1 << 20, 64 << 20), clip=1e9)
+        for i in range(12):
+            nbytes = N * KV_PER_TOKEN * (0.5 + 0.25 * (i % 5))
+            robust.add(nbytes, handoff_s(nbytes))
+            naive.add(nbytes, handoff_s(nbytes))
+        return robust, naive
+
+    nbytes = N * KV_PER_TOKEN
+    robust, naive = established()
+    assert robust.samples == 11 > SEED_SAMPLES and path_with(link_of(robust)) is Option.SPLIT
+    before = robust.predict(nbytes)
+    # one GC pause or stray handshake, 20x the usual handoff: entered as CLIP x the prediction
+    assert robust.add(nbytes, 20 * handoff_s(nbytes)) == "clipped" and robust.clipped == 1
+    naive.add(nbytes, 20 * handoff_s(nbytes))
+    assert robust.predict(nbytes) < 1.5 * before
+    assert path_with(link_of(robust)) is Option.SPLIT and path_with(link_of(naive)) is Option.LOCAL
+    # a sample below the prediction is never clipped
+    assert robust.add(nbytes, before / 10) == "used"
+
+    # the link really gets 20x slower and stays so: the decision flips within a few samples and the
+    # estimate keeps climbing towards the new cost
+    robust, _ = established()
+    paths, ratios = [], []
+    for i in range(8):
+        size = N * KV_PER_TOKEN * (0.5 + 0.25 * (i % 5))
+        robust.add(size, handoff_s(size, slower=20))
+        paths.append(path_with(link_of(robust)))
+        ratios.append(robust.predict(nbytes) / handoff_s(nbytes))
+    # (split wins by a margin worth 3.8x the handoff: the 4th slow sample crosses it)
+    assert paths.index(Option.LOCAL) <= 3 and set(paths[3:]) == {Option.LOCAL}
+    assert ratios[2] > 2.5 and ratios[-1] > 10.0
+    assert all(b >= a for a, b in pairwise(ratios))
+    assert robust.clipped >= 3 and CLIP * robust.predict(nbytes) > handoff_s(nbytes, slower=20)
+
+
+def test_measurements_drop_each_fits_first_sample_again_after_forget() -> None:
+    m = measurements()
+    seeded = m.engine_cost("decode", "d", 0)
+    assert m.observe_prefill("decode", "d", 300.0, 5.0) == "discarded"      # a cold engine's first prefill
+    assert m.engine_cost("decode", "d", 0) == seeded and m.samples("d") == 0
+    assert m.observe_prefill("decode", "d", 300.0, 300 / 1500) == "used"
+    assert m.samples("d") == 1 and m.engine_cost("decode", "d", 0).ttft_s(300) > seeded.ttft_s(300)
+    # per pair: a decode engine's own warm-up does not stand in for the pair's first handoff
+    seeded_link = m.link_cost("p", "d")
+    assert m.observe_handoff("p", "d", 1e7, 2.0) == "discarded" and m.link_cost("p", "d") == seeded_link
+    assert m.observe_handoff("p2", "d", 1e7, 2.0) == "discarded"
+    assert m.observe_handoff("p", "d", 1e7, 0.02) == "used"
+    # the engine comes back (a new process): its fits and its pairs' start over, warm-up included
+    m.forget("d")
+    assert m.samples("d") == 0 and m.link_cost("p", "d") == seeded_link
+    assert m.observe_prefill("decode", "d", 300.0, 5.0) == "discarded"
+    assert m.observe_handoff("p", "d", 1e7, 2.0) == "discarded"
 
 
 def measurements() -> Measurements:
@@ -77,7 +181,7 @@ def test_seeds_then_observations_per_engine_and_pair_and_forget() -> None:
     # what is left of the seed after 30 samples weighs a little on the far end of the line
     assert link.fixed_s == pytest.approx(0.01, rel=0.2) and link.bytes_per_s == pytest.approx(2e8, rel=0.05)
     assert m.engine_cost("decode", "d", 0).tokens_per_s == pytest.approx(500.0, rel=0.05)
-    assert m.samples("d") == 30
+    assert m.samples("d") == 29      # the first, a warm-up, was dropped
     # an engine not measured yet takes the measured per-request overhead, and its seeded rate
     # scaled as the measured engine's fell from its seed (here 2000 -> 500: a quarter)
     measured = m.engine_cost("decode", "d", 0)
