@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Sequence
 
 from disagg import __version__
+from disagg.commands.bench import old_spelling
 from disagg.errors import DisaggError
 
 #: modules whose ``add_commands(subparsers)`` registers subcommands
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `disagg bench URL` is the old spelling of `disagg bench serve URL`
+    args = parser.parse_args(old_spelling(sys.argv[1:] if argv is None else argv))
     try:
         return int(args.handler(args) or 0)
     except DisaggError as exc:

@@ -1,4 +1,7 @@
-"""``disagg bench URL`` and ``disagg bench compare TOPOLOGY.yaml ...``."""
+"""``disagg bench serve URL`` (old spelling ``disagg bench URL``) and ``disagg bench compare
+TOPOLOGY.yaml ...``: two argparse subcommands sharing the workload and output option groups
+(:func:`add_workload_options`, :func:`add_output_options`). :func:`old_spelling` is the small
+pre-dispatch :func:`disagg.cli.main` runs so the old form keeps working."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import math
 import os
 import secrets
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,22 +27,82 @@ from disagg.bench.workload import ARRIVALS, DEFAULT_OUTPUT_LEN, Workload, parse_
 from disagg.errors import DisaggError
 from disagg.measurements import store_prefill
 from disagg.proxy.config import ENGINE_KEY_ENV
+from disagg.serving import ROUTING_POLICIES
 from disagg.topology import DEFAULT_RUN_DIR
 
-USAGE = ("disagg bench URL [options]\n"
-         "       disagg bench compare TOPOLOGY.yaml [TOPOLOGY.yaml ...] [--out DIR] [options]")
+#: the subcommands of ``disagg bench``; anything else first is the old spelling ``disagg bench URL``
+SUBCOMMANDS = ("serve", "compare")
+
+
+def old_spelling(argv: Sequence[str]) -> list[str]:
+    """``disagg bench URL ...`` (the spelling before subcommands) -> ``disagg bench serve URL ...``.
+
+    Called by :func:`disagg.cli.main` on the whole argument list before parsing: when the
+    word after ``bench`` is neither a subcommand nor ``-h``/``--help``, ``serve`` is inserted.
+    Only global options (``--debug``) may come before ``bench``."""
+    args = list(argv)
+    i = 0
+    while i < len(args) and args[i].startswith("-"):
+        i += 1
+    if i + 1 < len(args) and args[i] == "bench" and args[i + 1] not in (*SUBCOMMANDS, "-h", "--help"):
+        args.insert(i + 1, "serve")
+    return args
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``bench``."""
+    """Register ``bench`` with its subcommands ``serve`` and ``compare`` (called by :mod:`disagg.cli`)."""
     p = sub.add_parser(
-        "bench", usage=USAGE, help="measure TTFT/TPOT/goodput of an endpoint, or compare topologies",
+        "bench", help="measure TTFT/TPOT/goodput of an endpoint (serve), or compare topologies (compare)",
+        usage="disagg bench {serve,compare} ... [options]\n"
+              "       disagg bench URL [options]   (the old spelling of 'disagg bench serve URL')",
         description="Load an OpenAI-compatible endpoint with prompt classes at request rates and report "
-                    "TTFT, TPOT, ITL, E2EL, throughput and goodput (vLLM bench definitions). With "
-                    "'compare', bring each topology up in turn (disagg up --detach), run the identical "
-                    "workload against its proxy, bring it down, and write one report.")
-    p.add_argument("target", metavar="URL|compare", help="endpoint base URL (http://host:port), or 'compare'")
-    p.add_argument("topologies", nargs="*", metavar="TOPOLOGY.yaml", help="with 'compare': the topologies")
+                    "TTFT, TPOT, ITL, E2EL, throughput and goodput (vLLM bench definitions). 'serve URL' "
+                    "measures one running endpoint; 'compare' brings each topology up in turn (disagg up "
+                    "--detach), runs the identical workload against its proxy, brings it down, and writes "
+                    "one report. 'disagg bench URL ...' is the old spelling of 'disagg bench serve URL ...' "
+                    "and still works.")
+    bench_sub = p.add_subparsers(dest="bench_command", metavar="{serve,compare}", required=True)
+    serve = bench_sub.add_parser(
+        "serve", help="measure one running endpoint (old spelling: disagg bench URL)",
+        usage="disagg bench serve URL [options]",
+        description="Load the OpenAI-compatible endpoint at URL (a vLLM or SGLang server, the disagg proxy) "
+                    "with the workload below and report TTFT, TPOT, ITL, E2EL, throughput and goodput; "
+                    "with the disagg proxy, also its route mix. Old spelling: disagg bench URL [options].")
+    serve.add_argument("url", metavar="URL", help="endpoint base URL (http://host:port)")
+    serve.add_argument("extra", nargs="*", help=argparse.SUPPRESS)
+    add_workload_options(serve)
+    m = add_output_options(serve, "(default: none)")
+    m.add_argument("--label", help="name of this endpoint in the report (default host:port)")
+    pf = serve.add_argument_group("prefill rate (stored for disagg plan)")
+    pf.add_argument("--prefill-host", metavar="NAME",
+                    help="store the measured prefill rate under this topology host name")
+    pf.add_argument("--prefill-probe", type=int, default=0, metavar="N",
+                    help="probe N long prompts at concurrency 1 (default 0 = use requests that ran alone)")
+    pf.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
+                    help="where measurements/prefill.json lives (default .disagg)")
+    serve.set_defaults(handler=cmd_serve)
+
+    comp = bench_sub.add_parser(
+        "compare", help="bring topologies up one at a time and bench each with the same workload",
+        usage="disagg bench compare TOPOLOGY.yaml [TOPOLOGY.yaml ...] [--routing POLICY,...] [options]",
+        description="For each topology: disagg up --detach, the workload against its proxy, a prefill-rate "
+                    "probe, disagg down (always); then one report in --out.")
+    comp.add_argument("topologies", nargs="*", metavar="TOPOLOGY.yaml", help="the topologies, in order")
+    comp.add_argument("--routing", metavar="POLICY[,POLICY...]",
+                      help=f"run each split topology once per routing policy ({', '.join(ROUTING_POLICIES)}) "
+                           "from a copy with routing.policy set (written to OUT/topologies/), labelled "
+                           "NAME[POLICY]; other topologies run once")
+    add_workload_options(comp)
+    add_output_options(comp, "(default bench-report)")
+    pf = comp.add_argument_group("prefill rate (stored for disagg plan)")
+    pf.add_argument("--prefill-probe", type=int, default=3, metavar="N",
+                    help="probe N long prompts at concurrency 1 straight to each prefill host's engine "
+                         "(default 3, 0 = off); stored in each topology's run_dir")
+    comp.set_defaults(handler=cmd_compare)
+
+
+def add_workload_options(p: argparse.ArgumentParser) -> None:
+    """The workload options ``serve`` and ``compare`` share (read back by :func:`plan_from_args`)."""
     w = p.add_argument_group("workload")
     w.add_argument("--classes", metavar="SPEC",
                    help="prompt classes NAME=INPUT[:OUTPUT][@WEIGHT],... in tokens "
@@ -56,6 +120,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                    help="request rates in req/s for a sweep, 'inf' = all at once (default 1)")
     w.add_argument("--concurrency", default=None, metavar="C,C,...",
                    help="closed loop: requests in flight (a sweep if several); open loop: one cap")
+    w.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run every rate/concurrency step N times back to back (repeat k: seed+k, its own "
+                        "prompts); the report shows medians and min-max (default 1)")
     w.add_argument("--seed", type=int, default=0, help="fixes the class order, prompts and arrivals (default 0)")
     w.add_argument("--prompt-salt", default=None, metavar="TEXT",
                    help="start every prompt's tag with TEXT (default: random per invocation, so a rerun "
@@ -73,26 +140,19 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     w.add_argument("--no-tokenize", action="store_true", help="estimate prompt lengths from --chars-per-token")
     w.add_argument("--chars-per-token", type=float, default=DEFAULT_CHARS_PER_TOKEN)
     w.add_argument("--header", action="append", default=[], metavar="K=V", help="extra HTTP header")
+
+
+def add_output_options(p: argparse.ArgumentParser, out_default: str) -> argparse._ArgumentGroup:
+    """The metrics and output options ``serve`` and ``compare`` share; returns the group."""
     m = p.add_argument_group("metrics and output")
     m.add_argument("--slo", help="e.g. ttft=2s,tpot=100ms[,e2el=30s]: goodput and attainment")
     m.add_argument("--percentiles", default=",".join(f"{q:g}" for q in DEFAULT_PERCENTILES),
                    help="percentiles to report (default 50,90,99)")
     m.add_argument("--json", type=Path, metavar="FILE", help="write every record and metric as JSON")
     m.add_argument("--out", type=Path, metavar="DIR",
-                   help="write the report (results.json, report.md, PNG plots) here "
-                        "(compare: default bench-report)")
-    m.add_argument("--label", help="name of this endpoint in the report (default host:port)")
+                   help=f"write the report (results.json, report.md, PNG plots) here {out_default}")
     m.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
-    pf = p.add_argument_group("prefill rate (stored for disagg plan)")
-    pf.add_argument("--prefill-host", metavar="NAME",
-                    help="URL mode: store the measured prefill rate under this topology host name")
-    pf.add_argument("--prefill-probe", type=int, default=None, metavar="N",
-                    help="probe N long prompts at concurrency 1 (compare: default 3 per prefill host, "
-                         "0 = off; URL mode: default 0 = use requests that ran alone)")
-    pf.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
-                    help="URL mode: where measurements/prefill.json lives (default .disagg; "
-                         "compare uses each topology's run_dir)")
-    p.set_defaults(handler=cmd_bench)
+    return m
 
 
 def _floats(text: str, what: str) -> list[float]:
@@ -130,6 +190,8 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Workload, list[Step], SLO,
         percentiles = tuple(float(q) for q in args.percentiles.split(","))
     except ValueError as exc:
         raise DisaggError(str(exc)) from None
+    if args.repeats < 1:
+        raise DisaggError(f"bad --repeats {args.repeats}: at least 1")
     return workload, steps, slo, percentiles
 
 
@@ -143,19 +205,17 @@ def _headers(items: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    """``disagg bench URL`` or ``disagg bench compare FILES``."""
-    workload, steps, slo, percentiles = plan_from_args(args)
-    if args.target == "compare":
-        return _cmd_compare(args, workload, steps, slo, percentiles)
-    if args.topologies:
-        raise DisaggError(f"unexpected arguments after the URL: {' '.join(args.topologies)} "
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``disagg bench serve URL`` (old spelling ``disagg bench URL``): one endpoint, one report."""
+    if args.extra:
+        raise DisaggError(f"unexpected arguments after the URL: {' '.join(args.extra)} "
                           "(topology files go with 'disagg bench compare')")
+    workload, steps, slo, percentiles = plan_from_args(args)
     tokenize: tuple[str, ...] | None = None if args.no_tokenize else tuple(args.tokenize_url or ())
-    target = Target(args.target, model=args.model, tokenize_urls=tokenize, headers=_headers(args.header),
+    target = Target(args.url, model=args.model, tokenize_urls=tokenize, headers=_headers(args.header),
                     chars_per_token=args.chars_per_token)
     result = asyncio.run(run_sweep(target, workload, steps, slo, progress=args.progress, warmup=args.warmup,
-                                   percentiles=percentiles))
+                                   percentiles=percentiles, repeats=args.repeats))
     label = args.label or urlsplit(result.base_url).netloc
     doc: dict[str, Any] = {label: result.to_dict()}
     if not all(run.exact_prompts for run in result.runs):
@@ -192,18 +252,32 @@ def _measure_prefill(args: argparse.Namespace, base_url: str, model: str, worklo
     return {args.prefill_host: {"prompt_tokens_per_s": rate, "file": str(path)}}
 
 
-def _cmd_compare(args: argparse.Namespace, workload: Workload, steps: list[Step], slo: SLO,
-                 percentiles: tuple[float, ...]) -> int:
+def routing_policies(text: str | None) -> list[str]:
+    """``--routing auto,split`` -> ``["auto", "split"]`` (checked against ROUTING_POLICIES, no duplicates)."""
+    if text is None:
+        return []
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in policies if p not in ROUTING_POLICIES]
+    if not policies or bad or len(set(policies)) != len(policies):
+        raise DisaggError(f"bad --routing {text!r}: expected distinct policies among {', '.join(ROUTING_POLICIES)}")
+    return policies
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``disagg bench compare FILES``: each topology up, benched, down; one report."""
     if not args.topologies:
         raise DisaggError("disagg bench compare needs at least one TOPOLOGY.yaml")
+    workload, steps, slo, percentiles = plan_from_args(args)
+    routing = routing_policies(args.routing)
     out = args.out or Path("bench-report")
-    probe = 3 if args.prefill_probe is None else args.prefill_probe
+    probe = args.prefill_probe
     # one engine key for every `disagg up` this command runs (they inherit it), so the prefill
     # probe may talk to the engines directly
     key = os.environ.get(ENGINE_KEY_ENV) or secrets.token_urlsafe(32)
     os.environ[ENGINE_KEY_ENV] = key
     doc = compare([Path(f) for f in args.topologies], workload, steps, out, slo=slo, progress=args.progress,
-                  probe_count=probe, percentiles=percentiles, warmup=args.warmup, engine_key=key)
+                  probe_count=probe, percentiles=percentiles, warmup=args.warmup, engine_key=key,
+                  repeats=args.repeats, routing=routing)
     print(text_table(doc), end="")
     if args.json:
         write_json(doc, args.json)

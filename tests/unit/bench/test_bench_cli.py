@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from disagg.bench.workload import Workload
 from disagg.cli import main
+from disagg.commands import bench as bench_command
+from disagg.commands.bench import old_spelling
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -23,6 +26,11 @@ from disagg.cli import main
     (["compare"], "needs at least one TOPOLOGY.yaml"),
     (["x:1"], "bad endpoint URL"),
     (["http://x:1", "--header", "novalue"], "bad --header"),
+    (["serve", "http://x:1", "--rates", "0"], "every value must be positive"),
+    (["serve", "http://x:1", "--repeats", "0"], "bad --repeats 0"),
+    (["serve", "http://x:1", "extra.yaml"], "unexpected arguments after the URL"),
+    (["compare", "a.yaml", "--routing", "fastest"], "bad --routing 'fastest'"),
+    (["compare", "a.yaml", "--routing", "auto,auto"], "bad --routing"),
 ])
 def test_bad_options_exit_2_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", *argv]) == 2
@@ -47,3 +55,49 @@ async def test_bench_url_end_to_end(standin, tmp_path: Path, capsys: pytest.Capt
     stored = json.loads((tmp_path / "run" / "measurements" / "prefill.json").read_text())
     assert stored[standin.model]["box"]["prompt_tokens_per_s"] > 0
     assert all(b["max_tokens"] == 3 and b["ignore_eos"] for b in standin.bodies[1:13])
+
+
+def test_old_spelling_inserts_serve() -> None:
+    assert old_spelling(["bench", "http://x:1", "-n", "3"]) == ["bench", "serve", "http://x:1", "-n", "3"]
+    assert old_spelling(["--debug", "bench", "http://x:1"]) == ["--debug", "bench", "serve", "http://x:1"]
+    assert old_spelling(["bench", "--rates", "1", "http://x:1"])[:2] == ["bench", "serve"]
+    for argv in (["bench", "serve", "http://x:1"], ["bench", "compare", "a.yaml"], ["bench", "--help"],
+                 ["bench"], ["up", "http://x:1"], ["check", "bench"]):
+        assert old_spelling(argv) == argv
+
+
+def test_help_names_the_subcommands_and_the_old_form(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert "{serve,compare}" in out and "disagg bench URL [options]" in out and "old spelling" in out
+
+
+async def test_bench_serve_with_repeats(standin, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "serve", standin.url, "-n", "4", "--classes", "short=20,long=200", "--output-len", "2",
+            "--rates", "200", "--repeats", "3", "--json", str(tmp_path / "r.json"), "--no-progress",
+            "--label", "s", "--prompt-salt", "t-"]
+    assert await asyncio.to_thread(main, argv) == 0
+    out = capsys.readouterr().out
+    assert "with repeats: medians" in out
+    runs = json.loads((tmp_path / "r.json").read_text())["s"]["runs"]
+    assert [r["repeat"] for r in runs] == [0, 1, 2] and all(r["metrics"]["all"]["completed"] == 4 for r in runs)
+    assert len([line for line in out.splitlines() if line.startswith("s ")]) == 3      # all + 2 classes, medians
+
+
+def test_bench_compare_passes_routing_and_repeats(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    seen: dict[str, object] = {}
+
+    def fake_compare(files: list[Path], workload: Workload, steps: list[object], out: Path,
+                     **kwargs: object) -> dict[str, object]:
+        seen.update(kwargs, files=files, out=out, seed=workload.seed)
+        return {}
+
+    monkeypatch.setattr(bench_command, "compare", fake_compare)
+    argv = ["bench", "compare", "a.yaml", "b.yaml", "--routing", "auto,split", "--repeats", "3", "--seed", "7",
+            "--out", str(tmp_path / "o"), "--prefill-probe", "0"]
+    assert main(argv) == 0
+    assert seen["files"] == [Path("a.yaml"), Path("b.yaml")] and seen["out"] == tmp_path / "o"
+    assert seen["routing"] == ["auto", "split"] and seen["repeats"] == 3 and seen["seed"] == 7
+    assert seen["probe_count"] == 0
