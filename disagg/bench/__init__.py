@@ -10,8 +10,9 @@ Modules, one job each::
     prompts.py    prompts of an exact token count (server /tokenize or estimate)
     client.py     one streaming request over aiohttp
     progress.py   a plain stderr progress bar
-    runner.py     one run at one rate, and a rate sweep
-    report.py     JSON, Markdown table, PNG plots from many runs
+    runner.py     one run at one rate, and a rate sweep (with repeats)
+    routes.py     the proxy's route mix and TTFT prediction error, from /metrics deltas
+    report.py     JSON, Markdown tables, PNG plots from many runs (medians over repeats)
     prefill.py    measured prefill rate -> <run_dir>/measurements/prefill.json
-    compare.py    up -> bench -> down for each topology, then one report
+    compare.py    up -> bench -> down for each topology (and routing policy), then one report
 """

@@ -1,14 +1,20 @@
 """Reports over many runs: JSON, a Markdown table and PNG plots.
 
 The input is a *report document*: ``{label: BenchResult.to_dict()}`` (label =
-topology or endpoint name; each result holds one run per request rate), so a
-report can be redrawn from its own JSON. Plots (matplotlib, Agg backend):
+topology or endpoint name; each result holds one run per request rate, or
+with repeats several consecutive runs per rate: :func:`step_groups`), so a
+report can be redrawn from its own JSON. Tables show per label, step and class
+the median over a step's repeats (and the min-max spread of TTFT p50 and
+goodput when there are several), then failures by status and the proxy's
+route mix (:mod:`disagg.bench.routes`). Written by ``disagg bench serve``
+(:mod:`disagg.commands.bench`) and :mod:`disagg.bench.compare`.
+Plots (matplotlib, Agg backend):
 
 - ``ttft_cdf.png`` / ``tpot_cdf.png``: one panel per prompt class, one curve
-  per label and rate;
+  per label and rate (repeats pooled), log x axis;
 - ``goodput_vs_rate.png``: goodput (or request throughput without an SLO)
-  against request rate, overall and per class;
-- ``p99_vs_rate.png``: p99 TTFT, TPOT and E2EL against request rate.
+  against request rate, overall and per class (medians, min-max error bars);
+- ``p99_vs_rate.png``: p99 TTFT, TPOT and E2EL against request rate (the same).
 """
 
 from __future__ import annotations
