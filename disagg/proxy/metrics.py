@@ -28,12 +28,17 @@ Names (all prefixed ``disagg_proxy_``):
 Routing (:mod:`disagg.proxy.policy`; named without the prefix, as issue 15 asks):
 
 - ``disagg_route_total{path, reason}``: prompts by the path chosen (``split``,
-  ``local``, ``whole``) and why (``predicted``, ``policy``, ``decode_backlog``,
-  ``no_prefill``, ``no_decode``, or a correctness reason to stay local: ``n``,
-  ``prompt_logprobs``, ... see :mod:`disagg.proxy.routes`; ``colocated``).
+  ``local``, ``whole``) and why (``predicted``, ``explore`` (re-measuring a path not taken
+  for a while), ``policy``, ``decode_backlog``, ``no_prefill``, ``no_decode``, or a
+  correctness reason to stay local: ``n``, ``prompt_logprobs``, ... see
+  :mod:`disagg.proxy.routes`; ``colocated``).
 - ``disagg_route_predicted_ttft_seconds{path}``: the policy's prediction for the chosen path.
 - ``disagg_route_observed_ttft_seconds{path}``: the same prompts' TTFT as the proxy saw it
   (streamed single-prompt requests: arrival -> first event).
+- ``disagg_route_samples_total{fit, outcome}``: live measurements (``fit``: ``engine`` prefill
+  or ``link`` handoff) by what the fit made of them: ``used``, ``clipped`` (far above the
+  prediction: entered as ``CLIP`` x it), ``discarded`` (an engine's or pair's first, warm-up),
+  ``invalid`` (see :mod:`disagg.proxy.measure`).
 - ``disagg_route_prompt_length_error_ratio``: mean |estimated - counted| / counted prompt tokens.
 """
 
@@ -99,6 +104,8 @@ class ProxyMetrics:
         self.route_observed = Histogram("disagg_route_observed_ttft_seconds",
                                         "Observed time to first token, by the path taken", ["path"],
                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.route_samples = Counter("disagg_route_samples", "Live routing measurements by what the fits made of them",
+                                     ["fit", "outcome"], registry=r)
         self.prompt_length_error = Gauge("disagg_route_prompt_length_error_ratio",
                                          "Mean relative error of the proxy's prompt-length estimate",
                                          registry=r)

@@ -19,20 +19,53 @@ Policies (``routing.policy`` in the topology, ``--routing-policy``):
   it (``RoutingConfig.whole``), on a prefill engine with nothing in flight, while
   every decode engine has prefills waiting (the decode side is the bottleneck).
 
+Exploration (``auto`` only). A path the policy judges slow gets no prompts,
+so its estimate never updates: one bad sample could keep a split off for good.
+:func:`decide` takes a ``stale`` predicate (the router's :class:`Explorer`):
+when the cheapest path is chosen, every other ``split`` / ``local`` option
+whose score is within :data:`EXPLORE_WITHIN` x the cheapest's and whose
+(path, engines) is stale is considered, cheapest first, and the first one goes
+instead, with reason ``explore``. :class:`Explorer` calls a (path, engines)
+stale when it has not been taken for :data:`EXPLORE_AFTER_S` seconds *and*
+:data:`EXPLORE_AFTER_DECISIONS` auto decisions (both, so the rate is bounded
+under light and heavy load alike); taking it, by choice or to explore, makes it
+fresh again. ``whole`` is never explored (it is a relief for a backed-up decode
+side, and its estimate is the prefill engine's, which splits measure), nor is
+anything the options do not offer: exploration only ever picks among the
+healthy engines' options, and never under the ``split`` / ``local`` policies or
+the ``no_prefill`` / ``no_decode`` fallbacks.
+
+Its cost: every path returns the same answer, so an explored prompt only
+waits longer, by at most its best predicted TTFT once more (the 2x bound, as
+predicted: the point is that the prediction may be wrong, most often too
+pessimistic). Its rate: one prompt per stale (path, engines) per 60 s and per
+50 decisions; with one prefill -> decode pair only one other path exists at a
+time, so at most one prompt in 50 (2%) and one a minute, and mean TTFT rises
+by at most about 2% (much less at any load above one prompt a second). The
+constants are module-level (no option sets them yet).
+
 Reasons (the ``reason`` label of ``disagg_route_total``): ``policy`` for the
-static policies, ``predicted`` for an ``auto`` choice, ``decode_backlog`` for
-``whole``, and ``no_prefill`` / ``no_decode`` when a pool has no healthy engine.
+static policies, ``predicted`` for an ``auto`` choice, ``explore`` for an
+``auto`` exploration, ``decode_backlog`` for ``whole``, and ``no_prefill`` /
+``no_decode`` when a pool has no healthy engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from disagg.routecost import EngineCost, LinkCost, Option, OptionCost, cheapest, option_costs
 
 E = TypeVar("E")
+
+#: explore a path within this factor of the best one's score (predicted TTFT, plus stall for local)
+EXPLORE_WITHIN = 2.0
+#: a path not taken for this long (seconds) ...
+EXPLORE_AFTER_S = 60.0
+#: ... and over this many auto decisions is stale: worth one prompt to re-measure
+EXPLORE_AFTER_DECISIONS = 50
 
 
 @dataclass(frozen=True)
@@ -57,9 +90,12 @@ class Decision(Generic[E]):
 
 def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candidate[E]],
            decodes: Sequence[Candidate[E]], link: Callable[[E, E], LinkCost], *, whole: bool = False,
-           local: bool = True, stall_weight: float = 1.0) -> Decision[E]:
+           local: bool = True, stall_weight: float = 1.0,
+           stale: Callable[[Option, E | None, E], bool] | None = None,
+           explore_within: float = EXPLORE_WITHIN) -> Decision[E]:
     """The route of one prompt (see the module doc). ``local`` false: decode engines cannot serve
-    alone (SGLang), so only ``split`` remains."""
+    alone (SGLang), so only ``split`` remains. ``stale(path, prefill engine or None, decode engine)``:
+    whether that option is due to be explored (None: never explore)."""
     if policy == "split" or not local:
         return Decision(Option.SPLIT, "policy", None, None, None)
     if not decodes:
@@ -83,9 +119,61 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
                     per_path[opt.path] = (opt, p, d)
     options = tuple(v[0] for v in per_path.values())
     opt = cheapest(list(options))
+    reason = "predicted"
+    if stale is not None:
+        limit = explore_within * opt.score_s
+        for alt in sorted(options, key=lambda o: o.score_s):
+            if alt.path is opt.path or alt.path is Option.WHOLE or alt.score_s > limit:
+                continue
+            _, p, d = per_path[alt.path]
+            if stale(alt.path, p.engine if alt.path is Option.SPLIT else None, d.engine):
+                opt, reason = alt, "explore"
+                break
     _, p, d = per_path[opt.path]
     if opt.path is Option.LOCAL:
-        return Decision(Option.LOCAL, "predicted", None, d.engine, opt.ttft_s, options)
+        return Decision(Option.LOCAL, reason, None, d.engine, opt.ttft_s, options)
     if opt.path is Option.WHOLE:
         return Decision(Option.WHOLE, "decode_backlog", p.engine, None, opt.ttft_s, options)
-    return Decision(Option.SPLIT, "predicted", p.engine, d.engine, opt.ttft_s, options)
+    return Decision(Option.SPLIT, reason, p.engine, d.engine, opt.ttft_s, options)
+
+
+class Explorer:
+    """Which (path, prefill engine, decode engine) has gone unmeasured long enough to explore.
+
+    Pure state with the clock passed in (``now``, any monotonic seconds), so that
+    tests drive it. The router (:class:`disagg.proxy.router.Router`) passes
+    :meth:`stale` to :func:`decide`, calls :meth:`taken` with every auto
+    decision's outcome, and :meth:`forget` when an engine comes back. Keys are
+    whatever names the engines (the router uses URLs; ``None`` for no engine).
+    """
+
+    __slots__ = ("_after_decisions", "_after_s", "_decisions", "_last")
+
+    def __init__(self, after_s: float = EXPLORE_AFTER_S, after_decisions: int = EXPLORE_AFTER_DECISIONS) -> None:
+        self._after_s = after_s
+        self._after_decisions = after_decisions
+        self._decisions = 0
+        #: per key: (when it was last taken or first considered, the decision count then)
+        self._last: dict[tuple[Option, Hashable, Hashable], tuple[float, int]] = {}
+
+    def stale(self, path: Option, prefill: Hashable, decode: Hashable, now: float) -> bool:
+        """Whether ``path`` over these engines has gone untaken for long enough (both bounds).
+
+        A key never seen starts its clock now: nothing is stale before it has been
+        an option for the whole period."""
+        key = (path, prefill, decode)
+        last = self._last.get(key)
+        if last is None:
+            self._last[key] = (now, self._decisions)
+            return False
+        return now - last[0] >= self._after_s and self._decisions - last[1] >= self._after_decisions
+
+    def taken(self, path: Option, prefill: Hashable, decode: Hashable, now: float) -> None:
+        """One auto decision sent a prompt along ``path`` over these engines: it is fresh."""
+        self._decisions += 1
+        self._last[(path, prefill, decode)] = (now, self._decisions)
+
+    def forget(self, engine: Hashable) -> None:
+        """The engine came back (a new process, seeded estimates): its keys start over."""
+        for key in [k for k in self._last if engine in (k[1], k[2])]:
+            del self._last[key]

@@ -14,14 +14,23 @@ One :class:`Router` per app (built by :func:`disagg.proxy.app.build_app` from
 4. :meth:`Router.first_token` when a streamed single-prompt reply sends its first event;
 5. :meth:`Router.finished` when the route is over, whatever happened.
 
-Measurements live in :class:`~disagg.proxy.measure.Measurements`; the app
-registers :meth:`Measurements.forget` with the pools' ``on_return``.
+Measurements live in :class:`~disagg.proxy.measure.Measurements` (warm-up
+samples dropped, outliers clipped: see there); what became of each sample is
+counted in ``disagg_route_samples_total{fit, outcome}``. The router registers
+:meth:`Measurements.forget` and :meth:`Explorer.forget
+<disagg.proxy.policy.Explorer.forget>` with the pools' ``on_return``.
+
+Exploration (``auto`` only; rule and cost in :mod:`disagg.proxy.policy`): the
+router's :class:`~disagg.proxy.policy.Explorer` learns, at every auto decision,
+which (path, prefill URL, decode URL) was taken, and tells :func:`decide` which
+are stale; the clock is ``clock`` (``time.monotonic`` unless a test injects one).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +38,7 @@ from disagg.proxy.backends import Backend, BackendPool
 from disagg.proxy.config import RoutingConfig
 from disagg.proxy.measure import Measurements
 from disagg.proxy.metrics import ProxyMetrics
-from disagg.proxy.policy import Candidate, decide
+from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.proxy.promptlen import PromptLength
 from disagg.proxy.routes import CHAT, PromptRoute, RequestPlan, RoutePath
 from disagg.routecost import DEFAULT_HANDOFF_FIXED_S, Option
@@ -58,7 +67,10 @@ class Router:
     """Decides routes (:mod:`disagg.proxy.policy`) and feeds :class:`Measurements`."""
 
     def __init__(self, config: RoutingConfig, prefill: BackendPool | None, decode: BackendPool,
-                 metrics: ProxyMetrics, *, local: bool) -> None:
+                 metrics: ProxyMetrics, *, local: bool, explorer: Explorer | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``explorer``: the exploration state (a default :class:`Explorer` when None); ``clock``:
+        the seconds it reads (tests inject one)."""
         self.config = config
         self.prefill = prefill
         self.decode = decode
@@ -77,9 +89,16 @@ class Router:
         self._flights: dict[int, _Flight] = {}
         self._counters: dict[tuple[str, str], Any] = {}     # disagg_route_total children, by labels
         self._predicted = {o: metrics.route_predicted.labels(o.value) for o in Option}
+        self.explorer = explorer if explorer is not None else Explorer()
+        self.clock = clock
         for pool in (prefill, decode):
             if pool is not None:
-                pool.on_return(lambda b: self.measurements.forget(b.url))
+                pool.on_return(self._forget)
+
+    def _forget(self, backend: Backend) -> None:
+        """``backend`` came back into service (a new process): what was measured about it goes."""
+        self.measurements.forget(backend.url)
+        self.explorer.forget(backend.url)
 
     # --- deciding --------------------------------------------------------------------
 
@@ -112,11 +131,20 @@ class Router:
         chat = route.request.endpoint == CHAT
         tokens = self.lengths.tokens(route.request.body, chat)
         route.tokens = tokens
+        now = self.clock()
+        explorer = self.explorer
+
+        def stale(path: Option, p: Backend | None, dd: Backend) -> bool:
+            return explorer.stale(path, p.url if p is not None else None, dd.url, now)
+
         d = decide(policy, tokens, tokens * self.kv_bytes_per_token, self._candidates(self.prefill),
                    self._candidates(self.decode), lambda p, dd: self.measurements.link_cost(p.url, dd.url),
-                   whole=self.config.whole, local=self.local, stall_weight=self.config.stall_weight)
+                   whole=self.config.whole, local=self.local, stall_weight=self.config.stall_weight, stale=stale)
         route.path, route.reason = _PATHS[d.path], d.reason
         route.prefill, route.decode, route.predicted_s = d.prefill, d.decode, d.predicted_s
+        if d.options:    # an auto comparison (not a fallback for want of engines): that path is fresh now
+            explorer.taken(d.path, d.prefill.url if d.prefill is not None else None,
+                           d.decode.url if d.decode is not None else None, now)
         if d.predicted_s is not None:
             self._predicted[d.path].observe(d.predicted_s)
         if log.isEnabledFor(logging.DEBUG):
@@ -164,7 +192,8 @@ class Router:
         tokens = prompt_tokens or route.tokens
         flight.tokens["prompt"] = tokens
         if flight.engine is backend:
-            self.measurements.observe_prefill("prefill", backend.url, flight.queued_ahead + tokens, seconds)
+            self._sampled("engine", self.measurements.observe_prefill("prefill", backend.url,
+                                                                      flight.queued_ahead + tokens, seconds))
 
     def first_token(self, route: PromptRoute, started: float, when: float) -> None:
         """A streamed single-prompt reply sent its first event at ``when`` (``started``: request arrival)."""
@@ -177,11 +206,16 @@ class Router:
         if route.path is RoutePath.SPLIT and flight.prefill_done is not None \
                 and route.prefill is not None and route.decode is not None:
             nbytes = flight.tokens.get("prompt", route.tokens) * self.kv_bytes_per_token
-            self.measurements.observe_handoff(route.prefill.url, route.decode.url, nbytes, when - flight.prefill_done)
+            self._sampled("link", self.measurements.observe_handoff(route.prefill.url, route.decode.url, nbytes,
+                                                                    when - flight.prefill_done))
         elif route.path is not RoutePath.SPLIT and flight.engine is not None \
                 and flight.engine is (route.decode if route.path is RoutePath.LOCAL else route.prefill):
-            self.measurements.observe_prefill(flight.engine.role, flight.engine.url,
-                                              flight.queued_ahead + route.tokens, when - flight.sent)
+            self._sampled("engine", self.measurements.observe_prefill(flight.engine.role, flight.engine.url,
+                                                                      flight.queued_ahead + route.tokens,
+                                                                      when - flight.sent))
+
+    def _sampled(self, fit: str, outcome: str) -> None:
+        self.metrics.route_samples.labels(fit, outcome).inc()
 
     def finished(self, route: PromptRoute) -> None:
         """The route is over (served, failed or cancelled)."""

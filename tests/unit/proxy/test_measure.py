@@ -3,6 +3,7 @@ and the router that joins them to the policy (disagg.proxy.router)."""
 
 from __future__ import annotations
 
+import time
 from itertools import pairwise
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from disagg.proxy.backends import BackendPool
 from disagg.proxy.config import RoutingConfig
 from disagg.proxy.measure import CLIP, SEED_SAMPLES, EwFit, Measurements
 from disagg.proxy.metrics import ProxyMetrics
-from disagg.proxy.policy import Candidate, decide
+from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.proxy.promptlen import SAMPLE_CHARS, PromptLength
 from disagg.proxy.router import Router
 from disagg.proxy.routes import COMPLETIONS, GenerationRequest, PromptRoute, RequestPlan, RoutePath
@@ -282,3 +283,76 @@ def test_router_static_split_leaves_routes_to_the_handoff() -> None:
     text = metrics.render().decode()
     assert sample_sum(text, "disagg_route_total", path="split", reason="policy") == 2
     assert sample_sum(text, "disagg_route_total", path="local", reason="n") == 1
+
+
+def test_router_explores_a_path_not_taken_at_a_bounded_rate_and_counts_it() -> None:
+    metrics = ProxyMetrics()
+    prefill, decode = BackendPool("prefill", ["http://p:1"], metrics), BackendPool("decode", ["http://d:1"], metrics)
+    for pool in (prefill, decode):
+        pool.mark_up(pool.backends[0])
+    config = RoutingConfig(policy="auto", kv_bytes_per_token=1024.0, prefill_tokens_per_s=2000.0,
+                           link_bytes_per_s=1e9, handoff_fixed_s=0.03)
+    clock = [0.0]
+    router = Router(config, prefill, decode, metrics, local=True, explorer=Explorer(after_s=60.0, after_decisions=50),
+                    clock=lambda: clock[0])
+    p, d = prefill.backends[0], decode.backends[0]
+    # local 50 ms, split 80 ms (within 2x): local is predicted, split is the path not taken
+
+    def serve(i: int) -> PromptRoute:
+        r = _route("y" * 400, i)
+        router.route(RequestPlan(r.request, [r]))
+        router.sent(r, stream=True, now=0.0)
+        if r.path is RoutePath.SPLIT:
+            assert (r.prefill, r.decode) == (p, d)
+            router.prefill_done(r, p, r.tokens / 2000.0, r.tokens)
+            router.first_token(r, 0.0, time.perf_counter() + 0.03)
+        else:
+            router.first_token(r, 0.0, r.tokens / 2000.0)
+        router.finished(r)
+        return r
+
+    def count(path: str, reason: str) -> float:
+        return sample_sum(metrics.render().decode(), "disagg_route_total", path=path, reason=reason)
+
+    served = []
+    for i in range(80):                      # 80 decisions in 30 s: not long enough
+        clock[0] = i * 30.0 / 80
+        served.append(serve(i))
+    assert {(r.path, r.reason) for r in served} == {(RoutePath.LOCAL, "predicted")}
+    clock[0] = 61.0
+    explored = serve(100)
+    assert (explored.path, explored.reason) == (RoutePath.SPLIT, "explore")
+    assert count("split", "explore") == 1 and count("local", "predicted") == 80
+    assert explored.predicted_s == pytest.approx(100 / 2000 + 0.03 + 100 * 1024 / 1e9, rel=0.01)
+    # its handoff reached the pair's fit (the pair's first: dropped as warm-up, and counted so)
+    text = metrics.render().decode()
+    assert sample_sum(text, "disagg_route_samples_total", fit="link", outcome="discarded") == 1
+    # each engine's first prefill too: D's first local prompt, P's (the explored split's) prefill
+    assert sample_sum(text, "disagg_route_samples_total", fit="engine", outcome="discarded") == 2
+    assert sample_sum(text, "disagg_route_samples_total", fit="engine", outcome="used") == 79
+    # fresh again: the next 50 decisions and 60 s go as predicted, then one more exploration
+    again = []
+    for i in range(70):
+        clock[0] = 61.0 + i
+        again.append(serve(200 + i))
+    assert [i for i, r in enumerate(again) if r.reason == "explore"] == [60]      # at 121 s
+    assert count("split", "explore") == 2
+    assert sample_sum(metrics.render().decode(), "disagg_route_samples_total", fit="link", outcome="used") == 1
+
+
+def test_static_policies_never_explore() -> None:
+    clock = [0.0]
+    for policy in ("split", "local"):
+        metrics = ProxyMetrics()
+        prefill = BackendPool("prefill", ["http://p:1"], metrics)
+        decode = BackendPool("decode", ["http://d:1"], metrics)
+        for pool in (prefill, decode):
+            pool.mark_up(pool.backends[0])
+        router = Router(RoutingConfig(policy=policy), prefill, decode, metrics, local=True,
+                        explorer=Explorer(after_s=1.0, after_decisions=1), clock=lambda: clock[0])
+        for i in range(20):
+            clock[0] = 100.0 * i
+            r = _route("z" * 400, i)
+            router.route(RequestPlan(r.request, [r]))
+            assert r.reason == "policy" and r.path is (RoutePath.SPLIT if policy == "split" else RoutePath.LOCAL)
+        assert sample_sum(metrics.render().decode(), "disagg_route_total", reason="explore") == 0

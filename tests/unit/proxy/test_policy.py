@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.proxy.policy import Candidate, decide
+from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.routecost import EngineCost, LinkCost, Option, break_even_tokens
 
 KV_PER_TOKEN = 32 * 1024.0
@@ -121,3 +121,82 @@ def test_static_policies_and_what_cannot_be_served() -> None:
     assert decide("auto", 10**5, kv(10**5), [], cands[1], lambda _p, _d: LINK).reason == "no_prefill"
     assert decide("auto", 5, kv(5), cands[0], [], lambda _p, _d: LINK, whole=True).path is Option.WHOLE
     assert decide("auto", 5, kv(5), cands[0], [], lambda _p, _d: LINK).path is Option.SPLIT
+
+
+# --- exploration -----------------------------------------------------------------------------
+
+def always(_path: Option, _p: object, _d: object) -> bool:
+    return True
+
+
+def test_a_stale_path_within_the_factor_is_explored_once_named_explore() -> None:
+    same = EngineCost(tokens_per_s=2000.0)
+    n = 200                                         # local 0.1 s, split 0.1 + handoff 0.036 s: local wins
+    best = decide("auto", n, kv(n), [Candidate("P", same)], [Candidate("D", same)], lambda _p, _d: LINK)
+    assert (best.path, best.reason) == (Option.LOCAL, "predicted")
+    asked: list[tuple[Option, object, object]] = []
+
+    def stale(path: Option, p: object, d: object) -> bool:
+        asked.append((path, p, d))
+        return True
+
+    d = decide("auto", n, kv(n), [Candidate("P", same)], [Candidate("D", same)], lambda _p, _d: LINK, stale=stale)
+    assert (d.path, d.reason, d.prefill, d.decode) == (Option.SPLIT, "explore", "P", "D")
+    assert d.predicted_s == pytest.approx(same.ttft_s(n) + LINK.seconds(kv(n)))
+    assert asked == [(Option.SPLIT, "P", "D")]      # only the other path is asked about, with its engines
+    # not stale: the best path
+    assert decide("auto", n, kv(n), [Candidate("P", same)], [Candidate("D", same)], lambda _p, _d: LINK,
+                  stale=lambda *_: False).reason == "predicted"
+    # stale, but over twice the best's predicted TTFT: never explored
+    slow = LinkCost(fixed_s=0.2, bytes_per_s=LINK.bytes_per_s)
+    assert best.predicted_s is not None and slow.seconds(kv(n)) > best.predicted_s
+    assert decide("auto", n, kv(n), [Candidate("P", same)], [Candidate("D", same)], lambda _p, _d: slow,
+                  stale=always).reason == "predicted"
+    # exploring local asks with no prefill engine
+    asked.clear()
+    e = decide("auto", 4000, kv(4000), [Candidate("P", FAST_P)], [Candidate("D", SLOW_D)], lambda _p, _d: LINK,
+               stale=stale, explore_within=10.0)
+    assert (e.path, e.reason, e.prefill, e.decode) == (Option.LOCAL, "explore", None, "D")
+    assert asked == [(Option.LOCAL, None, "D")]
+
+
+def test_exploration_never_under_static_policies_nor_to_what_is_unavailable() -> None:
+    cands = ([Candidate("P", FAST_P)], [Candidate("D", SLOW_D)])
+    n = 10
+    assert decide("split", n, kv(n), *cands, lambda _p, _d: LINK, stale=always).reason == "policy"
+    assert decide("local", n, kv(n), *cands, lambda _p, _d: LINK, stale=always).reason == "policy"
+    assert decide("auto", n, kv(n), *cands, lambda _p, _d: LINK, stale=always, local=False).reason == "policy"
+    # no healthy prefill engine: no split to explore; no healthy decode engine: no local
+    assert decide("auto", n, kv(n), [], cands[1], lambda _p, _d: LINK, stale=always).reason == "no_prefill"
+    assert decide("auto", n, kv(n), cands[0], [], lambda _p, _d: LINK, stale=always, whole=True).path is Option.WHOLE
+    # whole is never explored, even offered, stale and within the factor
+    same = EngineCost(tokens_per_s=2000.0)
+    quick_but_queued = EngineCost(tokens_per_s=20000.0, queued_tokens=100.0)
+    d = decide("auto", 100, kv(100), [Candidate("P", same)], [Candidate("D", quick_but_queued)],
+               lambda _p, _d: LINK, whole=True, stale=lambda path, _p, _d: path is Option.WHOLE,
+               explore_within=100.0)
+    assert (d.path, d.reason) == (Option.LOCAL, "predicted")
+    assert Option.WHOLE in {o.path for o in d.options}
+
+
+def test_explorer_needs_both_the_time_and_the_decisions_then_is_fresh_again() -> None:
+    ex = Explorer(after_s=60.0, after_decisions=50)
+    key = (Option.SPLIT, "P", "D")
+    assert not ex.stale(*key, now=0.0)              # first seen: its clock starts now
+    for i in range(49):
+        ex.taken(Option.LOCAL, None, "D", now=i * 0.1)
+    assert not ex.stale(*key, now=1000.0)           # 49 decisions: not yet, however long
+    ex.taken(Option.LOCAL, None, "D", now=5.0)
+    assert not ex.stale(*key, now=59.9)             # 50 decisions, 59.9 s: not yet
+    assert ex.stale(*key, now=60.0)
+    ex.taken(*key, now=60.0)                        # explored: fresh for another period
+    for _ in range(100):
+        ex.taken(Option.LOCAL, None, "D", now=61.0)
+    assert not ex.stale(*key, now=119.0) and ex.stale(*key, now=120.0)
+    assert not ex.stale(Option.LOCAL, None, "D", now=120.0)    # taken all along
+    # the engine comes back: its keys start over
+    ex.forget("P")
+    assert not ex.stale(*key, now=10_000.0)
+    for _ in range(50):
+        ex.taken(Option.LOCAL, None, "D", now=10_000.0)
+    assert ex.stale(*key, now=10_060.0)
