@@ -28,6 +28,7 @@ from disagg.errors import DisaggError
 
 DEFAULT_CHARS_PER_TOKEN = 4.0
 _MAX_FIT_STEPS = 8
+_MAX_BUSY_RETRIES = 50
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,20 @@ class ServerTokenizer:
         self.max_model_len: int | None = None
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with self.session.post(self.base_url + path, json={"model": self.model, **body}) as resp:
-            if resp.status != 200:
-                raise DisaggError(f"{self.base_url}{path} answered HTTP {resp.status}: {(await resp.text())[:200]}")
-            data: dict[str, Any] = await resp.json()
-            return data
+        """POST to the server; a 429 (the disagg proxy at its ``max_concurrency``) is retried
+        after its Retry-After (at most 1 s) up to ``_MAX_BUSY_RETRIES`` times."""
+        for attempt in range(_MAX_BUSY_RETRIES + 1):
+            async with self.session.post(self.base_url + path, json={"model": self.model, **body}) as resp:
+                if resp.status == 429 and attempt < _MAX_BUSY_RETRIES:
+                    wait = resp.headers.get("Retry-After", "")
+                    await asyncio.sleep(min(1.0, float(wait)) if wait.replace(".", "", 1).isdigit() else 0.2)
+                    continue
+                if resp.status != 200:
+                    raise DisaggError(f"{self.base_url}{path} answered HTTP {resp.status}: "
+                                      f"{(await resp.text())[:200]}")
+                data: dict[str, Any] = await resp.json()
+                return data
+        raise AssertionError("unreachable")
 
     async def ids(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens."""

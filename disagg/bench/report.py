@@ -92,6 +92,11 @@ _COLUMNS: dict[str, tuple[tuple[str, ...], int]] = {
 
 
 def _value(m: Mapping[str, Any], keys: tuple[str, ...]) -> float | None:
+    """``m[keys[0]][keys[1]]...``; None when absent, and for a latency distribution that holds no
+    value (a repeat in which no request of the class completed reports zeros, vLLM's convention:
+    not a latency to take a median of)."""
+    if len(keys) > 1 and isinstance(dist := m.get(keys[0]), Mapping) and dist.get("count", 1) == 0:
+        return None
     v: Any = m
     for k in keys:
         v = v.get(k) if isinstance(v, Mapping) else None
@@ -388,7 +393,7 @@ def plot_p99(doc: Document, path: Path) -> Path:
     colors = _label_styles(doc)
     for ax, metric in zip(axes, ("ttft", "tpot", "e2el"), strict=True):
         def p99(m: Mapping[str, Any], k: str = metric) -> float | None:
-            return float(m["all"][k].get("p99_ms", 0.0))
+            return _value(m["all"], (k, "p99_ms"))
 
         for label, result in doc.items():
             _plot_points(ax, _points(result, p99), colors[label], label)

@@ -50,6 +50,8 @@ class StandIn:
     authorizations: list[str | None] = field(default_factory=list)
     #: statuses to refuse the next generation requests with (popped from the front)
     refuse: list[int] = field(default_factory=list)
+    #: answer the next this many /tokenize calls 429 (Retry-After: 0), as a proxy at its cap
+    busy_tokenize: int = 0
     routes: ProxyMetrics | None = None
     split_from: int = 100
     predict_factor: float = 1.5
@@ -66,6 +68,9 @@ def _app(state: StandIn) -> web.Application:
     async def tokenize(request: web.Request) -> web.Response:
         if not state.tokenize:
             raise web.HTTPNotFound()
+        if state.busy_tokenize > 0:
+            state.busy_tokenize -= 1
+            return web.json_response({"error": {"message": "busy"}}, status=429, headers={"Retry-After": "0"})
         body = await request.json()
         if "messages" in body:
             text = "".join(m["content"] for m in body["messages"])

@@ -138,3 +138,14 @@ def test_cdf_plots_use_a_log_axis(tmp_path: Path, synthetic, monkeypatch: pytest
     plot_cdf(_repeated_doc(synthetic), "ttft", tmp_path / "ttft.png")
     plot_cdf(_doc(synthetic), "tpot", tmp_path / "tpot.png")
     assert scales == ["log"] * 4                                # 2 classes x 2 plots
+
+
+def test_a_repeat_without_completed_requests_is_no_latency(synthetic) -> None:
+    doc = _repeated_doc(synthetic)
+    runs = doc["auto"]["runs"]
+    runs[0]["metrics"]["short"]["ttft"] = {"count": 0, "mean_ms": 0.0, "std_ms": 0.0, "median_ms": 0.0,
+                                           "p50_ms": 0.0, "p90_ms": 0.0, "p99_ms": 0.0}
+    row = next(line for line in markdown_table(doc).splitlines() if line.startswith("| auto | rate 1/s | short |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    p50s = sorted(r["metrics"]["short"]["ttft"]["median_ms"] for r in runs[1:3])
+    assert cells[7] == f"{(p50s[0] + p50s[1]) / 2:.1f}" and cells[16] == f"{p50s[0]:.1f}-{p50s[1]:.1f}"

@@ -60,6 +60,14 @@ async def test_prompts_have_exact_token_counts(standin) -> None:
     assert [len(p.text) for p in salted] == [len(p.text) for p in prompts]
 
 
+async def test_prompts_wait_out_a_busy_proxy(standin) -> None:
+    standin.busy_tokenize = 5                   # a proxy at its max_concurrency answers 429 for a while
+    w = _workload()
+    async with aiohttp.ClientSession() as s:
+        prompts = await build_prompts(s, [standin.url], standin.model, w, class_sequence(w))
+    assert standin.busy_tokenize == 0 and all(p.exact for p in prompts)
+
+
 async def test_prompts_fall_back_to_estimate_without_tokenize(standin) -> None:
     standin.tokenize = False
     w = _workload()
