@@ -159,8 +159,9 @@ class Explorer:
     def stale(self, path: Option, prefill: Hashable, decode: Hashable, now: float) -> bool:
         """Whether ``path`` over these engines has gone untaken for long enough (both bounds).
 
-        A key never seen starts its clock now: nothing is stale before it has been
-        an option for the whole period."""
+        A key never seen (neither taken nor asked about) starts its clock now: nothing
+        is stale before the whole period has passed since it was first asked about
+        (:func:`decide` asks only about options within the factor) or last taken."""
         key = (path, prefill, decode)
         last = self._last.get(key)
         if last is None:
