@@ -215,11 +215,13 @@ def _route_rows(doc: Document) -> list[tuple[str, ...]]:
             for path, s in route_summary(merged).items():
                 share = s["share"]
                 err = s["relative_error"]
+                mae = s.get("mean_abs_error")
                 reasons = ", ".join(f"{r} {n:g}" for r, n in sorted(s["reasons"].items()))
                 rows.append((label, str(group[0]["label"]), path, f"{s['prompts']:g}",
                              "-" if share is None else f"{100 * share:.0f}%", reasons or "-",
                              _fmt(s["predicted_ttft_ms"]), _fmt(s["observed_ttft_ms"]),
-                             "-" if err is None else f"{100 * err:+.0f}%"))
+                             "-" if err is None else f"{100 * err:+.0f}%",
+                             "-" if mae is None else f"{100 * mae:.0f}%"))
     return rows
 
 
@@ -231,7 +233,7 @@ def routes_table(doc: Document) -> str:
     if not rows:
         return ""
     head = ("| run | load | path | prompts | share | reasons | predicted TTFT mean | observed TTFT mean | "
-            "error (pred/obs - 1) |")
+            "error of the means | mean abs error per prompt |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)] + ["| " + " | ".join(r) + " |" for r in rows]
     return ("Route mix (the proxy's `disagg_route_total` and its predicted/observed TTFT histograms, "
             "deltas over the measured runs):\n\n" + "\n".join(lines) + "\n")

@@ -8,7 +8,9 @@ routing metrics (:mod:`disagg.proxy.metrics`):
 - ``disagg_route_total{path, reason}``: prompts by the path chosen and why;
 - ``disagg_route_predicted_ttft_seconds{path}`` and
   ``disagg_route_observed_ttft_seconds{path}``: histograms whose ``_sum`` and
-  ``_count`` deltas give the mean predicted and the mean observed TTFT per path.
+  ``_count`` deltas give the mean predicted and the mean observed TTFT per path;
+- ``disagg_route_ttft_error_ratio{path}``: per prompt |predicted - observed| /
+  observed, whose deltas give the mean absolute relative error per path.
 
 A server without them (a plain vLLM server, a proxy without routing) gives
 ``None`` and the report leaves the section out. The raw deltas of several runs
@@ -29,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROUTE_TOTAL = "disagg_route_total"
 PREDICTED = "disagg_route_predicted_ttft_seconds"
 OBSERVED = "disagg_route_observed_ttft_seconds"
+ERROR = "disagg_route_ttft_error_ratio"
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class RouteCounters:
     routes: dict[tuple[str, str], float] = field(default_factory=dict)        # (path, reason) -> prompts
     predicted: dict[str, tuple[float, float]] = field(default_factory=dict)   # path -> (sum s, count)
     observed: dict[str, tuple[float, float]] = field(default_factory=dict)
+    error: dict[str, tuple[float, float]] = field(default_factory=dict)       # path -> (sum of ratios, count)
 
     @property
     def empty(self) -> bool:
@@ -49,7 +53,7 @@ def parse_route_counters(text: str) -> RouteCounters:
     """The routing series of a Prometheus text page (prometheus-client's parser, as
     :mod:`disagg.prometheus_text` uses); series that are absent are simply missing."""
     routes: dict[tuple[str, str], float] = {}
-    hists: dict[str, dict[str, list[float]]] = {PREDICTED: {}, OBSERVED: {}}
+    hists: dict[str, dict[str, list[float]]] = {PREDICTED: {}, OBSERVED: {}, ERROR: {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = sample.labels
@@ -64,7 +68,8 @@ def parse_route_counters(text: str) -> RouteCounters:
                         pair[slot] += float(sample.value)
     return RouteCounters(routes=routes,
                          predicted={p: (v[0], v[1]) for p, v in hists[PREDICTED].items()},
-                         observed={p: (v[0], v[1]) for p, v in hists[OBSERVED].items()})
+                         observed={p: (v[0], v[1]) for p, v in hists[OBSERVED].items()},
+                         error={p: (v[0], v[1]) for p, v in hists[ERROR].items()})
 
 
 async def scrape(session: aiohttp.ClientSession, base_url: str, timeout_s: float = 10.0) -> RouteCounters | None:
@@ -90,7 +95,8 @@ def route_delta(before: RouteCounters | None, after: RouteCounters | None) -> di
     """What happened between two scrapes, JSON-ready::
 
         {"routes": {path: {reason: prompts}},
-         "predicted_ttft": {path: {"sum_s": ..., "count": ...}}, "observed_ttft": {...}}
+         "predicted_ttft": {path: {"sum_s": ..., "count": ...}}, "observed_ttft": {...},
+         "error_ratio": {path: {"sum_s": sum of |pred - obs| / obs, "count": ...}}}
 
     None when the second scrape found no routing series. A missing first scrape counts from zero."""
     if after is None:
@@ -103,7 +109,8 @@ def route_delta(before: RouteCounters | None, after: RouteCounters | None) -> di
             routes.setdefault(path, {})[reason] = n
     out: dict[str, Any] = {"routes": routes}
     for key, now, then in (("predicted_ttft", after.predicted, before.predicted),
-                           ("observed_ttft", after.observed, before.observed)):
+                           ("observed_ttft", after.observed, before.observed),
+                           ("error_ratio", after.error, before.error)):
         out[key] = {}
         for path, (total, count) in sorted(now.items()):
             old = then.get(path, (0.0, 0.0))
@@ -118,13 +125,13 @@ def merge_deltas(deltas: Iterable[Mapping[str, Any] | None]) -> dict[str, Any] |
     found = [d for d in deltas if d is not None]
     if not found:
         return None
-    out: dict[str, Any] = {"routes": {}, "predicted_ttft": {}, "observed_ttft": {}}
+    out: dict[str, Any] = {"routes": {}, "predicted_ttft": {}, "observed_ttft": {}, "error_ratio": {}}
     for d in found:
         for path, reasons in d.get("routes", {}).items():
             mine = out["routes"].setdefault(path, {})
             for reason, n in reasons.items():
                 mine[reason] = mine.get(reason, 0.0) + n
-        for key in ("predicted_ttft", "observed_ttft"):
+        for key in ("predicted_ttft", "observed_ttft", "error_ratio"):
             for path, h in d.get(key, {}).items():
                 mine = out[key].setdefault(path, {"sum_s": 0.0, "count": 0.0})
                 mine["sum_s"] += h["sum_s"]
@@ -135,7 +142,9 @@ def merge_deltas(deltas: Iterable[Mapping[str, Any] | None]) -> dict[str, Any] |
 def route_summary(delta: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Per path: ``prompts``, ``share`` of all routed prompts, ``reasons``, ``predicted_ttft_ms`` and
     ``observed_ttft_ms`` (means; None without observations) and ``relative_error``
-    ((predicted - observed) / observed of the means; None unless both are known)."""
+    ((predicted - observed) / observed of the means; None unless both are known) and
+    ``mean_abs_error`` (the mean over prompts of |predicted - observed| / observed; None when the
+    proxy does not export it)."""
     routes: Mapping[str, Mapping[str, float]] = delta.get("routes", {})
     total = sum(sum(r.values()) for r in routes.values())
     paths = sorted(set(routes) | set(delta.get("predicted_ttft", {})) | set(delta.get("observed_ttft", {})))
@@ -147,8 +156,10 @@ def route_summary(delta: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             h = delta.get(key, {}).get(path)
             means[key] = 1000 * h["sum_s"] / h["count"] if h and h["count"] else None
         pred, obs = means["predicted_ttft"], means["observed_ttft"]
+        e = delta.get("error_ratio", {}).get(path)
         out[path] = {"prompts": prompts, "share": prompts / total if total else None,
                      "reasons": dict(routes.get(path, {})),
                      "predicted_ttft_ms": pred, "observed_ttft_ms": obs,
-                     "relative_error": (pred - obs) / obs if pred is not None and obs else None}
+                     "relative_error": (pred - obs) / obs if pred is not None and obs else None,
+                     "mean_abs_error": e["sum_s"] / e["count"] if e and e["count"] else None}
     return out

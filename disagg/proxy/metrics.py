@@ -35,6 +35,9 @@ Routing (:mod:`disagg.proxy.policy`; named without the prefix, as issue 15 asks)
 - ``disagg_route_predicted_ttft_seconds{path}``: the policy's prediction for the chosen path.
 - ``disagg_route_observed_ttft_seconds{path}``: the same prompts' TTFT as the proxy saw it
   (streamed single-prompt requests: arrival -> first event).
+- ``disagg_route_ttft_error_ratio{path}``: per prompt, |predicted - observed| / observed TTFT
+  (the prompts of both histograms above with a prediction); ``_sum / _count`` is the mean
+  absolute relative error of the predictions for that path.
 - ``disagg_route_samples_total{fit, outcome}``: live measurements (``fit``: ``engine`` prefill
   or ``link`` handoff) by what the fit made of them: ``used``, ``clipped`` (far above the
   prediction: entered as ``CLIP`` x it), ``discarded`` (an engine's or pair's first, warm-up),
@@ -46,6 +49,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+#: relative errors of the routing's TTFT predictions: 1% .. 10x
+ERROR_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 
 #: fine around 1-3 s so a 2 s TTFT SLO can be read off the histogram
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -104,6 +110,9 @@ class ProxyMetrics:
         self.route_observed = Histogram("disagg_route_observed_ttft_seconds",
                                         "Observed time to first token, by the path taken", ["path"],
                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.route_error = Histogram("disagg_route_ttft_error_ratio",
+                                     "Per prompt |predicted - observed| / observed TTFT, by the path taken", ["path"],
+                                     buckets=ERROR_BUCKETS, registry=r)
         self.route_samples = Counter("disagg_route_samples", "Live routing measurements by what the fits made of them",
                                      ["fit", "outcome"], registry=r)
         self.prompt_length_error = Gauge("disagg_route_prompt_length_error_ratio",

@@ -198,7 +198,10 @@ class Router:
     def first_token(self, route: PromptRoute, started: float, when: float) -> None:
         """A streamed single-prompt reply sent its first event at ``when`` (``started``: request arrival)."""
         path = route.path.value if route.served != "fallback" else "fallback"
-        self.metrics.route_observed.labels(path).observe(when - started)
+        observed = when - started
+        self.metrics.route_observed.labels(path).observe(observed)
+        if route.predicted_s is not None and observed > 0 and route.served != "fallback":
+            self.metrics.route_error.labels(path).observe(abs(route.predicted_s - observed) / observed)
         flight = self._flights.get(id(route))
         if flight is None or route.served == "fallback":
             return

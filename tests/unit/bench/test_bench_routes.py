@@ -30,9 +30,10 @@ def test_deltas_between_two_pages() -> None:
     m.route.labels(path="split", reason="decode_backlog").inc(1)
     m.route_predicted.labels(path="local").observe(0.030)
     m.route_observed.labels(path="local").observe(0.020)
-    for _ in range(3):
+    for observed in (0.125, 0.080, 0.125):   # per prompt |100 - obs| / obs: 0.2, 0.25, 0.2
         m.route_predicted.labels(path="split").observe(0.100)
-        m.route_observed.labels(path="split").observe(0.125)
+        m.route_observed.labels(path="split").observe(observed)
+        m.route_error.labels(path="split").observe(abs(0.100 - observed) / observed)
     m.requests.labels(endpoint="completions", path="disaggregated").inc(5)     # other series are ignored
     delta = route_delta(before, parse_route_counters(_page(m)))
     assert delta is not None
@@ -42,8 +43,11 @@ def test_deltas_between_two_pages() -> None:
     assert summary["local"]["share"] == pytest.approx(0.25) and summary["split"]["share"] == pytest.approx(0.75)
     assert summary["split"]["prompts"] == 3.0
     assert summary["split"]["predicted_ttft_ms"] == pytest.approx(100.0)
-    assert summary["split"]["observed_ttft_ms"] == pytest.approx(125.0)
-    assert summary["split"]["relative_error"] == pytest.approx(-0.2)
+    assert summary["split"]["observed_ttft_ms"] == pytest.approx(110.0)
+    assert summary["split"]["relative_error"] == pytest.approx(100 / 110 - 1)
+    # the mean of the per-prompt errors, not the error of the means (which hides errors of both signs)
+    assert summary["split"]["mean_abs_error"] == pytest.approx((0.2 + 0.25 + 0.2) / 3)
+    assert summary["local"]["mean_abs_error"] is None     # the page had no error sample for local
     assert summary["local"]["relative_error"] == pytest.approx(0.5)       # 30 ms predicted, 20 observed
 
 

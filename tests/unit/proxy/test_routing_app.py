@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from proxy_standin import read_events, wait_for
 
 from disagg.proxy.config import RoutingConfig
@@ -51,6 +52,12 @@ async def test_auto_splits_when_the_decode_engine_prefills_slowly(standin, proxy
     assert route_count(server, "split", "predicted") == 1
     reg = server.app_state.metrics.registry
     assert reg.get_sample_value("disagg_route_observed_ttft_seconds_count", {"path": "split"}) == 1
+    # the prediction's per-prompt error: |predicted - observed| / observed, one observation
+    predicted = reg.get_sample_value("disagg_route_predicted_ttft_seconds_sum", {"path": "split"})
+    observed = reg.get_sample_value("disagg_route_observed_ttft_seconds_sum", {"path": "split"})
+    error = reg.get_sample_value("disagg_route_ttft_error_ratio_sum", {"path": "split"})
+    assert reg.get_sample_value("disagg_route_ttft_error_ratio_count", {"path": "split"}) == 1
+    assert error == pytest.approx(abs(predicted - observed) / observed)
 
 
 async def test_whole_goes_to_the_idle_prefill_engine_while_decode_is_backed_up(standin, proxy, http) -> None:
