@@ -61,8 +61,7 @@ async def _stream_arrivals(session: aiohttp.ClientSession, url: str, body: dict[
             for event in parser.feed(chunk):
                 if event.done:
                     continue
-                choices = event.json().get("choices") or []
-                if choices and choices[0].get("text"):
+                if event.json().get("choices"):   # a token chunk, its text may be empty (vllm bench's rule)
                     arrivals.append(now)
     return arrivals
 

@@ -21,6 +21,7 @@ launchers) can inject their own. Called by ``disagg bench compare``
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import sys
@@ -196,7 +197,8 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
     for t in tops:
         n = labels[t.label] = labels.get(t.label, 0) + 1
         label = t.label if n == 1 else f"{t.label}-{n}"
-        log(f"disagg bench compare: {label}: up {t.file}")
+        load_before_up = os.getloadavg()[0]
+        log(f"disagg bench compare: {label}: up {t.file} (load average {load_before_up:.2f})")
         try:
             lifecycle("up", t.file)
             log(f"disagg bench compare: {label}: bench {t.proxy_url} (model {t.model})")
@@ -210,7 +212,8 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
                 log(f"disagg bench compare: {label}: down failed: {exc}")
         if not all(run.exact_prompts for run in result.runs):
             log(f"disagg bench compare: {label}: no /tokenize answered; prompt lengths are estimates")
-        doc[label] = {**result.to_dict(), "topology": str(t.file), "prefill_measured": measured}
+        doc[label] = {**result.to_dict(), "topology": str(t.file), "prefill_measured": measured,
+                      "loadavg_before_up": load_before_up}
         if t.routing is not None:
             doc[label].update(source_topology=str(t.source), routing=t.routing)
         write_json(doc, out_dir / "results.json")

@@ -205,6 +205,20 @@ def failure_lines(doc: Document) -> list[str]:
     return out
 
 
+def load_lines(doc: Document) -> list[str]:
+    """Per label: the load average before its topology came up (compare) and the range over its runs'
+    starts and ends; empty for documents written before the load was recorded."""
+    out = []
+    for label, result in doc.items():
+        during = [v for run in result["runs"] for v in (run.get("loadavg") or ())]
+        before = result.get("loadavg_before_up")
+        parts = ([f"before up {before:.2f}"] if before is not None else []) + \
+                ([f"during runs {min(during):.2f}-{max(during):.2f}"] if during else [])
+        if parts:
+            out.append(f"{label}: " + ", ".join(parts))
+    return out
+
+
 def _route_rows(doc: Document) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     for label, result in doc.items():
@@ -255,6 +269,9 @@ def write_markdown(doc: Document, path: Path, title: str = "disagg bench report"
                  *(f"- {line}" for line in fails), ""]
     if routes := routes_table(doc):
         body += [routes, ""]
+    if loads := load_lines(doc):
+        body += ["Machine load (1-minute load average; during runs the engines under test add their own):", "",
+                 *(f"- {line}" for line in loads), ""]
     body += [f"![{name}]({name})" for name in PLOT_FILES]
     path.write_text("\n".join(body) + "\n", encoding="utf-8")
     return path

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -80,6 +81,9 @@ class RunResult:
     exact_prompts: bool = False
     repeat: int = 0                         # which repeat of its step (0-based)
     routes: dict[str, Any] | None = None    # the proxy's route deltas over the run (routes.route_delta)
+    #: the machine's 1-minute load average as the run started and as it ended (what else ran
+    #: beside the benchmark; the engines under test add their own)
+    loadavg: tuple[float, float] | None = None
 
     @property
     def x(self) -> float:
@@ -96,6 +100,7 @@ class RunResult:
             "label": self.step.label, "rate": "inf" if rate is not None and math.isinf(rate) else rate,
             "concurrency": self.step.concurrency, "repeat": self.repeat, "x": self.x,
             "started_at": self.started_at, "duration_s": self.duration_s, "exact_prompts": self.exact_prompts,
+            "loadavg": list(self.loadavg) if self.loadavg is not None else None,
             "metrics": {k: m.to_dict() for k, m in self.metrics.items()}}
         if self.routes is not None:
             d["routes"] = self.routes
@@ -148,6 +153,7 @@ async def run_step(session: aiohttp.ClientSession, url: str, model: str, prompts
     """Send ``prompts`` to ``url`` at ``step``'s rate or concurrency; gather the records.
     ``title`` names the run on the progress bar (default: the step's label)."""
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    load_start = os.getloadavg()[0]
     bar = Progress(len(prompts), f"{title or step.label:>16}", enabled=progress)
     records: list[RequestRecord] = []
     t0 = time.perf_counter()
@@ -194,6 +200,7 @@ async def run_step(session: aiohttp.ClientSession, url: str, model: str, prompts
     bar.close()
     records.sort(key=lambda r: r.index)
     return RunResult(step=step, started_at=started_at, duration_s=duration, records=records,
+                     loadavg=(load_start, os.getloadavg()[0]),
                      metrics=metrics_by_class(records, duration, slo, percentiles),
                      exact_prompts=all(p.exact for p in prompts))
 

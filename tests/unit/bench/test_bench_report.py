@@ -149,3 +149,12 @@ def test_a_repeat_without_completed_requests_is_no_latency(synthetic) -> None:
     cells = [c.strip() for c in row.strip("|").split("|")]
     p50s = sorted(r["metrics"]["short"]["ttft"]["median_ms"] for r in runs[1:3])
     assert cells[7] == f"{(p50s[0] + p50s[1]) / 2:.1f}" and cells[16] == f"{p50s[0]:.1f}-{p50s[1]:.1f}"
+
+
+def test_load_lines_say_what_else_ran(synthetic) -> None:
+    doc = _doc(synthetic)
+    assert report.load_lines(doc) == []               # documents from before the load was recorded
+    doc["1p1d"]["loadavg_before_up"] = 0.25
+    for k, run in enumerate(doc["1p1d"]["runs"]):
+        run["loadavg"] = [1.0 + k, 2.5 + k]
+    assert report.load_lines(doc) == ["1p1d: before up 0.25, during runs 1.00-4.50"]

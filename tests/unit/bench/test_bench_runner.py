@@ -120,6 +120,8 @@ async def test_open_loop_sweep_measures_programmed_latencies(standin, api: str) 
     assert 0.009 < run.metrics["all"].tpot.mean < 0.1
     assert run.metrics["all"].total_output_tokens == 8 * 5
     assert run.metrics["all"].slo_attainment == 1.0 and run.exact_prompts
+    assert run.loadavg is not None and all(v >= 0 for v in run.loadavg)    # the machine's load, start and end
+    assert run.to_dict()["loadavg"] == list(run.loadavg)
     # the first run's sends follow the schedule: spread over ~8/50 s, not all at t=0
     assert max(r.send for r in run.records) > 0.08
     assert result.runs[1].x == pytest.approx(result.runs[1].metrics["all"].request_throughput)

@@ -1,0 +1,115 @@
+"""Issue 15's targets, checked on a ``disagg bench compare --routing auto,split`` report.
+
+Reads ``results.json`` (medians over each step's repeats) and prints, per
+connector and request rate, a Markdown table of each target with the figure,
+the bound and whether it is met (and by how much it is missed):
+
+1. ``auto`` goodput >= the best of the replica pool and static ``split``, minus 5%;
+2. where static ``split`` saturates (its goodput below ``--saturated`` x the
+   offered rate), ``auto`` goodput >= 1.5 x ``split``'s;
+3. ``auto``'s short-class TTFT p50 within 1.2 x the replica pool's;
+4. below saturation (``auto``'s goodput at least ``--saturated`` x the offered
+   rate), the proxy's predicted TTFT within 25% of the observed, per path (mean
+   over prompts of |predicted - observed| / observed, from the proxy's
+   ``disagg_route_ttft_error_ratio``; paths with fewer than 5 prompts skipped).
+
+    .venv/bin/python benchmarks/matrix_targets.py REPORT/results.json --replicas replicas \\
+        --pair nixl=local-cpu --pair socket=local-cpu-socket [--short-class short]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from disagg.bench.report import load_json, step_groups
+from disagg.bench.routes import merge_deltas, route_summary
+
+MIN_PROMPTS = 5
+
+
+def _median(group: list[Mapping[str, Any]], klass: str, *keys: str) -> float | None:
+    values = []
+    for run in group:
+        m: Any = run["metrics"].get(klass)
+        if m is None or (len(keys) > 1 and m.get(keys[0], {}).get("count", 1) == 0):
+            continue
+        for k in keys:
+            m = m.get(k) if isinstance(m, Mapping) else None
+        if m is not None:
+            values.append(float(m))
+    return statistics.median(values) if values else None
+
+
+def _steps(result: Mapping[str, Any]) -> dict[float, list[Mapping[str, Any]]]:
+    return {float(g[0]["rate"]): g for g in step_groups(result) if g[0].get("rate") not in (None, "inf")}
+
+
+def _row(rate: float, target: str, value: str, bound: str, met: bool | None, note: str = "") -> str:
+    verdict = "-" if met is None else ("met" if met else "MISSED")
+    return f"| {rate:g} | {target} | {value} | {bound} | {verdict} | {note} |"
+
+
+def check(doc: Mapping[str, Any], replicas: str, auto: str, split: str, short: str, saturated: float) -> list[str]:
+    """The table rows for one connector's pair of labels (``auto``, ``split``) against ``replicas``."""
+    rep, aut, spl = _steps(doc[replicas]), _steps(doc[auto]), _steps(doc[split])
+    rows = []
+    for rate in sorted(set(aut) & set(spl) & set(rep)):
+        g_auto, g_split, g_rep = (_median(s[rate], "all", "goodput") for s in (aut, spl, rep))
+        if g_auto is None or g_split is None or g_rep is None:
+            continue
+        best = max(g_split, g_rep)
+        rows.append(_row(rate, "goodput >= best(replicas, split) - 5%", f"{g_auto:.2f}",
+                         f"{0.95 * best:.2f} (replicas {g_rep:.2f}, split {g_split:.2f})", g_auto >= 0.95 * best,
+                         "" if g_auto >= 0.95 * best else f"short by {100 * (1 - g_auto / (0.95 * best)):.0f}%"))
+        if g_split < saturated * rate:
+            ok = g_auto >= 1.5 * g_split
+            rows.append(_row(rate, "split saturated: goodput >= 1.5 x split", f"{g_auto:.2f}",
+                             f"{1.5 * g_split:.2f}", ok, "" if ok else f"{g_auto / g_split:.2f} x split"))
+        t_auto, t_rep = _median(aut[rate], short, "ttft", "median_ms"), _median(rep[rate], short, "ttft", "median_ms")
+        if t_auto is not None and t_rep is not None:
+            ok = t_auto <= 1.2 * t_rep
+            rows.append(_row(rate, f"{short} TTFT p50 <= 1.2 x replicas", f"{t_auto:.1f} ms",
+                             f"{1.2 * t_rep:.1f} ms (replicas {t_rep:.1f})", ok,
+                             "" if ok else f"{t_auto / t_rep:.2f} x replicas"))
+        merged = merge_deltas(run.get("routes") for run in aut[rate])
+        if merged is None:
+            continue
+        below = g_auto >= saturated * rate
+        for path, s in route_summary(merged).items():
+            mae = s.get("mean_abs_error")
+            if mae is None or s["prompts"] < MIN_PROMPTS:
+                continue
+            rows.append(_row(rate, f"{path}: predicted TTFT within 25% (MAE)", f"{100 * mae:.0f}%", "25%",
+                             mae <= 0.25 if below else None,
+                             f"{s['prompts']:g} prompts, mean predicted {s['predicted_ttft_ms']:.0f} / observed "
+                             f"{s['observed_ttft_ms']:.0f} ms" + ("" if below else "; saturated: not a target")))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--replicas", default="replicas", help="label of the replica pool")
+    parser.add_argument("--pair", action="append", default=[], metavar="NAME=LABEL",
+                        help="a split topology's label; its runs are LABEL[auto] and LABEL[split]")
+    parser.add_argument("--short-class", default="short")
+    parser.add_argument("--saturated", type=float, default=0.9,
+                        help="goodput below this fraction of the offered rate counts as saturated (0.9)")
+    args = parser.parse_args()
+    doc = load_json(args.results)
+    for pair in args.pair:
+        name, _, label = pair.partition("=")
+        print(f"\n### {name}: {label}[auto] against {args.replicas} and {label}[split]\n")
+        print("| rate req/s | target | auto | bound | verdict | note |\n|---|---|---|---|---|---|")
+        for line in check(doc, args.replicas, f"{label}[auto]", f"{label}[split]", args.short_class,
+                          args.saturated):
+            print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
