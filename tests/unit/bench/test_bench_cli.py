@@ -12,6 +12,7 @@ from disagg.bench.workload import Workload
 from disagg.cli import main
 from disagg.commands import bench as bench_command
 from disagg.commands.bench import old_spelling
+from disagg.proxy.config import ENGINE_KEY_ENV
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -95,9 +96,12 @@ def test_bench_compare_passes_routing_and_repeats(monkeypatch: pytest.MonkeyPatc
         return {}
 
     monkeypatch.setattr(bench_command, "compare", fake_compare)
+    # compare puts the run's engine key into os.environ for the `disagg up` it starts: through
+    # monkeypatch, so that it is gone again after this test (a leaked key changed later tests' configs)
+    monkeypatch.setenv(ENGINE_KEY_ENV, "test-key")
     argv = ["bench", "compare", "a.yaml", "b.yaml", "--routing", "auto,split", "--repeats", "3", "--seed", "7",
             "--out", str(tmp_path / "o"), "--prefill-probe", "0"]
     assert main(argv) == 0
     assert seen["files"] == [Path("a.yaml"), Path("b.yaml")] and seen["out"] == tmp_path / "o"
     assert seen["routing"] == ["auto", "split"] and seen["repeats"] == 3 and seen["seed"] == 7
-    assert seen["probe_count"] == 0
+    assert seen["probe_count"] == 0 and seen["engine_key"] == "test-key"
