@@ -14,7 +14,7 @@ the bound and whether it is met (and by how much it is missed):
    ``disagg_route_ttft_error_ratio``; paths with fewer than 5 prompts skipped).
 
     .venv/bin/python benchmarks/matrix_targets.py REPORT/results.json --replicas replicas \\
-        --pair nixl=local-cpu --pair socket=local-cpu-socket [--short-class short]
+        --pair nixl=local-cpu --pair socket=local-cpu-socket [--short-class short] [--summary]
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from disagg.bench.metrics import metrics_by_class
+from disagg.bench.records import RequestRecord
 from disagg.bench.report import load_json, step_groups
 from disagg.bench.routes import merge_deltas, route_summary
+from disagg.bench.slo import parse_slo
 
 MIN_PROMPTS = 5
 
@@ -90,6 +93,40 @@ def check(doc: Mapping[str, Any], replicas: str, auto: str, split: str, short: s
     return rows
 
 
+def summary(doc: Mapping[str, Any], short: str, long: str) -> list[str]:
+    """One row per (label, rate): medians over the repeats, goodput with its min-max, failures, route mix."""
+    rows = ["| topology | rate req/s | goodput req/s (min-max) | SLO met | TTFT p50 short / long ms | "
+            "TPOT p50 ms | failed | route mix |", "|---|---:|---|---:|---|---:|---:|---|"]
+    for label, result in doc.items():
+        for rate, group in sorted(_steps(result).items()):
+            goodputs = [float(run["metrics"]["all"]["goodput"]) for run in group]
+            g = statistics.median(goodputs)
+            slo = _median(group, "all", "slo_attainment")
+            ts, tl = _median(group, short, "ttft", "median_ms"), _median(group, long, "ttft", "median_ms")
+            tpot = _median(group, "all", "tpot", "median_ms")
+            failed = sum(int(run["metrics"]["all"]["failed"]) for run in group)
+            merged = merge_deltas(run.get("routes") for run in group)
+            mix = "-"
+            if merged is not None:
+                mix = ", ".join(f"{path} {100 * s['share']:.0f}%" for path, s in route_summary(merged).items()
+                                if s["share"])
+            rows.append(f"| {label} | {rate:g} | {g:.2f} ({min(goodputs):.2f}-{max(goodputs):.2f}) | "
+                        f"{'-' if slo is None else f'{100 * slo:.0f}%'} | "
+                        f"{'-' if ts is None else f'{ts:.0f}'} / {'-' if tl is None else f'{tl:.0f}'} | "
+                        f"{'-' if tpot is None else f'{tpot:.1f}'} | {failed} | {mix} |")
+    return rows
+
+
+def with_slo(doc: dict[str, Any], text: str) -> None:
+    """Recompute every run's metrics from its records under another SLO (``ttft=1s,tpot=50ms``), in place."""
+    slo = parse_slo(text)
+    for result in doc.values():
+        result["slo"] = slo.to_dict()
+        for run in result["runs"]:
+            records = [RequestRecord.from_dict(r) for r in run["records"]]
+            run["metrics"] = {k: m.to_dict() for k, m in metrics_by_class(records, run["duration_s"], slo).items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path)
@@ -97,10 +134,17 @@ def main() -> int:
     parser.add_argument("--pair", action="append", default=[], metavar="NAME=LABEL",
                         help="a split topology's label; its runs are LABEL[auto] and LABEL[split]")
     parser.add_argument("--short-class", default="short")
+    parser.add_argument("--long-class", default="long")
+    parser.add_argument("--slo", help="recompute goodput from the records under this SLO (e.g. ttft=1s,tpot=50ms)")
+    parser.add_argument("--summary", action="store_true", help="first print one row per topology and rate")
     parser.add_argument("--saturated", type=float, default=0.9,
                         help="goodput below this fraction of the offered rate counts as saturated (0.9)")
     args = parser.parse_args()
     doc = load_json(args.results)
+    if args.slo:
+        with_slo(doc, args.slo)
+    if args.summary:
+        print("\n".join(summary(doc, args.short_class, args.long_class)))
     for pair in args.pair:
         name, _, label = pair.partition("=")
         print(f"\n### {name}: {label}[auto] against {args.replicas} and {label}[split]\n")
