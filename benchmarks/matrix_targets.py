@@ -5,10 +5,10 @@ connector and request rate, a Markdown table of each target with the figure,
 the bound and whether it is met (and by how much it is missed):
 
 1. ``auto`` goodput >= the best of the replica pool and static ``split``, minus 5%;
-2. where static ``split`` saturates (its goodput below ``--saturated`` x the
-   offered rate), ``auto`` goodput >= 1.5 x ``split``'s;
+2. where static ``split`` saturates (it completes fewer than ``--saturated`` x
+   the offered rate in requests per second), ``auto`` goodput >= 1.5 x ``split``'s;
 3. ``auto``'s short-class TTFT p50 within 1.2 x the replica pool's;
-4. below saturation (``auto``'s goodput at least ``--saturated`` x the offered
+4. below saturation (``auto`` completes at least ``--saturated`` x the offered
    rate), the proxy's predicted TTFT within 25% of the observed, per path (mean
    over prompts of |predicted - observed| / observed, from the proxy's
    ``disagg_route_ttft_error_ratio``; paths with fewer than 5 prompts skipped).
@@ -68,7 +68,8 @@ def check(doc: Mapping[str, Any], replicas: str, auto: str, split: str, short: s
         rows.append(_row(rate, "goodput >= best(replicas, split) - 5%", f"{g_auto:.2f}",
                          f"{0.95 * best:.2f} (replicas {g_rep:.2f}, split {g_split:.2f})", g_auto >= 0.95 * best,
                          "" if g_auto >= 0.95 * best else f"short by {100 * (1 - g_auto / (0.95 * best)):.0f}%"))
-        if g_split < saturated * rate:
+        done_auto, done_split = (_median(s[rate], "all", "request_throughput") for s in (aut, spl))
+        if done_split is not None and done_split < saturated * rate:
             ok = g_auto >= 1.5 * g_split
             rows.append(_row(rate, "split saturated: goodput >= 1.5 x split", f"{g_auto:.2f}",
                              f"{1.5 * g_split:.2f}", ok, "" if ok else f"{g_auto / g_split:.2f} x split"))
@@ -81,7 +82,7 @@ def check(doc: Mapping[str, Any], replicas: str, auto: str, split: str, short: s
         merged = merge_deltas(run.get("routes") for run in aut[rate])
         if merged is None:
             continue
-        below = g_auto >= saturated * rate
+        below = done_auto is not None and done_auto >= saturated * rate
         for path, s in route_summary(merged).items():
             mae = s.get("mean_abs_error")
             if mae is None or s["prompts"] < MIN_PROMPTS:
@@ -138,7 +139,8 @@ def main() -> int:
     parser.add_argument("--slo", help="recompute goodput from the records under this SLO (e.g. ttft=1s,tpot=50ms)")
     parser.add_argument("--summary", action="store_true", help="first print one row per topology and rate")
     parser.add_argument("--saturated", type=float, default=0.9,
-                        help="goodput below this fraction of the offered rate counts as saturated (0.9)")
+                        help="completing fewer requests per second than this fraction of the offered rate "
+                             "counts as saturated (0.9)")
     args = parser.parse_args()
     doc = load_json(args.results)
     if args.slo:
