@@ -1,5 +1,6 @@
 """What several benchmark scripts share: a streamed completion timed to its first
-token, and free local ports for a topology they write themselves.
+token, free local ports, and a 1P1D on this machine brought up and down under
+the engine lock (:func:`local_1p1d`).
 
 The scripts run as ``.venv/bin/python benchmarks/NAME.py``, so this directory is
 on ``sys.path`` and they ``import _common``. Server-sent events are parsed by
@@ -9,13 +10,25 @@ wherever a read splits an event).
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import secrets
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from disagg.launch.state import load_state, run_path
 from disagg.sse import SSEParser
+from disagg.topology import Topology, load_topology
 
 #: bytes asked of the socket per read: whatever has arrived, up to this much
 READ_BYTES = 64 * 1024
@@ -58,3 +71,65 @@ def free_ports(count: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+#: the engine lock: no more than two engines on this machine at once (the e2e tests take it too)
+LOCK = os.environ.get("DISAGG_ENGINE_LOCK", "/tmp/disagg-engines.lock")
+
+
+@dataclass(frozen=True)
+class Running1P1D:
+    """A 1P1D brought up by :func:`local_1p1d`: what the scripts send requests to."""
+
+    topology: Topology
+    proxy_url: str
+    engine_urls: dict[str, str]     # by process name: "prefill[0]", "decode[0]"
+    engine_key: str                 # what the engines answer to (Authorization: Bearer)
+
+
+@contextmanager
+def local_1p1d(name: str, *, connector: str, model: str = "tiny", routing: str = "split",
+               engine_args: str = '["-O0"]', decode_env: dict[str, str] | None = None) -> Iterator[Running1P1D]:
+    """Hold the engine lock, write a 1P1D topology on this machine (the embedded ``model``, prefill
+    pinned to core 0, decode to core 1, free ports), ``disagg up --detach`` it, yield it, and
+    ``disagg down`` it whatever happens. Raises SystemExit(1) with the launcher's output when the up
+    fails. ``engine_args``: a YAML/JSON list for both engines; ``decode_env``: the decode engine's
+    extra environment."""
+    work = Path(tempfile.mkdtemp(prefix=f"disagg-{name}-"))
+    proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
+    topo_file = work / f"{name}-{connector}.yaml"
+    topo_file.write_text(f"""\
+model: {{path: "disagg:{model}", max_model_len: 4096, served_name: m}}
+engine: vllm
+connector: {connector}
+link: {{type: loopback}}
+routing: {{policy: {routing}}}
+proxy: {{host: 127.0.0.1, port: {proxy_port}}}
+hosts:
+  local: {{address: 127.0.0.1, device: cpu}}
+roles:
+  prefill: [{{host: local, port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {engine_args}}}]
+  decode: [{{host: local, port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {engine_args},
+             env: {json.dumps(decode_env or {})}}}]
+""")
+    key = secrets.token_hex(16)
+    env = {**os.environ, "DISAGG_ENGINE_KEY": key}
+    run_dir = work / "run"
+    cli = [sys.executable, "-m", "disagg"]
+    down = [*cli, "down", str(topo_file), "--run-dir", str(run_dir)]
+    with open(LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        up = subprocess.run([*cli, "up", str(topo_file), "--detach", "--run-dir", str(run_dir)], text=True,
+                            capture_output=True, env=env)
+        try:
+            if up.returncode != 0:
+                print(up.stdout + up.stderr, file=sys.stderr)
+                raise SystemExit(1)
+            topo = load_topology(topo_file, run_dir=str(run_dir))
+            state = load_state(run_path(str(run_dir), topo.name) / "state.json")
+            yield Running1P1D(topo, state.proxy_url,
+                              {r.name: r.url for r in state.processes if r.kind == "engine"}, key)
+        finally:
+            stopped = subprocess.run(down, text=True, capture_output=True, env=env)
+            if stopped.returncode != 0:
+                print(stopped.stdout + stopped.stderr, file=sys.stderr)

@@ -26,25 +26,16 @@ connector (:data:`disagg.routecost.HANDOFF_FIXED_S`). Takes the engine lock
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
-import secrets
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-from _common import free_ports, streamed_ttft
+from _common import local_1p1d, streamed_ttft
 
 from disagg.kvmath import resolve_model
-from disagg.launch.state import load_state, run_path
 from disagg.planning import LINK_CLASSES
 from disagg.prompts import exact_prompt, load_tokenizer
-from disagg.topology import load_topology
-
-LOCK = os.environ.get("DISAGG_ENGINE_LOCK", "/tmp/disagg-engines.lock")
 
 
 def _ttft(url: str, body: dict[str, object], key: str | None) -> tuple[float, int]:
@@ -62,66 +53,31 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the raw rows and the result here")
     args = parser.parse_args()
     lengths = [int(t) for t in args.prompt_tokens.split(",")]
-    work = Path(tempfile.mkdtemp(prefix="disagg-fixed-"))
-    proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
-    topo_file = work / f"fixed-{args.connector}.yaml"
     engine_args = '["-O0", "--max-num-seqs", "8"]'
-    topo_file.write_text(f"""\
-model: {{path: "disagg:{args.model}", max_model_len: 4096, served_name: m}}
-engine: vllm
-connector: {args.connector}
-link: {{type: loopback}}
-routing: {{policy: split}}
-proxy: {{host: 127.0.0.1, port: {proxy_port}}}
-hosts:
-  local: {{address: 127.0.0.1, device: cpu}}
-roles:
-  prefill: [{{host: local, port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {engine_args}}}]
-  decode: [{{host: local, port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {engine_args}}}]
-""")
-    key = secrets.token_hex(16)
-    env = {**os.environ, "DISAGG_ENGINE_KEY": key}
-    run_dir = work / "run"
-    cli = [sys.executable, "-m", "disagg"]
-    with open(LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        up = subprocess.run([*cli, "up", str(topo_file), "--detach", "--run-dir", str(run_dir)], text=True,
-                            capture_output=True, env=env)
-        if up.returncode != 0:
-            print(up.stdout + up.stderr, file=sys.stderr)
-            subprocess.run([*cli, "down", str(topo_file), "--run-dir", str(run_dir)], capture_output=True, env=env)
-            return 1
-        try:
-            topo = load_topology(topo_file, run_dir=str(run_dir))
-            state = load_state(run_path(str(run_dir), topo.name) / "state.json")
-            urls = {r.name: r.url for r in state.processes if r.kind == "engine"}
-            targets = {"split": (state.proxy_url, None), "on P": (urls["prefill[0]"], key),
-                       "on D": (urls["decode[0]"], key)}
-            tokenizer = load_tokenizer(Path(topo.model.path))
-            arch = resolve_model(topo.model.source, local_path=topo.model.path)
-            link_bps = LINK_CLASSES["loopback"].usable_bps
-            for i in range(3):  # warm-up: first requests compile and allocate
-                for name, (url, k) in targets.items():
-                    _ttft(url, {"model": "m", "prompt": exact_prompt(tokenizer, 256, f"w{i}{name}"),
-                                "max_tokens": 2, "temperature": 0}, k)
-            rows = []
-            for rep in range(args.repeats):
-                for n in lengths:
-                    order = list(targets)[rep % 3:] + list(targets)[:rep % 3]
-                    got = {}
-                    for name in order:
-                        url, k = targets[name]
-                        body = {"model": "m", "prompt": exact_prompt(tokenizer, n, f"r{rep}-{n}-{name}"),
-                                "max_tokens": 2, "temperature": 0}
-                        got[name], tokens = _ttft(url, body, k)
-                    kv_s = arch.kv_bytes(tokens, "bfloat16") * 8 / link_bps
-                    rows.append({"tokens": tokens, **got, "kv_s": kv_s,
-                                 "fixed": got["split"] - got["on P"] - kv_s})
-        finally:
-            down = subprocess.run([*cli, "down", str(topo_file), "--run-dir", str(run_dir)], text=True,
-                                  capture_output=True, env=env)
-            if down.returncode != 0:
-                print(down.stdout + down.stderr, file=sys.stderr)
+    with local_1p1d("fixed", connector=args.connector, model=args.model, engine_args=engine_args) as pair:
+        topo, key = pair.topology, pair.engine_key
+        targets = {"split": (pair.proxy_url, None), "on P": (pair.engine_urls["prefill[0]"], key),
+                   "on D": (pair.engine_urls["decode[0]"], key)}
+        tokenizer = load_tokenizer(Path(topo.model.path))
+        arch = resolve_model(topo.model.source, local_path=topo.model.path)
+        link_bps = LINK_CLASSES["loopback"].usable_bps
+        for i in range(3):  # warm-up: first requests compile and allocate
+            for name, (url, k) in targets.items():
+                _ttft(url, {"model": "m", "prompt": exact_prompt(tokenizer, 256, f"w{i}{name}"),
+                            "max_tokens": 2, "temperature": 0}, k)
+        rows = []
+        for rep in range(args.repeats):
+            for n in lengths:
+                order = list(targets)[rep % 3:] + list(targets)[:rep % 3]
+                got = {}
+                for name in order:
+                    url, k = targets[name]
+                    body = {"model": "m", "prompt": exact_prompt(tokenizer, n, f"r{rep}-{n}-{name}"),
+                            "max_tokens": 2, "temperature": 0}
+                    got[name], tokens = _ttft(url, body, k)
+                kv_s = arch.kv_bytes(tokens, "bfloat16") * 8 / link_bps
+                rows.append({"tokens": tokens, **got, "kv_s": kv_s,
+                             "fixed": got["split"] - got["on P"] - kv_s})
     print(f"# handoff fixed cost: {args.connector}, embedded {args.model}, loopback, "
           f"load average {os.getloadavg()[0]:.2f}\n")
     print("| prompt tokens | TTFT split | TTFT on P | TTFT on D | split - on P - KV/link |")

@@ -21,30 +21,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import fcntl
 import itertools
 import json
 import os
-import secrets
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import psutil
-from _common import free_ports
+from _common import local_1p1d
 
-from disagg.launch.state import load_state, run_path
 from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
 from disagg.sse import SSEParser
-from disagg.topology import load_topology
 
-LOCK = os.environ.get("DISAGG_ENGINE_LOCK", "/tmp/disagg-engines.lock")
 ITL = "vllm:inter_token_latency_seconds"
 
 
@@ -126,63 +118,28 @@ def main() -> int:
                              "and at 0 (lowering needs no privilege; restoring 0 needs root)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="disagg-itl-"))
-    proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
     env_d = dict(kv.split("=", 1) for kv in args.env_decode)
-    topo_file = work / f"itl-{args.connector}.yaml"
-    topo_file.write_text(f"""\
-model: {{path: "disagg:tiny", max_model_len: 4096, served_name: m}}
-engine: vllm
-connector: {args.connector}
-link: {{type: loopback}}
-routing: {{policy: split}}
-proxy: {{host: 127.0.0.1, port: {proxy_port}}}
-hosts:
-  local: {{address: 127.0.0.1, device: cpu}}
-roles:
-  prefill: [{{host: local, port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {args.engine_args}}}]
-  decode: [{{host: local, port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {args.engine_args},
-             env: {json.dumps(env_d)}}}]
-""")
-    key = secrets.token_hex(16)
-    env = {**os.environ, "DISAGG_ENGINE_KEY": key}
-    run_dir = work / "run"
-    cli = [sys.executable, "-m", "disagg"]
     results: list[dict[str, Any]] = []
-    with open(LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        up = subprocess.run([*cli, "up", str(topo_file), "--detach", "--run-dir", str(run_dir)], text=True,
-                            capture_output=True, env=env)
-        if up.returncode != 0:
-            print(up.stdout + up.stderr, file=sys.stderr)
-            subprocess.run([*cli, "down", str(topo_file), "--run-dir", str(run_dir)], capture_output=True, env=env)
-            return 1
-        try:
-            topo = load_topology(topo_file, run_dir=str(run_dir))
-            state = load_state(run_path(str(run_dir), topo.name) / "state.json")
-            decode_url = next(r.url for r in state.processes if r.name == "decode[0]")
-            tokenizer = load_tokenizer(Path(topo.model.path))
-            targets = {"proxy": (state.proxy_url, None), "decode": (decode_url, key)}
-            for name, (url, k) in targets.items():  # warm-up
-                asyncio.run(_measure(url, decode_url, k, tokenizer, 3, args.prompt_tokens, 8, f"w-{name}"))
-            variants = [0] if args.engine_core_nice is None else [0, args.engine_core_nice]
-            for run, nice in itertools.product(range(args.runs), variants):
-                _set_core_nice(nice)
-                for name, (url, k) in targets.items():
-                    row = asyncio.run(_measure(url, decode_url, k, tokenizer, args.requests, args.prompt_tokens,
-                                               args.max_tokens, f"r{run}-{nice}-{name}"))
-                    row.update(run=run + 1, target=name, loadavg=os.getloadavg()[0], core_nice=nice)
-                    results.append(row)
-                    print(f"run {run + 1} nice {nice} {name:6s}: client gap p50 {row['client_p50_ms']:.3f} ms "
-                          f"(p10 {row['client_p10_ms']:.3f}, mean {row['client_mean_ms']:.3f}), TPOT "
-                          f"{row['client_tpot_ms']:.3f}, {row['events']} events; engine ITL mean "
-                          f"{row['engine_mean_ms']:.3f} ms over {row['engine_tokens']:.0f} tokens, "
-                          f"ratio {row['ratio_p50']:.2f}, load {row['loadavg']:.2f}", flush=True)
-        finally:
-            down = subprocess.run([*cli, "down", str(topo_file), "--run-dir", str(run_dir)], text=True,
-                                  capture_output=True, env=env)
-            if down.returncode != 0:
-                print(down.stdout + down.stderr, file=sys.stderr)
+    with local_1p1d("itl", connector=args.connector, engine_args=args.engine_args, decode_env=env_d) as pair:
+        topo, key = pair.topology, pair.engine_key
+        decode_url = pair.engine_urls["decode[0]"]
+        targets = {"proxy": (pair.proxy_url, None), "decode": (decode_url, key)}
+        tokenizer = load_tokenizer(Path(topo.model.path))
+        for name, (url, k) in targets.items():  # warm-up
+            asyncio.run(_measure(url, decode_url, k, tokenizer, 3, args.prompt_tokens, 8, f"w-{name}"))
+        variants = [0] if args.engine_core_nice is None else [0, args.engine_core_nice]
+        for run, nice in itertools.product(range(args.runs), variants):
+            _set_core_nice(nice)
+            for name, (url, k) in targets.items():
+                row = asyncio.run(_measure(url, decode_url, k, tokenizer, args.requests, args.prompt_tokens,
+                                           args.max_tokens, f"r{run}-{nice}-{name}"))
+                row.update(run=run + 1, target=name, loadavg=os.getloadavg()[0], core_nice=nice)
+                results.append(row)
+                print(f"run {run + 1} nice {nice} {name:6s}: client gap p50 {row['client_p50_ms']:.3f} ms "
+                      f"(p10 {row['client_p10_ms']:.3f}, mean {row['client_mean_ms']:.3f}), TPOT "
+                      f"{row['client_tpot_ms']:.3f}, {row['events']} events; engine ITL mean "
+                      f"{row['engine_mean_ms']:.3f} ms over {row['engine_tokens']:.0f} tokens, "
+                      f"ratio {row['ratio_p50']:.2f}, load {row['loadavg']:.2f}", flush=True)
     for nice in sorted({r["core_nice"] for r in results}):
         rows = [r for r in results if r["core_nice"] == nice]
         within = sum(1 for r in rows if abs(r["ratio_p50"] - 1) <= 0.2)

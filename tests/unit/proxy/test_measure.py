@@ -235,13 +235,19 @@ def _route(prompt: str, index: int = 0) -> PromptRoute:
     return PromptRoute(index, req, RoutePath.SPLIT)
 
 
-def test_router_decides_counts_and_forgets_a_returned_engine() -> None:
+def _auto_pools() -> tuple[ProxyMetrics, BackendPool, BackendPool, RoutingConfig]:
+    """One healthy prefill and one healthy decode engine, and auto routing seeded at 2,000 tokens/s."""
     metrics = ProxyMetrics()
     prefill, decode = BackendPool("prefill", ["http://p:1"], metrics), BackendPool("decode", ["http://d:1"], metrics)
     for pool in (prefill, decode):
         pool.mark_up(pool.backends[0])
     config = RoutingConfig(policy="auto", kv_bytes_per_token=1024.0, prefill_tokens_per_s=2000.0,
                            link_bytes_per_s=1e9, handoff_fixed_s=0.03)
+    return metrics, prefill, decode, config
+
+
+def test_router_decides_counts_and_forgets_a_returned_engine() -> None:
+    metrics, prefill, decode, config = _auto_pools()
     router = Router(config, prefill, decode, metrics, local=True)
     route = _route("x" * 400)
     router.route(RequestPlan(route.request, [route]))
@@ -286,12 +292,7 @@ def test_router_static_split_leaves_routes_to_the_handoff() -> None:
 
 
 def test_router_explores_a_path_not_taken_at_a_bounded_rate_and_counts_it() -> None:
-    metrics = ProxyMetrics()
-    prefill, decode = BackendPool("prefill", ["http://p:1"], metrics), BackendPool("decode", ["http://d:1"], metrics)
-    for pool in (prefill, decode):
-        pool.mark_up(pool.backends[0])
-    config = RoutingConfig(policy="auto", kv_bytes_per_token=1024.0, prefill_tokens_per_s=2000.0,
-                           link_bytes_per_s=1e9, handoff_fixed_s=0.03)
+    metrics, prefill, decode, config = _auto_pools()
     clock = [0.0]
     router = Router(config, prefill, decode, metrics, local=True, explorer=Explorer(after_s=60.0, after_decisions=50),
                     clock=lambda: clock[0])
