@@ -27,7 +27,7 @@ from typing import Any
 
 from disagg.bench.metrics import metrics_by_class
 from disagg.bench.records import RequestRecord
-from disagg.bench.report import load_json, step_groups
+from disagg.bench.report import load_json, metric_value, step_groups
 from disagg.bench.routes import merge_deltas, route_summary
 from disagg.bench.slo import parse_slo
 
@@ -35,15 +35,9 @@ MIN_PROMPTS = 5
 
 
 def _median(group: list[Mapping[str, Any]], klass: str, *keys: str) -> float | None:
-    values = []
-    for run in group:
-        m: Any = run["metrics"].get(klass)
-        if m is None or (len(keys) > 1 and m.get(keys[0], {}).get("count", 1) == 0):
-            continue
-        for k in keys:
-            m = m.get(k) if isinstance(m, Mapping) else None
-        if m is not None:
-            values.append(float(m))
+    """The median over a step's repeats of ``metrics[klass][keys...]`` (the report's reading of a value)."""
+    values = [v for run in group if klass in run["metrics"]
+              and (v := metric_value(run["metrics"][klass], keys)) is not None]
     return statistics.median(values) if values else None
 
 

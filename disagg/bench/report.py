@@ -91,7 +91,7 @@ _COLUMNS: dict[str, tuple[tuple[str, ...], int]] = {
     "e2el_p99": (("e2el", "p99_ms"), 1), "goodput": (("goodput",), 2), "slo": (("slo_attainment",), 0)}
 
 
-def _value(m: Mapping[str, Any], keys: tuple[str, ...]) -> float | None:
+def metric_value(m: Mapping[str, Any], keys: tuple[str, ...]) -> float | None:
     """``m[keys[0]][keys[1]]...``; None when absent, and for a latency distribution that holds no
     value (a repeat in which no request of the class completed reports zeros, vLLM's convention:
     not a latency to take a median of)."""
@@ -121,7 +121,7 @@ def _group_cells(group: list[Mapping[str, Any]], klass: str) -> dict[str, str]:
     cells = {"ok": str(sum(int(m["completed"]) for m in ms)), "fail": str(sum(int(m["failed"]) for m in ms)),
              "runs": str(len(ms))}
     for name, (keys, digits) in _COLUMNS.items():
-        values = [v for m in ms if (v := _value(m, keys)) is not None]
+        values = [v for m in ms if (v := metric_value(m, keys)) is not None]
         med = _median(values)
         if name == "slo":
             cells[name] = "-" if med is None else f"{100 * med:.0f}%"
@@ -412,7 +412,7 @@ def plot_p99(doc: Document, path: Path) -> Path:
     colors = _label_styles(doc)
     for ax, metric in zip(axes, ("ttft", "tpot", "e2el"), strict=True):
         def p99(m: Mapping[str, Any], k: str = metric) -> float | None:
-            return _value(m["all"], (k, "p99_ms"))
+            return metric_value(m["all"], (k, "p99_ms"))
 
         for label, result in doc.items():
             _plot_points(ax, _points(result, p99), colors[label], label)
