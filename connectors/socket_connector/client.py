@@ -103,7 +103,8 @@ def connect(host: str, port: int, secret: bytes, store: BlockStore, opts: FetchO
         theirs = hello.get("layout")
         ours = store.layout.fingerprint()
         if theirs != ours:
-            raise FetchError(f"KV layout of {where} differs from ours: {theirs} != {ours}")
+            raise FetchError(f"KV layout of {where} differs from ours: {theirs} != {ours}"
+                             + _wire_hint(theirs, store.layout.wire))
         announced = str(hello.get("engine_id"))
         if engine_id is not None and announced != engine_id:
             raise FetchError(f"{where} is engine {announced!r}, not {engine_id!r} (restarted?)")
@@ -114,6 +115,16 @@ def connect(host: str, port: int, secret: bytes, store: BlockStore, opts: FetchO
     except FetchError:
         sock.close()
         raise
+
+
+def _wire_hint(theirs: object, ours: str) -> str:
+    """A hint when the two layouts differ in their wire format (the fingerprint's last entry)."""
+    last = theirs[-1] if isinstance(theirs, list) and theirs else None
+    their_wire = last[1] if isinstance(last, list) and len(last) == 2 and last[0] == "wire" else "raw"
+    if their_wire == ours:
+        return ""
+    return (f" (wire format {their_wire!r} there, {ours!r} here: set the same "
+            "kv_connector_extra_config.wire_format on both engines)")
 
 
 @dataclass

@@ -39,6 +39,10 @@ Keys of ``kv_connector_extra_config`` (all optional):
 - ``handshake_timeout_s``: the whole authentication exchange must finish in
   this long or ``io_timeout_s``, whichever is shorter (default 5), however
   the peer spreads its bytes.
+- ``wire_format``: ``raw`` (default: the cache's own bytes) or ``fp8`` (float8
+  e4m3 with a scale per 128 elements: about half a bf16 cache's bytes, lossy;
+  see wireformat.py). Both engines of a pair must say the same: the hello's
+  layout check refuses a mismatch.
 """
 
 from __future__ import annotations
@@ -50,6 +54,26 @@ from typing import Any
 
 from .auth import check_secret
 from .params import MAX_LEASE_S, AllowedPeers
+
+#: ``wire_format`` values (encoded by wireformat.py; kept here, with the fp8 format's sizes, so that
+#: reading settings and sizing transfers (``disagg plan``) need no torch)
+WIRE_FORMATS = ("raw", "fp8")
+#: fp8: elements sharing one scale, and the bytes of one scale (float32)
+FP8_GROUP = 128
+FP8_SCALE_BYTES = 4
+
+
+def wire_ratio(wire: str, element_bytes: int) -> float:
+    """Bytes on the wire per byte of KV cache whose elements take ``element_bytes``, for segments
+    of whole scale groups (every real attention layout); raises ValueError for an unknown format or
+    fp8 over a cache that is not wider than fp8."""
+    if wire == "raw":
+        return 1.0
+    if wire != "fp8":
+        raise ValueError(f"unknown wire format {wire!r}; expected one of {', '.join(WIRE_FORMATS)}")
+    if element_bytes < 2:
+        raise ValueError("wire_format fp8 needs a KV cache of 2 or 4 bytes per element (bf16, fp16, fp32)")
+    return (1 + FP8_SCALE_BYTES / FP8_GROUP) / element_bytes
 
 DEFAULT_SECRET_ENV = "DISAGG_KV_SECRET"
 
@@ -77,6 +101,7 @@ class SocketSettings:
     peers: AllowedPeers = field(default_factory=AllowedPeers)
     max_pending_handshakes: int = 16
     handshake_timeout_s: float = 5.0
+    wire_format: str = "raw"
 
     @classmethod
     def load(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] = os.environ,
@@ -126,6 +151,10 @@ class SocketSettings:
             peers = AllowedPeers.parse(extra.get("peers", env.get("DISAGG_KV_PEERS")))
         except ValueError as exc:
             raise ConfigError(f"kv_connector_extra_config.peers: {exc}") from None
+        wire_format = str(extra.get("wire_format", "raw"))
+        if wire_format not in WIRE_FORMATS:
+            raise ConfigError(f"kv_connector_extra_config.wire_format: expected one of {', '.join(WIRE_FORMATS)}, "
+                              f"got {_short_repr(extra.get('wire_format'))}")
         return cls(
             host=host,
             port=port,
@@ -142,4 +171,10 @@ class SocketSettings:
             peers=peers,
             max_pending_handshakes=num("max_pending_handshakes", 16, int, 1),
             handshake_timeout_s=num("handshake_timeout_s", 5.0, minimum=0.1),
+            wire_format=wire_format,
         )
+
+
+def _short_repr(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

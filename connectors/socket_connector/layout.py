@@ -64,6 +64,8 @@ class KVLayout:
     """Every layer's layout; equal layouts on both sides make the stream well defined."""
 
     layers: tuple[LayerLayout, ...]
+    #: how blocks are encoded on the wire (wireformat.py): "raw" (the cache's own bytes) or "fp8"
+    wire: str = "raw"
 
     @property
     def block_bytes(self) -> int:
@@ -71,8 +73,14 @@ class KVLayout:
         return sum(layer.block_bytes for layer in self.layers)
 
     def fingerprint(self) -> list[list[object]]:
-        """A JSON-able summary both sides compare before any data moves."""
-        return [[layer.name, layer.outer, layer.seg_bytes] for layer in self.layers]
+        """A JSON-able summary both sides compare before any data moves.
+
+        A non-raw wire format adds a last ``["wire", name]`` entry (a raw layout's
+        summary is what it was before wire formats existed)."""
+        out: list[list[object]] = [[layer.name, layer.outer, layer.seg_bytes] for layer in self.layers]
+        if self.wire != "raw":
+            out.append(["wire", self.wire])
+        return out
 
     def check_blocks(self, block_ids: Sequence[int]) -> None:
         """Raise LayoutError for a block id outside the cache."""
@@ -118,7 +126,8 @@ def as_block_bytes(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
 def describe(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> tuple[KVLayout, list[torch.Tensor]]:
     """The layout of vLLM's KV caches plus each layer's byte view, in wire order.
 
-    Layers that share one tensor (KV sharing) are transferred once.
+    Layers that share one tensor (KV sharing) are transferred once. ``views[i].dtype`` is uint8;
+    the cache's own element type is ``kv_dtypes(kv_caches)[i]``.
     """
     seen: set[tuple[int, tuple[int, ...]]] = set()
     layers: list[LayerLayout] = []
@@ -135,6 +144,19 @@ def describe(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> tuple[KV
     if not layers:
         raise LayoutError("no KV cache tensors were registered")
     return KVLayout(tuple(layers)), views
+
+
+def kv_dtypes(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.dtype]:
+    """Each transferred layer's element type, in the order of :func:`describe`'s views."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    out: list[torch.dtype] = []
+    for name in sorted(kv_caches):
+        tensor = kv_caches[name]
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            out.append(tensor.dtype)
+    return out
 
 
 def host_memoryview(tensor: torch.Tensor) -> memoryview:
@@ -241,9 +263,16 @@ class StagedStore(BlockStore):
             torch.cuda.synchronize(d.device)
 
 
-def make_store(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> BlockStore:
-    """The right store for where vLLM put the KV caches."""
+def make_store(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, wire: str = "raw") -> BlockStore:
+    """The right store for where vLLM put the KV caches and the wire format asked for
+    (``"fp8"``: :class:`~.wireformat.Fp8Store`, which works on host and device caches alike)."""
     layout, views = describe(kv_caches, num_blocks)
+    if wire == "fp8":
+        from .wireformat import Fp8Store  # the format builds on this module's layouts
+
+        return Fp8Store(layout, views, kv_dtypes(kv_caches))
+    if wire != "raw":
+        raise LayoutError(f"unknown wire format {wire!r}")
     if all(v.device.type == "cpu" for v in views):
         return DirectStore(layout, views)
     return StagedStore(layout, views)

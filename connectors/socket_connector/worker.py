@@ -65,10 +65,10 @@ class SocketWorker:
         if self.settings.gil_switch_interval_ms > 0:
             # Transfer threads return to Python once per message; let them in quickly.
             sys.setswitchinterval(self.settings.gil_switch_interval_ms / 1000)
-        self.store = make_store(kv_caches, self.num_blocks)
-        logger.info("socket KV connector: %d layers, %d bytes per block, %s store, GIL switch interval %.2f ms",
-                    len(self.store.layout.layers), self.store.layout.block_bytes, type(self.store).__name__,
-                    sys.getswitchinterval() * 1000)
+        self.store = make_store(kv_caches, self.num_blocks, self.settings.wire_format)
+        logger.info("socket KV connector: %d layers, %d bytes per block on the wire (%s), %s store, "
+                    "GIL switch interval %.2f ms", len(self.store.layout.layers), self.store.layout.block_bytes,
+                    self.store.layout.wire, type(self.store).__name__, sys.getswitchinterval() * 1000)
         if self.is_producer:
             assert self.settings.port is not None
             self.server = KVServer(

@@ -1,0 +1,155 @@
+"""Wire formats of the socket connector: ``raw`` (default) and ``fp8`` (opt-in, lossy).
+
+``raw`` sends the cache's own bytes (layout.py's stores). ``fp8`` halves a
+bf16/fp16 cache's bytes on the wire (a quarter of fp32): the prefill side
+quantizes each chunk of blocks to float8 e4m3 before sending, the decode side
+dequantizes into its own cache dtype after receiving. Selected with
+``kv_connector_extra_config.wire_format`` on both engines; the wire format is
+part of the layout fingerprint both sides compare in the hello (config.py,
+client.connect), so a pair that disagrees refuses to transfer (and the decode
+engine, under ``kv_load_failure_policy: recompute``, prefills locally).
+
+Encoding. Each layer is an ``(outer, num_blocks, elems)`` array of the cache's
+element type (layout.py). A segment (one block of one outer index) is cut into
+groups of :data:`GROUP` elements (one group when ``elems`` is not a multiple of
+it); each group gets its own scale ``amax / 448`` (float32; 1 for an all-zero
+group) and its elements become ``e4m3(x / scale)``. On the wire a segment is
+its groups' float32 scales followed by its fp8 elements, and the stream order is
+layout.py's: per chunk, per layer, per outer index, each block in list order.
+The wire layout (:attr:`Fp8Store.layout`) therefore is the raw one with each
+segment's byte size replaced, and ``["wire", "fp8"]`` added to its fingerprint.
+
+Accuracy: e4m3 keeps 3 mantissa bits, so an element's error is at most 1/16 of
+its own magnitude (half a unit in the last place) down to 2^-6 / 448 of its
+group's largest magnitude; below that (e4m3 subnormals) at most 2^-10 / 448 of
+that largest, absolute. What this costs a model's answers must be measured on a real model
+(benchmarks/gpu/verify.sh); a random-weight model says nothing about it.
+
+Cost: both sides go through staging buffers (one per thread, grown on demand)
+and torch conversions, on the prefill engine's and the decode engine's CPU
+(host caches) or device (accelerator caches).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from .config import FP8_GROUP, FP8_SCALE_BYTES, WIRE_FORMATS
+from .layout import BlockStore, KVLayout, LayerLayout, LayoutError, host_memoryview
+
+__all__ = ["WIRE_FORMATS", "Fp8Store", "decode", "encode", "fp8_segment_bytes", "groups_of"]
+#: elements sharing one scale
+GROUP = FP8_GROUP
+#: bytes of one scale on the wire (float32)
+SCALE_BYTES = FP8_SCALE_BYTES
+#: the largest finite float8 e4m3 (fn) value
+FP8_MAX = 448.0
+#: cache element types fp8 applies to (an fp8 cache gains nothing)
+FP8_SOURCES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8 = torch.float8_e4m3fn
+
+
+def groups_of(elems: int) -> int:
+    """Scales per segment of ``elems`` elements."""
+    return elems // GROUP if elems % GROUP == 0 and elems >= GROUP else 1
+
+
+def fp8_segment_bytes(elems: int) -> int:
+    """Wire bytes of one segment of ``elems`` elements: scales, then one byte per element."""
+    return groups_of(elems) * SCALE_BYTES + elems
+
+
+def encode(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Quantize ``x`` (``(outer, n, elems)``, any float dtype, any device) into the uint8 ``out``
+    (``(outer, n, fp8_segment_bytes(elems))``, host or same device), in the wire's segment format."""
+    outer, n, elems = x.shape
+    g = groups_of(elems)
+    xg = x.float().reshape(outer, n, g, elems // g)
+    amax = xg.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (xg / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(_FP8)
+    out[:, :, : g * SCALE_BYTES].copy_(scale.view(torch.uint8).reshape(outer, n, g * SCALE_BYTES))
+    out[:, :, g * SCALE_BYTES :].copy_(q.view(torch.uint8).reshape(outer, n, elems))
+
+
+def decode(wire: torch.Tensor, elems: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The ``(outer, n, elems)`` tensor of ``dtype`` on ``device`` that ``wire`` (uint8, as
+    :func:`encode` wrote it) holds."""
+    outer, n, _ = wire.shape
+    g = groups_of(elems)
+    wire = wire.to(device)
+    scale = wire[:, :, : g * SCALE_BYTES].contiguous().view(torch.float32).reshape(outer, n, g, 1)
+    q = wire[:, :, g * SCALE_BYTES :].contiguous().view(_FP8).reshape(outer, n, g, elems // g)
+    return (q.float() * scale).to(dtype).reshape(outer, n, elems)
+
+
+class Fp8Store(BlockStore):
+    """Any KV cache (host or device) with fp8 on the wire: quantized into host staging buffers
+    when read (prefill side), dequantized into the cache when written (decode side).
+
+    Built by :func:`.layout.make_store` for ``wire_format: fp8``; the listener (server.py) and
+    the fetches (client.py) use it like any :class:`~.layout.BlockStore`. Each thread gets its
+    own staging buffers, so parallel streams never share one.
+    """
+
+    def __init__(self, layout: KVLayout, views: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]):
+        """``layout``/``views``: :func:`.layout.describe` of the cache; ``dtypes``: each layer's element type."""
+        bad = sorted({str(d) for d in dtypes if d not in FP8_SOURCES})
+        if bad:
+            raise LayoutError(f"wire_format fp8 needs a bf16, fp16 or fp32 KV cache, not {', '.join(bad)}")
+        self.raw_layout = layout
+        self._typed: list[torch.Tensor] = []
+        layers: list[LayerLayout] = []
+        for layer, view, dtype in zip(layout.layers, views, dtypes, strict=True):
+            size = torch.tensor([], dtype=dtype).element_size()
+            if layer.seg_bytes % size:
+                raise LayoutError(f"layer {layer.name}: a segment of {layer.seg_bytes} bytes is not whole "
+                                  f"{dtype} elements")
+            typed = view.view(dtype)        # (outer, num_blocks, elems): the cache itself, no copy
+            self._typed.append(typed)
+            layers.append(LayerLayout(layer.name, layer.outer, layer.num_blocks,
+                                      fp8_segment_bytes(typed.shape[2])))
+        self.layout = KVLayout(tuple(layers), wire="fp8")
+        self._pin = any(t.device.type == "cuda" for t in self._typed) and torch.cuda.is_available()
+        self._local = threading.local()
+
+    def _staging(self, nblocks: int) -> list[torch.Tensor]:
+        bufs: list[torch.Tensor] | None = getattr(self._local, "bufs", None)
+        cap: int = getattr(self._local, "cap", 0)
+        if bufs is None or cap < nblocks:
+            bufs = [torch.empty((layer.outer, nblocks, layer.seg_bytes), dtype=torch.uint8, pin_memory=self._pin)
+                    for layer in self.layout.layers]
+            self._local.bufs, self._local.cap = bufs, nblocks
+        return [b[:, :nblocks, :] for b in bufs]
+
+    @staticmethod
+    def _views(host: list[torch.Tensor]) -> list[memoryview]:
+        # host[l] is a (outer, n, seg) slice of an (outer, cap, seg) buffer: each outer row is contiguous
+        return [host_memoryview(h[o]) for h in host for o in range(h.shape[0])]
+
+    @staticmethod
+    def _index(block_ids: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(list(block_ids), dtype=torch.long, device=like.device)
+
+    @contextmanager
+    def reading(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
+        self.layout.check_blocks(block_ids)
+        host = self._staging(len(block_ids))
+        for h, typed in zip(host, self._typed, strict=True):
+            encode(typed.index_select(1, self._index(block_ids, typed)), h)
+        yield self._views(host)
+
+    @contextmanager
+    def writing(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
+        self.layout.check_blocks(block_ids)
+        host = self._staging(len(block_ids))
+        yield self._views(host)
+        for h, typed in zip(host, self._typed, strict=True):
+            values = decode(h, typed.shape[2], typed.dtype, typed.device)
+            typed.index_copy_(1, self._index(block_ids, typed), values)
+        if any(t.device.type == "cuda" for t in self._typed):
+            torch.cuda.synchronize()
