@@ -32,13 +32,15 @@ rates, the same function and figures the proxy starts from
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from disagg_connectors.socket_connector.config import wire_ratio
+
 from disagg.errors import PlanError
 from disagg.hardware import DEVICES, PREFILL_UTILISATION, DeviceSpec, lookup_device
-from disagg.kvmath import ModelArch, human_count, resolve_model
+from disagg.kvmath import ModelArch, human_count, kv_dtype_bytes, resolve_model
 from disagg.measurements import LinkMeasurement, load_link, lookup_prefill
 from disagg.routecost import (
     HANDOFF_FIXED_SOURCE,
@@ -198,6 +200,14 @@ class Plan:
     decode_prefill: PrefillEstimate | None = None
     #: the shortest prompt the proxy's auto routing splits at idle load (None: none up to search_limit)
     idle_split_from_tokens: int | None = None
+    #: how the KV crosses the link (``connector.wire_format``); ``classes[].kv_bytes`` are wire bytes
+    wire_format: str = "raw"
+
+    @property
+    def wire_bytes_per_token(self) -> float:
+        """Bytes one prompt token puts on the link (full-attention layers; the KV cache's bytes
+        times the wire format's ratio)."""
+        return self.model.kv_bytes_per_token(self.kv_dtype) * wire_ratio_of(self.wire_format, self.kv_dtype)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready summary (times in seconds, sizes in bytes, rates in bit/s)."""
@@ -210,6 +220,8 @@ class Plan:
                       "active_params": m.active_params},
             "kv_dtype": self.kv_dtype,
             "kv_bytes_per_token": m.kv_bytes_per_token(self.kv_dtype),
+            "wire_format": self.wire_format,
+            "wire_bytes_per_token": self.wire_bytes_per_token,
             "link": {"usable_bps": self.link.usable_bps, "rtt_s": self.link.rtt_s,
                      "fixed_s": self.link.fixed_s, "measured": self.link.measured, "source": self.link.label},
             "prefill": {"estimated": self.prefill.estimated, "source": self.prefill.label,
@@ -255,27 +267,43 @@ def verdict_for(handoff_s: float, prefill_s: float, nbytes: float, link: LinkEst
     return NO_PAY, f"{moving}, longer than the {fmt_seconds(prefill_s)} prefill{need}"
 
 
-def _shortest_prompt(arch: ModelArch, dtype: str, link: LinkEstimate, prefill: PrefillEstimate,
+def _shortest_prompt(moved: Callable[[int], float], link: LinkEstimate, prefill: PrefillEstimate,
                      ratio: float, limit: int) -> int | None:
-    """Smallest prompt length <= limit with handoff <= ratio x prefill (the ratio falls with length)."""
-    return shortest(lambda n: link.handoff_s(arch.kv_bytes(n, dtype)) <= ratio * prefill.seconds(n), limit)
+    """Smallest prompt length <= limit with handoff <= ratio x prefill (the ratio falls with length);
+    ``moved(n)``: the bytes an n-token prompt puts on the link."""
+    return shortest(lambda n: link.handoff_s(moved(n)) <= ratio * prefill.seconds(n), limit)
+
+
+def wire_ratio_of(wire_format: str, kv_dtype: str) -> float:
+    """Bytes on the link per byte of KV cache (the socket connector's formats); PlanError when the
+    format cannot carry this cache (fp8 over an fp8 cache)."""
+    try:
+        return float(wire_ratio(wire_format, kv_dtype_bytes(kv_dtype)))
+    except ValueError as exc:
+        raise PlanError(f"KV cache {kv_dtype}: {exc}") from None
 
 
 def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: PrefillEstimate,
               memory: MemoryEstimate, prompt_tokens: Sequence[int], output_tokens: int,
               notes: Sequence[str] = (), max_prompt_tokens: int | None = None,
-              decode_prefill: PrefillEstimate | None = None) -> Plan:
+              decode_prefill: PrefillEstimate | None = None, wire_format: str = "raw") -> Plan:
     """Work out every prompt class; the pure arithmetic behind ``disagg plan``.
 
     The break-even search stops at ``max_prompt_tokens`` (the model's context
     limit, when known) or :data:`MAX_SEARCH_TOKENS`. With ``decode_prefill``
     (the decode host's prefill) it also finds the shortest prompt the proxy's
     ``auto`` routing splits at idle load (:func:`disagg.routecost.break_even_tokens`).
+    ``wire_format``: what crosses the link (``fp8``: about half a 16-bit cache's bytes).
     """
     limit = max_prompt_tokens or MAX_SEARCH_TOKENS
+    to_wire = wire_ratio_of(wire_format, kv_dtype)
+
+    def moved(n: int) -> float:
+        return arch.kv_bytes(n, kv_dtype) * to_wire
+
     classes = []
     for n in prompt_tokens:
-        nbytes = arch.kv_bytes(n, kv_dtype)
+        nbytes = round(moved(n))
         handoff, pre = link.handoff_s(nbytes), prefill.seconds(n)
         fit = None
         if memory.kv_bytes is not None:
@@ -284,12 +312,12 @@ def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: Prefi
         classes.append(ClassPlan(n, output_tokens, nbytes, handoff, pre, verdict, reason, fit))
     return Plan(model=arch, kv_dtype=kv_dtype, link=link, prefill=prefill, memory=memory,
                 classes=tuple(classes),
-                break_even_tokens=_shortest_prompt(arch, kv_dtype, link, prefill, NO_PAY_RATIO, limit),
-                pays_from_tokens=_shortest_prompt(arch, kv_dtype, link, prefill, PAYS_RATIO, limit),
+                break_even_tokens=_shortest_prompt(moved, link, prefill, NO_PAY_RATIO, limit),
+                pays_from_tokens=_shortest_prompt(moved, link, prefill, PAYS_RATIO, limit),
                 search_limit=limit, notes=tuple(notes), decode_prefill=decode_prefill,
                 idle_split_from_tokens=None if decode_prefill is None else break_even_tokens(
-                    lambda n: arch.kv_bytes(n, kv_dtype), prefill.cost(), decode_prefill.cost(), link.cost(),
-                    limit))
+                    moved, prefill.cost(), decode_prefill.cost(), link.cost(), limit),
+                wire_format=wire_format)
 
 
 # --- from a topology -------------------------------------------------------------
@@ -415,8 +443,8 @@ def kv_cache_dtype(topo: Topology) -> str:
 
 def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: int, *,
                   model: str | None = None, link_class: str | None = None, kv_dtype: str | None = None,
-                  use_probe: bool = True, run_dir: str | None = None) -> Plan:
-    """The plan for a topology, with optional what-if overrides (model, link class, KV dtype)."""
+                  use_probe: bool = True, run_dir: str | None = None, wire_format: str | None = None) -> Plan:
+    """The plan for a topology, with optional what-if overrides (model, link class, KV dtype, wire format)."""
     arch = resolve_model(model or topo.model.source, local_path=None if model else topo.model.path)
     prefill_inst, decode_inst = first_pair(topo)
     notes: list[str] = []
@@ -444,9 +472,13 @@ def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: i
         notes.append(f"{len(arch.sliding_layers)} of {arch.layers} layers keep only the last "
                      f"{arch.sliding_window} tokens, so long prompts move less KV per token")
     dtype = kv_dtype or kv_cache_dtype(topo)
+    wire = wire_format or topo.wire_format
+    if wire != "raw" and topo.connector != "socket":
+        notes.append(f"wire_format {wire} is the socket connector's; connector {topo.connector} sends the "
+                     "cache's own bytes")
     return make_plan(arch, dtype, link, prefill, decode_memory(topo, arch), prompt_tokens,
                      output_tokens, notes, max_prompt_tokens=topo.model.max_model_len,
-                     decode_prefill=decode_prefill)
+                     decode_prefill=decode_prefill, wire_format=wire)
 
 
 @dataclass(frozen=True)
@@ -454,7 +486,7 @@ class RouteSeeds:
     """The figures the proxy's ``auto`` routing starts from (``disagg up`` passes them as
     options: the proxy reads no topology); rates per second, times in seconds."""
 
-    kv_bytes_per_token: float
+    kv_bytes_per_token: float           # on the wire (the topology's wire format)
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     link_bytes_per_s: float
@@ -470,7 +502,7 @@ def route_seeds(topo: Topology) -> RouteSeeds:
     when the model or a host's rate cannot be worked out."""
     plan = plan_topology(topo, [], 0)
     decode = plan.decode_prefill or plan.prefill
-    return RouteSeeds(kv_bytes_per_token=float(plan.model.kv_bytes_per_token(plan.kv_dtype)),
+    return RouteSeeds(kv_bytes_per_token=plan.wire_bytes_per_token,
                       prefill_tokens_per_s=plan.prefill.rate(), decode_tokens_per_s=decode.rate(),
                       link_bytes_per_s=plan.link.usable_bps / 8, handoff_fixed_s=plan.link.fixed_s,
                       sources=(plan.link.label, plan.prefill.label, decode.label, HANDOFF_FIXED_SOURCE))

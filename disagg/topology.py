@@ -17,12 +17,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from disagg_connectors.socket_connector.config import WIRE_FORMATS as _CONNECTOR_WIRE_FORMATS
+
 from disagg.errors import TopologyError
 from disagg.serving import FALLBACKS, ROUTING_POLICIES
-from disagg.yamlsrc import Fields, Node, describe, load_yaml, node_int, parse_yaml
+from disagg.yamlsrc import Fields, Node, describe, did_you_mean, load_yaml, node_int, parse_yaml
 
 ENGINES = ("vllm", "sglang")
 CONNECTORS = ("nixl", "lmcache", "socket", "mooncake")
+#: ``connector.wire_format`` values: the socket connector's (its config owns them)
+WIRE_FORMATS: tuple[str, ...] = tuple(_CONNECTOR_WIRE_FORMATS)
 LINK_TYPES = ("loopback", "ethernet", "roce", "emulated")
 ROLES = ("prefill", "decode", "both")
 #: the kinds of device a host runs engines on (the accelerator models for `plan` are disagg.hardware.DEVICES)
@@ -204,6 +208,8 @@ class Topology:
     routing: RoutingSpec = field(default_factory=RoutingSpec)
     run_dir: str = DEFAULT_RUN_DIR
     restart: RestartSpec = field(default_factory=RestartSpec)
+    #: how the KV crosses the link: ``raw`` (the cache's bytes) or ``fp8`` (socket connector only)
+    wire_format: str = "raw"
 
     @property
     def colocated(self) -> bool:
@@ -236,7 +242,7 @@ def build_topology(root: Node, path: Path, *, run_dir: str | None = None) -> Top
     resolved_run_dir = run_dir or file_run_dir
     model = _model(top.required("model"), path, resolved_run_dir)
     engine = top.choice("engine", ENGINES, "vllm")
-    connector = top.choice("connector", CONNECTORS, "nixl")
+    connector, wire_format = _connector(top.take("connector"))
     link = _link(top.take("link"), root)
     hosts = _hosts(top.required("hosts"))
     instances = _roles(top.required("roles"), hosts)
@@ -248,7 +254,7 @@ def build_topology(root: Node, path: Path, *, run_dir: str | None = None) -> Top
     instances = _assign_kv_ports(instances, hosts, proxy)
     topo = Topology(file=str(path), name=name, model=model, engine=engine, connector=connector,
                     link=link, hosts=hosts, instances=instances, proxy=proxy, timeouts=timeouts, routing=routing,
-                    run_dir=resolved_run_dir, restart=restart)
+                    run_dir=resolved_run_dir, restart=restart, wire_format=wire_format)
     _check_ports(topo, root)
     _check_link(topo, root)
     return topo
@@ -342,6 +348,25 @@ def _model(node: Node, path: Path, run_dir: str) -> ModelSpec:
         resolved = source  # a Hugging Face id, resolved by the engine
     return ModelSpec(source=source, path=resolved, embedded=embedded, dtype=dtype,
                      max_model_len=max_len, served_name=served)
+
+
+def _connector(node: Node | None) -> tuple[str, str]:
+    """``connector: NAME`` or ``connector: {type: NAME, wire_format: raw|fp8}``: (name, wire format)."""
+    if node is None:
+        return "nixl", "raw"
+    if not isinstance(node.value, dict):
+        if node.value not in CONNECTORS:
+            raise node.error(f"expected one of {', '.join(CONNECTORS)}, got {node.value!r}"
+                             + did_you_mean(str(node.value), CONNECTORS))
+        return str(node.value), "raw"
+    f = Fields(node, "a connector name (nixl, lmcache, socket, mooncake) or a mapping with type and wire_format")
+    name = f.choice("type", CONNECTORS, "nixl")
+    wire = f.choice("wire_format", WIRE_FORMATS, "raw")
+    f.done()
+    if wire != "raw" and name != "socket":
+        raise node.children["wire_format"].error(
+            f"wire_format {wire} needs connector type socket (connector {name} sends the cache's own bytes)")
+    return name, wire
 
 
 def _link(node: Node | None, root: Node) -> LinkSpec:

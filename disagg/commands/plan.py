@@ -9,7 +9,7 @@ import textwrap
 from disagg.errors import PlanError
 from disagg.planning import LINK_CLASSES, Plan, first_pair, idle_routing_line, plan_topology, summary_line
 from disagg.routecost import HANDOFF_FIXED_SOURCE
-from disagg.topology import Topology, load_topology
+from disagg.topology import WIRE_FORMATS, Topology, load_topology
 from disagg.units import fmt_bytes, fmt_count, fmt_seconds
 
 DEFAULT_PROMPTS = "256,2048,8192"
@@ -34,6 +34,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                    help=f"what if: another link class ({', '.join(LINK_CLASSES)})")
     p.add_argument("--kv-dtype", metavar="DTYPE", help="KV cache dtype: bfloat16, float16, fp8 (default: "
                    "the decode instance's --kv-cache-dtype, else the model dtype)")
+    p.add_argument("--wire-format", choices=WIRE_FORMATS, metavar="FORMAT",
+                   help="what if: the KV crosses the link as raw (the cache's bytes) or fp8 (about half a "
+                        "16-bit cache; socket connector only) (default: the topology's connector.wire_format)")
     p.add_argument("--no-probe", action="store_true", help="ignore a stored probe-link result")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(handler=cmd_plan)
@@ -62,7 +65,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     topo = load_topology(args.topology)
     plan = plan_topology(topo, parse_token_list(args.prompt_tokens), args.output_tokens,
                          model=args.model, link_class=args.link, kv_dtype=args.kv_dtype,
-                         use_probe=not args.no_probe)
+                         use_probe=not args.no_probe, wire_format=args.wire_format)
     if args.json:
         data = plan.to_json()
         data["topology"] = topo.file
@@ -91,7 +94,9 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None) -
     for key, value in (
         ("model", written + (f"  [{m.name}, {m.source}]" if m.name != written else f"  [{m.source}]")),
         ("", m.describe()),
-        ("KV", f"{plan.kv_dtype}: {fmt_bytes(m.kv_bytes_per_token(plan.kv_dtype))} per token"),
+        ("KV", f"{plan.kv_dtype}: {fmt_bytes(m.kv_bytes_per_token(plan.kv_dtype))} per token"
+               + ("" if plan.wire_format == "raw" else
+                  f"; {fmt_bytes(plan.wire_bytes_per_token)} on the wire ({plan.wire_format})")),
         ("link", f"{pre.host} -> {dec.host}: {plan.link.label}"),
         ("handoff", f"{fmt_seconds(plan.link.fixed_s)} fixed per request ({topo.connector}: "
                     f"{HANDOFF_FIXED_SOURCE}" + (f"; + {fmt_seconds(plan.link.fixed_s - plan.link.connector_fixed_s)} "

@@ -59,6 +59,12 @@ class SocketVllmAdapter(VllmKVAdapter):
 
     def transfer_config(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, Any]:
         extra: dict[str, Any] = {"secret_env": SECRET_ENV}
+        if topo.wire_format != "raw":
+            cache = inst.arg("--kv-cache-dtype") or "auto"
+            if cache.startswith("fp8"):
+                raise DeploymentError(f"{inst.name} (line {inst.line}): connector.wire_format {topo.wire_format} "
+                                      f"needs a 16- or 32-bit KV cache, not --kv-cache-dtype {cache}")
+            extra["wire_format"] = topo.wire_format
         config: dict[str, Any] = {
             "kv_connector": CONNECTOR_CLASS,
             "kv_connector_module_path": CONNECTOR_MODULE,

@@ -167,3 +167,27 @@ def test_unlisted_rates_use_the_efficiency() -> None:
     topo = parse_topology(BASE.format(link="{type: ethernet, rate: 40gbit}", p="device: cuda, gpu: h100",
                                       roles=SPLIT), "x.yaml")
     assert plan_topology(topo, [256], 0).link.usable_bps == pytest.approx(0.94 * 40e9)
+
+
+def test_fp8_on_the_wire_moves_about_half_and_memory_stays_the_cache_s() -> None:
+    raw = make_plan(LLAMA, "bfloat16", link(2.35e9), prefill_rate(5000.0), MemoryEstimate(26e9, "26 GB"),
+                    [2048], 256)
+    fp8 = make_plan(LLAMA, "bfloat16", link(2.35e9), prefill_rate(5000.0), MemoryEstimate(26e9, "26 GB"),
+                    [2048], 256, wire_format="fp8")
+    # one float32 scale per 128 one-byte elements, over a 2-byte cache
+    assert fp8.classes[0].kv_bytes == round(256 * MIB * (1 + 4 / 128) / 2)
+    assert fp8.wire_bytes_per_token == pytest.approx(131072 * (1 + 4 / 128) / 2)
+    assert fp8.classes[0].handoff_s == pytest.approx(PROXY_HOP_S + fp8.classes[0].kv_bytes * 8 / 2.35e9)
+    assert fp8.classes[0].conversations == raw.classes[0].conversations == 86    # the cache is bf16 either way
+    assert fp8.to_json()["wire_format"] == "fp8" and raw.to_json()["wire_format"] == "raw"
+
+
+def test_fp8_plans_from_the_topology_and_as_a_what_if() -> None:
+    topo = load_topology("topologies/local-cpu-socket.yaml")
+    assert topo.wire_format == "raw"
+    what_if = plan_topology(topo, [2048], 0, use_probe=False, wire_format="fp8")
+    assert what_if.wire_format == "fp8" and not any("socket connector's" in n for n in what_if.notes)
+    nixl = plan_topology(load_topology("topologies/house-2g5.yaml"), [2048], 0, use_probe=False, wire_format="fp8")
+    assert any("connector nixl sends the cache's own bytes" in n for n in nixl.notes)
+    with pytest.raises(PlanError, match="KV cache fp8: wire_format fp8 needs a KV cache of 2 or 4 bytes"):
+        plan_topology(topo, [2048], 0, use_probe=False, wire_format="fp8", kv_dtype="fp8")

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
+
 from disagg.deployment import build_deployment
+from disagg.errors import DeploymentError, TopologyError
 from disagg.kv.socket import SECRET_ENV, generate_secret
 from disagg.registry import vllm_kv_adapter
 from disagg.topology import parse_topology
@@ -107,3 +110,35 @@ def test_every_decode_instance_may_fetch_from_every_prefill_listener() -> None:
 def test_generated_secrets_are_long_and_fresh() -> None:
     a, b = generate_secret(), generate_secret()
     assert a != b and len(a) == 64
+
+
+def _fp8_topology(decode_args: str = "") -> str:
+    text = textwrap.dedent(TOPO).replace("connector: socket", "connector: {type: socket, wire_format: fp8}")
+    return text.replace("- {host: b, port: 8200}", "- {host: b, port: 8200" + decode_args + "}")
+
+
+def test_wire_format_fp8_reaches_both_engines() -> None:
+    topo = parse_topology(_fp8_topology(), "topo.yaml", run_dir="/tmp/run")
+    assert (topo.connector, topo.wire_format) == ("socket", "fp8")
+    for launch in build_deployment(topo).engines:
+        assert kv_config(launch)["kv_connector_extra_config"]["wire_format"] == "fp8"
+    # raw (the default) is not spelled out: the engines' config is what it was before wire formats
+    for launch in plan().values():
+        assert "wire_format" not in kv_config(launch)["kv_connector_extra_config"]
+
+
+def test_fp8_on_the_wire_over_an_fp8_cache_is_refused_before_any_engine_starts() -> None:
+    topo = parse_topology(_fp8_topology(", args: [--kv-cache-dtype, fp8]"), "topo.yaml", run_dir="/tmp/run")
+    with pytest.raises(DeploymentError, match=r"decode\[0\] \(line \d+\): connector.wire_format fp8 needs a 16- or "
+                                              r"32-bit KV cache, not --kv-cache-dtype fp8"):
+        build_deployment(topo)
+
+
+@pytest.mark.parametrize(("connector", "message"), [
+    ("{type: nixl, wire_format: fp8}", "wire_format fp8 needs connector type socket"),
+    ("{type: socket, wire_format: int4}", "expected one of raw, fp8, got 'int4'"),
+    ("{type: socket, wire: fp8}", "connector.wire: unknown field"),
+])
+def test_bad_wire_formats_are_refused_with_the_line(connector: str, message: str) -> None:
+    with pytest.raises(TopologyError, match=r"topo.yaml:3: .*" + message):
+        parse_topology(textwrap.dedent(TOPO).replace("connector: socket", f"connector: {connector}"), "topo.yaml")
