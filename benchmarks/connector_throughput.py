@@ -11,7 +11,11 @@ D does not, so every repeat moves the whole prompt's KV. Reported per row
 - ``xfer ms``: the connector's own transfer time from D's /metrics
   (NIXL: ``vllm:nixl_xfer_time_seconds``, the READ only; socket:
   ``vllm:socket_kv_xfer_seconds``, connect + HMAC + data + release);
-- ``MB/s``: KV bytes / xfer time;
+- ``wire MB``: the bytes D received (socket: ``vllm:socket_kv_bytes_received_total``;
+  NIXL: the KV's size); ``socket-fp8`` is the socket connector with
+  ``wire_format: fp8``, whose xfer time includes P's quantizing and D's
+  dequantizing (both happen inside the fetch);
+- ``MB/s``: wire bytes / xfer time;
 - ``D ms``: D's whole request (schedule, fetch, last-token step), the
   handoff as a client sees it.
 
@@ -72,16 +76,24 @@ class Connector:
     name: str  # the topology's ``connector:`` value
     xfer_seconds: str  # D-side metric: total seconds
     xfer_count: str  # D-side metric: number of transfers
+    wire_format: str = "raw"  # the topology's ``connector.wire_format``
+    wire_bytes: str | None = None  # D-side metric: bytes received (None: the KV's size is what moves)
+
+    @property
+    def label(self) -> str:
+        return self.name if self.wire_format == "raw" else f"{self.name}-{self.wire_format}"
 
 
+_SOCKET = ("vllm:socket_kv_xfer_seconds_total", "vllm:socket_kv_transfers_total")
 CONNECTORS = {
     "nixl": Connector("nixl", "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count"),
-    "socket": Connector("socket", "vllm:socket_kv_xfer_seconds_total", "vllm:socket_kv_transfers_total"),
+    "socket": Connector("socket", *_SOCKET, wire_bytes="vllm:socket_kv_bytes_received_total"),
+    "socket-fp8": Connector("socket", *_SOCKET, wire_format="fp8", wire_bytes="vllm:socket_kv_bytes_received_total"),
 }
 
 
 def planned_engines(connector: str, place: Placement, p_port: int, d_port: int,
-                    socket_extra: dict[str, Any] | None = None
+                    socket_extra: dict[str, Any] | None = None, wire_format: str = "raw"
                     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], dict[str, str]]:
     """P's and D's ``--kv-transfer-config`` and env, as ``disagg up`` plans them for this placement.
 
@@ -95,7 +107,7 @@ def planned_engines(connector: str, place: Placement, p_port: int, d_port: int,
     topo = Topology(file="<connector_throughput>", name="bench", model=ModelSpec("bench", "bench", None),
                     engine="vllm", connector=connector,
                     link=LinkSpec("loopback" if place.rate_bps is None else "ethernet"),
-                    hosts=hosts, instances=(p_inst, d_inst))
+                    hosts=hosts, instances=(p_inst, d_inst), wire_format=wire_format)
     adapter = vllm_kv_adapter(connector)
     configs = [adapter.transfer_config(topo, inst, hosts[inst.host]) for inst in (p_inst, d_inst)]
     envs = [adapter.env(topo, inst, hosts[inst.host]) for inst in (p_inst, d_inst)]
@@ -168,11 +180,13 @@ async def post(session: aiohttp.ClientSession, eng: Engine, body: dict[str, Any]
 
 
 async def one_handoff(session: aiohttp.ClientSession, p: Engine, d: Engine, conn: Connector,
-                      ids: list[int]) -> tuple[float, float]:
-    """One P->D handoff; returns (connector transfer seconds, D request seconds)."""
+                      ids: list[int]) -> tuple[float, float, float | None]:
+    """One P->D handoff; returns (connector transfer seconds, D request seconds, bytes D received
+    when the connector counts them)."""
     body = {"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0}
     pre = await post(session, p, {**body, "kv_transfer_params": dict(REMOTE_DECODE)})
     secs0, n0 = metric(d.url, conn.xfer_seconds), metric(d.url, conn.xfer_count)
+    bytes0 = metric(d.url, conn.wire_bytes) if conn.wire_bytes else None
     started = time.perf_counter()
     await post(session, d, {**body, "kv_transfer_params": pre["kv_transfer_params"]})
     d_secs = time.perf_counter() - started
@@ -181,7 +195,8 @@ async def one_handoff(session: aiohttp.ClientSession, p: Engine, d: Engine, conn
         if time.monotonic() > deadline:
             raise RuntimeError(f"{conn.name}: no transfer recorded on D\n{d.log_tail()}")
         await asyncio.sleep(0.2)
-    return metric(d.url, conn.xfer_seconds) - secs0, d_secs
+    moved = None if bytes0 is None or conn.wire_bytes is None else metric(d.url, conn.wire_bytes) - bytes0
+    return metric(d.url, conn.xfer_seconds) - secs0, d_secs, moved
 
 
 def run_connector(conn: Connector, link: str, model_dir: Path, sizes: list[int], repeats: int,
@@ -189,13 +204,14 @@ def run_connector(conn: Connector, link: str, model_dir: Path, sizes: list[int],
                   socket_extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     rows = []
     with LINKS[link]() as place:
-        p_cfg, d_cfg, p_env, d_env = planned_engines(conn.name, place, free_port(), free_port(), socket_extra)
+        p_cfg, d_cfg, p_env, d_env = planned_engines(conn.name, place, free_port(), free_port(), socket_extra,
+                                                     conn.wire_format)
         max_len = 8192  # the embedded models' max_position_embeddings
         # P caches prefixes, so repeats skip the (slow, O(n^2) on one core) prefill; the
         # handoff still moves every block. D must not, or it would not fetch at all.
-        p = start_engine(f"{conn.name}-prefill", str(model_dir), 0, p_cfg, p_env, log_dir, max_model_len=max_len,
+        p = start_engine(f"{conn.label}-prefill", str(model_dir), 0, p_cfg, p_env, log_dir, max_model_len=max_len,
                          prefix_caching=True, host=place.p_host, wrap=place.p_wrap)
-        d = start_engine(f"{conn.name}-decode", str(model_dir), 1, d_cfg, d_env, log_dir, max_model_len=max_len)
+        d = start_engine(f"{conn.label}-decode", str(model_dir), 1, d_cfg, d_env, log_dir, max_model_len=max_len)
         try:
             wait_healthy([p, d])
 
@@ -211,8 +227,11 @@ def run_connector(conn: Connector, link: str, model_dir: Path, sizes: list[int],
                         xfer = statistics.median(s[0] for s in samples)
                         d_ms = statistics.median(s[1] for s in samples)
                         nbytes = n * kv_bytes_per_token
-                        mb_s = nbytes / 1e6 / xfer if xfer else 0.0
-                        rows.append({"link": link, "connector": conn.name, "tokens": n, "MB": nbytes / 1e6,
+                        moved = [s[2] for s in samples if s[2] is not None]
+                        wire = statistics.median(moved) if moved else nbytes
+                        mb_s = wire / 1e6 / xfer if xfer else 0.0
+                        rows.append({"link": link, "connector": conn.label, "tokens": n, "MB": nbytes / 1e6,
+                                     "wire_MB": wire / 1e6,
                                      "xfer_ms": xfer * 1e3, "MB_s": mb_s,
                                      "link_pct": 100 * mb_s * 8e6 / place.rate_bps if place.rate_bps else None,
                                      "d_ms": d_ms * 1e3, "samples_ms": [round(s[0] * 1e3, 1) for s in samples]})
@@ -227,13 +246,15 @@ def run_connector(conn: Connector, link: str, model_dir: Path, sizes: list[int],
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The results as a Markdown table, connectors side by side per size."""
-    lines = ["| link | tokens | KV MB | connector | xfer ms | MB/s | % of link | D request ms | xfer samples ms |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---|"]
+    lines = ["| link | tokens | KV MB | connector | wire MB | xfer ms | MB/s (wire) | % of link | D request ms "
+             "| xfer samples ms |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     order = list(LINKS)
     for r in sorted(rows, key=lambda r: (order.index(r["link"]), r["tokens"], r["connector"])):
         pct = "-" if r["link_pct"] is None else f"{r['link_pct']:.0f}%"
         samples = ", ".join(f"{v:g}" for v in r["samples_ms"])
-        lines.append(f"| {r['link']} | {r['tokens']} | {r['MB']:.1f} | {r['connector']} | {r['xfer_ms']:.1f} "
+        lines.append(f"| {r['link']} | {r['tokens']} | {r['MB']:.1f} | {r['connector']} | {r['wire_MB']:.1f} "
+                     f"| {r['xfer_ms']:.1f} "
                      f"| {r['MB_s']:.0f} | {pct} | {r['d_ms']:.1f} | {samples} |")
     return "\n".join(lines)
 
@@ -242,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--embedded", default="tiny-kvheavy", choices=sorted(EMBEDDED_MODELS))
     ap.add_argument("--model-dir", type=Path, help="where to build the model (default: a temp dir)")
-    ap.add_argument("--connectors", default="nixl,socket")
+    ap.add_argument("--connectors", default="nixl,socket", help=f"comma list of {', '.join(CONNECTORS)}")
     ap.add_argument("--links", default="loopback", help=f"comma list of {', '.join(LINKS)}")
     ap.add_argument("--sizes", default="512,2048,8000", help="prompt tokens (< 8192, the models' context)")
     ap.add_argument("--repeats", type=int, default=3)
