@@ -12,7 +12,9 @@ Keys of ``kv_connector_extra_config`` (all optional):
 - ``kv_lease_duration`` (or ``lease_s``): seconds the prefill side keeps a
   finished request's blocks for the decode side (default 30).
 - ``streams``: parallel TCP connections per fetch (default 2).
-- ``blocks_per_message``: blocks per scatter-gather write (default 64).
+- ``blocks_per_message``: blocks per message of a fetch (default 64; with
+  ``wire_format: fp8`` as many as fit in 4 MiB on the wire, at least one, so
+  that converting one message overlaps sending another).
 - ``io_timeout_s``, ``connect_timeout_s``: socket timeouts (30 s, 5 s).
 - ``registration_wait_s``: how long the listener waits for a lease it does
   not know yet before refusing the fetch (5 s).
@@ -91,7 +93,7 @@ class SocketSettings:
     secret: bytes
     lease_s: float = 30.0
     streams: int = 2
-    blocks_per_message: int = 64
+    blocks_per_message: int | None = None       # None: the wire format's default (wireformat.py)
     io_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
     registration_wait_s: float = 5.0
@@ -161,7 +163,8 @@ class SocketSettings:
             secret=secret,
             lease_s=num(lease_key, 30.0, minimum=0.1, maximum=MAX_LEASE_S),
             streams=num("streams", 2, int, 1),
-            blocks_per_message=num("blocks_per_message", 64, int, 1),
+            blocks_per_message=None if extra.get("blocks_per_message") is None
+            else num("blocks_per_message", 64, int, 1),
             io_timeout_s=num("io_timeout_s", 30.0, minimum=0.1),
             connect_timeout_s=num("connect_timeout_s", 5.0, minimum=0.1),
             registration_wait_s=num("registration_wait_s", 5.0),

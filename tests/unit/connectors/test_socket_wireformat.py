@@ -12,7 +12,7 @@ from disagg_connectors.socket_connector.layout import LayoutError, make_store
 from disagg_connectors.socket_connector.leases import LeaseTable
 from disagg_connectors.socket_connector.server import KVServer
 from disagg_connectors.socket_connector.wireformat import (
-    FP8_MAX,
+    FP8_TARGET,
     GROUP,
     SCALE_BYTES,
     Fp8Store,
@@ -30,13 +30,14 @@ ELEMS = 2 * 16 * 128
 
 def _relative_error_ok(got: torch.Tensor, want: torch.Tensor) -> None:
     """Every element within e4m3's half unit in the last place (1/16 of its magnitude), or, for
-    values in e4m3's subnormal range, within 2^-10 of the group's scale; plus the cache dtype's own
-    rounding (relative, and absolute among its subnormals)."""
+    values in e4m3's subnormal range, within 2^-10 of the group's scale; widened by the cache
+    dtype's own rounding of the scaled and the decoded value (two roundings of eps/2 each, relative
+    to a 1/16 bound: a factor 1 + 16 eps) and its subnormals' spacing."""
     want32, got32 = want.float(), got.float()
     groups = want32.reshape(-1, GROUP)
-    scale = (groups.abs().amax(dim=1, keepdim=True) / FP8_MAX).expand_as(groups).reshape(want32.shape)
+    scale = (groups.abs().amax(dim=1, keepdim=True) / FP8_TARGET).expand_as(groups).reshape(want32.shape)
     info = torch.finfo(want.dtype)
-    bound = torch.maximum(want32.abs() / 16, scale * 2 ** -10) * (1 + info.eps) + info.tiny * info.eps
+    bound = torch.maximum(want32.abs() / 16, scale * 2 ** -10) * (1 + 16 * info.eps) + info.tiny * info.eps
     assert bool(((got32 - want32).abs() <= bound).all()), float(((got32 - want32).abs() / bound).max())
 
 
@@ -62,9 +63,14 @@ def test_encode_then_decode_is_within_e4m3_precision(dtype: torch.dtype) -> None
     assert torch.isfinite(back).all()
     assert not back[0, 1, :GROUP].any()
     _relative_error_ok(back, x)
-    # the scales lead each segment, as float32
+    # the scales lead each segment, as float32: the inverse of the factor each group was multiplied by
     scales = out[0, 0, : groups_of(ELEMS) * SCALE_BYTES].clone().view(torch.float32)
-    assert torch.allclose(scales, x[0, 0].float().reshape(-1, GROUP).abs().amax(dim=1) / FP8_MAX)
+    factors = FP8_TARGET / x.float().reshape(-1, GROUP).abs().amax(dim=1)
+    # multiplied in the cache's dtype, unless a factor overflows it (fp16 here: the 1e-6 groups)
+    in_float32 = bool(factors[torch.isfinite(factors)].max() > torch.finfo(dtype).max)
+    assert in_float32 == (dtype == torch.float16)
+    first = factors[: groups_of(ELEMS)]
+    assert torch.equal(scales, 1.0 / (first if in_float32 else first.to(dtype).float()))
 
 
 def test_the_store_reads_fewer_bytes_and_writes_back_what_it_read() -> None:
@@ -169,3 +175,28 @@ def test_wire_ratio_is_what_the_store_puts_on_the_wire(dtype: torch.dtype) -> No
     assert wire_ratio("raw", element) == 1.0
     with pytest.raises(ValueError, match="2 or 4 bytes"):
         wire_ratio("fp8", 1)
+
+
+def test_the_fast_e4m3_reader_gives_every_finite_code_its_value() -> None:
+    from disagg_connectors.socket_connector.wireformat import e4m3_to_bf16_scaled
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    exact = codes.view(torch.float8_e4m3fn).float()
+    finite = torch.isfinite(exact)
+    for scale in (1.0, 2.0 ** -20, 300.0):      # 300: past the folded multiply's range, two steps
+        got = e4m3_to_bf16_scaled(codes, torch.tensor([scale])).float()
+        assert torch.equal(got[finite], (exact[finite] * scale).to(torch.bfloat16).float()), scale
+
+
+def test_fp8_messages_stay_near_4_mib_so_conversion_overlaps_the_wire() -> None:
+    from disagg_connectors.socket_connector.layout import KVLayout, LayerLayout
+    from disagg_connectors.socket_connector.wireformat import default_blocks_per_message
+
+    def layout(seg_bytes: int, wire: str) -> KVLayout:
+        return KVLayout((LayerLayout("l0", 1, 32, seg_bytes), LayerLayout("l1", 1, 32, seg_bytes)), wire=wire)
+
+    assert default_blocks_per_message(layout(1 << 20, "raw")) == 64
+    assert default_blocks_per_message(layout(1 << 20, "fp8")) == 2           # 2 MiB a block: 4 MiB a message
+    assert default_blocks_per_message(layout(3 << 20, "fp8")) == 1           # never below one block
+    assert default_blocks_per_message(layout(1 << 10, "fp8")) == 64          # nor above the raw default
+    assert SocketSettings.load({}, {"DISAGG_KV_SECRET": "ab" * 32}).blocks_per_message is None
