@@ -62,6 +62,10 @@ EMBEDDED_MODELS: dict[str, TinyModelConfig] = {
     # 32 KiB of KV per token: for transfer benchmarks (tens of MB per request).
     "tiny-kvheavy": TinyModelConfig(layers=8, hidden=256, heads=8, kv_heads=8, head_dim=128,
                                     intermediate=512),
+    # 32 KiB of KV per token over 16 layers (2 KiB each): a handoff that streams layer by layer
+    # has 16 steps to overlap with the prefill.
+    "tiny-kvdeep": TinyModelConfig(layers=16, hidden=256, heads=8, kv_heads=4, head_dim=128,
+                                   intermediate=512),
 }
 
 

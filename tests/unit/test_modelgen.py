@@ -41,6 +41,8 @@ def test_safetensors_header_matches_config(tmp_path: Path) -> None:
 def test_kv_bytes_per_token() -> None:
     assert EMBEDDED_MODELS["tiny"].kv_bytes_per_token == 1024
     assert EMBEDDED_MODELS["tiny-kvheavy"].kv_bytes_per_token == 32 * 1024
+    assert EMBEDDED_MODELS["tiny-kvdeep"].kv_bytes_per_token == 32 * 1024
+    assert EMBEDDED_MODELS["tiny-kvdeep"].layers == 16
 
 
 def test_tokenizer_round_trips_and_adds_bos(tmp_path: Path) -> None:
@@ -65,7 +67,8 @@ def test_ensure_model_reuses_existing(tmp_path: Path) -> None:
 
 
 def test_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ModelError, match="unknown embedded model 'huge'; choose one of tiny, tiny-kvheavy"):
+    with pytest.raises(ModelError,
+                       match="unknown embedded model 'huge'; choose one of tiny, tiny-kvheavy, tiny-kvdeep"):
         build_model("huge", tmp_path)
 
 
