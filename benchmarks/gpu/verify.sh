@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # One-shot GPU verification of the engine x connector rows that need a GPU:
 #   1. SGLang 1P1D (Mooncake over TCP)   2. vLLM + LMCache 1P1D (NIXL)
+#   3. vLLM + our socket connector 1P1D (CUDA caches through host staging)
 # each through `disagg up --detach`, compared with a colocated run of the same
 # engine (greedy outputs must be equal) and checked that KV moved (metrics).
+#   4. vLLM + socket connector with wire_format fp8 (lossy, opt-in): the same
+# checks, but instead of equality an accuracy report on the real model: greedy
+# match rate, tokens in common, log-prob drift (verify_run.py accuracy).
 #
 # Usage (single-GPU machine, a small model already on local disk):
 #   benchmarks/gpu/verify.sh /models/Qwen2.5-0.5B-Instruct
@@ -51,6 +55,9 @@ if [ "${SKIP_INSTALL:-0}" != 1 ]; then
   install "$WORK/venv-vllm" vllm lmcache nixl > "$WORK/install-vllm.log" 2>&1 & b=$!
   wait $a || fail "pip install sglang failed: $(tail -3 "$WORK/install-sglang.log")"
   wait $b || fail "pip install vllm lmcache failed: $(tail -3 "$WORK/install-vllm.log")"
+  # the engines import disagg_connectors (socket connector, engine guard): this checkout, no deps
+  "$WORK/venv-vllm/bin/pip" install -q --no-deps -e "$REPO" >> "$WORK/install-vllm.log" 2>&1 \
+    || fail "pip install -e $REPO failed: $(tail -3 "$WORK/install-vllm.log")"
 fi
 
 # --- 2. topologies: colocated reference and 1P1D, from topologies/*-1p1d.yaml
@@ -87,8 +94,8 @@ down() {  # python topology
   CURRENT=""
 }
 
-verify() {  # label engine connector python both-args pd-roles
-  local label=$1 engine=$2 connector=$3 py=$4 colo pd
+verify() {  # label engine connector python both-args pd-roles [check: compare | accuracy]
+  local label=$1 engine=$2 connector=$3 py=$4 check=${7:-compare} colo pd
   colo=$(topology "$label-colocated" "$engine" "$connector" "$py" "  both:
     - {host: gpu, port: 8300, gpus: [0], args: $5}")
   pd=$(topology "$label-1p1d" "$engine" "$connector" "$py" "$6")
@@ -100,7 +107,8 @@ verify() {  # label engine connector python both-args pd-roles
   "$py" "$HELPER" generate http://127.0.0.1:8000 "$MODEL" "$WORK/$label-1p1d.json" || fail "$label 1P1D requests"
   "$py" "$HELPER" kv-moved "$engine" http://127.0.0.1:8100 http://127.0.0.1:8200 || fail "$label: no KV moved"
   down "$py" "$pd"
-  "$py" "$HELPER" compare "$WORK/$label-colocated.json" "$WORK/$label-1p1d.json" || fail "$label: outputs differ"
+  "$py" "$HELPER" "$check" "$WORK/$label-colocated.json" "$WORK/$label-1p1d.json" \
+    | tee "$WORK/$label-$check.txt" || fail "$label: $check"
   log "$label: PASS"
 }
 
@@ -117,4 +125,14 @@ verify lmcache vllm lmcache "$VL" '[--gpu-memory-utilization, "0.8", --enforce-e
   decode:
     - {host: gpu, port: 8200, kv_port: 7300, gpus: [0], args: [--gpu-memory-utilization, \"0.4\", --enforce-eager]}"
 
-log "ALL PASS (SGLang 1P1D, vLLM+LMCache 1P1D) in ${SECONDS}s"
+SOCKET_PD="  prefill:
+    - {host: gpu, port: 8100, kv_port: 7400, gpus: [0], args: [--gpu-memory-utilization, \"0.4\", --enforce-eager]}
+  decode:
+    - {host: gpu, port: 8200, gpus: [0], args: [--gpu-memory-utilization, \"0.4\", --enforce-eager]}
+routing: {policy: split}"
+verify socket vllm socket "$VL" '[--gpu-memory-utilization, "0.8", --enforce-eager]' "$SOCKET_PD"
+verify socket-fp8 vllm "{type: socket, wire_format: fp8}" "$VL" '[--gpu-memory-utilization, "0.8", --enforce-eager]' \
+  "$SOCKET_PD" accuracy
+
+log "ALL PASS (SGLang 1P1D, vLLM+LMCache 1P1D, vLLM+socket 1P1D; fp8 accuracy in $WORK/socket-fp8-accuracy.txt)" \
+  "in ${SECONDS}s"

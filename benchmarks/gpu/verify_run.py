@@ -3,7 +3,12 @@
 
     python verify_run.py generate URL MODEL OUT.json       # greedy completions of PROMPTS
     python verify_run.py compare REF.json GOT.json          # exit 1 unless equal
+    python verify_run.py accuracy REF.json GOT.json         # what a lossy wire format costs (report)
     python verify_run.py kv-moved ENGINE PREFILL_URL DECODE_URL   # exit 1 unless KV moved
+
+``generate`` writes ``{"texts": [...], "tokens": [[...]], "logprobs": [[...]]}`` (the greedy
+tokens and their log-probs, ``logprobs: 1``); ``compare`` and ``accuracy`` read that, or an older
+plain list of texts (``compare`` only).
 
 Standard library only, so it runs in any of the script's venvs.
 """
@@ -44,27 +49,55 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def generate(url: str, model: str, out: str) -> int:
-    texts = []
+    texts, tokens, logprobs = [], [], []
     for prompt in PROMPTS:
         reply = _post(url.rstrip("/") + "/v1/completions",
-                      {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
-        texts.append(reply["choices"][0]["text"])
+                      {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1})
+        choice = reply["choices"][0]
+        texts.append(choice["text"])
+        tokens.append(choice["logprobs"]["tokens"])
+        logprobs.append(choice["logprobs"]["token_logprobs"])
     with open(out, "w") as fh:
-        json.dump(texts, fh, indent=1)
+        json.dump({"texts": texts, "tokens": tokens, "logprobs": logprobs}, fh, indent=1)
     print(f"generated {len(texts)} completions -> {out}")
     return 0
 
 
+def _load(path: str) -> dict:
+    with open(path) as fh:
+        data = json.load(fh)
+    return data if isinstance(data, dict) else {"texts": data}
+
+
 def compare(ref: str, got: str) -> int:
-    with open(ref) as fh:
-        a = json.load(fh)
-    with open(got) as fh:
-        b = json.load(fh)
+    a, b = _load(ref)["texts"], _load(got)["texts"]
     bad = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
     for i in bad:
         print(f"prompt {i}: colocated {a[i]!r}\n          disaggregated {b[i]!r}")
     print("greedy outputs equal" if not bad else f"{len(bad)} of {len(a)} outputs differ")
     return 1 if bad else 0
+
+
+def accuracy(ref: str, got: str) -> int:
+    """Greedy-match rate, tokens in common before the first difference, and the log-prob drift of
+    the tokens both runs chose (while they agree: after a difference the contexts differ). A report:
+    exit 0, unless the files are not comparable."""
+    a, b = _load(ref), _load(got)
+    if "tokens" not in a or "tokens" not in b:
+        print("accuracy needs files written by this version of `generate` (tokens and log-probs)")
+        return 2
+    same, common, drifts = 0, [], []
+    for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"], strict=True):
+        k = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb)))
+        same += ta == tb
+        common.append(k)
+        drifts += [abs(x - y) for x, y in zip(la[:k], lb[:k], strict=True) if x is not None and y is not None]
+    n = len(common)
+    mean = sum(drifts) / len(drifts) if drifts else 0.0
+    print(f"greedy match {same}/{n}; tokens in common before the first difference: mean {sum(common) / n:.1f} "
+          f"of {MAX_TOKENS}; log-prob drift of agreeing tokens: mean {mean:.4f}, max "
+          f"{max(drifts, default=0.0):.4f} nats over {len(drifts)} tokens")
+    return 0
 
 
 def kv_moved(engine: str, prefill: str, decode: str) -> int:
@@ -85,7 +118,7 @@ def kv_moved(engine: str, prefill: str, decode: str) -> int:
 
 def main(argv: list[str]) -> int:
     cmd, args = argv[0], argv[1:]
-    return {"generate": generate, "compare": compare, "kv-moved": kv_moved}[cmd](*args)
+    return {"generate": generate, "compare": compare, "accuracy": accuracy, "kv-moved": kv_moved}[cmd](*args)
 
 
 if __name__ == "__main__":
