@@ -211,51 +211,55 @@ class DirectStore(BlockStore):
         yield self._views(block_ids)
 
 
-class StagedStore(BlockStore):
-    """Accelerator KV caches moved through pinned host buffers, one chunk at a time.
+class StagingBuffers:
+    """Per-thread host buffers, one ``(outer, blocks, seg_bytes)`` uint8 tensor per layer, grown on
+    demand, so that parallel streams never share one; for stores whose wire bytes are not the
+    cache's own memory (:class:`StagedStore`, :class:`~.wireformat.Fp8Store`)."""
 
-    Each thread gets its own staging buffers (grown on demand), so parallel
-    streams never share one.
-    """
+    def __init__(self, layers: Sequence[LayerLayout], pin: bool):
+        self._shapes = [(layer.outer, layer.seg_bytes) for layer in layers]
+        self._pin = pin
+        self._local = threading.local()
+
+    def get(self, nblocks: int) -> list[torch.Tensor]:
+        """This thread's buffers, sliced to ``nblocks`` blocks."""
+        bufs: list[torch.Tensor] | None = getattr(self._local, "bufs", None)
+        cap: int = getattr(self._local, "cap", 0)
+        if bufs is None or cap < nblocks:
+            bufs = [torch.empty((outer, nblocks, seg), dtype=torch.uint8, pin_memory=self._pin)
+                    for outer, seg in self._shapes]
+            self._local.bufs, self._local.cap = bufs, nblocks
+        return [b[:, :nblocks, :] for b in bufs]
+
+    @staticmethod
+    def views(host: Sequence[torch.Tensor]) -> list[memoryview]:
+        """The wire's views of buffers from :meth:`get`, in wire order."""
+        # host[l] is a slice of an (outer, cap, seg) buffer: each outer row is contiguous
+        return [host_memoryview(h[o]) for h in host for o in range(h.shape[0])]
+
+
+class StagedStore(BlockStore):
+    """Accelerator KV caches moved through pinned host buffers, one chunk at a time."""
 
     def __init__(self, layout: KVLayout, views: Sequence[torch.Tensor], pin: bool = True):
         self.layout = layout
         self._dev = list(views)
-        self._pin = pin and torch.cuda.is_available()
-        self._local = threading.local()
-
-    def _staging(self, nblocks: int) -> list[torch.Tensor]:
-        bufs: list[torch.Tensor] | None = getattr(self._local, "bufs", None)
-        cap: int = getattr(self._local, "cap", 0)
-        if bufs is None or cap < nblocks:
-            bufs = [
-                torch.empty((v.shape[0], nblocks, v.shape[2]), dtype=torch.uint8, pin_memory=self._pin)
-                for v in self._dev
-            ]
-            self._local.bufs, self._local.cap = bufs, nblocks
-        return [b[:, :nblocks, :] for b in bufs]
-
-    def _host_views(self, host: list[torch.Tensor]) -> list[memoryview]:
-        # host[l] is a slice of a (outer, cap, inner) buffer: contiguous per outer row.
-        views: list[memoryview] = []
-        for h in host:
-            views.extend(host_memoryview(h[o]) for o in range(h.shape[0]))
-        return views
+        self._staging = StagingBuffers(layout.layers, pin and torch.cuda.is_available())
 
     @contextmanager
     def reading(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
         self.layout.check_blocks(block_ids)
-        host = self._staging(len(block_ids))
+        host = self._staging.get(len(block_ids))
         for h, d in zip(host, self._dev, strict=True):
             idx = torch.tensor(list(block_ids), dtype=torch.long, device=d.device)
             h.copy_(d.index_select(1, idx), non_blocking=False)
-        yield self._host_views(host)
+        yield self._staging.views(host)
 
     @contextmanager
     def writing(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
         self.layout.check_blocks(block_ids)
-        host = self._staging(len(block_ids))
-        yield self._host_views(host)
+        host = self._staging.get(len(block_ids))
+        yield self._staging.views(host)
         for h, d in zip(host, self._dev, strict=True):
             idx = torch.tensor(list(block_ids), dtype=torch.long, device=d.device)
             d.index_copy_(1, idx, h.to(d.device, non_blocking=False))

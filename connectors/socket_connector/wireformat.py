@@ -33,14 +33,13 @@ and torch conversions, on the prefill engine's and the decode engine's CPU
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
 from .config import FP8_GROUP, FP8_SCALE_BYTES, WIRE_FORMATS
-from .layout import BlockStore, KVLayout, LayerLayout, LayoutError, host_memoryview
+from .layout import BlockStore, KVLayout, LayerLayout, LayoutError, StagingBuffers
 
 __all__ = ["WIRE_FORMATS", "Fp8Store", "decode", "default_blocks_per_message", "e4m3_to_bf16_scaled", "encode",
            "fp8_segment_bytes", "groups_of"]
@@ -170,22 +169,8 @@ class Fp8Store(BlockStore):
             layers.append(LayerLayout(layer.name, layer.outer, layer.num_blocks,
                                       fp8_segment_bytes(typed.shape[2])))
         self.layout = KVLayout(tuple(layers), wire="fp8")
-        self._pin = any(t.device.type == "cuda" for t in self._typed) and torch.cuda.is_available()
-        self._local = threading.local()
-
-    def _staging(self, nblocks: int) -> list[torch.Tensor]:
-        bufs: list[torch.Tensor] | None = getattr(self._local, "bufs", None)
-        cap: int = getattr(self._local, "cap", 0)
-        if bufs is None or cap < nblocks:
-            bufs = [torch.empty((layer.outer, nblocks, layer.seg_bytes), dtype=torch.uint8, pin_memory=self._pin)
-                    for layer in self.layout.layers]
-            self._local.bufs, self._local.cap = bufs, nblocks
-        return [b[:, :nblocks, :] for b in bufs]
-
-    @staticmethod
-    def _views(host: list[torch.Tensor]) -> list[memoryview]:
-        # host[l] is a (outer, n, seg) slice of an (outer, cap, seg) buffer: each outer row is contiguous
-        return [host_memoryview(h[o]) for h in host for o in range(h.shape[0])]
+        pin = any(t.device.type == "cuda" for t in self._typed) and torch.cuda.is_available()
+        self._staging = StagingBuffers(self.layout.layers, pin)
 
     @staticmethod
     def _index(block_ids: Sequence[int], like: torch.Tensor) -> torch.Tensor:
@@ -194,16 +179,16 @@ class Fp8Store(BlockStore):
     @contextmanager
     def reading(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
         self.layout.check_blocks(block_ids)
-        host = self._staging(len(block_ids))
+        host = self._staging.get(len(block_ids))
         for h, typed in zip(host, self._typed, strict=True):
             encode(typed.index_select(1, self._index(block_ids, typed)), h)
-        yield self._views(host)
+        yield self._staging.views(host)
 
     @contextmanager
     def writing(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
         self.layout.check_blocks(block_ids)
-        host = self._staging(len(block_ids))
-        yield self._views(host)
+        host = self._staging.get(len(block_ids))
+        yield self._staging.views(host)
         for h, typed in zip(host, self._typed, strict=True):
             values = decode(h, typed.shape[2], typed.dtype, typed.device)
             typed.index_copy_(1, self._index(block_ids, typed), values)
