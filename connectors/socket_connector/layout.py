@@ -239,12 +239,25 @@ class StagingBuffers:
 
 
 class StagedStore(BlockStore):
-    """Accelerator KV caches moved through pinned host buffers, one chunk at a time."""
+    """KV caches whose wire bytes pass through host staging buffers, one chunk at a time:
+    accelerator caches (pinned buffers), and subclasses that convert (:class:`~.wireformat.Fp8Store`).
+
+    ``_dev[i]`` is layer i's cache as an ``(outer, num_blocks, x)`` tensor; :meth:`_pack` puts
+    the selected blocks into a staging buffer, :meth:`_unpack` the other way (here: plain copies).
+    """
 
     def __init__(self, layout: KVLayout, views: Sequence[torch.Tensor], pin: bool = True):
         self.layout = layout
         self._dev = list(views)
         self._staging = StagingBuffers(layout.layers, pin and torch.cuda.is_available())
+
+    def _pack(self, blocks: torch.Tensor, host: torch.Tensor) -> None:
+        """Write ``blocks`` (one layer's selected blocks) into ``host`` (its staging buffer)."""
+        host.copy_(blocks, non_blocking=False)
+
+    def _unpack(self, host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The blocks ``host`` holds, as ``like``'s dtype on ``like``'s device."""
+        return host.to(like.device, non_blocking=False)
 
     @contextmanager
     def reading(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
@@ -252,7 +265,7 @@ class StagedStore(BlockStore):
         host = self._staging.get(len(block_ids))
         for h, d in zip(host, self._dev, strict=True):
             idx = torch.tensor(list(block_ids), dtype=torch.long, device=d.device)
-            h.copy_(d.index_select(1, idx), non_blocking=False)
+            self._pack(d.index_select(1, idx), h)
         yield self._staging.views(host)
 
     @contextmanager
@@ -262,9 +275,9 @@ class StagedStore(BlockStore):
         yield self._staging.views(host)
         for h, d in zip(host, self._dev, strict=True):
             idx = torch.tensor(list(block_ids), dtype=torch.long, device=d.device)
-            d.index_copy_(1, idx, h.to(d.device, non_blocking=False))
-        if d.device.type == "cuda":
-            torch.cuda.synchronize(d.device)
+            d.index_copy_(1, idx, self._unpack(h, d))
+        if any(d.device.type == "cuda" for d in self._dev):
+            torch.cuda.synchronize()
 
 
 def make_store(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, wire: str = "raw") -> BlockStore:

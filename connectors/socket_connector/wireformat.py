@@ -33,13 +33,12 @@ and torch conversions, on the prefill engine's and the decode engine's CPU
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 
 from .config import FP8_GROUP, FP8_SCALE_BYTES, WIRE_FORMATS
-from .layout import BlockStore, KVLayout, LayerLayout, LayoutError, StagingBuffers
+from .layout import KVLayout, LayerLayout, LayoutError, StagedStore
 
 __all__ = ["WIRE_FORMATS", "Fp8Store", "decode", "default_blocks_per_message", "e4m3_to_bf16_scaled", "encode",
            "fp8_segment_bytes", "groups_of"]
@@ -142,7 +141,7 @@ def decode(wire: torch.Tensor, elems: int, dtype: torch.dtype, device: torch.dev
     return values.to(dtype).reshape(outer, n, elems)
 
 
-class Fp8Store(BlockStore):
+class Fp8Store(StagedStore):
     """Any KV cache (host or device) with fp8 on the wire: quantized into host staging buffers
     when read (prefill side), dequantized into the cache when written (decode side).
 
@@ -157,40 +156,21 @@ class Fp8Store(BlockStore):
         if bad:
             raise LayoutError(f"wire_format fp8 needs a bf16, fp16 or fp32 KV cache, not {', '.join(bad)}")
         self.raw_layout = layout
-        self._typed: list[torch.Tensor] = []
+        typed: list[torch.Tensor] = []
         layers: list[LayerLayout] = []
         for layer, view, dtype in zip(layout.layers, views, dtypes, strict=True):
             size = torch.tensor([], dtype=dtype).element_size()
             if layer.seg_bytes % size:
                 raise LayoutError(f"layer {layer.name}: a segment of {layer.seg_bytes} bytes is not whole "
                                   f"{dtype} elements")
-            typed = view.view(dtype)        # (outer, num_blocks, elems): the cache itself, no copy
-            self._typed.append(typed)
+            typed.append(view.view(dtype))      # (outer, num_blocks, elems): the cache itself, no copy
             layers.append(LayerLayout(layer.name, layer.outer, layer.num_blocks,
-                                      fp8_segment_bytes(typed.shape[2])))
-        self.layout = KVLayout(tuple(layers), wire="fp8")
-        pin = any(t.device.type == "cuda" for t in self._typed) and torch.cuda.is_available()
-        self._staging = StagingBuffers(self.layout.layers, pin)
+                                      fp8_segment_bytes(typed[-1].shape[2])))
+        super().__init__(KVLayout(tuple(layers), wire="fp8"), typed,
+                         pin=any(t.device.type == "cuda" for t in typed))
 
-    @staticmethod
-    def _index(block_ids: Sequence[int], like: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(list(block_ids), dtype=torch.long, device=like.device)
+    def _pack(self, blocks: torch.Tensor, host: torch.Tensor) -> None:
+        encode(blocks, host)
 
-    @contextmanager
-    def reading(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
-        self.layout.check_blocks(block_ids)
-        host = self._staging.get(len(block_ids))
-        for h, typed in zip(host, self._typed, strict=True):
-            encode(typed.index_select(1, self._index(block_ids, typed)), h)
-        yield self._staging.views(host)
-
-    @contextmanager
-    def writing(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
-        self.layout.check_blocks(block_ids)
-        host = self._staging.get(len(block_ids))
-        yield self._staging.views(host)
-        for h, typed in zip(host, self._typed, strict=True):
-            values = decode(h, typed.shape[2], typed.dtype, typed.device)
-            typed.index_copy_(1, self._index(block_ids, typed), values)
-        if any(t.device.type == "cuda" for t in self._typed):
-            torch.cuda.synchronize()
+    def _unpack(self, host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return decode(host, like.shape[2], like.dtype, like.device)
