@@ -156,7 +156,7 @@ class SocketSettings:
         wire_format = str(extra.get("wire_format", "raw"))
         if wire_format not in WIRE_FORMATS:
             raise ConfigError(f"kv_connector_extra_config.wire_format: expected one of {', '.join(WIRE_FORMATS)}, "
-                              f"got {_short_repr(extra.get('wire_format'))}")
+                              f"got {extra.get('wire_format')!r:.40}")
         return cls(
             host=host,
             port=port,
@@ -176,8 +176,3 @@ class SocketSettings:
             handshake_timeout_s=num("handshake_timeout_s", 5.0, minimum=0.1),
             wire_format=wire_format,
         )
-
-
-def _short_repr(value: object, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -123,21 +123,27 @@ def as_block_bytes(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return physical.reshape(-1).view(torch.uint8).view(outer, num_blocks, inner)
 
 
+def _transferred(kv_caches: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each layer's cache in wire order (sorted by name); layers sharing one tensor (KV sharing)
+    only the first time."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name in sorted(kv_caches):
+        tensor = kv_caches[name]
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            yield name, tensor
+
+
 def describe(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> tuple[KVLayout, list[torch.Tensor]]:
     """The layout of vLLM's KV caches plus each layer's byte view, in wire order.
 
     Layers that share one tensor (KV sharing) are transferred once. ``views[i].dtype`` is uint8;
     the cache's own element type is ``kv_dtypes(kv_caches)[i]``.
     """
-    seen: set[tuple[int, tuple[int, ...]]] = set()
     layers: list[LayerLayout] = []
     views: list[torch.Tensor] = []
-    for name in sorted(kv_caches):
-        tensor = kv_caches[name]
-        key = (tensor.data_ptr(), tuple(tensor.shape))
-        if key in seen:
-            continue
-        seen.add(key)
+    for name, tensor in _transferred(kv_caches):
         view = as_block_bytes(tensor, num_blocks)
         layers.append(LayerLayout(name, view.shape[0], num_blocks, view.shape[2]))
         views.append(view)
@@ -148,15 +154,7 @@ def describe(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> tuple[KV
 
 def kv_dtypes(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.dtype]:
     """Each transferred layer's element type, in the order of :func:`describe`'s views."""
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    out: list[torch.dtype] = []
-    for name in sorted(kv_caches):
-        tensor = kv_caches[name]
-        key = (tensor.data_ptr(), tuple(tensor.shape))
-        if key not in seen:
-            seen.add(key)
-            out.append(tensor.dtype)
-    return out
+    return [tensor.dtype for _, tensor in _transferred(kv_caches)]
 
 
 def host_memoryview(tensor: torch.Tensor) -> memoryview:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import queue
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -29,7 +29,7 @@ from .layout import BlockStore, make_store
 from .leases import LeaseTable
 from .metadata import RecvSpec, SocketConnectorMetadata
 from .server import KVServer
-from .wireformat import RAW_BLOCKS_PER_MESSAGE, default_blocks_per_message
+from .wireformat import default_blocks_per_message
 
 logger = init_logger(__name__)
 
@@ -58,9 +58,6 @@ class SocketWorker:
         self._conns: PeerConnections | None = None
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._fetches_in_flight = 0  # submitted and awaited, outcome not yet reported (engine thread only)
-        # blocks_per_message: settled in register_kv_caches, once the wire layout is known
-        self._opts = FetchOptions(settings.streams, settings.blocks_per_message or RAW_BLOCKS_PER_MESSAGE,
-                                  settings.connect_timeout_s, settings.io_timeout_s, settings.handshake_timeout_s)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map the KV caches; on a producer, start listening."""
@@ -68,12 +65,12 @@ class SocketWorker:
             # Transfer threads return to Python once per message; let them in quickly.
             sys.setswitchinterval(self.settings.gil_switch_interval_ms / 1000)
         self.store = make_store(kv_caches, self.num_blocks, self.settings.wire_format)
-        self._opts = replace(self._opts, blocks_per_message=self.settings.blocks_per_message
-                             or default_blocks_per_message(self.store.layout))
+        settings = self.settings
+        per_message = settings.blocks_per_message or default_blocks_per_message(self.store.layout)
         logger.info("socket KV connector: %d layers, %d bytes per block on the wire (%s), %s store, "
                     "%d blocks per message, GIL switch interval %.2f ms", len(self.store.layout.layers),
                     self.store.layout.block_bytes, self.store.layout.wire, type(self.store).__name__,
-                    self._opts.blocks_per_message, sys.getswitchinterval() * 1000)
+                    per_message, sys.getswitchinterval() * 1000)
         if self.is_producer:
             assert self.settings.port is not None
             self.server = KVServer(
@@ -86,7 +83,9 @@ class SocketWorker:
             self.server.start()
         else:
             self._pool = ThreadPoolExecutor(self.settings.max_parallel_fetches, thread_name_prefix="kv-socket-fetch")
-            self._conns = PeerConnections(self.settings.secret, self.store, self._opts,
+            opts = FetchOptions(settings.streams, per_message, settings.connect_timeout_s, settings.io_timeout_s,
+                                settings.handshake_timeout_s)
+            self._conns = PeerConnections(self.settings.secret, self.store, opts,
                                           max_idle_per_peer=self.settings.streams * self.settings.max_parallel_fetches)
 
     def start_load_kv(self, meta: SocketConnectorMetadata) -> None:
