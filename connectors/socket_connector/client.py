@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .auth import HANDSHAKE_TIMEOUT_S, client_handshake, listener_id
+from .config import BLOCKS_PER_MESSAGE
 from .layout import BlockStore
 from .server import chunks
 from .wire import (
@@ -65,7 +66,7 @@ class FetchOptions:
     """Transport knobs (from kv_connector_extra_config)."""
 
     streams: int = 2
-    blocks_per_message: int = 64
+    blocks_per_message: int = BLOCKS_PER_MESSAGE
     connect_timeout_s: float = 5.0
     io_timeout_s: float = 30.0
     #: the whole authentication exchange, whatever io_timeout_s says

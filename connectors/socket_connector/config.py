@@ -60,6 +60,8 @@ from .params import MAX_LEASE_S, AllowedPeers
 #: ``wire_format`` values (encoded by wireformat.py; kept here, with the fp8 format's sizes, so that
 #: reading settings and sizing transfers (``disagg plan``) need no torch)
 WIRE_FORMATS = ("raw", "fp8")
+#: blocks per message of a fetch when neither side names a number (raw wire format; fp8: wireformat.py)
+BLOCKS_PER_MESSAGE = 64
 #: fp8: elements sharing one scale, and the bytes of one scale (float32)
 FP8_GROUP = 128
 FP8_SCALE_BYTES = 4
@@ -164,7 +166,7 @@ class SocketSettings:
             lease_s=num(lease_key, 30.0, minimum=0.1, maximum=MAX_LEASE_S),
             streams=num("streams", 2, int, 1),
             blocks_per_message=None if extra.get("blocks_per_message") is None
-            else num("blocks_per_message", 64, int, 1),
+            else num("blocks_per_message", BLOCKS_PER_MESSAGE, int, 1),
             io_timeout_s=num("io_timeout_s", 30.0, minimum=0.1),
             connect_timeout_s=num("connect_timeout_s", 5.0, minimum=0.1),
             registration_wait_s=num("registration_wait_s", 5.0),

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
 from .auth import HANDSHAKE_TIMEOUT_S, AuthError, listener_id, server_handshake
+from .config import BLOCKS_PER_MESSAGE
 from .counters import TransferCounters
 from .layout import BlockStore, LayoutError
 from .leases import LeaseTable
@@ -275,7 +276,7 @@ class KVServer:
         if not isinstance(block_ids, list) or not all(type(b) is int for b in block_ids):
             self._refuse(conn, peer, f"malformed fetch for request {rid}: block_ids must be a list of integers")
             return False
-        per_msg = msg.get("blocks_per_message", 64)
+        per_msg = msg.get("blocks_per_message", BLOCKS_PER_MESSAGE)
         if type(per_msg) is not int or per_msg < 1:
             self._refuse(conn, peer, f"malformed fetch for request {rid}: blocks_per_message must be a "
                                      f"positive integer, got {_short(per_msg)}")

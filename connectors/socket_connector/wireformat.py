@@ -11,7 +11,7 @@ engine, under ``kv_load_failure_policy: recompute``, prefills locally).
 
 Encoding. Each layer is an ``(outer, num_blocks, elems)`` array of the cache's
 element type (layout.py). A segment (one block of one outer index) is cut into
-groups of :data:`GROUP` elements (one group when ``elems`` is not a multiple of
+groups of :data:`FP8_GROUP` elements (one group when ``elems`` is not a multiple of
 it); each group gets its own scale, about ``amax / 440`` (float32; 1 for an
 all-zero group), and its elements become ``e4m3(x / scale)``. On the wire a segment is
 its groups' float32 scales followed by its fp8 elements, and the stream order is
@@ -37,15 +37,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .config import FP8_GROUP, FP8_SCALE_BYTES, WIRE_FORMATS
+from .config import BLOCKS_PER_MESSAGE, FP8_GROUP, FP8_SCALE_BYTES, WIRE_FORMATS
 from .layout import KVLayout, LayerLayout, LayoutError, StagedStore
 
 __all__ = ["WIRE_FORMATS", "Fp8Store", "decode", "default_blocks_per_message", "e4m3_to_bf16_scaled", "encode",
            "fp8_segment_bytes", "groups_of"]
-#: elements sharing one scale
-GROUP = FP8_GROUP
-#: bytes of one scale on the wire (float32)
-SCALE_BYTES = FP8_SCALE_BYTES
 #: the largest finite float8 e4m3 (fn) value
 FP8_MAX = 448.0
 #: what a group's largest magnitude is scaled to: below FP8_MAX by more than the rounding of the
@@ -54,28 +50,27 @@ FP8_TARGET = 440.0
 #: cache element types fp8 applies to (an fp8 cache gains nothing)
 FP8_SOURCES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8 = torch.float8_e4m3fn
-#: blocks per message when the settings name none: raw data goes straight from the cache in large
-#: scatter-gather writes; fp8 messages are converted first, so they stay near this many wire bytes
-#: (one message converts while another is on the wire)
-RAW_BLOCKS_PER_MESSAGE = 64
+#: fp8 messages are converted before they are sent, so they stay near this many wire bytes (one
+#: message converts while another is on the wire); raw data goes straight from the cache in
+#: config.BLOCKS_PER_MESSAGE-block scatter-gather writes
 FP8_MESSAGE_BYTES = 4 << 20
 
 
 def default_blocks_per_message(layout: KVLayout) -> int:
     """Blocks per fetch message for a store's wire layout, when ``blocks_per_message`` is unset."""
     if layout.wire == "raw":
-        return RAW_BLOCKS_PER_MESSAGE
-    return max(1, min(RAW_BLOCKS_PER_MESSAGE, FP8_MESSAGE_BYTES // max(1, layout.block_bytes)))
+        return BLOCKS_PER_MESSAGE
+    return max(1, min(BLOCKS_PER_MESSAGE, FP8_MESSAGE_BYTES // max(1, layout.block_bytes)))
 
 
 def groups_of(elems: int) -> int:
     """Scales per segment of ``elems`` elements."""
-    return elems // GROUP if elems % GROUP == 0 and elems >= GROUP else 1
+    return elems // FP8_GROUP if elems % FP8_GROUP == 0 and elems >= FP8_GROUP else 1
 
 
 def fp8_segment_bytes(elems: int) -> int:
     """Wire bytes of one segment of ``elems`` elements: scales, then one byte per element."""
-    return groups_of(elems) * SCALE_BYTES + elems
+    return groups_of(elems) * FP8_SCALE_BYTES + elems
 
 
 def encode(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -95,9 +90,9 @@ def encode(x: torch.Tensor, out: torch.Tensor) -> None:
         xg = xg.float()
     factor = factor.to(xg.dtype)
     scale = 1.0 / factor.float()                 # what the decoder multiplies by: the factor's exact inverse
-    out[:, :, : g * SCALE_BYTES].copy_(scale.view(torch.uint8).reshape(outer, n, g * SCALE_BYTES))
+    out[:, :, : g * FP8_SCALE_BYTES].copy_(scale.view(torch.uint8).reshape(outer, n, g * FP8_SCALE_BYTES))
     # .view, never .reshape: a copy would be written instead of ``out``
-    fp8 = out[:, :, g * SCALE_BYTES :].view(_FP8).view(outer, n, g, elems // g)
+    fp8 = out[:, :, g * FP8_SCALE_BYTES :].view(_FP8).view(outer, n, g, elems // g)
     fp8.copy_(xg * factor)
 
 
@@ -132,8 +127,8 @@ def decode(wire: torch.Tensor, elems: int, dtype: torch.dtype, device: torch.dev
     outer, n, _ = wire.shape
     g = groups_of(elems)
     wire = wire.to(device)
-    scale = wire[:, :, : g * SCALE_BYTES].contiguous().view(torch.float32).reshape(outer, n, g, 1)
-    codes = wire[:, :, g * SCALE_BYTES :].reshape(outer, n, g, elems // g)
+    scale = wire[:, :, : g * FP8_SCALE_BYTES].contiguous().view(torch.float32).reshape(outer, n, g, 1)
+    codes = wire[:, :, g * FP8_SCALE_BYTES :].reshape(outer, n, g, elems // g)
     if dtype == torch.bfloat16 and codes.device.type == "cpu":
         return e4m3_to_bf16_scaled(codes, scale).reshape(outer, n, elems)
     values = codes.view(_FP8).float()          # float32: a scale beyond fp16's range still applies
@@ -155,7 +150,6 @@ class Fp8Store(StagedStore):
         bad = sorted({str(d) for d in dtypes if d not in FP8_SOURCES})
         if bad:
             raise LayoutError(f"wire_format fp8 needs a bf16, fp16 or fp32 KV cache, not {', '.join(bad)}")
-        self.raw_layout = layout
         typed: list[torch.Tensor] = []
         layers: list[LayerLayout] = []
         for layer, view, dtype in zip(layout.layers, views, dtypes, strict=True):

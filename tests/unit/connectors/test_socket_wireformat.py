@@ -6,15 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from disagg_connectors.socket_connector.client import FetchError, FetchOptions, FetchPlan, fetch
-from disagg_connectors.socket_connector.config import ConfigError, SocketSettings
+from disagg_connectors.socket_connector.config import FP8_GROUP, FP8_SCALE_BYTES, ConfigError, SocketSettings
 from disagg_connectors.socket_connector.counters import TransferCounters
 from disagg_connectors.socket_connector.layout import LayoutError, make_store
 from disagg_connectors.socket_connector.leases import LeaseTable
 from disagg_connectors.socket_connector.server import KVServer
 from disagg_connectors.socket_connector.wireformat import (
     FP8_TARGET,
-    GROUP,
-    SCALE_BYTES,
     Fp8Store,
     decode,
     encode,
@@ -34,7 +32,7 @@ def _relative_error_ok(got: torch.Tensor, want: torch.Tensor) -> None:
     dtype's own rounding of the scaled and the decoded value (two roundings of eps/2 each, relative
     to a 1/16 bound: a factor 1 + 16 eps) and its subnormals' spacing."""
     want32, got32 = want.float(), got.float()
-    groups = want32.reshape(-1, GROUP)
+    groups = want32.reshape(-1, FP8_GROUP)
     scale = (groups.abs().amax(dim=1, keepdim=True) / FP8_TARGET).expand_as(groups).reshape(want32.shape)
     info = torch.finfo(want.dtype)
     bound = torch.maximum(want32.abs() / 16, scale * 2 ** -10) * (1 + 16 * info.eps) + info.tiny * info.eps
@@ -42,11 +40,11 @@ def _relative_error_ok(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def test_segment_sizes_are_scales_then_one_byte_per_element() -> None:
-    assert groups_of(ELEMS) == ELEMS // GROUP
-    assert fp8_segment_bytes(ELEMS) == ELEMS // GROUP * SCALE_BYTES + ELEMS
-    assert groups_of(100) == 1 and fp8_segment_bytes(100) == SCALE_BYTES + 100
+    assert groups_of(ELEMS) == ELEMS // FP8_GROUP
+    assert fp8_segment_bytes(ELEMS) == ELEMS // FP8_GROUP * FP8_SCALE_BYTES + ELEMS
+    assert groups_of(100) == 1 and fp8_segment_bytes(100) == FP8_SCALE_BYTES + 100
     # about half of bf16's 2 bytes per element
-    assert fp8_segment_bytes(ELEMS) / (2 * ELEMS) == pytest.approx(0.5 + SCALE_BYTES / (2 * GROUP))
+    assert fp8_segment_bytes(ELEMS) / (2 * ELEMS) == pytest.approx(0.5 + FP8_SCALE_BYTES / (2 * FP8_GROUP))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -54,18 +52,18 @@ def test_encode_then_decode_is_within_e4m3_precision(dtype: torch.dtype) -> None
     g = torch.Generator().manual_seed(3)
     # groups of very different magnitudes, an all-zero group, and values far above e4m3's range
     x = (torch.randn(2, 5, ELEMS, generator=g) * torch.logspace(-6, 4, 5).view(1, 5, 1)).to(dtype)
-    x[0, 1, :GROUP] = 0
-    x[1, 2, :GROUP] = 1e4
+    x[0, 1, :FP8_GROUP] = 0
+    x[1, 2, :FP8_GROUP] = 1e4
     out = torch.empty(2, 5, fp8_segment_bytes(ELEMS), dtype=torch.uint8)
     encode(x, out)
     back = decode(out, ELEMS, dtype, torch.device("cpu"))
     assert back.dtype == dtype and back.shape == x.shape
     assert torch.isfinite(back).all()
-    assert not back[0, 1, :GROUP].any()
+    assert not back[0, 1, :FP8_GROUP].any()
     _relative_error_ok(back, x)
     # the scales lead each segment, as float32: the inverse of the factor each group was multiplied by
-    scales = out[0, 0, : groups_of(ELEMS) * SCALE_BYTES].clone().view(torch.float32)
-    factors = FP8_TARGET / x.float().reshape(-1, GROUP).abs().amax(dim=1)
+    scales = out[0, 0, : groups_of(ELEMS) * FP8_SCALE_BYTES].clone().view(torch.float32)
+    factors = FP8_TARGET / x.float().reshape(-1, FP8_GROUP).abs().amax(dim=1)
     # multiplied in the cache's dtype, unless a factor overflows it (fp16 here: the 1e-6 groups)
     in_float32 = bool(factors[torch.isfinite(factors)].max() > torch.finfo(dtype).max)
     assert in_float32 == (dtype == torch.float16)
