@@ -21,7 +21,7 @@ from disagg_connectors.socket_connector.config import WIRE_FORMATS as _CONNECTOR
 
 from disagg.errors import TopologyError
 from disagg.serving import FALLBACKS, ROUTING_POLICIES
-from disagg.yamlsrc import Fields, Node, describe, did_you_mean, load_yaml, node_int, parse_yaml
+from disagg.yamlsrc import Fields, Node, describe, load_yaml, node_int, parse_yaml
 
 ENGINES = ("vllm", "sglang")
 CONNECTORS = ("nixl", "lmcache", "socket", "mooncake")
@@ -242,7 +242,11 @@ def build_topology(root: Node, path: Path, *, run_dir: str | None = None) -> Top
     resolved_run_dir = run_dir or file_run_dir
     model = _model(top.required("model"), path, resolved_run_dir)
     engine = top.choice("engine", ENGINES, "vllm")
-    connector, wire_format = _connector(top.take("connector"))
+    given = root.children.get("connector")
+    if given is not None and isinstance(given.value, dict):
+        connector, wire_format = _connector(top.required("connector"))
+    else:
+        connector, wire_format = top.choice("connector", CONNECTORS, "nixl"), "raw"
     link = _link(top.take("link"), root)
     hosts = _hosts(top.required("hosts"))
     instances = _roles(top.required("roles"), hosts)
@@ -350,16 +354,10 @@ def _model(node: Node, path: Path, run_dir: str) -> ModelSpec:
                      max_model_len=max_len, served_name=served)
 
 
-def _connector(node: Node | None) -> tuple[str, str]:
-    """``connector: NAME`` or ``connector: {type: NAME, wire_format: raw|fp8}``: (name, wire format)."""
-    if node is None:
-        return "nixl", "raw"
-    if not isinstance(node.value, dict):
-        if node.value not in CONNECTORS:
-            raise node.error(f"expected one of {', '.join(CONNECTORS)}, got {node.value!r}"
-                             + did_you_mean(str(node.value), CONNECTORS))
-        return str(node.value), "raw"
-    f = Fields(node, "a connector name (nixl, lmcache, socket, mooncake) or a mapping with type and wire_format")
+def _connector(node: Node) -> tuple[str, str]:
+    """``connector: {type: NAME, wire_format: raw|fp8}``: (name, wire format). The plain
+    ``connector: NAME`` form is an ordinary choice (:func:`build_topology`)."""
+    f = Fields(node, f"a connector name ({', '.join(CONNECTORS)}) or a mapping with type and wire_format")
     name = f.choice("type", CONNECTORS, "nixl")
     wire = f.choice("wire_format", WIRE_FORMATS, "raw")
     f.done()
