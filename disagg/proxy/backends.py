@@ -16,12 +16,16 @@ from disagg.proxy.metrics import ProxyMetrics
 log = logging.getLogger("disagg.proxy")
 
 NOT_PROBED = "not probed yet"
+#: consecutive timed-out probes that take a backend with requests in flight out of service
+#: (an idle one goes at the first): a one-core engine busy with a long prefill, or with serving a
+#: large KV cache over a slow link, can miss one probe's deadline while it is working normally
+BUSY_TIMEOUT_STRIKES = 2
 
 
 class Backend:
     """One engine server: its URL, health and outstanding requests."""
 
-    __slots__ = ("healthy", "last_error", "outstanding", "returns", "role", "served", "url")
+    __slots__ = ("healthy", "last_error", "outstanding", "returns", "role", "served", "timeouts", "url")
 
     def __init__(self, role: str, url: str) -> None:
         self.role = role
@@ -32,6 +36,8 @@ class Backend:
         self.served = False           # it was in service at least once
         #: times it came back into service after being taken out (a restart, an outage)
         self.returns = 0
+        #: health probes in a row that timed out (reset by any answer)
+        self.timeouts = 0
 
     def __repr__(self) -> str:
         state = "healthy" if self.healthy else f"unhealthy: {self.last_error}"
@@ -133,7 +139,11 @@ class HealthProber:
     Started by the app's cleanup context; :meth:`probe_all` runs once before
     the proxy serves, then :meth:`run` repeats it every ``interval`` seconds
     until cancelled. A backend is healthy exactly while its last probe
-    answered 200 within ``timeout``.
+    answered 200 within ``timeout``, with one exception: a probe that times out
+    while the backend has requests in flight takes it out only at the
+    :data:`BUSY_TIMEOUT_STRIKES`-th timeout in a row (a busy engine may be slow
+    to answer; a refused connection or an error status still takes it out at once,
+    and an idle backend that does not answer in time goes at the first).
     """
 
     def __init__(self, pools: Sequence[BackendPool], session: aiohttp.ClientSession,
@@ -148,11 +158,21 @@ class HealthProber:
         try:
             async with self._session.get(backend.url + "/health", timeout=self._timeout) as resp:
                 await resp.read()
+                backend.timeouts = 0
                 if resp.status == 200:
                     pool.mark_up(backend)
                 else:
                     pool.mark_down(backend, f"GET /health answered {resp.status}")
+        except TimeoutError as exc:
+            backend.timeouts += 1
+            if backend.healthy and backend.outstanding and backend.timeouts < BUSY_TIMEOUT_STRIKES:
+                log.info("%s %s: GET /health timed out with %d request(s) in flight (%d of %d before it is "
+                         "taken out)", pool.role, backend.url, backend.outstanding, backend.timeouts,
+                         BUSY_TIMEOUT_STRIKES)
+                return
+            pool.mark_down(backend, f"GET /health failed: {exc.__class__.__name__}: {exc}".rstrip(": "))
         except CLIENT_ERRORS as exc:
+            backend.timeouts = 0
             pool.mark_down(backend, f"GET /health failed: {exc.__class__.__name__}: {exc}".rstrip(": "))
 
     async def probe_all(self) -> None:

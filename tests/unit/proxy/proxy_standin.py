@@ -43,6 +43,7 @@ class StandInEngine:
     tokens: int = 4
     token_delay: float = 0.0
     health_status: int = 200
+    health_delay: float = 0.0               # seconds before /health answers (a busy engine)
     fail_status: int | None = None          # answer generation with this error status
     die_after: int | None = None            # drop the connection after this many stream events
     hang: bool = False                      # never answer generation
@@ -90,6 +91,7 @@ class StandInEngine:
         return body
 
     async def _health(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.health_delay)
         return web.Response(status=self.health_status)
 
     async def _models(self, request: web.Request) -> web.Response:

@@ -6,7 +6,7 @@ import asyncio
 
 from proxy_standin import wait_for
 
-from disagg.proxy.backends import BackendPool
+from disagg.proxy.backends import BackendPool, HealthProber
 from disagg.proxy.metrics import ProxyMetrics
 
 
@@ -137,3 +137,44 @@ async def test_a_backend_back_in_service_is_announced_to_measurement_owners(stan
     assert returned == [a.url] and pool.backends[0].returns == 1
     assert server.app_state.metrics.registry.get_sample_value(
         "disagg_proxy_backend_returns_total", {"role": "decode", "url": a.url}) == 1
+
+
+async def test_a_busy_backend_survives_one_timed_out_probe_but_not_two(standin, http) -> None:
+    """A one-core engine busy prefilling may miss one probe's deadline: with requests in
+    flight it is taken out at the second timeout in a row, an idle one at the first."""
+    a = await standin("A")
+    metrics = ProxyMetrics()
+    p = BackendPool("prefill", [a.url], metrics)
+    [b] = p.backends
+    prober = HealthProber([p], http, interval=60.0, timeout=0.2)
+    await prober.probe(p, b)
+    assert b.healthy
+    a.health_delay = 0.5
+    with p.lease(b):
+        await prober.probe(p, b)
+        assert b.healthy and b.timeouts == 1          # strike one: still in service
+        a.health_delay = 0.0
+        await prober.probe(p, b)
+        assert b.healthy and b.timeouts == 0          # an answer forgives it
+        a.health_delay = 0.5
+        await prober.probe(p, b)
+        await prober.probe(p, b)
+        assert not b.healthy and "TimeoutError" in (b.last_error or "")   # two in a row: out
+    a.health_delay = 0.0
+    await prober.probe(p, b)
+    assert b.healthy
+    a.health_delay = 0.5                              # idle: the first timeout takes it out
+    await prober.probe(p, b)
+    assert not b.healthy
+
+
+async def test_a_busy_backend_with_an_error_status_goes_at_once(standin, http) -> None:
+    a = await standin("A")
+    p = BackendPool("prefill", [a.url], ProxyMetrics())
+    [b] = p.backends
+    prober = HealthProber([p], http, interval=60.0, timeout=0.2)
+    await prober.probe(p, b)
+    a.health_status = 503
+    with p.lease(b):
+        await prober.probe(p, b)
+    assert not b.healthy and b.last_error == "GET /health answered 503"
