@@ -9,8 +9,9 @@
   from the first streamed token of ``local`` / ``whole`` routes;
 - per prefill -> decode pair, a fit of ``seconds = fixed + kv_bytes / rate``
   from split routes (prefill reply -> first decode token, streamed);
-- per engine, the prefill tokens still outstanding (sent, no first token yet)
-  and so the decodes it is running.
+- per engine, the prefill tokens it has still to work through (sent, no
+  first token yet, less what the time since then has covered at its fitted
+  rate: :meth:`Measurements._progress`) and so the decodes it is running.
 
 Each fit is an exponentially weighted least-squares line (:class:`EwFit`):
 every new sample weighs :data:`DECAY` of the whole, so the figures follow an
@@ -182,6 +183,11 @@ class _Pending:
     tokens: float
     #: perf_counter after which it no longer counts (non-streamed replies: predicted end of prefill)
     until: float = math.inf
+    #: its tokens the engine has still to prefill, as estimated from the time it has had (see ``_progress``)
+    left: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.left = self.tokens
 
 
 @dataclass
@@ -189,6 +195,8 @@ class _Engine:
     fit: EwFit
     seed_rate: float
     pending: list[_Pending] = field(default_factory=list)
+    #: perf_counter up to which the engine's work on ``pending`` has been counted
+    progressed_at: float = 0.0
 
 
 class Measurements:
@@ -214,16 +222,39 @@ class Measurements:
         return eng
 
     def queued_tokens(self, role: str, url: str, now: float | None = None) -> float:
-        """Prefill tokens sent to the engine that have no first token yet."""
+        """Prefill tokens the engine has still to work through: of the prefills sent to it that have
+        no first token yet, what the time since they were sent has not covered (:meth:`_progress`)."""
         eng = self._engine(role, url)
         if not eng.pending:
             return 0.0
-        now = time.perf_counter() if now is None else now
-        eng.pending = [p for p in eng.pending if p.until > now]
-        return sum(p.tokens for p in eng.pending)
+        self._progress(eng, time.perf_counter() if now is None else now)
+        return sum(p.left for p in eng.pending)
 
-    def engine_cost(self, role: str, url: str, outstanding: int) -> EngineCost:
-        """The engine's prefill line and load, for the predictor (``outstanding``: its requests in flight).
+    def _progress(self, eng: _Engine, now: float) -> None:
+        """Count the engine's work on its pending prefills up to ``now``.
+
+        The engine is taken to work through them in the order they were sent (vLLM schedules
+        running prefills first, then the waiting queue in arrival order), each at its fitted rate;
+        a prefill whose tokens are all counted stays pending (with nothing left) until its first
+        token or its ``until``. So a prompt that comes while a long prefill runs waits for what is
+        left of it, not for all of it: counting every pending token in full over-predicted the
+        wait of a prompt that came late in a long prefill by up to that prefill's whole time.
+        """
+        eng.pending = [p for p in eng.pending if p.until > now]
+        elapsed = now - eng.progressed_at
+        if elapsed <= 0:
+            return
+        eng.progressed_at = now
+        budget = elapsed * self._line(eng)[1]
+        for p in eng.pending:
+            if budget <= 0:
+                break
+            done = min(p.left, budget)
+            p.left -= done
+            budget -= done
+
+    def _line(self, eng: _Engine) -> tuple[float, float]:
+        """The engine's (overhead seconds, prefill tokens per second) for predictions.
 
         An engine with fewer than :data:`SEED_SAMPLES` samples of its own is judged by the
         engines that have them: their mean per-request overhead (HTTP, scheduling, a first step:
@@ -232,7 +263,6 @@ class Measurements:
         scale is what was measured: a spec-sheet estimate may be far off for every host alike).
         So one engine's measurement is never compared with another's optimistic seed.
         """
-        eng = self._engine(role, url)
         overhead, rate = eng.fit.coefficients()
         if eng.fit.samples < SEED_SAMPLES:
             known = [(e.fit.coefficients(), e.seed_rate) for e in self._engines.values()
@@ -240,8 +270,15 @@ class Measurements:
             if known:
                 overhead = sum(c[0] for c, _ in known) / len(known)
                 rate = eng.seed_rate * sum(c[1] / seed for c, seed in known) / len(known)
-        queued = self.queued_tokens(role, url)
-        waiting = len(self._engines[url].pending)
+        return overhead, rate
+
+    def engine_cost(self, role: str, url: str, outstanding: int, now: float | None = None) -> EngineCost:
+        """The engine's prefill line (:meth:`_line`) and load, for the predictor (``outstanding``:
+        its requests in flight; ``now``: perf_counter, for the queue)."""
+        eng = self._engine(role, url)
+        overhead, rate = self._line(eng)
+        queued = self.queued_tokens(role, url, now)
+        waiting = len(eng.pending)
         return EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued,
                           running=max(outstanding - waiting, 0))
 
@@ -259,10 +296,18 @@ class Measurements:
 
     # --- what serving tells us -------------------------------------------------------
 
-    def dispatch(self, role: str, url: str, tokens: float, until: float = math.inf) -> _Pending:
-        """A prefill of ``tokens`` sent to the engine; pass the result to :meth:`settle` at its first token."""
+    def dispatch(self, role: str, url: str, tokens: float, until: float = math.inf,
+                 now: float | None = None) -> _Pending:
+        """A prefill of ``tokens`` sent to the engine at ``now`` (perf_counter); pass the result to
+        :meth:`settle` at its first token."""
+        eng = self._engine(role, url)
+        when = time.perf_counter() if now is None else now
+        if eng.pending:
+            self._progress(eng, when)
+        else:                  # an idle engine starts on this one now: its idle time is no progress
+            eng.progressed_at = when
         pending = _Pending(tokens, until)
-        self._engine(role, url).pending.append(pending)
+        eng.pending.append(pending)
         return pending
 
     def settle(self, role: str, url: str, pending: _Pending) -> None:

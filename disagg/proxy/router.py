@@ -167,11 +167,11 @@ class Router:
         if engine is None:
             return
         flight.engine = engine
-        flight.queued_ahead = self.measurements.queued_tokens(role, engine.url)
+        flight.queued_ahead = self.measurements.queued_tokens(role, engine.url, flight.sent)
         # a non-streamed reply shows no first token: it stops counting when predicted done
         until = float("inf") if (stream or route.path is RoutePath.SPLIT) else \
             flight.sent + (route.predicted_s or 0.0)
-        flight.pending = self.measurements.dispatch(role, engine.url, route.tokens, until)
+        flight.pending = self.measurements.dispatch(role, engine.url, route.tokens, until, now=flight.sent)
 
     def _settle(self, flight: _Flight) -> None:
         if flight.engine is not None and flight.pending is not None:

@@ -159,14 +159,31 @@ def measurements() -> Measurements:
 
 def test_queue_counts_pending_prefills_until_settled_or_expired() -> None:
     m = measurements()
-    first = m.dispatch("decode", "d", 300.0)
-    m.dispatch("decode", "d", 200.0, until=5.0)
-    assert m.queued_tokens("decode", "d", now=1.0) == 500.0
-    assert m.queued_tokens("decode", "d", now=6.0) == 300.0
-    cost = m.engine_cost("decode", "d", outstanding=3)
-    assert (cost.queued_tokens, cost.running) == (300.0, 2)
+    first = m.dispatch("decode", "d", 300.0, now=100.0)
+    m.dispatch("decode", "d", 200.0, until=105.0, now=100.0)
+    assert m.queued_tokens("decode", "d", now=100.0) == 500.0
+    assert m.queued_tokens("decode", "d", now=106.0) == 0.0   # expired; the first one's time is long past
+    assert m.engine_cost("decode", "d", outstanding=3, now=106.0).running == 2
     m.settle("decode", "d", first)
-    assert m.queued_tokens("decode", "d") == 0.0
+    assert m.queued_tokens("decode", "d", now=106.0) == 0.0
+
+
+def test_queue_counts_only_what_the_time_since_sending_has_not_covered() -> None:
+    """A prompt that comes while a long prefill runs waits for what is left of it (FIFO at the
+    engine's rate, 2,000 tokens/s seeded for decode), not for all of it."""
+    m = measurements()
+    long = m.dispatch("decode", "d", 2000.0, now=10.0)
+    assert m.queued_tokens("decode", "d", now=10.0) == 2000.0
+    assert m.queued_tokens("decode", "d", now=10.25) == pytest.approx(1500.0)
+    m.dispatch("decode", "d", 400.0, now=10.5)              # queued behind the 1,000 tokens left
+    assert m.queued_tokens("decode", "d", now=10.5) == pytest.approx(1400.0)
+    cost = m.engine_cost("decode", "d", outstanding=2, now=10.75)
+    assert cost.queued_tokens == pytest.approx(900.0) and cost.wait_s() == pytest.approx(0.45)
+    assert m.queued_tokens("decode", "d", now=11.5) == pytest.approx(0.0)  # not settled: nothing left
+    m.settle("decode", "d", long)
+    m.dispatch("decode", "d", 100.0, now=20.0)             # idle since: its time is no progress
+    assert m.queued_tokens("decode", "d", now=20.0) == 100.0
+    assert m.queued_tokens("decode", "d", now=9.0) == 100.0  # a clock read earlier never adds work
 
 
 def test_seeds_then_observations_per_engine_and_pair_and_forget() -> None:
