@@ -9,7 +9,10 @@ For a prompt of ``n`` tokens whose KV cache is ``kv_bytes``:
 
 - ``local`` (the decode engine prefills it): ``wait(D) + n / rate(D)``;
 - ``whole`` (an idle prefill engine serves the request alone): ``wait(P) + n / rate(P)``;
-- ``split``: ``wait(P) + n / rate(P) + fixed + kv_bytes / link rate``;
+- ``split``: ``max(wait(P) + n / rate(P) + fixed + kv_bytes / link rate, wait(D))``:
+  the decode engine takes the prompt's KV and computes its first token only
+  once the prefills queued on it ahead are done, so the handoff overlaps that
+  wait but the first token never comes before it ends;
 
 where ``wait(E)`` is the engine's outstanding prefill tokens over its prefill
 rate, and ``fixed`` the handoff's cost that does not depend on its size
@@ -112,9 +115,12 @@ def whole_ttft(tokens: float, prefill: EngineCost) -> float:
     return prefill.ttft_s(tokens)
 
 
-def split_ttft(tokens: float, kv_bytes: float, prefill: EngineCost, link: LinkCost) -> float:
-    """Predicted TTFT of a split: prefill on P, then the handoff (fixed + bytes over the link)."""
-    return prefill.ttft_s(tokens) + link.seconds(kv_bytes)
+def split_ttft(tokens: float, kv_bytes: float, prefill: EngineCost, link: LinkCost,
+               decode: EngineCost | None = None) -> float:
+    """Predicted TTFT of a split: prefill on P, then the handoff (fixed + bytes over the link),
+    but no earlier than the end of the prefill work queued on the decode engine (``decode``)."""
+    arrived = prefill.ttft_s(tokens) + link.seconds(kv_bytes)
+    return max(arrived, decode.wait_s()) if decode is not None else arrived
 
 
 @dataclass(frozen=True)
@@ -133,7 +139,7 @@ def option_costs(tokens: float, kv_bytes: float, prefill: EngineCost, decode: En
     ``whole`` adds the option of the prefill engine serving the request alone.
     Order: split, local, whole (ties go to the earlier; see :func:`cheapest`).
     """
-    split = split_ttft(tokens, kv_bytes, prefill, link)
+    split = split_ttft(tokens, kv_bytes, prefill, link, decode)
     local = local_ttft(tokens, decode)
     stall = stall_weight * decode.running * (tokens / decode.tokens_per_s)
     out = [OptionCost(Option.SPLIT, split, split), OptionCost(Option.LOCAL, local, local + stall)]

@@ -253,6 +253,11 @@ class Measurements:
             p.left -= done
             budget -= done
 
+    def wait_s(self, role: str, url: str, now: float | None = None) -> float:
+        """Seconds the engine needs for the prefill work queued on it (:meth:`queued_tokens`)."""
+        queued = self.queued_tokens(role, url, now)
+        return queued / self._line(self._engine(role, url))[1] if queued else 0.0
+
     def _line(self, eng: _Engine) -> tuple[float, float]:
         """The engine's (overhead seconds, prefill tokens per second) for predictions.
 

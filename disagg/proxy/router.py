@@ -48,6 +48,10 @@ log = logging.getLogger("disagg.proxy")
 #: the response header naming each prompt's path (comma-separated for a batch)
 ROUTE_HEADER = "X-Disagg-Route"
 
+#: a split's handoff (prefill reply -> first token) is no sample of the link when the decode engine had
+#: more than this share of it queued as prefill work of its own when the prefill reply came
+DECODE_BUSY_SHARE = 0.5
+
 _PATHS = {Option.SPLIT: RoutePath.SPLIT, Option.LOCAL: RoutePath.LOCAL, Option.WHOLE: RoutePath.WHOLE}
 
 
@@ -60,6 +64,7 @@ class _Flight:
     queued_ahead: float = 0.0              # prefill tokens queued there when it was sent
     pending: Any = None
     prefill_done: float | None = None
+    decode_wait: float = 0.0               # split: the decode engine's queued prefill work then, seconds
     tokens: dict[str, int] = field(default_factory=dict)
 
 
@@ -189,6 +194,8 @@ class Router:
             return
         self._settle(flight)
         flight.prefill_done = time.perf_counter()
+        if route.decode is not None:
+            flight.decode_wait = self.measurements.wait_s("decode", route.decode.url, flight.prefill_done)
         tokens = prompt_tokens or route.tokens
         flight.tokens["prompt"] = tokens
         if flight.engine is backend:
@@ -209,8 +216,13 @@ class Router:
         if route.path is RoutePath.SPLIT and flight.prefill_done is not None \
                 and route.prefill is not None and route.decode is not None:
             nbytes = flight.tokens.get("prompt", route.tokens) * self.kv_bytes_per_token
-            self._sampled("link", self.measurements.observe_handoff(route.prefill.url, route.decode.url, nbytes,
-                                                                    when - flight.prefill_done))
+            handoff = when - flight.prefill_done
+            if flight.decode_wait > DECODE_BUSY_SHARE * handoff:
+                # the first token waited mostly for the decode engine's own queue, not for the link
+                self._sampled("link", "decode_busy")
+            else:
+                self._sampled("link", self.measurements.observe_handoff(route.prefill.url, route.decode.url,
+                                                                        nbytes, handoff))
         elif route.path is not RoutePath.SPLIT and flight.engine is not None \
                 and flight.engine is (route.decode if route.path is RoutePath.LOCAL else route.prefill):
             self._sampled("engine", self.measurements.observe_prefill(flight.engine.role, flight.engine.url,

@@ -35,6 +35,12 @@ def test_ttft_is_queue_wait_plus_prefill_plus_handoff() -> None:
     assert local_ttft(n, d) == pytest.approx(500 / 1000 + 0.001 + n / 1000)
     assert whole_ttft(n, p) == pytest.approx(1000 / 4000 + 0.002 + n / 4000)
     assert split_ttft(n, kv(n), p, link) == pytest.approx(whole_ttft(n, p) + 0.02 + kv(n) / 1e8)
+    # the handoff overlaps the decode engine's queue, but the first token waits for its end
+    arrived = whole_ttft(n, p) + 0.02 + kv(n) / 1e8
+    assert arrived < 0.45 < d.wait_s()
+    assert split_ttft(n, kv(n), p, link, d) == pytest.approx(d.wait_s())
+    shorter = EngineCost(tokens_per_s=1000.0, queued_tokens=100.0)
+    assert split_ttft(n, kv(n), p, link, shorter) == pytest.approx(arrived)
 
 
 def test_break_even_is_where_the_split_starts_answering_sooner() -> None:

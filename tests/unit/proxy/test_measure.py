@@ -374,3 +374,37 @@ def test_static_policies_never_explore() -> None:
             router.route(RequestPlan(r.request, [r]))
             assert r.reason == "policy" and r.path is (RoutePath.SPLIT if policy == "split" else RoutePath.LOCAL)
         assert sample_sum(metrics.render().decode(), "disagg_route_total", reason="explore") == 0
+
+
+def test_a_handoff_that_waited_for_the_decode_engines_queue_is_no_sample_of_the_link() -> None:
+    """A split whose decode engine had its own prefills queued when the prefill reply came
+    measured that queue, not the link: counted ``decode_busy``, the link's fit untouched."""
+    metrics, prefill, decode, config = _auto_pools()
+    router = Router(config, prefill, decode, metrics, local=True)
+    p, d = prefill.backends[0], decode.backends[0]
+
+    def split(i: int, decode_busy: bool) -> None:
+        if decode_busy:   # a local prompt of 20,000 tokens (10 s at 2,000 tokens/s) just sent to D
+            local = PromptRoute(100 + i, _route("z", 100 + i).request, RoutePath.LOCAL, "predicted")
+            local.decode, local.tokens = d, 20_000
+            router.sent(local, stream=True)
+        r = _route("y" * 400, i)
+        r.reason, r.prefill, r.decode, r.tokens = "predicted", p, d, 100
+        router.sent(r, stream=True)
+        router.prefill_done(r, p, 0.05, 100)
+        router.first_token(r, 0.0, time.perf_counter() + 0.2)   # 0.2 s handoff: of which 10 s queue?
+        router.finished(r)
+        if decode_busy:
+            router.finished(local)
+
+    def samples(outcome: str) -> float:
+        return sample_sum(metrics.render().decode(), "disagg_route_samples_total", fit="link", outcome=outcome)
+
+    before = router.measurements.link_cost(p.url, d.url)
+    for i in range(3):
+        split(i, decode_busy=True)
+    assert samples("decode_busy") == 3 and samples("used") == 0 and samples("discarded") == 0
+    assert router.measurements.link_cost(p.url, d.url) == before
+    split(3, decode_busy=False)
+    split(4, decode_busy=False)
+    assert samples("discarded") == 1 and samples("used") == 1   # warm-up, then a sample of the link
