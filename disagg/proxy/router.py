@@ -209,6 +209,8 @@ class Router:
         self.metrics.route_observed.labels(path).observe(observed)
         if route.predicted_s is not None and observed > 0 and route.served != "fallback":
             self.metrics.route_error.labels(path).observe(abs(route.predicted_s - observed) / observed)
+            log.debug("route %s: %s, %d tokens: first token after %.1f ms, predicted %.1f ms",
+                      route.request.request_id, path, route.tokens, observed * 1e3, route.predicted_s * 1e3)
         flight = self._flights.get(id(route))
         if flight is None or route.served == "fallback":
             return

@@ -180,6 +180,21 @@ def plain_answer(engine: str, body: dict, timeout: float = 300) -> str:
     return "".join(text)
 
 
+def routed_stream(proxy: str, body: dict, timeout: float = 600) -> tuple[str, str]:
+    """(X-Disagg-Route, the answer's text) of one streamed completion through the proxy (the proxy
+    learns an engine's prefill rate from the first token of streamed replies)."""
+    req = urllib.request.Request(proxy + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"content-type": "application/json"})
+    text = []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        route = resp.headers["X-Disagg-Route"]
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                text += [c.get("text", "") for c in json.loads(line[6:]).get("choices") or []]
+    return route, "".join(text)
+
+
 def get_text(url: str, timeout: float = 30) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return resp.read().decode()

@@ -33,25 +33,10 @@ from disagg.linkemu import netns_unavailable_reason
 from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
 from disagg.topology import load_topology
-from tests.e2e.engines import ENGINE_ARGS, Running, bring_up, free_ports, get_text, plain_answer
+from tests.e2e.engines import ENGINE_ARGS, Running, bring_up, free_ports, get_text, plain_answer, routed_stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns,
               pytest.mark.skipif(netns_unavailable_reason() is not None, reason=str(netns_unavailable_reason()))]
-
-
-def _routed(proxy: str, body: dict) -> tuple[str, str]:
-    """(X-Disagg-Route, the answer's text) of one streamed completion through the proxy (the proxy
-    learns an engine's prefill rate from the first token of streamed replies)."""
-    req = urllib.request.Request(proxy + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"content-type": "application/json"})
-    text = []
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        route = resp.headers["X-Disagg-Route"]
-        for raw in resp:
-            line = raw.decode().strip()
-            if line.startswith("data: {"):
-                text += [c.get("text", "") for c in json.loads(line[6:]).get("choices") or []]
-    return route, "".join(text)
 
 
 _REASONS = ("predicted", "explore", "no_prefill", "no_decode", "decode_backlog", "policy")
@@ -80,7 +65,7 @@ def _decided(run: Running, body: dict) -> tuple[str, str, dict[str, float]]:
     saying so in a warning."""
     proxy = run.proxy_url
     before = get_text(proxy + "/metrics")
-    route, text = _routed(proxy, body)
+    route, text = routed_stream(proxy, body)
     counted = _counted(before, get_text(proxy + "/metrics"))
     if "local/no_prefill" in counted:
         warnings.warn(f"prefill engine out of service when a prompt came; asked again. Proxy log: "
@@ -90,7 +75,7 @@ def _decided(run: Running, body: dict) -> tuple[str, str, dict[str, float]]:
             assert time.monotonic() < deadline, f"the prefill engine stayed out of service: {_health_lines(run)}"
             time.sleep(0.5)
         before = get_text(proxy + "/metrics")
-        route, text = _routed(proxy, body)
+        route, text = routed_stream(proxy, body)
         counted = _counted(before, get_text(proxy + "/metrics"))
     return route, text, counted
 
@@ -157,7 +142,7 @@ roles:
         # engine's first requests carry one-off costs that the first measurements include, so a warm-up
         # prompt may go either way; what must hold is the decision once decode is busy, below.
         for i, n in enumerate((8, 256, 64, 384, 32)):
-            _routed(proxy, body(n, f"warm{i}"))
+            routed_stream(proxy, body(n, f"warm{i}"))
 
         busy = _LongDecode(proxy, {**body(8, "busy", max_tokens=4000), "ignore_eos": True})
         assert busy.route == "local"
