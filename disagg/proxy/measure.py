@@ -4,9 +4,11 @@
 (:class:`~disagg.proxy.config.RoutingConfig`) and fed by the proxy as it serves:
 
 - per engine, a fit of ``seconds = overhead + work_tokens / rate`` where
-  ``work_tokens`` is the prompt plus the prefill tokens already queued there
+  ``work_tokens`` is the prompt plus the prefill tokens still queued there
   when it was sent: from prefill replies of split routes (prefill engines), and
-  from the first streamed token of ``local`` / ``whole`` routes;
+  from the first streamed token of ``local`` / ``whole`` routes; only prompts
+  sent with at most :data:`QUEUED_SHARE` of their size queued ahead are
+  samples (:meth:`Measurements.observe_prefill` says why);
 - per prefill -> decode pair, a fit of ``seconds = fixed + kv_bytes / rate``
   from split routes (prefill reply -> first decode token, streamed);
 - per engine, the prefill tokens it has still to work through (sent, no
@@ -84,6 +86,8 @@ MIN_RATE = 1e-3
 WARMUP_SAMPLES = 1
 #: an observation above CLIP x the fit's prediction enters as CLIP x the prediction (once the seed is gone)
 CLIP = 3.0
+#: a prefill sent with more than this share of its tokens queued ahead is no sample of the engine's line
+QUEUED_SHARE = 0.25
 
 
 class EwFit:
@@ -321,10 +325,17 @@ class Measurements:
         if eng is not None and pending in eng.pending:
             eng.pending.remove(pending)
 
-    def observe_prefill(self, role: str, url: str, work_tokens: float, seconds: float) -> str:
-        """A prefill of ``work_tokens`` (its prompt plus what was queued ahead) took ``seconds``;
-        returns what the fit made of it (:meth:`EwFit.add`)."""
-        return self._engine(role, url).fit.add(work_tokens, seconds)
+    def observe_prefill(self, role: str, url: str, tokens: float, seconds: float, queued_ahead: float = 0.0) -> str:
+        """A prefill of ``tokens`` took ``seconds`` (sent -> first token or prefill reply) with
+        ``queued_ahead`` tokens of work queued before it (:meth:`queued_tokens` when it was sent);
+        returns what the fit made of it (:meth:`EwFit.add`), or ``queued`` when more than
+        :data:`QUEUED_SHARE` of ``tokens`` was queued ahead: such a time measures how far the queue
+        estimate was off (vLLM batches, the engine ran decodes in between) more than the engine's
+        rate, and fitting it as ``queued_ahead + tokens`` bent the line (the intercept grew, so
+        short prompts on an idle engine were predicted several times their time)."""
+        if queued_ahead > QUEUED_SHARE * tokens:
+            return "queued"
+        return self._engine(role, url).fit.add(queued_ahead + tokens, seconds)
 
     def observe_handoff(self, prefill_url: str, decode_url: str, kv_bytes: float, seconds: float) -> str:
         """A handoff of ``kv_bytes`` took ``seconds`` (prefill reply -> first decode token);

@@ -199,8 +199,8 @@ class Router:
         tokens = prompt_tokens or route.tokens
         flight.tokens["prompt"] = tokens
         if flight.engine is backend:
-            self._sampled("engine", self.measurements.observe_prefill("prefill", backend.url,
-                                                                      flight.queued_ahead + tokens, seconds))
+            self._sampled("engine", self.measurements.observe_prefill("prefill", backend.url, tokens, seconds,
+                                                                      flight.queued_ahead))
 
     def first_token(self, route: PromptRoute, started: float, when: float) -> None:
         """A streamed single-prompt reply sent its first event at ``when`` (``started``: request arrival)."""
@@ -228,8 +228,8 @@ class Router:
         elif route.path is not RoutePath.SPLIT and flight.engine is not None \
                 and flight.engine is (route.decode if route.path is RoutePath.LOCAL else route.prefill):
             self._sampled("engine", self.measurements.observe_prefill(flight.engine.role, flight.engine.url,
-                                                                      flight.queued_ahead + route.tokens,
-                                                                      when - flight.sent))
+                                                                      route.tokens, when - flight.sent,
+                                                                      flight.queued_ahead))
 
     def _sampled(self, fit: str, outcome: str) -> None:
         self.metrics.route_samples.labels(fit, outcome).inc()

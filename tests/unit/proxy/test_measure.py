@@ -408,3 +408,17 @@ def test_a_handoff_that_waited_for_the_decode_engines_queue_is_no_sample_of_the_
     split(3, decode_busy=False)
     split(4, decode_busy=False)
     assert samples("discarded") == 1 and samples("used") == 1   # warm-up, then a sample of the link
+
+
+def test_a_prefill_sent_behind_a_queue_is_no_sample_of_the_engines_line() -> None:
+    """Times measured behind a queue fitted as ``queued + tokens`` bent the line; such prefills
+    (more than QUEUED_SHARE of their size queued ahead) are counted ``queued`` and left out."""
+    m = measurements()
+    assert m.observe_prefill("decode", "d", 100.0, 1.0) == "discarded"          # warm-up
+    for _ in range(6):
+        assert m.observe_prefill("decode", "d", 100.0, 0.06, queued_ahead=20.0) == "used"
+    line = m.engine_cost("decode", "d", 0).ttft_s(100)
+    # 4,000 tokens queued ahead, answered in 70 ms (the engine batched it): not a sample
+    assert m.observe_prefill("decode", "d", 100.0, 0.07, queued_ahead=4000.0) == "queued"
+    assert m.engine_cost("decode", "d", 0).ttft_s(100) == line
+    assert line == pytest.approx(0.05)   # 100 of the 120 tokens each sample worked through in 60 ms
