@@ -76,9 +76,13 @@ def _echo(line: str) -> None:
 
 
 def _say(line: str) -> None:
+    """A line to stderr that never raises: the signal handler calls it before telling the launcher,
+    and an exception there (the detached supervisor's stderr is a pipe whose reader may be gone)
+    would skip the stop and land anywhere in start-up, e.g. between starting an engine and
+    recording it."""
     try:
         print(line, file=sys.stderr, flush=True)
-    except RuntimeError:  # a signal landed inside another write to stderr
+    except (RuntimeError, OSError):  # a signal inside another write to stderr; BrokenPipeError
         pass
 
 
@@ -113,13 +117,14 @@ def cmd_up(args: argparse.Namespace) -> int:
             if signals.stop:
                 launcher.stop(grace=0.0 if signals.count > 1 else None)
                 return 130
-            if args.supervisor_fd is not None:
-                _detached(args.supervisor_fd, launcher)
-            else:
-                print("serving; Ctrl-C stops every process", flush=True)
-            status = launcher.supervise(lambda: signals.stop)
-            launcher.stop(grace=0.0 if signals.count > 1 else None)
-            return status
+            try:
+                if args.supervisor_fd is not None:
+                    _detached(args.supervisor_fd, launcher)
+                else:
+                    print("serving; Ctrl-C stops every process", flush=True)
+                return launcher.supervise(lambda: signals.stop)
+            finally:   # also when supervising failed: nothing this run started outlives it
+                launcher.stop(grace=0.0 if signals.count > 1 else None)
         finally:
             launcher.release()
 

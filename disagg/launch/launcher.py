@@ -306,7 +306,7 @@ class Launcher:
             new = self._spawn_proxy(fresh_log=False)
         else:
             new = self._spawn_engine(self._engine(rec.name), fresh_log=False)
-        rec.pid, rec.create_time = new.pid, new.create_time
+        rec.pid, rec.create_time, rec.start_ticks = new.pid, new.create_time, new.start_ticks
         self._exit_codes.pop(rec.pid, None)  # a pid number handed out again: not the old exit
         self.save()
         self.echo(f"{rec.name}: started again (restart {rec.restarts}, pid {rec.pid})")
@@ -475,7 +475,8 @@ class Launcher:
             argv = self.link.wrap("a", argv)  # behind the shaped link
         pid, created = processes.start_local(argv, env, log_path)
         return ProcessRecord(name=eng.name, kind="engine", host=eng.host.name, address=eng.host.address,
-                             port=eng.instance.port, url=eng.url, log=str(log_path), pid=pid, create_time=created)
+                             port=eng.instance.port, url=eng.url, log=str(log_path), pid=pid, create_time=created,
+                             start_ticks=processes.start_ticks(pid))
 
     def _wait_healthy(self, pending: list[_Pending], t0: float) -> None:
         deadline = t0 + self.topo.timeouts.startup
@@ -544,7 +545,7 @@ class Launcher:
         pid, created = processes.start_local(self._proxy_argv(), self._proxy_env(), log_path)
         return ProcessRecord(name="proxy", kind="proxy", host="local", address=topo.proxy.host,
                              port=topo.proxy.port, url=self.dep.proxy_url, log=str(log_path), pid=pid,
-                             create_time=created)
+                             create_time=created, start_ticks=processes.start_ticks(pid))
 
 
 def _stopped_line(rec: ProcessRecord, outcome: processes.StopOutcome | None) -> str:

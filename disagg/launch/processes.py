@@ -84,7 +84,8 @@ def run_remote(prefix: list[str], command: str, *, timeout: float, stdin_text: s
 
 
 def start_local(argv: list[str] | tuple[str, ...], env: dict[str, str], log: Path) -> tuple[int, float]:
-    """Start ``argv`` in its own session with output to ``log``; return (pid, create_time)."""
+    """Start ``argv`` in its own session with output to ``log``; return (pid, create_time).
+    The caller records :func:`start_ticks` of the pid too (what tells it from a recycled pid)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env}
     with open(log, "ab") as out:
@@ -122,11 +123,38 @@ def start_remote(host: HostSpec, command: str, log: str, secret_env: Mapping[str
         raise RemoteCommandError(f"{host.ssh}: could not read the pid of the started engine: {out!r}") from exc
 
 
+def start_ticks(pid: int) -> int:
+    """When local process ``pid`` started, in clock ticks since boot (``/proc/PID/stat`` field 22);
+    0 when it cannot be read (no such process, not Linux).
+
+    Unlike psutil's ``create_time`` (those ticks plus the boot time as the wall clock puts it
+    *now*), it never changes during a process's life: a step of the wall clock (NTP, a resumed
+    VM) between recording a process and checking it made a live engine look like a recycled
+    pid, so ``disagg up`` took it for exited, dropped its record and left it running.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read()
+        return int(text[text.rindex(b")") + 2:].split()[19])   # fields after "pid (comm) ": 3, 4, ...
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _same_process(rec: ProcessRecord, proc: psutil.Process) -> bool:
+    """Whether ``proc`` (at the recorded pid) is the recorded process, not a recycled pid: by its
+    start in ticks since boot when recorded (exact), else by ``create_time`` within 1 s (records
+    written before ``start_ticks`` existed)."""
+    if rec.start_ticks:
+        ticks = start_ticks(proc.pid)
+        return ticks in (0, rec.start_ticks)   # 0: gone meanwhile (the caller sees that), not recycled
+    return not rec.create_time or abs(proc.create_time() - rec.create_time) <= 1.0
+
+
 def _local_process(rec: ProcessRecord) -> psutil.Process | None:
     """The recorded leader while it runs (not a zombie, not a recycled pid), else None."""
     try:
         proc = psutil.Process(rec.pid)
-        if rec.create_time and abs(proc.create_time() - rec.create_time) > 1.0:
+        if not _same_process(rec, proc):
             return None  # the pid was reused by an unrelated process
         if proc.status() == psutil.STATUS_ZOMBIE:
             return None
@@ -136,11 +164,11 @@ def _local_process(rec: ProcessRecord) -> psutil.Process | None:
 
 
 def _pid_recycled(rec: ProcessRecord) -> bool:
-    """True when the recorded pid now belongs to a process created at another time."""
-    if not rec.create_time:
+    """True when the recorded pid now belongs to a process started at another time."""
+    if not (rec.start_ticks or rec.create_time):
         return False
     try:
-        return abs(psutil.Process(rec.pid).create_time() - rec.create_time) > 1.0
+        return not _same_process(rec, psutil.Process(rec.pid))
     except psutil.Error:
         return False
 

@@ -43,7 +43,10 @@ class ProcessRecord:
     url: str
     log: str                        # path of the log on the host that runs it
     pid: int
-    create_time: float = 0.0        # local processes: guards against pid reuse
+    create_time: float = 0.0        # local processes: when it started (epoch seconds, wall clock)
+    #: local processes: when it started in clock ticks since boot (processes.start_ticks): what
+    #: tells it from a recycled pid whatever the wall clock does; 0 in records of older versions
+    start_ticks: int = 0
     ssh: list[str] | None = None    # ssh argv prefix for remote processes
     #: written by the supervisor (``Launcher.supervise``): see :data:`STATUSES`
     status: str = "running"

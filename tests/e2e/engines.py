@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 
+from disagg.errors import StateError
 from disagg.launch.state import RunState, load_state
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,9 +71,14 @@ class Running:
         return load_state(self.run_dir / "runs" / self.topology.stem / "state.json")
 
     def process_tree(self) -> list[psutil.Process]:
-        """Every live process of this run (recorded pids and their descendants)."""
+        """Every live process of this run (recorded pids and their descendants); none when the
+        run has no state file any more."""
         procs: list[psutil.Process] = []
-        for rec in self.state().processes:
+        try:
+            records = self.state().processes
+        except (OSError, StateError):
+            return procs
+        for rec in records:
             try:
                 root = psutil.Process(rec.pid)
                 procs += [root, *root.children(recursive=True)]
@@ -108,7 +114,11 @@ def _running(topology: Path, run_dir: Path, output: str, process: subprocess.Pop
 
 def bring_up(topology: Path, run_dir: Path) -> Running:
     """`disagg up --detach`; raises AssertionError with the output on failure."""
-    done = disagg("up", str(topology), "--detach", "--run-dir", str(run_dir))
+    try:
+        done = disagg("up", str(topology), "--detach", "--run-dir", str(run_dir))
+    except BaseException:   # a timeout kills only `up --detach`, not the supervisor it started
+        disagg("down", str(topology), "--run-dir", str(run_dir), timeout=180)
+        raise
     assert done.returncode == 0, f"disagg up failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     try:
         return _running(topology, run_dir, done.stdout)

@@ -6,6 +6,7 @@ mid-stream under the detached supervisor (restarted). Nothing is left running.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -84,10 +85,11 @@ def _session(leader: int) -> list[psutil.Process]:
 
 
 def _two_engines(tmp_path: Path, tiny_model: Path, name: str) -> tuple[Path, list[int]]:
-    proxy_port, p_port, d_port = free_ports(3)
+    # free side-channel ports too: engines left behind by a failure never block the next deployment's
+    proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
     topo = write_topology(tmp_path / f"{name}.yaml", tiny_model, proxy_port=proxy_port,
-                          roles=f"prefill: [{{port: {p_port}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
-                                f"decode: [{{port: {d_port}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
+                          roles=f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
+                                f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
     return topo, [p_port, d_port, proxy_port]
 
 
@@ -199,8 +201,10 @@ def test_the_detached_supervisor_restarts_a_sigkilled_decode(
     run_dir = tmp_path / "run"
     state_path = run_dir / "runs" / "restart" / "state.json"
     running = bring_up(topo, run_dir)
-    supervisor = psutil.Process(running.state().up_pid)
+    started = running.process_tree()    # if the run loses its state file, these are still stopped below
     try:
+        supervisor = psutil.Process(running.state().up_pid)
+        started.append(supervisor)
         decode = next(r for r in running.state().processes if r.name == "decode[0]")
         old_tree = _session(decode.pid)
         assert len(old_tree) >= 2, "the API server and its EngineCore"
@@ -230,11 +234,13 @@ def test_the_detached_supervisor_restarts_a_sigkilled_decode(
         log = (run_dir / "runs" / "restart" / "logs" / "supervisor.log").read_text()
         assert "decode[0]: healthy again after" in log
     finally:
-        tree = running.process_tree()
+        tree = running.process_tree() + started
         done = running.down()
+        _, alive = psutil.wait_procs(tree, timeout=40)
+        for proc in alive:     # whatever `down` missed: never left running for the next tests
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
     assert done.returncode == 0, done.stdout + done.stderr
     assert "still owns this run; asking it to stop" in done.stdout
-    supervisor.wait(timeout=30)
-    _, alive = psutil.wait_procs(tree, timeout=10)
-    assert not alive
+    assert not alive, f"left running after `disagg down`: {alive}"
     assert all(port_is_free(p) for p in ports)

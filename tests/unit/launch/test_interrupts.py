@@ -302,3 +302,27 @@ def test_down_asks_the_owning_up_to_stop(tmp_path: Path, capsys: pytest.CaptureF
     finally:
         owner.kill()
         owner.wait()
+
+
+def test_a_signal_with_nobody_reading_stderr_still_stops_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The detached supervisor's stderr is a pipe to an `up --detach` that may be gone: the
+    handler's message must not raise (BrokenPipeError) before it tells the launcher to stop."""
+    from disagg.commands import lifecycle
+
+    class Gone:
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    told: list[str] = []
+
+    class Launcher:
+        def interrupt(self) -> None:
+            told.append("interrupt")
+
+    monkeypatch.setattr(sys, "stderr", Gone())
+    signals = lifecycle._Signals(Launcher())  # type: ignore[arg-type]
+    signals(signal.SIGTERM, None)
+    assert told == ["interrupt"] and signals.stop

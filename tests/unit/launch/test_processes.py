@@ -69,6 +69,39 @@ def test_reused_pid_is_not_ours(tmp_path: Path) -> None:
         processes.stop_local(_record(pid, created, log), grace=1.0)
 
 
+def test_a_wall_clock_step_does_not_make_a_live_process_look_recycled(tmp_path: Path, monkeypatch) -> None:
+    """psutil's create_time is ticks since boot plus the boot time as the wall clock puts it now:
+    a clock step made a live engine look like a recycled pid (taken for exited, its record
+    dropped, left running). Recorded with its start in ticks since boot, it stays ours, and a
+    process that really took the pid over (other start ticks) is still told apart."""
+    log = tmp_path / "z.log"
+    pid, created = processes.start_local([sys.executable, "-c", "import time; time.sleep(30)"], {}, log)
+    rec = ProcessRecord(**{**_record(pid, created, log).__dict__, "start_ticks": processes.start_ticks(pid)})
+    assert rec.start_ticks > 0
+    real_boot_time = psutil.boot_time()
+    monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: real_boot_time + 5.0)   # the clock stepped 5 s
+    try:
+        assert psutil.Process(pid).create_time() - created > 4.0          # what fooled the old check
+        assert not processes.is_alive(_record(pid, created, log))         # a record without start ticks
+        assert processes.is_alive(rec) and processes.liveness(rec) is processes.Liveness.RUNNING
+        assert processes.local_members(rec)[1]
+        assert not processes.is_alive(ProcessRecord(**{**rec.__dict__, "start_ticks": rec.start_ticks - 1}))
+        processes.stop_local(rec, grace=1.0)
+        assert not processes.is_alive(rec)         # stopped (a zombie until reaped counts as gone)
+    finally:
+        monkeypatch.undo()
+        processes.stop_local(rec, grace=1.0)
+
+
+def test_state_files_of_older_versions_read_without_start_ticks(tmp_path: Path) -> None:
+    from disagg.launch.state import RunState
+    state = RunState(topology="t.yaml", name="t", run_dir=str(tmp_path), proxy_url="http://x", started_at=0.0,
+                     up_pid=1, processes=[_record(1234, 5.0, tmp_path / "l")])
+    data = state.to_json().replace('"start_ticks": 0,', "")
+    assert "start_ticks" not in data
+    assert RunState.from_json(data).processes[0].start_ticks == 0
+
+
 def test_log_tail_limits_lines(tmp_path: Path) -> None:
     log = tmp_path / "z.log"
     log.write_text("".join(f"line {i}\n" for i in range(100)))
