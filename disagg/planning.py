@@ -57,6 +57,15 @@ from disagg.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
 PAYS_RATIO = 0.5
 #: handoff/prefill above which the split does not pay
 NO_PAY_RATIO = 1.0
+#: KV-cache bytes per second that the socket connector's fp8 wire format converts on CPU engines
+#: (P quantizes as it serves, D dequantizes as it receives, each on the engine's one core beside
+#: its own loop): fitted to benchmarks/connector_throughput.py's socket-fp8 rows (tiny-kvheavy,
+#: 512-8,000 tokens, emulated 1 and 2.5 Gb/s, 2026-11-30) as handoff = wire bytes / min(link,
+#: this x the wire ratio); it predicts those six transfers within 24% (the 2.5 Gb/s samples are
+#: bimodal), where the link alone under-predicted the 2.5 Gb/s ones by up to 3.7x
+FP8_CPU_CONVERT_BYTES_PER_S = 200e6
+FP8_CPU_CONVERT_SOURCE = ("about 200 MB/s of KV cache, measured in one-core CPU engines by "
+                          "benchmarks/connector_throughput.py on 2026-11-30")
 #: network round trips per handoff besides the bulk transfer (request the
 #: blocks, the transfer's first byte, completion notice)
 HANDOFF_ROUND_TRIPS = 3
@@ -112,6 +121,9 @@ class LinkEstimate:
     measured: bool
     #: the connector's measured fixed cost per handoff (None: only the proxy's hop, PROXY_HOP_S)
     connector_fixed_s: float | None = None
+    #: wire bytes per second the wire format's conversions sustain (P encodes, D decodes), when
+    #: they, not the link, can be the limit (None: not modelled; see :func:`conversion_limit`)
+    convert_wire_bps: float | None = None
 
     @property
     def fixed_s(self) -> float:
@@ -119,9 +131,16 @@ class LinkEstimate:
         own = PROXY_HOP_S if self.connector_fixed_s is None else self.connector_fixed_s
         return HANDOFF_ROUND_TRIPS * self.rtt_s + own
 
+    @property
+    def bytes_per_s(self) -> float:
+        """Wire bytes per second a handoff moves: the link's usable rate, or the conversions'
+        when slower (they run while the bytes cross, message by message)."""
+        link = self.usable_bps / 8
+        return link if self.convert_wire_bps is None else min(link, self.convert_wire_bps)
+
     def cost(self) -> LinkCost:
         """The handoff line the routing predictor uses (bytes per second)."""
-        return LinkCost(fixed_s=self.fixed_s, bytes_per_s=self.usable_bps / 8)
+        return LinkCost(fixed_s=self.fixed_s, bytes_per_s=self.bytes_per_s)
 
     def handoff_s(self, nbytes: float) -> float:
         """Seconds to hand over ``nbytes`` of KV cache."""
@@ -281,6 +300,27 @@ def wire_ratio_of(wire_format: str, kv_dtype: str) -> float:
         return float(wire_ratio(wire_format, kv_dtype_bytes(kv_dtype)))
     except ValueError as exc:
         raise PlanError(f"KV cache {kv_dtype}: {exc}") from None
+
+
+def conversion_limit(link: LinkEstimate, wire_format: str, kv_dtype: str, cpu_engines: bool,
+                     notes: list[str]) -> LinkEstimate:
+    """``link`` with the wire format's conversion rate as a second limit (a note says which).
+
+    Only fp8 on CPU engines is modelled, with :data:`FP8_CPU_CONVERT_BYTES_PER_S`; on GPU
+    engines the conversion runs on the device and has not been measured (a note says so).
+    """
+    if wire_format == "raw":
+        return link
+    if not cpu_engines:
+        notes.append(f"wire_format {wire_format}: the conversions' cost on GPU engines is not modelled "
+                     "(not measured yet); the handoff is priced by the link alone")
+        return link
+    to_wire = wire_ratio_of(wire_format, kv_dtype)
+    limit = FP8_CPU_CONVERT_BYTES_PER_S * to_wire
+    if limit < link.usable_bps / 8:
+        notes.append(f"wire_format {wire_format} on CPU engines: the conversions, not the link, set the handoff's "
+                     f"rate ({fmt_rate(limit * 8)} on the wire; {FP8_CPU_CONVERT_SOURCE})")
+    return replace(link, convert_wire_bps=limit)
 
 
 def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: PrefillEstimate,
@@ -476,6 +516,9 @@ def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: i
     if wire != "raw" and topo.connector != "socket":
         notes.append(f"wire_format {wire} is the socket connector's; connector {topo.connector} sends the "
                      "cache's own bytes")
+    else:
+        on_cpu = all(topo.host_of(inst).device == "cpu" for inst in (prefill_inst, decode_inst))
+        link = conversion_limit(link, wire, dtype, on_cpu, notes)
     return make_plan(arch, dtype, link, prefill, decode_memory(topo, arch), prompt_tokens,
                      output_tokens, notes, max_prompt_tokens=topo.model.max_model_len,
                      decode_prefill=decode_prefill, wire_format=wire)
@@ -504,7 +547,7 @@ def route_seeds(topo: Topology) -> RouteSeeds:
     decode = plan.decode_prefill or plan.prefill
     return RouteSeeds(kv_bytes_per_token=plan.wire_bytes_per_token,
                       prefill_tokens_per_s=plan.prefill.rate(), decode_tokens_per_s=decode.rate(),
-                      link_bytes_per_s=plan.link.usable_bps / 8, handoff_fixed_s=plan.link.fixed_s,
+                      link_bytes_per_s=plan.link.bytes_per_s, handoff_fixed_s=plan.link.fixed_s,
                       sources=(plan.link.label, plan.prefill.label, decode.label, HANDOFF_FIXED_SOURCE))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,7 @@ from disagg.errors import PlanError
 from disagg.kvmath import BUILTIN_MODELS
 from disagg.measurements import LinkMeasurement, store_link, store_prefill
 from disagg.planning import (
+    FP8_CPU_CONVERT_BYTES_PER_S,
     HANDOFF_ROUND_TRIPS,
     MARGINAL,
     NO_PAY,
@@ -20,6 +22,7 @@ from disagg.planning import (
     PrefillEstimate,
     make_plan,
     plan_topology,
+    route_seeds,
     verdict_for,
 )
 from disagg.topology import load_topology, parse_topology
@@ -191,3 +194,26 @@ def test_fp8_plans_from_the_topology_and_as_a_what_if() -> None:
     assert any("connector nixl sends the cache's own bytes" in n for n in nixl.notes)
     with pytest.raises(PlanError, match="KV cache fp8: wire_format fp8 needs a KV cache of 2 or 4 bytes"):
         plan_topology(topo, [2048], 0, use_probe=False, wire_format="fp8", kv_dtype="fp8")
+
+
+def test_fp8_on_cpu_engines_is_priced_at_the_slower_of_link_and_conversion() -> None:
+    """On CPU engines the fp8 conversions (about 200 MB/s of cache) are the limit above ~0.8 Gb/s:
+    at 2.5 Gb/s the handoff moves the wire bytes at the conversions' rate, at 100 Mb/s at the
+    link's; raw and GPU engines are priced by the link alone."""
+    text = Path("topologies/local-emulated-1g.yaml").read_text().replace("connector: nixl", "connector: socket")
+    ratio = 1 + 4 / 128
+    for rate, limited in (("2.5gbit", True), ("100mbit", False)):
+        topo = parse_topology(text.replace("rate: 1gbit", f"rate: {rate}"), "e.yaml")
+        fp8 = plan_topology(topo, [2048], 0, use_probe=False, wire_format="fp8")
+        raw = plan_topology(topo, [2048], 0, use_probe=False)
+        wire = fp8.classes[0].kv_bytes
+        link_bps = topo.link.rate_bps * 0.94 / 8
+        expect = FP8_CPU_CONVERT_BYTES_PER_S * ratio / 2 if limited else link_bps
+        assert fp8.link.bytes_per_s == pytest.approx(expect)
+        assert fp8.classes[0].handoff_s == pytest.approx(fp8.link.fixed_s + wire / expect)
+        assert any("the conversions, not the link" in n for n in fp8.notes) is limited
+        assert raw.link.bytes_per_s == pytest.approx(link_bps) and raw.link.convert_wire_bps is None
+        assert route_seeds(topo).link_bytes_per_s == pytest.approx(link_bps)   # the topology's own format: raw
+    gpu = parse_topology(text.replace("device: cpu", "device: cuda, gpu: rtx-4090"), "g.yaml")
+    plan = plan_topology(gpu, [2048], 0, use_probe=False, wire_format="fp8")
+    assert plan.link.convert_wire_bps is None and any("not modelled" in n for n in plan.notes)
