@@ -13,3 +13,7 @@ FALLBACKS = ("local", "never")
 #: ``routing.policy`` / ``--routing-policy``: ``auto`` predicts the fastest of split / local /
 #: whole per prompt (:mod:`disagg.routecost`), ``split`` always splits, ``local`` never does
 ROUTING_POLICIES = ("auto", "split", "local")
+
+#: ``proxy.log_level`` / ``--log-level``: ``debug`` adds one line per routing decision (every
+#: option's predicted TTFT) and one per prompt's first token (observed against predicted)
+PROXY_LOG_LEVELS = ("info", "debug")

@@ -20,7 +20,7 @@ from pathlib import Path
 from disagg_connectors.socket_connector.config import WIRE_FORMATS as _CONNECTOR_WIRE_FORMATS
 
 from disagg.errors import TopologyError
-from disagg.serving import FALLBACKS, ROUTING_POLICIES
+from disagg.serving import FALLBACKS, PROXY_LOG_LEVELS, ROUTING_POLICIES
 from disagg.yamlsrc import Fields, Node, describe, load_yaml, node_int, parse_yaml
 
 ENGINES = ("vllm", "sglang")
@@ -137,6 +137,7 @@ class ProxySpec:
     fallback: str = "local"
     kind: str = "builtin"
     max_concurrency: int | None = None  # requests served at once; more get 429 (None: the proxy's default)
+    log_level: str = "info"             # serving.PROXY_LOG_LEVELS
 
 
 @dataclass(frozen=True)
@@ -517,13 +518,14 @@ def _instance(node: Node, role: str, index: int, hosts: dict[str, HostSpec]) -> 
 def _proxy(node: Node | None) -> ProxySpec:
     if node is None:
         return ProxySpec()
-    f = Fields(node, "a mapping with host, port, api_key, fallback, max_concurrency")
+    f = Fields(node, "a mapping with host, port, api_key, fallback, max_concurrency, log_level")
     spec = ProxySpec(host=f.str("host", "127.0.0.1") or "127.0.0.1",
                      port=f.int("port", 8000, minimum=1, maximum=65535) or 8000,
                      api_key=f.str("api_key"),
                      fallback=f.choice("fallback", FALLBACKS, "local"),
                      kind=f.choice("kind", PROXY_KINDS, "builtin"),
-                     max_concurrency=f.int("max_concurrency", minimum=1))
+                     max_concurrency=f.int("max_concurrency", minimum=1),
+                     log_level=f.choice("log_level", PROXY_LOG_LEVELS, "info"))
     f.done()
     return spec
 

@@ -16,7 +16,7 @@ from disagg.proxy.config import (
     ProxyTimeouts,
     RoutingConfig,
 )
-from disagg.serving import FALLBACKS, ROUTING_POLICIES
+from disagg.serving import FALLBACKS, PROXY_LOG_LEVELS, ROUTING_POLICIES
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,6 +53,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--drain-timeout", type=float, default=d.drain, metavar="S",
                    help="on SIGTERM, how long in-flight requests may finish")
     p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument("--log-level", choices=PROXY_LOG_LEVELS, default="info",
+                   help="debug: also a line per routing decision (every option's predicted TTFT) and per "
+                        "prompt's first token (observed against predicted) (default: info)")
     p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                    help="event loop (default: auto = uvloop when installed)")
     p.add_argument("--handoff-option", action="append", default=[], metavar="KEY=VALUE",
@@ -98,7 +101,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
                            decode_tokens_per_s=args.route_decode_rate, link_bytes_per_s=args.route_link_rate,
                            handoff_fixed_s=args.route_handoff_fixed, overhead_s=args.route_overhead,
                            stall_weight=args.route_stall_weight, whole=args.route_whole,
-                           tokenizer=args.tokenizer, chars_per_token=args.route_chars_per_token))
+                           tokenizer=args.tokenizer, chars_per_token=args.route_chars_per_token),
+                       log_level=args.log_level)
 
 
 def parse_handoff_options(items: list[str]) -> tuple[tuple[str, str], ...]:
@@ -117,6 +121,6 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from disagg.proxy.server import run_proxy  # aiohttp loads only for this command
 
     config = config_from_args(args)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
+    logging.basicConfig(level=logging.DEBUG if args.debug or config.log_level == "debug" else logging.INFO,
                         format="%(asctime)s disagg-proxy %(levelname)s %(message)s")
     return run_proxy(config, access_log=args.access_log, loop=args.loop)

@@ -100,7 +100,7 @@ def proxy_config(dep: Deployment) -> ProxyConfig:
         max_concurrency=topo.proxy.max_concurrency or DEFAULT_MAX_CONCURRENCY,
         timeouts=ProxyTimeouts(connect=t.connect, request=t.request, health_interval=t.health_interval,
                                health_timeout=t.health_timeout, drain=t.drain),
-        handoff_options=handoff_options(dep), routing=routing_config(dep))
+        handoff_options=handoff_options(dep), routing=routing_config(dep), log_level=topo.proxy.log_level)
 
 
 def builtin_argv(dep: Deployment) -> list[str]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from disagg.errors import ProxyError
-from disagg.serving import FALLBACKS, ROUTING_POLICIES
+from disagg.serving import FALLBACKS, PROXY_LOG_LEVELS, ROUTING_POLICIES
 
 #: environment variable read when ``--api-key`` is not given (keeps the key out of ``ps``)
 API_KEY_ENV = "DISAGG_PROXY_API_KEY"
@@ -161,6 +161,8 @@ class ProxyConfig:
     handoff_options: tuple[tuple[str, str], ...] = ()
     #: the per-prompt routing policy and its seed figures
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    #: ``info`` or ``debug`` (a line per routing decision and per prompt's first token)
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -171,6 +173,8 @@ class ProxyConfig:
             urls = getattr(self, role)
             if len(set(urls)) != len(urls):
                 raise ProxyError(f"{role} URLs repeat: {', '.join(urls)}")
+        if self.log_level not in PROXY_LOG_LEVELS:
+            raise ProxyError(f"log_level must be one of {', '.join(PROXY_LOG_LEVELS)}, got {self.log_level!r}")
         if self.fallback not in FALLBACKS:
             raise ProxyError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
         if isinstance(self.max_concurrency, bool) or not isinstance(self.max_concurrency, int) \
@@ -214,4 +218,6 @@ class ProxyConfig:
             argv += ["--handoff-option", f"{key}={value}"]
         if self.prefill and self.routing != RoutingConfig():
             argv += self.routing.to_argv()
+        if self.log_level != "info":
+            argv += ["--log-level", self.log_level]
         return argv

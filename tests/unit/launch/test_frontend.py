@@ -102,7 +102,7 @@ def test_proxy_config_from_topology() -> None:
 model: {path: disagg:tiny}
 engine: vllm
 connector: nixl
-proxy: {host: 127.0.0.1, port: 8010, fallback: never, api_key: k, max_concurrency: 64}
+proxy: {host: 127.0.0.1, port: 8010, fallback: never, api_key: k, max_concurrency: 64, log_level: debug}
 timeouts: {request: 30}
 hosts:
   a: {address: 127.0.0.1}
@@ -115,6 +115,9 @@ roles:
     assert cfg.decode == ("http://127.0.0.1:8200",)
     assert (cfg.port, cfg.fallback, cfg.api_key, cfg.timeouts.request) == (8010, "never", "k", 30)
     assert cfg.max_concurrency == 64
+    assert cfg.log_level == "debug" and cfg.to_argv()[-2:] == ["--log-level", "debug"]
+    with pytest.raises(TopologyError, match=r"t.yaml:5.*expected one of info, debug, got 'trace'"):
+        parse_topology(text.replace("log_level: debug", "log_level: trace"), "t.yaml")
 
 
 def test_every_proxy_wait_comes_from_the_topologys_timeouts() -> None:

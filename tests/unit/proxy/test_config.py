@@ -51,7 +51,7 @@ def test_cli_arguments_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DISAGG_PROXY_API_KEY", raising=False)
     monkeypatch.delenv("DISAGG_ENGINE_KEY", raising=False)
     cfg = ProxyConfig(decode=("http://d:2", "http://d:3"), prefill=("http://p:1",), host="0.0.0.0", port=9000,
-                      api_key="k", engine_key="ek", fallback="never", max_concurrency=7,
+                      api_key="k", engine_key="ek", fallback="never", max_concurrency=7, log_level="debug",
                       timeouts=ProxyTimeouts(connect=1.5, request=30, health_interval=0.5, health_timeout=2,
                                              drain=4))
     args = build_parser().parse_args(cfg.to_argv())
