@@ -27,6 +27,13 @@ topology), D stays in the root namespace, and all KV traffic crosses the
 shaped veth (NIXL: ``UCX_NET_DEVICES`` names each side's veth). Emulated
 links need root. ``% of link`` is MB/s over the shaped rate.
 
+``--decode-tpot N``: after the sizes, a streamed answer of 1,500 tokens runs on
+D (a short plain prompt) while N handoffs of the largest size arrive one after
+the other; its inter-token gaps are split into those that overlap a handoff's
+D request and the others, so the effect of receiving KV (and, for
+``socket-fp8``, of D's dequantizing on its one core) on the decodes running
+there shows as ``TPOT during / outside handoffs`` (second table).
+
 Each engine's ``--kv-transfer-config`` and env come from the planner's own
 connector adapters (``disagg/kv/``), as ``disagg up`` would start them
 (:func:`planned_engines`); ``--socket-extra`` adds settings to the socket
@@ -43,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import signal
 import statistics
@@ -199,9 +207,48 @@ async def one_handoff(session: aiohttp.ClientSession, p: Engine, d: Engine, conn
     return metric(d.url, conn.xfer_seconds) - secs0, d_secs, moved
 
 
+async def decode_tpot_under_handoffs(session: aiohttp.ClientSession, p: Engine, d: Engine, conn: Connector,
+                                     ids: list[int], handoffs: int) -> dict[str, Any]:
+    """A 1,500-token streamed answer on D while ``handoffs`` handoffs of ``ids`` arrive one after the
+    other: its mean inter-token gap during and outside the handoffs' D requests."""
+    windows: list[tuple[float, float]] = []
+    chunks: list[float] = []
+
+    async def stream() -> None:
+        body = {"model": "tiny", "prompt": "Tell a long story.", "max_tokens": 1500, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        async with session.post(d.url + "/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=600)) as r:
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    chunks.append(time.perf_counter())
+
+    async def handoff_train() -> None:
+        while len(chunks) < 20:                     # decoding steadily first
+            await asyncio.sleep(0.01)
+        for _ in range(handoffs):
+            pre = await post(session, p, {"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0,
+                                          "kv_transfer_params": dict(REMOTE_DECODE)})
+            started = time.perf_counter()
+            await post(session, d, {"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0,
+                                    "kv_transfer_params": pre["kv_transfer_params"]})
+            windows.append((started, time.perf_counter()))
+            await asyncio.sleep(0.3)                # gaps outside any handoff in between
+
+    await asyncio.gather(stream(), handoff_train())
+    during, outside = [], []
+    for a, b in itertools.pairwise(chunks[20:]):
+        (during if any(a < end and b > start for start, end in windows) else outside).append(b - a)
+    return {"connector": conn.label, "tokens": len(ids), "handoffs": len(windows),
+            "tpot_during_ms": statistics.mean(during) * 1e3 if during else None,
+            "tpot_outside_ms": statistics.mean(outside) * 1e3 if outside else None,
+            "gaps_during": len(during), "gaps_outside": len(outside)}
+
+
 def run_connector(conn: Connector, link: str, model_dir: Path, sizes: list[int], repeats: int,
                   kv_bytes_per_token: int, log_dir: Path,
-                  socket_extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                  socket_extra: dict[str, Any] | None = None, decode_tpot: int = 0,
+                  tpot_rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     rows = []
     with LINKS[link]() as place:
         p_cfg, d_cfg, p_env, d_env = planned_engines(conn.name, place, free_port(), free_port(), socket_extra,
@@ -236,6 +283,11 @@ def run_connector(conn: Connector, link: str, model_dir: Path, sizes: list[int],
                                      "link_pct": 100 * mb_s * 8e6 / place.rate_bps if place.rate_bps else None,
                                      "d_ms": d_ms * 1e3, "samples_ms": [round(s[0] * 1e3, 1) for s in samples]})
                         print(rows[-1], flush=True)
+                    if decode_tpot and tpot_rows is not None:
+                        tpot = await decode_tpot_under_handoffs(session, p, d, conn, prompt_ids(model_dir, max(sizes)),
+                                                                decode_tpot)
+                        tpot_rows.append({"link": link, **tpot})
+                        print(tpot_rows[-1], flush=True)
 
             asyncio.run(measure())
         finally:
@@ -259,6 +311,23 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def tpot_table(rows: list[dict[str, Any]]) -> str:
+    """The decode-under-handoffs rows as a Markdown table."""
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    lines = ["| link | connector | handoff tokens | handoffs | TPOT during ms (gaps) | TPOT outside ms (gaps) "
+             "| ratio |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = (f"{r['tpot_during_ms'] / r['tpot_outside_ms']:.2f}"
+                 if r["tpot_during_ms"] and r["tpot_outside_ms"] else "-")
+        lines.append(f"| {r['link']} | {r['connector']} | {r['tokens']} | {r['handoffs']} "
+                     f"| {ms(r['tpot_during_ms'])} ({r['gaps_during']}) | {ms(r['tpot_outside_ms'])} "
+                     f"({r['gaps_outside']}) | {ratio} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--embedded", default="tiny-kvheavy", choices=sorted(EMBEDDED_MODELS))
@@ -268,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="512,2048,8000", help="prompt tokens (< 8192, the models' context)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, help="append the Markdown table here")
+    ap.add_argument("--decode-tpot", type=int, default=0, metavar="N",
+                    help="also: TPOT of a decode running on D while N handoffs of the largest size arrive")
     ap.add_argument("--socket-extra", type=json.loads, default=None, metavar="JSON",
                     help='extra kv_connector_extra_config for both socket engines, e.g. \'{"idle_wait_ms": 0}\'')
     args = ap.parse_args(argv)
@@ -281,14 +352,17 @@ def main(argv: list[str] | None = None) -> int:
         build_model(args.embedded, model_dir)
     sizes = [int(s) for s in args.sizes.split(",")]
     rows: list[dict[str, Any]] = []
+    tpot_rows: list[dict[str, Any]] = []
     for link in args.links.split(","):
         if link not in LINKS:
             print(f"link {link!r} not available here (have: {', '.join(LINKS)})", file=sys.stderr)
             return 2
         for name in args.connectors.split(","):
             rows += run_connector(CONNECTORS[name], link, model_dir, sizes, args.repeats, kv_bytes, work,
-                                  args.socket_extra)
+                                  args.socket_extra, args.decode_tpot, tpot_rows)
     out = table(rows)
+    if tpot_rows:
+        out += "\n\n" + tpot_table(tpot_rows)
     print(out)
     if args.out:
         with args.out.open("a") as f:

@@ -14,6 +14,13 @@ FALLBACKS = ("local", "never")
 #: whole per prompt (:mod:`disagg.routecost`), ``split`` always splits, ``local`` never does
 ROUTING_POLICIES = ("auto", "split", "local")
 
+#: ``routing.explore`` / ``--route-explore-*``: under ``auto``, a path not taken for
+#: EXPLORE_AFTER_S seconds and EXPLORE_AFTER_DECISIONS decisions whose score is within
+#: EXPLORE_WITHIN x the best one's gets one prompt to re-measure it (within 0: never)
+EXPLORE_AFTER_S = 60.0
+EXPLORE_AFTER_DECISIONS = 50
+EXPLORE_WITHIN = 2.0
+
 #: ``proxy.log_level`` / ``--log-level``: ``debug`` adds one line per routing decision (every
 #: option's predicted TTFT) and one per prompt's first token (observed against predicted)
 PROXY_LOG_LEVELS = ("info", "debug")

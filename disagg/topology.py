@@ -20,7 +20,14 @@ from pathlib import Path
 from disagg_connectors.socket_connector.config import WIRE_FORMATS as _CONNECTOR_WIRE_FORMATS
 
 from disagg.errors import TopologyError
-from disagg.serving import FALLBACKS, PROXY_LOG_LEVELS, ROUTING_POLICIES
+from disagg.serving import (
+    EXPLORE_AFTER_DECISIONS,
+    EXPLORE_AFTER_S,
+    EXPLORE_WITHIN,
+    FALLBACKS,
+    PROXY_LOG_LEVELS,
+    ROUTING_POLICIES,
+)
 from disagg.yamlsrc import Fields, Node, describe, load_yaml, node_int, parse_yaml
 
 ENGINES = ("vllm", "sglang")
@@ -151,6 +158,11 @@ class RoutingSpec:
     """
 
     policy: str = "auto"
+    #: ``explore``: re-measure a path untaken for ``after`` seconds and ``decisions`` decisions
+    #: whose score is within ``within`` x the best (``explore: off``: within 0, never)
+    explore_after_s: float = EXPLORE_AFTER_S
+    explore_decisions: int = EXPLORE_AFTER_DECISIONS
+    explore_within: float = EXPLORE_WITHIN
 
 
 @dataclass(frozen=True)
@@ -533,16 +545,35 @@ def _proxy(node: Node | None) -> ProxySpec:
 def _routing(node: Node | None, engine: str) -> RoutingSpec:
     if node is None:
         return RoutingSpec()
-    f = Fields(node, "a mapping with policy (auto, split, local)")
+    f = Fields(node, "a mapping with policy (auto, split, local) and explore")
     policy_node = f.take("policy")
+    explore = _explore(f.take("explore"))
     f.done()
-    if policy_node is None:
-        return RoutingSpec()
-    if policy_node.value not in ROUTING_POLICIES:
-        raise policy_node.error(f"expected one of {', '.join(ROUTING_POLICIES)}, got {describe(policy_node.value)}")
-    if policy_node.value == "local" and engine == "sglang":
+    policy = "auto" if policy_node is None else policy_node.value
+    if policy not in ROUTING_POLICIES:
+        assert policy_node is not None
+        raise policy_node.error(f"expected one of {', '.join(ROUTING_POLICIES)}, got {describe(policy)}")
+    if policy == "local" and engine == "sglang":
+        assert policy_node is not None
         raise policy_node.error("engine sglang cannot prefill on its decode servers; use auto or split")
-    return RoutingSpec(policy=str(policy_node.value))
+    return RoutingSpec(str(policy), *explore)
+
+
+def _explore(node: Node | None) -> tuple[float, int, float]:
+    """``routing.explore``: ``{after: 60s, decisions: 50, within: 2}`` (each optional) or ``off``."""
+    d = RoutingSpec()
+    defaults = (d.explore_after_s, d.explore_decisions, d.explore_within)
+    if node is None:
+        return defaults
+    if node.value is False or node.value == "off":
+        return d.explore_after_s, d.explore_decisions, 0.0
+    f = Fields(node, "off, or a mapping with after (a duration), decisions, within")
+    after = f.take("after")
+    spec = (_duration(after) if after is not None else d.explore_after_s,
+            f.int("decisions", d.explore_decisions, minimum=1) or d.explore_decisions,
+            f.float("within", d.explore_within, above=1.0) or d.explore_within)
+    f.done()
+    return spec
 
 
 def _timeouts(node: Node | None) -> Timeouts:

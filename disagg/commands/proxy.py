@@ -82,6 +82,12 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--route-chars-per-token", type=float, default=r.chars_per_token, metavar="C",
                    help="prompt length estimate without --tokenizer (calibrated live)")
     p.add_argument("--tokenizer", metavar="TOKENIZER.json", help="the model's tokenizer, for exact prompt lengths")
+    p.add_argument("--route-explore-after", type=float, default=r.explore_after_s, metavar="S",
+                   help="auto: re-measure a path untaken for S seconds ... (default %(default)s)")
+    p.add_argument("--route-explore-decisions", type=int, default=r.explore_decisions, metavar="N",
+                   help="... and N decisions ... (default %(default)s)")
+    p.add_argument("--route-explore-within", type=float, default=r.explore_within, metavar="F",
+                   help="... whose score is within F x the best one's (0: never explore; default %(default)s)")
     p.set_defaults(handler=cmd_proxy)
 
 
@@ -101,7 +107,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
                            decode_tokens_per_s=args.route_decode_rate, link_bytes_per_s=args.route_link_rate,
                            handoff_fixed_s=args.route_handoff_fixed, overhead_s=args.route_overhead,
                            stall_weight=args.route_stall_weight, whole=args.route_whole,
-                           tokenizer=args.tokenizer, chars_per_token=args.route_chars_per_token),
+                           tokenizer=args.tokenizer, chars_per_token=args.route_chars_per_token,
+                           explore_after_s=args.route_explore_after, explore_decisions=args.route_explore_decisions,
+                           explore_within=args.route_explore_within),
                        log_level=args.log_level)
 
 

@@ -84,7 +84,9 @@ def routing_config(dep: Deployment) -> RoutingConfig:
         decode_tokens_per_s=seeds.decode_tokens_per_s, link_bytes_per_s=seeds.link_bytes_per_s,
         handoff_fixed_s=seeds.handoff_fixed_s,
         whole=topo.engine == "vllm" and topo.connector in WHOLE_CONNECTORS,
-        tokenizer=str(tokenizer) if tokenizer.is_file() else None)
+        tokenizer=str(tokenizer) if tokenizer.is_file() else None,
+        explore_after_s=topo.routing.explore_after_s, explore_decisions=topo.routing.explore_decisions,
+        explore_within=topo.routing.explore_within)
 
 
 def proxy_config(dep: Deployment) -> ProxyConfig:

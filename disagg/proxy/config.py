@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from disagg.errors import ProxyError
-from disagg.serving import FALLBACKS, PROXY_LOG_LEVELS, ROUTING_POLICIES
+from disagg.serving import (
+    EXPLORE_AFTER_DECISIONS,
+    EXPLORE_AFTER_S,
+    EXPLORE_WITHIN,
+    FALLBACKS,
+    PROXY_LOG_LEVELS,
+    ROUTING_POLICIES,
+)
 
 #: environment variable read when ``--api-key`` is not given (keeps the key out of ``ps``)
 API_KEY_ENV = "DISAGG_PROXY_API_KEY"
@@ -82,6 +89,8 @@ class RoutingConfig:
     a request alone (its connector lets it: vLLM with NIXL or the socket
     connector). ``tokenizer``: the model's ``tokenizer.json`` for exact prompt
     lengths; without it, characters / ``chars_per_token`` (calibrated live).
+    ``explore_*``: when ``auto`` re-measures a path it has not taken
+    (:class:`disagg.proxy.policy.Explorer`; ``explore_within`` 0: never).
     """
 
     policy: str = "split"
@@ -95,6 +104,9 @@ class RoutingConfig:
     whole: bool = False
     tokenizer: str | None = None
     chars_per_token: float = 4.0
+    explore_after_s: float = EXPLORE_AFTER_S
+    explore_decisions: int = EXPLORE_AFTER_DECISIONS
+    explore_within: float = EXPLORE_WITHIN
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -109,6 +121,10 @@ class RoutingConfig:
                 raise ProxyError(f"routing {name} must be > 0")
         if not self.chars_per_token > 0 or self.overhead_s < 0 or self.stall_weight < 0:
             raise ProxyError("routing chars_per_token must be > 0, overhead_s and stall_weight >= 0")
+        if not (self.explore_after_s >= 0 and self.explore_decisions >= 1
+                and (self.explore_within == 0 or self.explore_within > 1)):
+            raise ProxyError("routing exploration: after >= 0 seconds, decisions >= 1, within > 1 (0: never), "
+                             f"got {self.explore_after_s!r}, {self.explore_decisions!r}, {self.explore_within!r}")
         if self.policy == "auto":
             missing = [n for n in ("kv_bytes_per_token", "prefill_tokens_per_s", "link_bytes_per_s")
                        if getattr(self, n) is None]
@@ -127,7 +143,10 @@ class RoutingConfig:
             if value is not None:
                 argv += [flag, repr(float(value))]
         argv += ["--route-overhead", repr(self.overhead_s), "--route-stall-weight", repr(self.stall_weight),
-                 "--route-chars-per-token", repr(self.chars_per_token)]
+                 "--route-chars-per-token", repr(self.chars_per_token),
+                 "--route-explore-after", repr(self.explore_after_s),
+                 "--route-explore-decisions", str(self.explore_decisions),
+                 "--route-explore-within", repr(self.explore_within)]
         if self.whole:
             argv.append("--route-whole")
         if self.tokenizer:

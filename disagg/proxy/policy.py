@@ -57,15 +57,9 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from disagg.routecost import EngineCost, LinkCost, Option, OptionCost, cheapest, option_costs
+from disagg.serving import EXPLORE_AFTER_DECISIONS, EXPLORE_AFTER_S, EXPLORE_WITHIN
 
 E = TypeVar("E")
-
-#: explore a path within this factor of the best one's score (predicted TTFT, plus stall for local)
-EXPLORE_WITHIN = 2.0
-#: a path not taken for this long (seconds) ...
-EXPLORE_AFTER_S = 60.0
-#: ... and over this many auto decisions is stale: worth one prompt to re-measure
-EXPLORE_AFTER_DECISIONS = 50
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,8 @@ class Router:
         self._flights: dict[int, _Flight] = {}
         self._counters: dict[tuple[str, str], Any] = {}     # disagg_route_total children, by labels
         self._predicted = {o: metrics.route_predicted.labels(o.value) for o in Option}
-        self.explorer = explorer if explorer is not None else Explorer()
+        self.explorer = explorer if explorer is not None else Explorer(config.explore_after_s,
+                                                                       config.explore_decisions)
         self.clock = clock
         for pool in (prefill, decode):
             if pool is not None:
@@ -144,7 +145,8 @@ class Router:
 
         d = decide(policy, tokens, tokens * self.kv_bytes_per_token, self._candidates(self.prefill),
                    self._candidates(self.decode), lambda p, dd: self.measurements.link_cost(p.url, dd.url),
-                   whole=self.config.whole, local=self.local, stall_weight=self.config.stall_weight, stale=stale)
+                   whole=self.config.whole, local=self.local, stall_weight=self.config.stall_weight, stale=stale,
+                   explore_within=self.config.explore_within)
         route.path, route.reason = _PATHS[d.path], d.reason
         route.prefill, route.decode, route.predicted_s = d.prefill, d.decode, d.predicted_s
         if d.options:    # an auto comparison (not a fallback for want of engines): that path is fresh now

@@ -76,3 +76,23 @@ def test_plan_prints_the_idle_break_even_the_policy_uses(tmp_path: Path) -> None
     text = render_plan(plan_topology(topo, [128], 0), topo)
     assert "Routing (auto) at idle load: every prompt stays local" in text
     assert "handoff" in text and "benchmarks/handoff_fixed_cost.py" in text
+
+
+def test_exploration_is_set_in_the_topology_and_reaches_the_proxy() -> None:
+    r = topology().routing
+    assert (r.explore_after_s, r.explore_decisions, r.explore_within) == (60.0, 50, 2.0)
+    topo = topology("routing: {policy: auto, explore: {after: 5m, decisions: 200, within: 1.5}}\n")
+    assert (topo.routing.explore_after_s, topo.routing.explore_decisions, topo.routing.explore_within) == \
+        (300.0, 200, 1.5)
+    config = proxy_config(build_deployment(topo))
+    assert (config.routing.explore_after_s, config.routing.explore_decisions, config.routing.explore_within) == \
+        (300.0, 200, 1.5)
+    assert config_from_args(build_parser().parse_args(config.to_argv(with_api_key=False))).routing == config.routing
+    assert topology("routing: {explore: off}\n").routing.explore_within == 0.0
+    assert topology("routing: {explore: {decisions: 10}}\n").routing.explore_decisions == 10
+    with pytest.raises(TopologyError, match=r"routing.explore.within: expected a number greater than 1"):
+        topology("routing: {explore: {within: 0.5}}\n")
+    with pytest.raises(TopologyError, match=r"routing.explore: expected off, or a mapping"):
+        topology("routing: {explore: sometimes}\n")
+    with pytest.raises(TopologyError, match="did you mean 'decisions'"):
+        topology("routing: {explore: {decision: 10}}\n")

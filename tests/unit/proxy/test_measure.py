@@ -4,6 +4,7 @@ and the router that joins them to the policy (disagg.proxy.router)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
 
@@ -422,3 +423,24 @@ def test_a_prefill_sent_behind_a_queue_is_no_sample_of_the_engines_line() -> Non
     assert m.observe_prefill("decode", "d", 100.0, 0.07, queued_ahead=4000.0) == "queued"
     assert m.engine_cost("decode", "d", 0).ttft_s(100) == line
     assert line == pytest.approx(0.05)   # 100 of the 120 tokens each sample worked through in 60 ms
+
+
+def test_exploration_off_never_explores_and_the_config_sets_the_explorer() -> None:
+    """Eager exploration (after 0 s and 1 decision) re-measures the path not taken within a few
+    prompts; the same with ``explore_within`` 0 (``routing.explore: off``) never does."""
+    metrics, prefill, decode, config = _auto_pools()
+    clock = [0.0]
+
+    def reasons(within: float) -> list[str]:
+        router = Router(replace(config, explore_within=within, explore_after_s=0.0, explore_decisions=1), prefill,
+                        decode, metrics, local=True, clock=lambda: clock[0])
+        out = []
+        for i in range(10):
+            clock[0] += 10.0
+            r = _route("y" * 400, i)
+            router.route(RequestPlan(r.request, [r]))
+            out.append(r.reason)
+        return out
+
+    assert "explore" in reasons(2.0)
+    assert set(reasons(0.0)) == {"predicted"}
