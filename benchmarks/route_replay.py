@@ -62,7 +62,7 @@ def replay(evts: list[tuple[float, str, str, int, tuple[float, float] | None]],
             sent[rid] = (m.dispatch("decode", "d", tokens, now=t), queued, predicted)
         elif rid in sent and seen is not None:
             pending, queued, predicted = sent.pop(rid)
-            m.settle("decode", "d", pending)  # type: ignore[arg-type]
+            m.settle("decode", "d", pending, now=t)  # type: ignore[arg-type]
             m.observe_prefill("decode", "d", tokens, seen[0], queued)
             out.append((tokens, seen[0], predicted, seen[1]))
     return out

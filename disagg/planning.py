@@ -242,6 +242,8 @@ class Plan:
             "wire_format": self.wire_format,
             "wire_bytes_per_token": self.wire_bytes_per_token,
             "link": {"usable_bps": self.link.usable_bps, "rtt_s": self.link.rtt_s,
+                     "handoff_bytes_per_s": self.link.bytes_per_s,
+                     "convert_wire_bytes_per_s": self.link.convert_wire_bps,
                      "fixed_s": self.link.fixed_s, "measured": self.link.measured, "source": self.link.label},
             "prefill": {"estimated": self.prefill.estimated, "source": self.prefill.label,
                         "tokens_per_s": self.prefill.tokens_per_s, "flops_per_s": self.prefill.flops_per_s},

@@ -71,14 +71,16 @@ class EngineCost:
     """What predicts a prefill on one engine.
 
     ``tokens_per_s``: its prefill rate; ``overhead_s``: per-request cost on top;
-    ``queued_tokens``: prompt tokens it has still to prefill (its queue);
-    ``running``: requests it is decoding now (local prefill stalls them).
+    ``queued_tokens``: prompt tokens it has still to prefill (its queue, as estimated);
+    ``running``: requests it is decoding now (local prefill stalls them);
+    ``waiting``: prefills sent to it that have not produced their first token yet.
     """
 
     tokens_per_s: float
     overhead_s: float = 0.0
     queued_tokens: float = 0.0
     running: int = 0
+    waiting: int = 0
 
     def wait_s(self) -> float:
         """Queue wait: the outstanding prefill tokens at this engine's rate."""

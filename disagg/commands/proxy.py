@@ -129,6 +129,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from disagg.proxy.server import run_proxy  # aiohttp loads only for this command
 
     config = config_from_args(args)
-    logging.basicConfig(level=logging.DEBUG if args.debug or config.log_level == "debug" else logging.INFO,
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
                         format="%(asctime)s disagg-proxy %(levelname)s %(message)s")
+    if config.log_level == "debug":   # the proxy's own lines only, not every library's
+        logging.getLogger("disagg").setLevel(logging.DEBUG)
     return run_proxy(config, access_log=args.access_log, loop=args.loop)

@@ -180,7 +180,7 @@ class EwFit:
         return a, (max(1.0 / slope, MIN_RATE) if slope > 0 else math.inf)
 
 
-@dataclass
+@dataclass(eq=False)   # identity: two prefills of one size are two entries (settle removes the right one)
 class _Pending:
     """A prefill sent to an engine that has not produced its first token yet."""
 
@@ -244,7 +244,8 @@ class Measurements:
         left of it, not for all of it: counting every pending token in full over-predicted the
         wait of a prompt that came late in a long prefill by up to that prefill's whole time.
         """
-        eng.pending = [p for p in eng.pending if p.until > now]
+        for expired in sorted((p for p in eng.pending if p.until <= now), key=lambda p: p.until):
+            self._finish(eng, expired, expired.until)   # a non-streamed prefill, predicted done by then
         elapsed = now - eng.progressed_at
         if elapsed <= 0:
             return
@@ -256,6 +257,18 @@ class Measurements:
             done = min(p.left, budget)
             p.left -= done
             budget -= done
+
+    @staticmethod
+    def _finish(eng: _Engine, done: _Pending, when: float) -> None:
+        """``done`` produced its first token at ``when``: the engine worked on it (and, in the
+        order sent, on the prefills before it, which count as done) up to then; the ones behind
+        it get no credit for that time."""
+        for p in eng.pending:
+            if p is done:
+                break
+            p.left = 0.0
+        eng.pending = [p for p in eng.pending if p is not done]
+        eng.progressed_at = max(eng.progressed_at, when)
 
     def wait_s(self, role: str, url: str, now: float | None = None) -> float:
         """Seconds the engine needs for the prefill work queued on it (:meth:`queued_tokens`)."""
@@ -289,7 +302,7 @@ class Measurements:
         queued = self.queued_tokens(role, url, now)
         waiting = len(eng.pending)
         return EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued,
-                          running=max(outstanding - waiting, 0))
+                          running=max(outstanding - waiting, 0), waiting=waiting)
 
     def link_cost(self, prefill_url: str, decode_url: str) -> LinkCost:
         """The pair's handoff line (fixed seconds, bytes per second)."""
@@ -319,11 +332,17 @@ class Measurements:
         eng.pending.append(pending)
         return pending
 
-    def settle(self, role: str, url: str, pending: _Pending) -> None:
-        """The prefill is done (first token, reply, or failure): it no longer counts as queued."""
+    def settle(self, role: str, url: str, pending: _Pending, now: float | None = None, *, done: bool = True) -> None:
+        """The prefill no longer counts as queued. ``done`` (its first token or reply came at
+        ``now``, perf_counter): the time since the last count was spent on it (:meth:`_finish`);
+        not done (it failed, or the client left): it only leaves the queue."""
         eng = self._engines.get(url)
-        if eng is not None and pending in eng.pending:
-            eng.pending.remove(pending)
+        if eng is None or not any(p is pending for p in eng.pending):
+            return
+        if done:
+            self._finish(eng, pending, time.perf_counter() if now is None else now)
+        else:
+            eng.pending = [p for p in eng.pending if p is not pending]
 
     def observe_prefill(self, role: str, url: str, tokens: float, seconds: float, queued_ahead: float = 0.0) -> str:
         """A prefill of ``tokens`` took ``seconds`` (sent -> first token or prefill reply) with

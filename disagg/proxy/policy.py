@@ -42,7 +42,7 @@ pessimistic). Its rate: one prompt per stale (path, engines) per 60 s and per
 50 decisions; with one prefill -> decode pair only one other path exists at a
 time, so at most one prompt in 50 (2%) and one a minute, and mean TTFT rises
 by at most about 2% (much less at any load above one prompt a second). The
-constants are module-level (no option sets them yet).
+bounds are options (``routing.explore``; defaults in :mod:`disagg.serving`).
 
 Reasons (the ``reason`` label of ``disagg_route_total``): ``policy`` for the
 static policies, ``predicted`` for an ``auto`` choice, ``explore`` for an
@@ -101,10 +101,10 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
         best_d = min(decodes, key=lambda c: c.cost.ttft_s(tokens))
         return Decision(Option.LOCAL, "policy" if policy == "local" else "no_prefill", None, best_d.engine,
                         best_d.cost.ttft_s(tokens))
-    backlog = whole and all(d.cost.queued_tokens > 0 for d in decodes)
+    backlog = whole and all(d.cost.waiting > 0 for d in decodes)
     per_path: dict[Option, tuple[OptionCost, Candidate[E], Candidate[E]]] = {}
     for p in prefills:
-        idle = backlog and p.cost.queued_tokens == 0 and p.cost.running == 0
+        idle = backlog and p.cost.waiting == 0 and p.cost.running == 0
         for d in decodes:
             for opt in option_costs(tokens, kv_bytes, p.cost, d.cost, link(p.engine, d.engine), whole=idle,
                                     stall_weight=stall_weight):

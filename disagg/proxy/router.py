@@ -49,7 +49,8 @@ log = logging.getLogger("disagg.proxy")
 ROUTE_HEADER = "X-Disagg-Route"
 
 #: a split's handoff (prefill reply -> first token) is no sample of the link when the decode engine had
-#: more than this share of it queued as prefill work of its own when the prefill reply came
+#: more than this share of it, but not more than all of it, queued as prefill work of its own when
+#: the prefill reply came
 DECODE_BUSY_SHARE = 0.5
 
 _PATHS = {Option.SPLIT: RoutePath.SPLIT, Option.LOCAL: RoutePath.LOCAL, Option.WHOLE: RoutePath.WHOLE}
@@ -145,8 +146,8 @@ class Router:
 
         d = decide(policy, tokens, tokens * self.kv_bytes_per_token, self._candidates(self.prefill),
                    self._candidates(self.decode), lambda p, dd: self.measurements.link_cost(p.url, dd.url),
-                   whole=self.config.whole, local=self.local, stall_weight=self.config.stall_weight, stale=stale,
-                   explore_within=self.config.explore_within)
+                   whole=self.config.whole, local=self.local, stall_weight=self.config.stall_weight,
+                   stale=stale if self.config.explore_within > 0 else None, explore_within=self.config.explore_within)
         route.path, route.reason = _PATHS[d.path], d.reason
         route.prefill, route.decode, route.predicted_s = d.prefill, d.decode, d.predicted_s
         if d.options:    # an auto comparison (not a fallback for want of engines): that path is fresh now
@@ -180,9 +181,11 @@ class Router:
             flight.sent + (route.predicted_s or 0.0)
         flight.pending = self.measurements.dispatch(role, engine.url, route.tokens, until, now=flight.sent)
 
-    def _settle(self, flight: _Flight) -> None:
+    def _settle(self, flight: _Flight, *, done: bool = True) -> None:
+        """The flight's prefill leaves its engine's queue: ``done`` at its first token or reply,
+        else failed or cancelled."""
         if flight.engine is not None and flight.pending is not None:
-            self.measurements.settle(flight.engine.role, flight.engine.url, flight.pending)
+            self.measurements.settle(flight.engine.role, flight.engine.url, flight.pending, done=done)
             flight.pending = None
 
     def prefill_done(self, route: PromptRoute, backend: Backend, seconds: float, prompt_tokens: int | None) -> None:
@@ -221,8 +224,10 @@ class Router:
                 and route.prefill is not None and route.decode is not None:
             nbytes = flight.tokens.get("prompt", route.tokens) * self.kv_bytes_per_token
             handoff = when - flight.prefill_done
-            if flight.decode_wait > DECODE_BUSY_SHARE * handoff:
-                # the first token waited mostly for the decode engine's own queue, not for the link
+            if DECODE_BUSY_SHARE * handoff < flight.decode_wait <= handoff:
+                # the first token came after the decode engine's queue was predicted done, which was
+                # most of the handoff: it waited for that queue, not for the link (a first token before
+                # that end means the queue estimate was off, and the handoff is a sample after all)
                 self._sampled("link", "decode_busy")
             else:
                 self._sampled("link", self.measurements.observe_handoff(route.prefill.url, route.decode.url,
@@ -240,4 +245,4 @@ class Router:
         """The route is over (served, failed or cancelled)."""
         flight = self._flights.pop(id(route), None)
         if flight is not None:
-            self._settle(flight)
+            self._settle(flight, done=False)   # still queued here: it never answered

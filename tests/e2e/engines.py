@@ -6,6 +6,7 @@ and stopped with `disagg down`, exactly as a user would.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -117,7 +118,8 @@ def bring_up(topology: Path, run_dir: Path) -> Running:
     try:
         done = disagg("up", str(topology), "--detach", "--run-dir", str(run_dir))
     except BaseException:   # a timeout kills only `up --detach`, not the supervisor it started
-        disagg("down", str(topology), "--run-dir", str(run_dir), timeout=180)
+        with contextlib.suppress(Exception):
+            disagg("down", str(topology), "--run-dir", str(run_dir), timeout=180)
         raise
     assert done.returncode == 0, f"disagg up failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     try:

@@ -235,11 +235,13 @@ def test_the_detached_supervisor_restarts_a_sigkilled_decode(
         assert "decode[0]: healthy again after" in log
     finally:
         tree = running.process_tree() + started
-        done = running.down()
-        _, alive = psutil.wait_procs(tree, timeout=40)
-        for proc in alive:     # whatever `down` missed: never left running for the next tests
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
+        try:
+            done = running.down()
+        finally:
+            _, alive = psutil.wait_procs(tree, timeout=40)
+            for proc in alive:     # whatever `down` missed: never left running for the next tests
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
     assert done.returncode == 0, done.stdout + done.stderr
     assert "still owns this run; asking it to stop" in done.stdout
     assert not alive, f"left running after `disagg down`: {alive}"

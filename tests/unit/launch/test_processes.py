@@ -78,8 +78,10 @@ def test_a_wall_clock_step_does_not_make_a_live_process_look_recycled(tmp_path: 
     pid, created = processes.start_local([sys.executable, "-c", "import time; time.sleep(30)"], {}, log)
     rec = ProcessRecord(**{**_record(pid, created, log).__dict__, "start_ticks": processes.start_ticks(pid)})
     assert rec.start_ticks > 0
-    real_boot_time = psutil.boot_time()
-    monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: real_boot_time + 5.0)   # the clock stepped 5 s
+    real_create_time = psutil.Process.create_time
+    # the wall clock stepped 5 s: psutil's create_time (ticks since boot + the boot time as the clock
+    # puts it now) moves with it
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: real_create_time(self) + 5.0)
     try:
         assert psutil.Process(pid).create_time() - created > 4.0          # what fooled the old check
         assert not processes.is_alive(_record(pid, created, log))         # a record without start ticks

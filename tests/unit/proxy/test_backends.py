@@ -146,24 +146,24 @@ async def test_a_busy_backend_survives_one_timed_out_probe_but_not_two(standin, 
     metrics = ProxyMetrics()
     p = BackendPool("prefill", [a.url], metrics)
     [b] = p.backends
-    prober = HealthProber([p], http, interval=60.0, timeout=0.2)
+    prober = HealthProber([p], http, interval=60.0, timeout=0.5)
     await prober.probe(p, b)
     assert b.healthy
-    a.health_delay = 0.5
+    a.health_delay = 1.5
     with p.lease(b):
         await prober.probe(p, b)
         assert b.healthy and b.timeouts == 1          # strike one: still in service
         a.health_delay = 0.0
         await prober.probe(p, b)
         assert b.healthy and b.timeouts == 0          # an answer forgives it
-        a.health_delay = 0.5
+        a.health_delay = 1.5
         await prober.probe(p, b)
         await prober.probe(p, b)
         assert not b.healthy and "TimeoutError" in (b.last_error or "")   # two in a row: out
     a.health_delay = 0.0
     await prober.probe(p, b)
     assert b.healthy
-    a.health_delay = 0.5                              # idle: the first timeout takes it out
+    a.health_delay = 1.5                              # idle: the first timeout takes it out
     await prober.probe(p, b)
     assert not b.healthy
 
@@ -172,7 +172,7 @@ async def test_a_busy_backend_with_an_error_status_goes_at_once(standin, http) -
     a = await standin("A")
     p = BackendPool("prefill", [a.url], ProxyMetrics())
     [b] = p.backends
-    prober = HealthProber([p], http, interval=60.0, timeout=0.2)
+    prober = HealthProber([p], http, interval=60.0, timeout=0.5)
     await prober.probe(p, b)
     a.health_status = 503
     with p.lease(b):

@@ -187,6 +187,24 @@ def test_queue_counts_only_what_the_time_since_sending_has_not_covered() -> None
     assert m.queued_tokens("decode", "d", now=9.0) == 100.0  # a clock read earlier never adds work
 
 
+def test_a_settled_prefill_took_the_time_up_to_its_first_token_and_only_itself_leaves() -> None:
+    """The time up to a prefill's first token was spent on it (and on those sent before it), not
+    on the prompts behind it; a failed or cancelled one just leaves, and of two prefills of one
+    size the right one does."""
+    m = measurements()
+    a = m.dispatch("decode", "d", 2000.0, now=10.0)
+    m.dispatch("decode", "d", 400.0, now=10.1)
+    m.settle("decode", "d", a, now=11.0)                   # exactly when 2,000 tokens/s says
+    assert m.queued_tokens("decode", "d", now=11.05) == pytest.approx(300.0)
+    m2 = measurements()
+    first = m2.dispatch("decode", "d", 500.0, now=0.0)
+    second = m2.dispatch("decode", "d", 500.0, now=0.0)
+    m2.settle("decode", "d", second, now=0.1, done=False)  # the client left: no time credited to it
+    assert m2.queued_tokens("decode", "d", now=0.1) == pytest.approx(300.0)   # the first, 0.1 s in
+    m2.settle("decode", "d", first, now=0.25)
+    assert m2.queued_tokens("decode", "d", now=0.25) == 0.0 and m2.engine_cost("decode", "d", 0, now=0.25).waiting == 0
+
+
 def test_seeds_then_observations_per_engine_and_pair_and_forget() -> None:
     m = measurements()
     assert m.engine_cost("prefill", "p", 0).tokens_per_s == pytest.approx(4000.0)
@@ -378,24 +396,27 @@ def test_static_policies_never_explore() -> None:
 
 
 def test_a_handoff_that_waited_for_the_decode_engines_queue_is_no_sample_of_the_link() -> None:
-    """A split whose decode engine had its own prefills queued when the prefill reply came
-    measured that queue, not the link: counted ``decode_busy``, the link's fit untouched."""
+    """A split whose decode engine had its own prefills queued for most of the handoff when the
+    prefill reply came measured that queue, not the link: counted ``decode_busy``, the link's fit
+    untouched. A first token long before the queue's predicted end shows the estimate was off:
+    that handoff is a sample."""
     metrics, prefill, decode, config = _auto_pools()
     router = Router(config, prefill, decode, metrics, local=True)
     p, d = prefill.backends[0], decode.backends[0]
 
-    def split(i: int, decode_busy: bool) -> None:
-        if decode_busy:   # a local prompt of 20,000 tokens (10 s at 2,000 tokens/s) just sent to D
+    def split(i: int, queued_tokens: int) -> None:
+        local = None
+        if queued_tokens:   # a local prompt just sent to D (2,000 tokens/s seeded: 500 tokens = 0.25 s)
             local = PromptRoute(100 + i, _route("z", 100 + i).request, RoutePath.LOCAL, "predicted")
-            local.decode, local.tokens = d, 20_000
+            local.decode, local.tokens = d, queued_tokens
             router.sent(local, stream=True)
         r = _route("y" * 400, i)
         r.reason, r.prefill, r.decode, r.tokens = "predicted", p, d, 100
         router.sent(r, stream=True)
         router.prefill_done(r, p, 0.05, 100)
-        router.first_token(r, 0.0, time.perf_counter() + 0.2)   # 0.2 s handoff: of which 10 s queue?
+        router.first_token(r, 0.0, time.perf_counter() + 0.3)   # a 0.3 s handoff
         router.finished(r)
-        if decode_busy:
+        if local is not None:
             router.finished(local)
 
     def samples(outcome: str) -> float:
@@ -403,13 +424,14 @@ def test_a_handoff_that_waited_for_the_decode_engines_queue_is_no_sample_of_the_
 
     before = router.measurements.link_cost(p.url, d.url)
     for i in range(3):
-        split(i, decode_busy=True)
+        split(i, 500)                    # 0.25 s of D's own queue in a 0.3 s handoff
     assert samples("decode_busy") == 3 and samples("used") == 0 and samples("discarded") == 0
     assert router.measurements.link_cost(p.url, d.url) == before
-    split(3, decode_busy=False)
-    split(4, decode_busy=False)
+    split(3, 0)
+    split(4, 0)
     assert samples("discarded") == 1 and samples("used") == 1   # warm-up, then a sample of the link
-
+    split(5, 20_000)                     # 10 s predicted, answered in 0.3 s: the estimate was off
+    assert samples("used") == 2 and samples("decode_busy") == 3
 
 def test_a_prefill_sent_behind_a_queue_is_no_sample_of_the_engines_line() -> None:
     """Times measured behind a queue fitted as ``queued + tokens`` bent the line; such prefills

@@ -85,7 +85,7 @@ def test_running_decodes_make_long_prompts_split() -> None:
 
 def test_whole_only_on_an_idle_prefill_engine_while_every_decode_engine_is_backed_up() -> None:
     same = EngineCost(tokens_per_s=2000.0)
-    backed_up = EngineCost(tokens_per_s=2000.0, queued_tokens=4000.0)
+    backed_up = EngineCost(tokens_per_s=2000.0, queued_tokens=4000.0, waiting=2)
     d = decide("auto", 100, kv(100), [Candidate("P", same)], [Candidate("D", backed_up)], lambda _p, _d: LINK,
                whole=True)
     assert (d.path, d.reason, d.prefill, d.decode) == (Option.WHOLE, "decode_backlog", "P", None)
@@ -95,6 +95,9 @@ def test_whole_only_on_an_idle_prefill_engine_while_every_decode_engine_is_backe
     assert choose(100, same, backed_up, LINK, whole=False) is not Option.WHOLE
     busy_p = EngineCost(tokens_per_s=2000.0, running=1)
     assert choose(100, busy_p, backed_up, LINK, whole=True) is not Option.WHOLE
+    # a prefill the estimate calls done but that has not answered yet: the engine is not idle
+    prefilling_p = EngineCost(tokens_per_s=2000.0, queued_tokens=0.0, waiting=1)
+    assert choose(100, prefilling_p, backed_up, LINK, whole=True) is not Option.WHOLE
     two = decide("auto", 100, kv(100), [Candidate("P", same)], [Candidate("D1", backed_up), Candidate("D2", same)],
                  lambda _p, _d: LINK, whole=True)
     assert two.path is Option.LOCAL and two.decode == "D2"
@@ -171,7 +174,7 @@ def test_exploration_never_under_static_policies_nor_to_what_is_unavailable() ->
     assert decide("auto", n, kv(n), cands[0], [], lambda _p, _d: LINK, stale=always, whole=True).path is Option.WHOLE
     # whole is never explored, even offered, stale and within the factor
     same = EngineCost(tokens_per_s=2000.0)
-    quick_but_queued = EngineCost(tokens_per_s=20000.0, queued_tokens=100.0)
+    quick_but_queued = EngineCost(tokens_per_s=20000.0, queued_tokens=100.0, waiting=1)
     d = decide("auto", 100, kv(100), [Candidate("P", same)], [Candidate("D", quick_but_queued)],
                lambda _p, _d: LINK, whole=True, stale=lambda path, _p, _d: path is Option.WHOLE,
                explore_within=100.0)
