@@ -229,12 +229,16 @@ class Measurements:
         """Prefill tokens the engine has still to work through: of the prefills sent to it that have
         no first token yet, what the time since they were sent has not covered (:meth:`_progress`)."""
         eng = self._engine(role, url)
+        return self._queued(eng, now, self._line(eng)[1]) if eng.pending else 0.0
+
+    def _queued(self, eng: _Engine, now: float | None, rate: float) -> float:
+        """:meth:`queued_tokens` of ``eng`` at its prefill ``rate``."""
         if not eng.pending:
             return 0.0
-        self._progress(eng, time.perf_counter() if now is None else now)
+        self._progress(eng, time.perf_counter() if now is None else now, rate)
         return sum(p.left for p in eng.pending)
 
-    def _progress(self, eng: _Engine, now: float) -> None:
+    def _progress(self, eng: _Engine, now: float, rate: float) -> None:
         """Count the engine's work on its pending prefills up to ``now``.
 
         The engine is taken to work through them in the order they were sent (vLLM schedules
@@ -250,7 +254,7 @@ class Measurements:
         if elapsed <= 0:
             return
         eng.progressed_at = now
-        budget = elapsed * self._line(eng)[1]
+        budget = elapsed * rate
         for p in eng.pending:
             if budget <= 0:
                 break
@@ -272,8 +276,10 @@ class Measurements:
 
     def wait_s(self, role: str, url: str, now: float | None = None) -> float:
         """Seconds the engine needs for the prefill work queued on it (:meth:`queued_tokens`)."""
-        queued = self.queued_tokens(role, url, now)
-        return queued / self._line(self._engine(role, url))[1] if queued else 0.0
+        eng = self._engine(role, url)
+        rate = self._line(eng)[1]
+        queued = self._queued(eng, now, rate)
+        return queued / rate if queued else 0.0
 
     def _line(self, eng: _Engine) -> tuple[float, float]:
         """The engine's (overhead seconds, prefill tokens per second) for predictions.
@@ -299,7 +305,7 @@ class Measurements:
         its requests in flight; ``now``: perf_counter, for the queue)."""
         eng = self._engine(role, url)
         overhead, rate = self._line(eng)
-        queued = self.queued_tokens(role, url, now)
+        queued = self._queued(eng, now, rate)
         waiting = len(eng.pending)
         return EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued,
                           running=max(outstanding - waiting, 0), waiting=waiting)
@@ -325,7 +331,7 @@ class Measurements:
         eng = self._engine(role, url)
         when = time.perf_counter() if now is None else now
         if eng.pending:
-            self._progress(eng, when)
+            self._progress(eng, when, self._line(eng)[1])
         else:                  # an idle engine starts on this one now: its idle time is no progress
             eng.progressed_at = when
         pending = _Pending(tokens, until)
