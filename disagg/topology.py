@@ -547,7 +547,7 @@ def _routing(node: Node | None, engine: str) -> RoutingSpec:
         return RoutingSpec()
     f = Fields(node, "a mapping with policy (auto, split, local) and explore")
     policy_node = f.take("policy")
-    explore = _explore(f.take("explore"))
+    explore_node = f.take("explore")
     f.done()
     policy = "auto" if policy_node is None else policy_node.value
     if policy not in ROUTING_POLICIES:
@@ -556,22 +556,21 @@ def _routing(node: Node | None, engine: str) -> RoutingSpec:
     if policy == "local" and engine == "sglang":
         assert policy_node is not None
         raise policy_node.error("engine sglang cannot prefill on its decode servers; use auto or split")
-    return RoutingSpec(str(policy), *explore)
+    return _explore(explore_node, RoutingSpec(policy=str(policy)))
 
 
-def _explore(node: Node | None) -> tuple[float, int, float]:
-    """``routing.explore``: ``{after: 60s, decisions: 50, within: 2}`` (each optional) or ``off``."""
-    d = RoutingSpec()
-    defaults = (d.explore_after_s, d.explore_decisions, d.explore_within)
+def _explore(node: Node | None, spec: RoutingSpec) -> RoutingSpec:
+    """``spec`` with ``routing.explore``: ``{after: 60s, decisions: 50, within: 2}`` (each optional)
+    or ``off``."""
     if node is None:
-        return defaults
+        return spec
     if node.value is False or node.value == "off":
-        return d.explore_after_s, d.explore_decisions, 0.0
+        return replace(spec, explore_within=0.0)
     f = Fields(node, "off, or a mapping with after (a duration), decisions, within")
     after = f.take("after")
-    spec = (_duration(after) if after is not None else d.explore_after_s,
-            f.int("decisions", d.explore_decisions, minimum=1) or d.explore_decisions,
-            f.float("within", d.explore_within, above=1.0) or d.explore_within)
+    spec = replace(spec, explore_after_s=_duration(after) if after is not None else spec.explore_after_s,
+                   explore_decisions=f.int("decisions", spec.explore_decisions, minimum=1) or spec.explore_decisions,
+                   explore_within=f.float("within", spec.explore_within, above=1.0) or spec.explore_within)
     f.done()
     return spec
 
