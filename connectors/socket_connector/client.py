@@ -14,7 +14,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,12 @@ class FetchPlan:
     local_block_ids: Sequence[int]
     #: the prefill engine's id from kv_transfer_params; checked when given
     engine_id: str | None = None
+    #: streamed transfer: the key, and the prompt length both sides must agree on
+    stream_key: str | None = None
+    num_tokens: int = 0
+    #: streamed transfer: index among P's blocks of the first one wanted (the decode side's own
+    #: prefix-cache hit covers those before it)
+    first_block: int = 0
 
 
 @dataclass(frozen=True)
@@ -299,6 +305,69 @@ class PeerConnections:
             first.reached_peer = any(getattr(e, "reached_peer", False) for e in errors)
             raise first
         return FetchResult(sum(totals), time.perf_counter() - start, len(parts), max(answered) - start)
+
+    def stream(self, plan: FetchPlan, track: Callable[[socket.socket | None], None] | None = None) -> FetchResult:
+        """Receive a streamed transfer (``plan.stream_key``) into ``plan.local_block_ids``, layer
+        by layer as the prefill engine computes it; raises FetchError. Nothing to release after.
+
+        ``track`` is told the connection's socket while it is in use (None after), so that
+        another thread can cut it short (``socket.shutdown``) when the request is aborted.
+        """
+        start = time.perf_counter()
+        local = list(plan.local_block_ids)
+        where = f"{plan.host}:{plan.port}"
+        if plan.stream_key is None or not local:
+            raise FetchError(f"request {plan.request_id}: nothing to stream")
+        layers = len(self._store.layout.layers)
+        conn = self._checkout(plan.host, plan.port, plan.engine_id)
+        if track is not None:
+            track(conn.sock)
+        try:
+            reply = self._exchange(plan, conn, {"op": "stream", "key": plan.stream_key, "num_tokens": plan.num_tokens,
+                                                "first_block": plan.first_block,
+                                                "blocks_per_message": self.opts.blocks_per_message})
+            answered = time.perf_counter()
+            if not reply.get("ok"):
+                raise FetchError(f"{where} refused stream {plan.stream_key[:8]}...: {str(reply.get('error'))[:300]}")
+            if reply.get("nbytes") != len(local) * self._store.layout.block_bytes:
+                raise FetchError(f"{where} announced {reply.get('nbytes')!r} bytes for {len(local)} blocks")
+            got = 0
+            received = [0] * layers
+            while True:
+                head = recv_frame(conn.sock)
+                if head.get("end") is True:
+                    break
+                layer, first, count = head.get("layer"), head.get("start"), head.get("count")
+                if not (type(layer) is int and type(first) is int and type(count) is int):
+                    raise FetchError(f"{where}: stream of {plan.request_id} failed: "
+                                     f"{str(head.get('error', head))[:300]}")
+                if not (0 <= layer < layers and first == received[layer] and 0 < count <= len(local) - first):
+                    raise FetchError(f"{where} sent layer {layer} blocks {first}+{count} out of order "
+                                     f"({len(local)} blocks, {received[layer] if 0 <= layer < layers else '?'} "
+                                     "of that layer received)")
+                with self._store.writing(local[first : first + count], [layer]) as views:
+                    got += recv_into_views(conn.sock, views)
+                received[layer] += count
+            if min(received) != len(local) or head.get("nbytes") != got:
+                raise FetchError(f"{where} ended stream of {plan.request_id} after {got} bytes, "
+                                 f"{min(received)} of {len(local)} blocks at every layer")
+        except FetchError as exc:
+            conn.sock.close()
+            exc.reached_peer = True
+            raise
+        except (WireError, OSError) as exc:
+            conn.sock.close()
+            err = FetchError(f"stream of request {plan.request_id} from {where} failed: {exc}")
+            err.reached_peer = True
+            raise err from exc
+        except BaseException:
+            conn.sock.close()
+            raise
+        finally:
+            if track is not None:
+                track(None)
+        self._checkin(plan.host, plan.port, conn)
+        return FetchResult(got, time.perf_counter() - start, 1, answered - start)
 
     def release(self, plan: FetchPlan) -> bool:
         """Tell the prefill side it may free the request's blocks (best effort)."""

@@ -18,6 +18,12 @@ Keys of ``kv_connector_extra_config`` (all optional):
 - ``io_timeout_s``, ``connect_timeout_s``: socket timeouts (30 s, 5 s).
 - ``registration_wait_s``: how long the listener waits for a lease it does
   not know yet before refusing the fetch (5 s).
+- ``stream_wait_s``: how long the listener waits for a streamed request to be
+  scheduled on the prefill engine before refusing the decode engine's stream
+  (default 20; keep it below ``io_timeout_s``, which bounds the decode side's
+  wait for the answer).
+- ``max_parallel_streams``: streamed transfers received at once on the decode
+  side (default 16; each waits for its remote prefill, mostly idle).
 - ``max_parallel_fetches``: requests fetched at once on the decode side (4).
 - ``gil_switch_interval_ms``: the engine worker's ``sys.setswitchinterval``
   (default 0.5; 0 leaves Python's 5 ms). While a request waits for its KV,
@@ -99,7 +105,9 @@ class SocketSettings:
     io_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
     registration_wait_s: float = 5.0
+    stream_wait_s: float = 20.0
     max_parallel_fetches: int = 4
+    max_parallel_streams: int = 16
     gil_switch_interval_ms: float = 0.5
     idle_wait_ms: float = 2.0
     peers: AllowedPeers = field(default_factory=AllowedPeers)
@@ -170,7 +178,9 @@ class SocketSettings:
             io_timeout_s=num("io_timeout_s", 30.0, minimum=0.1),
             connect_timeout_s=num("connect_timeout_s", 5.0, minimum=0.1),
             registration_wait_s=num("registration_wait_s", 5.0),
+            stream_wait_s=num("stream_wait_s", 20.0),
             max_parallel_fetches=num("max_parallel_fetches", 4, int, 1),
+            max_parallel_streams=num("max_parallel_streams", 16, int, 1),
             gil_switch_interval_ms=num("gil_switch_interval_ms", 0.5),
             idle_wait_ms=num("idle_wait_ms", 2.0),
             peers=peers,

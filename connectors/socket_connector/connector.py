@@ -89,6 +89,7 @@ class SocketKVConnector(KVConnectorBase_V1):
             self.worker = SocketWorker(
                 self.settings, self.engine_id, cfg.is_kv_producer, get_tensor_model_parallel_rank(),
                 get_tensor_model_parallel_world_size(), kv_cache_config.num_blocks,
+                block_size=vllm_config.cache_config.block_size,
             )
 
     # -- scheduler side ---------------------------------------------------
@@ -102,7 +103,7 @@ class SocketKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return self.scheduler.build_connector_meta(idle_step=scheduler_output.total_num_scheduled_tokens == 0)
+        return self.scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
@@ -112,6 +113,13 @@ class SocketKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward (vLLM calls it there): streams learn what this step writes,
+        and those ending now stop reading blocks the forward may reuse."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, SocketConnectorMetadata):
+            self.worker.bind_step(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None
@@ -124,10 +132,14 @@ class SocketKVConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        """Pull mode: the prefill side saves nothing; the decode side reads the blocks in place."""
+        """Nothing is copied: a streamed request's listener may now send this layer's new blocks."""
+        if self.worker is not None:
+            self.worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """Pull mode: nothing to save."""
+        """End of the forward: a streamed request's listener may send everything it wrote."""
+        if self.worker is not None:
+            self.worker.step_saved()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self.worker is not None

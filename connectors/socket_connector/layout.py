@@ -176,13 +176,15 @@ class BlockStore(ABC):
 
     @abstractmethod
     @contextmanager
-    def reading(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
-        """Views holding ``block_ids`` in wire order, valid inside the block."""
+    def reading(self, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> Iterator[list[memoryview]]:
+        """Views holding ``block_ids`` in wire order, valid inside the block; ``layers`` (indices into
+        ``layout.layers``, in the order given): only those layers (a streamed message), else all."""
 
     @abstractmethod
     @contextmanager
-    def writing(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
-        """Views to fill with ``block_ids`` in wire order; committed when the block exits cleanly."""
+    def writing(self, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> Iterator[list[memoryview]]:
+        """Views to fill with ``block_ids`` in wire order (``layers`` as in :meth:`reading`);
+        committed when the block exits cleanly."""
 
 
 class DirectStore(BlockStore):
@@ -193,20 +195,31 @@ class DirectStore(BlockStore):
         self._keep = list(views)  # keeps the tensors (and their memory) alive
         self._regions = [host_memoryview(v) for v in views]
 
-    def _views(self, block_ids: Sequence[int]) -> list[memoryview]:
+    def _views(self, block_ids: Sequence[int], layers: Sequence[int] | None) -> list[memoryview]:
         self.layout.check_blocks(block_ids)
         out: list[memoryview] = []
-        for layer, region in zip(self.layout.layers, self._regions, strict=True):
-            out.extend(region[off : off + length] for off, length in layer.extents(block_ids))
+        for i in _layer_indices(self.layout, layers):
+            region = self._regions[i]
+            out.extend(region[off : off + length] for off, length in self.layout.layers[i].extents(block_ids))
         return out
 
     @contextmanager
-    def reading(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
-        yield self._views(block_ids)
+    def reading(self, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> Iterator[list[memoryview]]:
+        yield self._views(block_ids, layers)
 
     @contextmanager
-    def writing(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
-        yield self._views(block_ids)
+    def writing(self, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> Iterator[list[memoryview]]:
+        yield self._views(block_ids, layers)
+
+
+def _layer_indices(layout: KVLayout, layers: Sequence[int] | None) -> Sequence[int]:
+    """``layers`` checked against ``layout`` (every layer when None); raises LayoutError."""
+    if layers is None:
+        return range(len(layout.layers))
+    bad = [i for i in layers if not 0 <= i < len(layout.layers)]
+    if bad:
+        raise LayoutError(f"layer indices out of range [0, {len(layout.layers)}): {bad[:8]}")
+    return layers
 
 
 class StagingBuffers:
@@ -258,23 +271,29 @@ class StagedStore(BlockStore):
         return host.to(like.device, non_blocking=False)
 
     @contextmanager
-    def reading(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
+    def reading(self, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> Iterator[list[memoryview]]:
         self.layout.check_blocks(block_ids)
-        host = self._staging.get(len(block_ids))
-        for h, d in zip(host, self._dev, strict=True):
+        which = _layer_indices(self.layout, layers)
+        staging = self._staging.get(len(block_ids))
+        host = [staging[i] for i in which]
+        for h, i in zip(host, which, strict=True):
+            d = self._dev[i]
             idx = torch.tensor(list(block_ids), dtype=torch.long, device=d.device)
             self._pack(d.index_select(1, idx), h)
         yield self._staging.views(host)
 
     @contextmanager
-    def writing(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
+    def writing(self, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> Iterator[list[memoryview]]:
         self.layout.check_blocks(block_ids)
-        host = self._staging.get(len(block_ids))
+        which = _layer_indices(self.layout, layers)
+        staging = self._staging.get(len(block_ids))
+        host = [staging[i] for i in which]
         yield self._staging.views(host)
-        for h, d in zip(host, self._dev, strict=True):
+        for h, i in zip(host, which, strict=True):
+            d = self._dev[i]
             idx = torch.tensor(list(block_ids), dtype=torch.long, device=d.device)
             d.index_copy_(1, idx, self._unpack(h, d))
-        if any(d.device.type == "cuda" for d in self._dev):
+        if any(self._dev[i].device.type == "cuda" for i in which):
             torch.cuda.synchronize()
 
 

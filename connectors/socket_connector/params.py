@@ -33,6 +33,11 @@ MAX_LEASE_S = 3600.0
 MAX_BLOCK_ID = 2**31 - 1
 #: Longest piece of a client's value quoted in a log line.
 _QUOTE_CHARS = 40
+#: ``kv_transfer_params`` key naming a streamed transfer (both engines get the same value)
+STREAM_KEY = "stream_key"
+#: a stream key's length bounds and alphabet (the proxy's keys: ``secrets.token_urlsafe(24)``)
+MIN_STREAM_KEY_CHARS, MAX_STREAM_KEY_CHARS = 16, 128
+_STREAM_KEY_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,25 @@ class RemotePrefill:
     num_tokens: int
     tp_size: int = 1
     engine_id: str | None = None
+    #: streamed transfer: the key P knows the request by (``block_ids`` is then empty)
+    stream_key: str | None = None
+
+
+def is_stream_key(value: Any) -> TypeGuard[str]:
+    """A well-formed stream key: 16..128 characters of the URL-safe base64 alphabet."""
+    return (isinstance(value, str) and MIN_STREAM_KEY_CHARS <= len(value) <= MAX_STREAM_KEY_CHARS
+            and _STREAM_KEY_ALPHABET.issuperset(value))
+
+
+def stream_key_of(params: Mapping[str, Any]) -> str | Declined | None:
+    """The params' stream key: None when absent (or null), Declined when malformed. Never raises."""
+    key = params.get(STREAM_KEY)
+    if key is None:
+        return None
+    if not is_stream_key(key):
+        return Declined(STREAM_KEY, f"must be {MIN_STREAM_KEY_CHARS}..{MAX_STREAM_KEY_CHARS} characters of "
+                                    f"A-Z a-z 0-9 _ -, got {quote(key)}")
+    return key
 
 
 def quote(value: Any) -> str:
@@ -205,7 +229,10 @@ def check_remote_prefill(params: Any, *, num_prompt_tokens: int, block_size: int
     if transfer is not None and transfer != TRANSFER_NAME:
         return Declined("transfer", f"must be {TRANSFER_NAME!r}, got {quote(transfer)}")
 
-    request_id = params.get("remote_request_id")
+    key = stream_key_of(params)
+    if isinstance(key, Declined):
+        return key
+    request_id = params.get("remote_request_id", key)  # a streamed transfer names the request by its key
     if not _clean_str(request_id, MAX_ID_CHARS):
         return Declined("remote_request_id", f"must be a printable string of 1..{MAX_ID_CHARS} characters, "
                                              f"got {quote(request_id)}")
@@ -234,6 +261,16 @@ def check_remote_prefill(params: Any, *, num_prompt_tokens: int, block_size: int
                               or not math.isfinite(lease) or not 0 < lease <= MAX_LEASE_S):
         return Declined("lease_s", f"must be a number of seconds in (0, {MAX_LEASE_S:g}], got {quote(lease)}")
 
+    if key is not None:
+        # Streamed: P's blocks are its own business; both sides count the whole prompt.
+        if params.get("remote_block_ids") is not None:
+            return Declined("remote_block_ids", "must be absent in a streamed transfer (stream_key is set)")
+        num_tokens = params.get("remote_num_tokens", num_prompt_tokens)
+        if not is_int(num_tokens) or num_tokens != num_prompt_tokens:
+            return Declined("remote_num_tokens", f"must be the prompt's {num_prompt_tokens} tokens in a streamed "
+                                                 f"transfer, got {quote(num_tokens)}")
+        return RemotePrefill(request_id=request_id, host=host, port=port, block_ids=(), num_tokens=num_tokens,
+                             tp_size=tp_size, engine_id=engine_id, stream_key=key)
     num_tokens = params.get("remote_num_tokens")
     if num_tokens is None:
         num_tokens = num_prompt_tokens

@@ -9,6 +9,14 @@ Decode (kv_consumer): a request that arrives with ``do_remote_prefill``
 reports its prompt tokens as external and loaded asynchronously; once vLLM has
 allocated blocks, the fetch is handed to the workers.
 
+Streamed transfers (``stream_key`` in both engines' params, sent at once by
+the proxy): the prefill side reports each step's progress of the request to
+its workers (``StreamStep``: blocks, tokens ready before and after the step),
+ends the stream when the request is aborted or preempted, and keeps the
+blocks under a lease when it finishes, until the stream has sent them; the
+decode side starts the stream as soon as its blocks are allocated and cuts
+it when its request is aborted.
+
 ``kv_transfer_params`` come from any HTTP client, and an exception in a
 scheduler hook kills vLLM's engine core. So every field is validated
 (``params.py``) before use: a request whose params fail is *declined* with one
@@ -29,6 +37,7 @@ from .metadata import (
     RecvSpec,
     SendSpec,
     SocketConnectorMetadata,
+    StreamStep,
 )
 from .params import (
     TRANSFER_NAME,
@@ -36,11 +45,13 @@ from .params import (
     RemotePrefill,
     check_remote_decode,
     check_remote_prefill,
+    stream_key_of,
 )
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
@@ -61,6 +72,13 @@ class SocketScheduler:
         self.is_producer = is_producer
         self._need_recv: dict[str, RecvSpec] = {}
         self._need_send: dict[str, SendSpec] = {}
+        #: prefill side: streamed requests (request id -> (key, prompt tokens)) until they end
+        self._streams: dict[str, tuple[str, int]] = {}
+        self._stream_ended: set[str] = set()  # preempted: not streamed again when resumed
+        self._stream_closes: dict[str, str] = {}
+        #: decode side: requests whose KV is being streamed in (cut when they are aborted)
+        self._streaming_in: set[str] = set()
+        self._recv_cancels: set[str] = set()
 
     # -- validation ---------------------------------------------------------
     def _decline(self, request: Request, declined: Declined, consequence: str) -> None:
@@ -117,6 +135,9 @@ class SocketScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Decode side: remember where the fetched blocks go."""
         try:
+            if self.is_producer:
+                self._open_stream(request)
+                return
             remote = self._remote_prefill(request)
             if remote is None:
                 if num_external_tokens > 0:  # promised a load we cannot start: fail it, vLLM recomputes
@@ -126,12 +147,24 @@ class SocketScheduler:
             request.kv_transfer_params["do_remote_prefill"] = False  # one transfer per request
             local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
             self._need_recv[request.request_id] = self._recv_spec(remote, local, awaiting=num_external_tokens > 0)
+            if remote.stream_key is not None and local:
+                self._streaming_in.add(request.request_id)
         except Exception:
             self._crashed(request, "update_state_after_alloc", "computing the prompt locally")
             if num_external_tokens > 0:
                 self._need_recv[request.request_id] = _failed_spec("update_state_after_alloc failed")
 
     def _recv_spec(self, remote: RemotePrefill, local: list[int], awaiting: bool) -> RecvSpec:
+        if remote.stream_key is not None:
+            if not local:  # nothing to receive (a local hit covers it, or aborted): P's lease just expires
+                return RecvSpec([], [], remote.request_id, remote.host, remote.port, remote.tp_size, awaiting=False,
+                                stream_key=remote.stream_key)
+            total = -(-remote.num_tokens // self.block_size)
+            return RecvSpec(
+                local_block_ids=list(local), remote_block_ids=list(range(total - len(local), total)),
+                remote_request_id=remote.request_id, remote_host=remote.host, remote_port=remote.port,
+                remote_tp_size=remote.tp_size, awaiting=awaiting, remote_engine_id=remote.engine_id,
+                stream_key=remote.stream_key, remote_num_tokens=remote.num_tokens)
         remote_ids = list(remote.block_ids)
         if local:
             # A local prefix-cache hit covers the leading blocks: fetch the tail.
@@ -147,12 +180,60 @@ class SocketScheduler:
             remote_engine_id=remote.engine_id,
         )
 
+    # -- prefill side, streaming ---------------------------------------------
+    def _open_stream(self, request: Request) -> None:
+        """Prefill side: a request scheduled with a stream key streams its KV from this step on."""
+        params = request.kv_transfer_params
+        if not params or request.request_id in self._streams or request.request_id in self._stream_ended:
+            return
+        wanted = check_remote_decode(params)
+        if wanted is not True:
+            return  # declined (logged when it finishes) or not a remote decode
+        key = stream_key_of(params)
+        if isinstance(key, Declined):
+            self._decline(request, key, "serving it without a lease")
+            return
+        if key is not None:
+            self._streams[request.request_id] = (key, request.num_prompt_tokens)
+
+    def _stream_steps(self, out: SchedulerOutput) -> dict[str, StreamStep]:
+        """Prefill side: this step's progress of every streamed request it schedules."""
+        for rid in out.preempted_req_ids or ():
+            gone = self._streams.pop(rid, None)
+            if gone is not None:  # its blocks are freed and may be reused by this very step
+                self._stream_closes[gone[0]] = "preempted on the prefill engine"
+                self._stream_ended.add(rid)
+        steps: dict[str, StreamStep] = {}
+        if not self._streams:
+            return steps
+        before: dict[str, int] = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        state = out.kv_connector_block_state
+        for rid, scheduled in out.num_scheduled_tokens.items():
+            entry = self._streams.get(rid)
+            if entry is None or rid not in before:
+                continue
+            ids = state.get_block_ids(rid) if state is not None else None
+            if not ids:
+                continue
+            key, num_tokens = entry
+            steps[key] = StreamStep(rid, num_tokens, list(ids[0]), before[rid], before[rid] + scheduled)
+        return steps
+
     # -- both -------------------------------------------------------------
-    def build_connector_meta(self, idle_step: bool = False) -> SocketConnectorMetadata:
-        """Hand this step's new fetches and leases to the workers (``idle_step``: no tokens scheduled)."""
+    def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None,
+                             idle_step: bool = False) -> SocketConnectorMetadata:
+        """Hand this step's new fetches, leases and stream progress to the workers
+        (``idle_step``: no tokens scheduled)."""
+        if scheduler_output is not None:
+            idle_step = scheduler_output.total_num_scheduled_tokens == 0
+        steps = self._stream_steps(scheduler_output) if scheduler_output is not None else {}
         meta = SocketConnectorMetadata(reqs_to_recv=self._need_recv, reqs_to_send=self._need_send,
-                                       idle_step=idle_step)
+                                       idle_step=idle_step, streams=steps, stream_closes=self._stream_closes,
+                                       recv_cancels=self._recv_cancels)
         self._need_recv, self._need_send = {}, {}
+        self._stream_closes, self._recv_cancels = {}, set()
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -166,6 +247,16 @@ class SocketScheduler:
     def _request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
+        rid = request.request_id
+        if rid in self._streaming_in:  # decode side: stop receiving (a no-op when it is done)
+            self._streaming_in.discard(rid)
+            self._recv_cancels.add(rid)
+        stream = self._streams.pop(rid, None)
+        self._stream_ended.discard(rid)
+        normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if stream is not None and (not normal or not block_ids):
+            self._stream_closes[stream[0]] = f"request {request.status.name.lower()} on the prefill engine"
+            stream = None
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -181,7 +272,7 @@ class SocketScheduler:
             return False, None
         if not wanted:
             return False, None
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+        if not normal:
             return False, None
         if not self.is_producer or self.settings.port is None:
             logger.warning("socket KV connector: request %s asks for remote decode but this engine "
@@ -202,7 +293,8 @@ class SocketScheduler:
         }
         delay = bool(block_ids)
         if delay:  # last: nothing may fail between registering the lease and telling vLLM to keep the blocks
-            self._need_send[request.request_id] = SendSpec(list(block_ids), self.settings.lease_s)
+            self._need_send[request.request_id] = SendSpec(list(block_ids), self.settings.lease_s,
+                                                           stream[0] if stream is not None else None)
         return delay, out
 
 

@@ -8,6 +8,13 @@ Protocol after the HMAC handshake (see auth.py), all control frames JSON:
            |  {"ok": false, "error": "..."}   (unknown request, blocks not leased)
     client -> {"op": "release", "request_id": R}
     server -> {"ok": true}
+    client -> {"op": "stream", "key": K, "num_tokens": T, "first_block": F, "blocks_per_message": K}
+    server -> {"ok": true, "nbytes": N, "request_id": R}   (once the request is scheduled here)
+              then, as the forward pass writes them, messages
+              {"layer": i, "start": s, "count": c} + c blocks of layer i (the request's blocks
+              F + s .. F + s + c - 1, in layout.py's order restricted to that layer)
+              ending with {"end": true, "nbytes": N}
+           |  {"ok": false, "error": "..."}   (unknown key, token count mismatch, stream ended)
     client -> {"op": "bye"}
 
 A connection carries any number of fetches and releases: decode engines keep
@@ -40,6 +47,8 @@ from .config import BLOCKS_PER_MESSAGE
 from .counters import TransferCounters
 from .layout import BlockStore, LayoutError
 from .leases import LeaseTable
+from .params import is_stream_key
+from .streams import StreamClosed, StreamTable
 from .wire import (
     FrameError,
     PeerClosed,
@@ -55,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 #: Largest ``blocks_per_message`` honoured; larger asks are clamped to it.
 MAX_BLOCKS_PER_MESSAGE = 1024
+#: While a stream waits for the forward pass, how often it looks whether the decode side left.
+STREAM_POLL_S = 0.25
 #: Longest request id accepted in a fetch or release.
 MAX_REQUEST_ID_CHARS = 512
 #: At most one "over the cap" / "thread start failed" log line per this many seconds.
@@ -98,6 +109,8 @@ class KVServer:
         counters: TransferCounters | None = None,
         max_pending_handshakes: int = 16,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        streams: StreamTable | None = None,
+        stream_wait_s: float = 20.0,
     ):
         self.store = store
         self.leases = leases
@@ -110,6 +123,9 @@ class KVServer:
         self.counters = counters or TransferCounters()
         self.max_pending_handshakes = max(1, max_pending_handshakes)
         self.handshake_timeout_s = handshake_timeout_s
+        #: streamed transfers (op ``stream``); None: this listener serves fetches only
+        self.streams = streams
+        self.stream_wait_s = stream_wait_s
         self._pending = 0  # connections accepted and not yet authenticated (or refused)
         self._pending_lock = threading.Lock()
         self._suppressed: dict[str, tuple[float, int]] = {}  # log key -> (last logged, suppressed since)
@@ -240,6 +256,9 @@ class KVServer:
                     if op == "fetch":
                         if not self._fetch(conn, peer, msg):
                             return
+                    elif op == "stream":
+                        if not self._stream(conn, peer, msg):
+                            return
                     elif op == "release":
                         rid = msg.get("request_id")
                         if not self._valid_request_id(rid):
@@ -265,6 +284,83 @@ class KVServer:
     @staticmethod
     def _valid_request_id(rid: object) -> TypeGuard[str]:
         return isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_CHARS
+
+    def _stream(self, conn: socket.socket, peer: str, msg: dict[str, Any]) -> bool:
+        """Serve one streamed transfer; False when the connection must close."""
+        key, num_tokens, first = msg.get("key"), msg.get("num_tokens"), msg.get("first_block")
+        per_msg = msg.get("blocks_per_message", BLOCKS_PER_MESSAGE)
+        if self.streams is None:
+            self._refuse(conn, peer, "this listener does not stream")
+            return False
+        if not is_stream_key(key):
+            self._refuse(conn, peer, f"malformed stream key {_short(key)}")
+            return False
+        if (type(num_tokens) is not int or num_tokens < 1 or type(first) is not int or first < 0
+                or type(per_msg) is not int or per_msg < 1):
+            self._refuse(conn, peer, "malformed stream request: num_tokens, first_block and blocks_per_message "
+                                     "must be integers (>= 1, >= 0, >= 1)")
+            return False
+        per_msg = min(per_msg, MAX_BLOCKS_PER_MESSAGE)
+        asked = time.perf_counter()
+        stream = self.streams.attach(key, self.stream_wait_s)
+        if stream is None:
+            self._refuse(conn, peer, f"no stream {key[:8]}... here (not scheduled within {self.stream_wait_s:g} s, "
+                                     "ended, or already being read)")
+            return True
+        total = -(-stream.num_tokens // self.streams.block_size)
+        sent_bytes = 0
+        complete = False
+        try:
+            if num_tokens != stream.num_tokens:
+                self._refuse(conn, peer, f"stream of request {stream.request_id}: {num_tokens} prompt tokens there, "
+                                         f"{stream.num_tokens} here (different tokenization?)")
+                return True
+            if first >= total:
+                self._refuse(conn, peer, f"stream of request {stream.request_id}: first block {first} of {total}")
+                return True
+            count = total - first
+            waited = time.perf_counter() - asked
+            send_frame(conn, {"ok": True, "nbytes": count * self.store.layout.block_bytes,
+                              "request_id": stream.request_id})
+            sent = [0] * len(self.store.layout.layers)
+            try:
+                stalled_since = time.monotonic()
+                while min(sent) < count:
+                    todo = self.streams.wait_progress(stream, sent, first, per_msg, STREAM_POLL_S)
+                    if not todo:
+                        if wait_readable(conn, 0):  # EOF (or a stray frame): the decode side gave up
+                            raise StreamClosed("the decode side closed the connection")
+                        if time.monotonic() - stalled_since > self.io_timeout_s:
+                            raise StreamClosed(f"no progress for {self.io_timeout_s:g} s")
+                        continue
+                    stalled_since = time.monotonic()
+                    for layer, start, n in todo:
+                        with self.streams.reading(stream) as (ids, events):
+                            if events[layer] is not None:
+                                events[layer].synchronize()
+                            part = ids[first + start : first + start + n]
+                            with self.store.reading(part, [layer]) as views:
+                                send_frame(conn, {"layer": layer, "start": start, "count": n})
+                                sent_bytes += send_views(conn, views)
+                        sent[layer] = start + n
+            except StreamClosed as exc:
+                logger.info("socket KV connector: stream of %s to %s ended after %.2f MB: %s", stream.request_id,
+                            peer, sent_bytes / 1e6, exc)
+                send_frame(conn, {"ok": False, "error": f"stream of request {stream.request_id} ended: {exc}"})
+                return True
+            send_frame(conn, {"end": True, "nbytes": sent_bytes})
+            complete = True
+            self.counters.add("bytes_served", sent_bytes)
+            logger.info("socket KV connector: streamed %s (%d blocks, %.2f MB) to %s in %.1f ms "
+                        "(%.1f ms of it waiting for the request to be scheduled)", stream.request_id, count,
+                        sent_bytes / 1e6, peer, (time.perf_counter() - asked) * 1e3, waited * 1e3)
+            return True
+        finally:
+            release = self.streams.detach(stream)
+            if release is not None:
+                self.leases.release(release)
+            if not complete:
+                self.counters.add("bytes_served", sent_bytes)
 
     def _fetch(self, conn: socket.socket, peer: str, msg: dict[str, Any]) -> bool:
         rid = msg.get("request_id")

@@ -1,0 +1,258 @@
+"""Prefill side of streamed transfers: which blocks of which layers are ready to send.
+
+A streamed request (``kv_transfer_params.stream_key`` on a prefill engine)
+sends its KV while it is being computed. The decode engine connects to the
+listener with the same key as soon as its own blocks are allocated
+(server.py, op ``stream``); the listener sends each layer's blocks as the
+forward pass writes them. Who tells this table what:
+
+- the engine thread, before each forward (``SocketWorker.bind_step``, from
+  the step's metadata): streams opened, their block lists, the prompt tokens
+  ready at every layer before the step (computed earlier, prefix-cache hits),
+  streams that end now (the request was aborted or preempted: its blocks may
+  be reused by this very forward, so :meth:`StreamTable.close` waits until no
+  listener thread is reading them);
+- the engine thread, during the forward: :meth:`StreamTable.mark_layer` after
+  each attention layer wrote its KV (``save_kv_layer``), :meth:`mark_step`
+  at its end (``wait_for_save``: everything of the step is written, whether
+  or not a layer's hook ran);
+- the engine thread, when the request finished (its lease is registered):
+  :meth:`StreamTable.finished`; from then on the lease holds the blocks;
+- listener threads: :meth:`attach`, :meth:`wait_progress`, :meth:`reading`
+  and :meth:`detach`.
+
+Blocks are read from the cache in place (no staging on this side); a block's
+bytes are only read while :meth:`reading` holds the stream open, and the
+table never lets a stream be read after the engine may have reused its blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from .metadata import StreamStep
+
+
+class StreamClosed(ConnectionError):
+    """The stream ended before everything was sent; the message says why."""
+
+
+@dataclass
+class Stream:
+    """One streamed request's progress on this prefill engine."""
+
+    key: str
+    request_id: str
+    num_tokens: int
+    block_ids: list[int]
+    #: prompt tokens whose KV is in the cache, per layer (wire order)
+    ready: list[int]
+    #: per layer: when it last became more ready (a counter): the listener sends in that order
+    ready_seq: list[int]
+    #: per layer: an accelerator event to wait on before reading (None on host caches)
+    events: list[Any]
+    closed: str | None = None
+    readers: int = 0
+    attached: bool = False
+    #: everything was sent, or the reader left: this side need not hold the blocks for it
+    done: bool = False
+    #: the request finished and its lease is registered (the lease then holds the blocks)
+    leased: bool = False
+    opened_at: float = field(default_factory=time.monotonic)
+
+    def blocks_ready(self, layer: int, block_size: int) -> int:
+        """Leading blocks of the request whose every token is written at ``layer``."""
+        tokens = self.ready[layer]
+        full = -(-self.num_tokens // block_size) if tokens >= self.num_tokens else tokens // block_size
+        return min(full, len(self.block_ids))
+
+
+class StreamTable:
+    """Thread-safe table of the streams a prefill worker serves (see the module docstring)."""
+
+    def __init__(self, block_size: int, num_layers: int, clock: Callable[[], float] = time.monotonic):
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._streams: dict[str, Stream] = {}
+        self._by_request: dict[str, str] = {}
+        self._step: dict[str, int] = {}     # key -> tokens ready after this step's forward
+        self._seq = 0
+
+    # -- engine thread --------------------------------------------------------
+    def bind_step(self, steps: Mapping[str, StreamStep], closes: Mapping[str, str]) -> list[str]:
+        """Apply a step's metadata before its forward; returns the keys refused (a key already
+        streaming another request: that request's KV is not streamed)."""
+        for key, reason in closes.items():
+            self.close(key, reason)
+        refused: list[str] = []
+        with self._cond:
+            self._step = {}
+            for key, step in steps.items():
+                stream = self._streams.get(key)
+                if stream is None:
+                    stream = Stream(key, step.request_id, step.num_tokens, [], [0] * self.num_layers,
+                                    [0] * self.num_layers, [None] * self.num_layers)
+                    self._streams[key] = stream
+                    self._by_request[step.request_id] = key
+                elif stream.request_id != step.request_id:
+                    refused.append(key)
+                    continue
+                stream.block_ids = list(step.block_ids)
+                before = min(step.ready_before, stream.num_tokens)
+                if before > 0:
+                    self._advance(stream, range(self.num_layers), before, None)
+                self._step[key] = min(step.ready_after, stream.num_tokens)
+            self._cond.notify_all()
+        return refused
+
+    def _advance(self, stream: Stream, layers: range | list[int], tokens: int, event: Any) -> None:
+        self._seq += 1
+        for layer in layers:
+            if tokens > stream.ready[layer]:
+                stream.ready[layer] = tokens
+                stream.ready_seq[layer] = self._seq
+                stream.events[layer] = event
+
+    def mark_layer(self, layer: int, event: Any = None) -> None:
+        """This step's forward wrote ``layer``'s KV (``event``: when an accelerator is done with it)."""
+        with self._cond:
+            if not self._step:
+                return
+            for key, tokens in self._step.items():
+                stream = self._streams.get(key)
+                if stream is not None:
+                    self._advance(stream, [layer], tokens, event)
+            self._cond.notify_all()
+
+    def mark_step(self, event: Any = None) -> None:
+        """This step's forward is over: every layer of its streams is written (``event``: when an
+        accelerator is done with them)."""
+        with self._cond:
+            for key, tokens in self._step.items():
+                stream = self._streams.get(key)
+                if stream is not None:
+                    self._advance(stream, range(self.num_layers), tokens, event)
+            self._step = {}
+            self._cond.notify_all()
+
+    def finished(self, key: str, request_id: str) -> bool:
+        """The request finished and its lease is registered; True when the stream already sent
+        everything (or its reader left): the caller then releases the lease at once."""
+        with self._cond:
+            stream = self._streams.get(key)
+            if stream is None or stream.request_id != request_id:
+                return False
+            stream.leased = True
+            if stream.done:
+                self._forget(stream)
+            return stream.done
+
+    def key_of(self, request_id: str) -> str | None:
+        with self._cond:
+            return self._by_request.get(request_id)
+
+    def close(self, key: str, reason: str) -> None:
+        """End a stream (request aborted or preempted, lease expired): readers get StreamClosed.
+        Returns once no listener thread reads its blocks any more."""
+        with self._cond:
+            stream = self._streams.get(key)
+            if stream is None:
+                return
+            stream.closed = reason
+            self._forget(stream)
+            self._cond.notify_all()
+            while stream.readers:
+                self._cond.wait()
+
+    def _forget(self, stream: Stream) -> None:
+        if self._streams.get(stream.key) is stream:
+            del self._streams[stream.key]
+        if self._by_request.get(stream.request_id) == stream.key:
+            del self._by_request[stream.request_id]
+        self._step.pop(stream.key, None)
+
+    @property
+    def stepping(self) -> bool:
+        """Whether the step being run advances any stream (a read without the lock: a hint)."""
+        return bool(self._step)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._streams)
+
+    # -- listener threads ---------------------------------------------------------
+    def attach(self, key: str, wait_s: float) -> Stream | None:
+        """The stream a decode engine asks for, waiting up to ``wait_s`` for the prefill engine to
+        schedule its request; None when it never came, ended, or another connection reads it."""
+        deadline = self._clock() + wait_s
+        with self._cond:
+            while True:
+                stream = self._streams.get(key)
+                if stream is not None:
+                    if stream.attached or stream.done or stream.closed:
+                        return None
+                    stream.attached = True
+                    return stream
+                left = deadline - self._clock()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    def wait_progress(self, stream: Stream, sent: list[int], first: int, per_message: int,
+                      timeout_s: float) -> list[tuple[int, int, int]]:
+        """Messages ready to send: (layer, start, count) with ``start`` counted from block ``first``,
+        layers in the order they became ready. Waits up to ``timeout_s`` for any (an empty list
+        when none came); raises StreamClosed when the stream ends."""
+        deadline = self._clock() + timeout_s
+        with self._cond:
+            while True:
+                if stream.closed:
+                    raise StreamClosed(stream.closed)
+                out: list[tuple[int, int, int]] = []
+                for layer in sorted(range(self.num_layers), key=lambda i: stream.ready_seq[i]):
+                    avail = stream.blocks_ready(layer, self.block_size) - first
+                    start = sent[layer]
+                    while avail > start:
+                        count = min(avail - start, per_message)
+                        out.append((layer, start, count))
+                        start += count
+                if out:
+                    return out
+                left = deadline - self._clock()
+                if left <= 0:
+                    return out
+                self._cond.wait(left)
+
+    @contextmanager
+    def reading(self, stream: Stream) -> Iterator[tuple[list[int], list[Any]]]:
+        """Hold the stream open while its blocks are read: yields its block ids and per-layer
+        events; raises StreamClosed if it ended."""
+        with self._cond:
+            if stream.closed:
+                raise StreamClosed(stream.closed)
+            stream.readers += 1
+            ids, events = stream.block_ids, list(stream.events)
+        try:
+            yield ids, events
+        finally:
+            with self._cond:
+                stream.readers -= 1
+                self._cond.notify_all()
+
+    def detach(self, stream: Stream) -> str | None:
+        """The decode connection is done with the stream (all sent, or it failed); returns the
+        request id whose lease the caller must release now (the request already finished)."""
+        with self._cond:
+            stream.attached = False
+            stream.done = True
+            if stream.leased and not stream.closed:
+                self._forget(stream)
+                return stream.request_id
+            return None

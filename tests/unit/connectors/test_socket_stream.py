@@ -1,0 +1,276 @@
+"""Streamed transfers over a real listener (no engine): the prefill side's stream table is
+driven step by step as an engine's forward would (bind_step, mark_layer, mark_step); the
+decode side receives in a thread. What arrives, when, and every way a stream ends."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from disagg_connectors.socket_connector.client import FetchError, FetchOptions, FetchPlan, FetchResult, PeerConnections
+from disagg_connectors.socket_connector.counters import TransferCounters
+from disagg_connectors.socket_connector.layout import make_store
+from disagg_connectors.socket_connector.leases import LeaseTable
+from disagg_connectors.socket_connector.metadata import StreamStep
+from disagg_connectors.socket_connector.server import KVServer
+from disagg_connectors.socket_connector.streams import StreamClosed, StreamTable
+from disagg_connectors.socket_connector.wire import recv_frame, send_frame
+
+from tests.unit.connectors.kvdata import NUM_BLOCKS, SECRET, eventually, kv_caches, reaped
+
+KEY = "k" * 32
+BS = 16
+P_BLOCKS = [9, 3, 17, 4, 30, 12]        # the prefill request's blocks (6 blocks: up to 96 tokens)
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+@dataclass
+class Prefill:
+    server: KVServer
+    table: StreamTable
+    leases: LeaseTable
+    src: dict[str, torch.Tensor]
+
+    def step(self, before: int, after: int, blocks: list[int] | None = None, key: str = KEY,
+             rid: str = "p-req", num_tokens: int = 70) -> None:
+        self.table.bind_step({key: StreamStep(rid, num_tokens, list(blocks or P_BLOCKS), before, after)}, {})
+
+
+@dataclass
+class Receiver:
+    """A decode side receiving one stream in a thread."""
+
+    plan: FetchPlan
+    dst: dict[str, torch.Tensor]
+    result: FetchResult | None = None
+    error: BaseException | None = None
+    sock: list[socket.socket | None] = field(default_factory=lambda: [None])
+    thread: threading.Thread | None = None
+
+    def blocks_equal(self, src: dict[str, torch.Tensor], layer: str, n: int) -> bool:
+        return all(torch.equal(self.dst[layer][self.plan.local_block_ids[i]],
+                               src[layer][P_BLOCKS[self.plan.first_block + i]]) for i in range(n))
+
+    def untouched(self, layer: str, i: int) -> bool:
+        return not self.dst[layer][self.plan.local_block_ids[i]].any()
+
+
+@pytest.fixture
+def prefill() -> Iterator[Prefill]:
+    caches = kv_caches(7)
+    store = make_store(caches, NUM_BLOCKS)
+    table = StreamTable(BS, len(store.layout.layers))
+    leases = LeaseTable()
+    server = KVServer(store, leases, SECRET, "127.0.0.1", 0, io_timeout_s=3, counters=TransferCounters(),
+                      streams=table, stream_wait_s=1.0)
+    server.start()
+    yield Prefill(server, table, leases, caches)
+    server.close()
+
+
+def receive(p: Prefill, num_tokens: int = 70, first: int = 0, local: list[int] | None = None,
+            key: str = KEY, per_msg: int = 64) -> Receiver:
+    count = -(-num_tokens // BS) - first
+    local = local if local is not None else list(range(20, 20 + count))
+    plan = FetchPlan("127.0.0.1", p.server.port, key, list(range(first, first + count)), local,
+                     stream_key=key, num_tokens=num_tokens, first_block=first)
+    recv = Receiver(plan, kv_caches(0, fill=False))
+    store = make_store(recv.dst, NUM_BLOCKS)
+
+    def run() -> None:
+        conns = PeerConnections(SECRET, store, FetchOptions(blocks_per_message=per_msg, io_timeout_s=5))
+        try:
+            recv.result = conns.stream(plan, lambda s: recv.sock.__setitem__(0, s))
+        except BaseException as exc:
+            recv.error = exc
+        finally:
+            conns.close()
+
+    recv.thread = threading.Thread(target=run, daemon=True)
+    recv.thread.start()
+    return recv
+
+
+def finish(recv: Receiver, timeout: float = 5.0) -> Receiver:
+    assert recv.thread is not None
+    recv.thread.join(timeout)
+    assert not recv.thread.is_alive(), "the stream did not end"
+    return recv
+
+
+def test_layers_arrive_as_the_forward_writes_them_and_only_whole_blocks(prefill: Prefill) -> None:
+    recv = receive(prefill)                      # D connects before P scheduled the request
+    time.sleep(0.1)
+    prefill.step(0, 40)                          # step 1: tokens 0..39 (2 whole blocks, a third begun)
+    prefill.table.mark_layer(1)                  # the layers' names sort 0, 1; any order works
+    assert eventually(lambda: recv.blocks_equal(prefill.src, LAYERS[1], 2), True)
+    assert all(recv.untouched(LAYERS[0], i) for i in range(5)), "layer 0 was not written yet"
+    prefill.table.mark_step()
+    assert eventually(lambda: recv.blocks_equal(prefill.src, LAYERS[0], 2), True)
+    assert recv.untouched(LAYERS[0], 2) and recv.untouched(LAYERS[1], 2), "a partly written block was sent"
+    prefill.step(40, 64)                         # step 2: up to 64 tokens: 4 whole blocks
+    prefill.table.mark_step()
+    assert eventually(lambda: recv.blocks_equal(prefill.src, LAYERS[0], 4), True)
+    assert recv.untouched(LAYERS[0], 4), "the prompt's last, partial block went before the prompt was done"
+    assert recv.thread is not None and recv.thread.is_alive()
+    prefill.step(64, 70)                         # the last 6 tokens: the partial block may go
+    prefill.table.mark_step()
+    finish(recv)
+    assert recv.error is None and recv.result is not None
+    assert recv.result.nbytes == 5 * make_store(recv.dst, NUM_BLOCKS).layout.block_bytes
+    for layer in LAYERS:
+        assert recv.blocks_equal(prefill.src, layer, 5)
+
+
+def test_prefix_cache_hits_go_before_the_first_forward_and_a_local_hit_skips_blocks(prefill: Prefill) -> None:
+    recv = receive(prefill, first=2, local=[1, 2, 3])  # D has the first 2 blocks itself
+    prefill.step(48, 70)                               # P: 3 blocks from its prefix cache
+    assert eventually(lambda: recv.blocks_equal(prefill.src, LAYERS[0], 1), True)
+    assert eventually(lambda: recv.blocks_equal(prefill.src, LAYERS[1], 1), True)
+    prefill.table.mark_step()
+    finish(recv)
+    assert recv.error is None
+    for layer in LAYERS:
+        assert recv.blocks_equal(prefill.src, layer, 3)
+        assert not recv.dst[layer][0].any()
+
+
+def test_blocks_per_message_splits_a_layer_into_ordered_messages(prefill: Prefill) -> None:
+    recv = receive(prefill, per_msg=2)
+    prefill.step(0, 70)
+    prefill.table.mark_step()
+    finish(recv)
+    assert recv.error is None
+    for layer in LAYERS:
+        assert recv.blocks_equal(prefill.src, layer, 5)
+
+
+def test_an_aborted_request_ends_its_stream_and_close_waits_for_the_reader(prefill: Prefill) -> None:
+    recv = receive(prefill)
+    prefill.step(0, 32)
+    prefill.table.mark_step()
+    assert eventually(lambda: recv.blocks_equal(prefill.src, LAYERS[0], 2), True)
+    prefill.table.bind_step({}, {KEY: "request aborted on the prefill engine"})  # what an abort's next step says
+    finish(recv)
+    assert isinstance(recv.error, FetchError) and "aborted" in str(recv.error)
+    assert len(prefill.table) == 0
+
+
+def test_close_blocks_until_a_read_in_progress_ends(prefill: Prefill) -> None:
+    prefill.step(0, 70)
+    stream = prefill.table.attach(KEY, 0)
+    assert stream is not None
+    closed = threading.Event()
+    with prefill.table.reading(stream):
+        t = threading.Thread(target=lambda: (prefill.table.close(KEY, "preempted"), closed.set()), daemon=True)
+        t.start()
+        assert not closed.wait(0.2), "close returned while a listener thread still read the blocks"
+    assert closed.wait(2)
+    with pytest.raises(StreamClosed, match="preempted"), prefill.table.reading(stream):
+        pass
+
+
+def test_a_stream_finished_before_its_request_releases_the_lease_at_once(prefill: Prefill) -> None:
+    recv = receive(prefill)
+    prefill.step(0, 70)
+    prefill.table.mark_step()
+    finish(recv)
+    prefill.leases.register("p-req", P_BLOCKS[:5], 30)   # the request finished: its lease arrives next step
+    assert prefill.table.finished(KEY, "p-req") is True   # ... and the worker releases it at once
+    assert prefill.leases.release("p-req")
+    assert eventually(reaped(prefill.leases), ({"p-req"}, set())) == ({"p-req"}, set())
+    assert len(prefill.table) == 0
+
+
+def test_a_request_finished_before_its_stream_keeps_the_blocks_until_everything_is_sent(prefill: Prefill) -> None:
+    prefill.step(0, 70)
+    prefill.table.mark_step()
+    prefill.leases.register("p-req", P_BLOCKS[:5], 30)
+    assert prefill.table.finished(KEY, "p-req") is False  # nobody read it yet: the lease holds the blocks
+    assert prefill.leases.reap() == (set(), set())
+    recv = finish(receive(prefill))                       # D comes late; the stream's end releases the lease
+    assert recv.error is None
+    assert eventually(reaped(prefill.leases), ({"p-req"}, set())) == ({"p-req"}, set())
+    assert len(prefill.table) == 0
+
+
+def test_a_key_never_scheduled_is_refused_after_the_wait(prefill: Prefill) -> None:
+    started = time.monotonic()
+    recv = finish(receive(prefill, key="u" * 32))
+    assert isinstance(recv.error, FetchError) and "no stream" in str(recv.error)
+    assert 0.9 <= time.monotonic() - started < 3
+
+
+def test_a_prompt_length_mismatch_is_refused(prefill: Prefill) -> None:
+    prefill.step(0, 10)
+    recv = finish(receive(prefill, num_tokens=71))
+    assert isinstance(recv.error, FetchError) and "71 prompt tokens there, 70 here" in str(recv.error)
+
+
+def test_only_one_connection_reads_a_stream(prefill: Prefill) -> None:
+    prefill.step(0, 10)
+    first = receive(prefill)
+    assert eventually(lambda: first.sock[0] is not None, True)
+    time.sleep(0.1)
+    second = finish(receive(prefill))
+    assert isinstance(second.error, FetchError) and "already being read" in str(second.error)
+    prefill.step(10, 70)
+    prefill.table.mark_step()
+    assert finish(first).error is None
+
+
+def test_the_decode_side_cuts_a_stream_of_an_aborted_request(prefill: Prefill) -> None:
+    recv = receive(prefill)
+    prefill.step(0, 16)
+    prefill.table.mark_step()
+    assert eventually(lambda: recv.sock[0] is not None and recv.blocks_equal(prefill.src, LAYERS[0], 1), True)
+    prefill.leases.register("p-req", P_BLOCKS[:1], 30)   # P's request finished meanwhile: the lease holds it
+    assert prefill.table.finished(KEY, "p-req") is False
+    sock = recv.sock[0]
+    assert sock is not None
+    sock.shutdown(socket.SHUT_RDWR)             # what SocketWorker._cancel_stream does
+    finish(recv)
+    assert isinstance(recv.error, FetchError)
+    # The listener notices the reader left and frees P's blocks at once (no wait for the lease to expire).
+    assert eventually(reaped(prefill.leases), ({"p-req"}, set())) == ({"p-req"}, set())
+    assert len(prefill.table) == 0
+
+
+def test_no_progress_ends_the_stream_with_a_reason(prefill: Prefill) -> None:
+    prefill.server.io_timeout_s = 0.3
+    prefill.step(0, 10)                          # scheduled, then nothing: the reader waits io_timeout_s
+    recv = finish(receive(prefill))
+    assert isinstance(recv.error, FetchError) and "no progress" in str(recv.error)
+
+
+@pytest.mark.parametrize("ask", [
+    {"op": "stream", "key": "short", "num_tokens": 10, "first_block": 0},
+    {"op": "stream", "key": KEY + "!", "num_tokens": 10, "first_block": 0},
+    {"op": "stream", "key": KEY, "num_tokens": "10", "first_block": 0},
+    {"op": "stream", "key": KEY, "num_tokens": 10, "first_block": -1},
+    {"op": "stream", "key": KEY, "num_tokens": 10, "first_block": 0, "blocks_per_message": 0},
+])
+def test_malformed_stream_requests_are_refused(prefill: Prefill, ask: dict) -> None:
+    from disagg_connectors.socket_connector.auth import client_handshake, listener_id
+    from disagg_connectors.socket_connector.wire import set_io_timeout
+
+    with socket.create_connection(("127.0.0.1", prefill.server.port), timeout=3) as sock:
+        client_handshake(sock, SECRET, listener_id("127.0.0.1", prefill.server.port), 3)
+        set_io_timeout(sock, 3)
+        assert recv_frame(sock)["ok"]
+        send_frame(sock, ask)
+        reply = recv_frame(sock)
+    assert reply["ok"] is False and ("malformed" in reply["error"])
+
+
+def test_a_key_used_by_another_request_is_not_streamed(prefill: Prefill) -> None:
+    prefill.step(0, 10)
+    refused = prefill.table.bind_step({KEY: StreamStep("other-req", 70, P_BLOCKS, 0, 10)}, {})
+    assert refused == [KEY]
+    stream = prefill.table.attach(KEY, 0)
+    assert stream is not None and stream.request_id == "p-req"
