@@ -34,6 +34,10 @@ ENGINES = ("vllm", "sglang")
 CONNECTORS = ("nixl", "lmcache", "socket", "mooncake")
 #: ``connector.wire_format`` values: the socket connector's (its config owns them)
 WIRE_FORMATS: tuple[str, ...] = tuple(_CONNECTOR_WIRE_FORMATS)
+#: ``connector.streaming`` when not given (socket connector): whether decode receives each layer's KV
+#: while prefill is still computing (prefill and decode get the request at once), or fetches it after
+#: prefill answered. The one place this default is decided (a benchmark will settle it)
+SOCKET_STREAMING_DEFAULT = False
 LINK_TYPES = ("loopback", "ethernet", "roce", "emulated")
 ROLES = ("prefill", "decode", "both")
 #: the kinds of device a host runs engines on (the accelerator models for `plan` are disagg.hardware.DEVICES)
@@ -223,6 +227,9 @@ class Topology:
     restart: RestartSpec = field(default_factory=RestartSpec)
     #: how the KV crosses the link: ``raw`` (the cache's bytes) or ``fp8`` (socket connector only)
     wire_format: str = "raw"
+    #: socket connector only: decode receives the KV layer by layer while prefill computes
+    #: (``connector.streaming``; the proxy then sends both requests at once)
+    streaming: bool = SOCKET_STREAMING_DEFAULT
 
     @property
     def colocated(self) -> bool:
@@ -257,9 +264,10 @@ def build_topology(root: Node, path: Path, *, run_dir: str | None = None) -> Top
     engine = top.choice("engine", ENGINES, "vllm")
     given = root.children.get("connector")
     if given is not None and isinstance(given.value, dict):
-        connector, wire_format = _connector(top.required("connector"))
+        connector, wire_format, streaming = _connector(top.required("connector"))
     else:
         connector, wire_format = top.choice("connector", CONNECTORS, "nixl"), "raw"
+        streaming = SOCKET_STREAMING_DEFAULT
     link = _link(top.take("link"), root)
     hosts = _hosts(top.required("hosts"))
     instances = _roles(top.required("roles"), hosts)
@@ -271,7 +279,8 @@ def build_topology(root: Node, path: Path, *, run_dir: str | None = None) -> Top
     instances = _assign_kv_ports(instances, hosts, proxy)
     topo = Topology(file=str(path), name=name, model=model, engine=engine, connector=connector,
                     link=link, hosts=hosts, instances=instances, proxy=proxy, timeouts=timeouts, routing=routing,
-                    run_dir=resolved_run_dir, restart=restart, wire_format=wire_format)
+                    run_dir=resolved_run_dir, restart=restart, wire_format=wire_format,
+                    streaming=streaming)
     _check_ports(topo, root)
     _check_link(topo, root)
     return topo
@@ -367,17 +376,23 @@ def _model(node: Node, path: Path, run_dir: str) -> ModelSpec:
                      max_model_len=max_len, served_name=served)
 
 
-def _connector(node: Node) -> tuple[str, str]:
-    """``connector: {type: NAME, wire_format: raw|fp8}``: (name, wire format). The plain
-    ``connector: NAME`` form is an ordinary choice (:func:`build_topology`)."""
-    f = Fields(node, f"a connector name ({', '.join(CONNECTORS)}) or a mapping with type and wire_format")
+def _connector(node: Node) -> tuple[str, str, bool]:
+    """``connector: {type: NAME, wire_format: raw|fp8, streaming: true|false}``: (name, wire format,
+    streaming). The plain ``connector: NAME`` form is an ordinary choice (:func:`build_topology`)."""
+    f = Fields(node, f"a connector name ({', '.join(CONNECTORS)}) or a mapping with type, wire_format "
+                     "and streaming")
     name = f.choice("type", CONNECTORS, "nixl")
     wire = f.choice("wire_format", WIRE_FORMATS, "raw")
+    streaming_node = node.children.get("streaming")
+    streaming = f.bool("streaming", SOCKET_STREAMING_DEFAULT)
     f.done()
     if wire != "raw" and name != "socket":
         raise node.children["wire_format"].error(
             f"wire_format {wire} needs connector type socket (connector {name} sends the cache's own bytes)")
-    return name, wire
+    if streaming_node is not None and streaming_node.value is not None and name != "socket":
+        raise streaming_node.error(f"streaming needs connector type socket (it is how our socket connector "
+                                   f"hands the KV over; connector {name} has no such setting)")
+    return name, wire, streaming
 
 
 def _link(node: Node | None, root: Node) -> LinkSpec:

@@ -13,7 +13,7 @@ from disagg.errors import DisaggError
 from disagg.launch.frontend import frontend_argv
 from disagg.modelgen import EMBEDDED_MODELS, build_model
 from disagg.registry import engine_adapter
-from disagg.topology import load_topology
+from disagg.topology import Topology, load_topology
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -45,6 +45,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 2 if failed else 0
 
 
+def _mode(topo: Topology) -> str:
+    """``disagg check``'s mode line: colocated, or the connector (and the socket connector's settings)."""
+    if topo.colocated:
+        return "colocated (no KV transfer)"
+    if topo.connector == "socket":
+        streaming = "on: decode receives the KV while prefill computes" if topo.streaming else "off"
+        return f"disaggregated, connector socket (wire_format {topo.wire_format}, streaming {streaming})"
+    return f"disaggregated, connector {topo.connector}"
+
+
 def describe(dep: Deployment) -> str:
     """The human-readable plan printed by ``disagg check``."""
     topo = dep.topology
@@ -52,8 +62,7 @@ def describe(dep: Deployment) -> str:
              f"  model     {topo.model.source}" + (f" -> {topo.model.path}" if topo.model.path != topo.model.source
                                                    else ""),
              f"  engine    {topo.engine}",
-             "  mode      " + ("colocated (no KV transfer)" if topo.colocated
-                                else f"disaggregated, connector {topo.connector}"),
+             f"  mode      {_mode(topo)}",
              f"  link      {topo.link.type}" + (f" {topo.link.rate_text}" if topo.link.rate_text else ""),
              f"  proxy     {dep.proxy_url} (fallback: {topo.proxy.fallback}"
              + (", api key set" if topo.proxy.api_key else "") + ")"]

@@ -34,7 +34,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                    help="decode engine URLs (colocated servers when --prefill is absent)")
     p.add_argument("--handoff", "--engine", dest="handoff", default="vllm",
                    help="the KV handoff protocol between the engines: vllm (NIXL, the socket connector), "
-                        "sglang, vllm-lmcache (default vllm; --engine is its old name)")
+                        "sglang, vllm-lmcache, vllm-socket-stream (the socket connector streaming the KV while "
+                        "prefill computes) (default vllm; --engine is its old name)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV} if set)")
     p.add_argument("--engine-key", default=None,
@@ -60,7 +61,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                    help="event loop (default: auto = uvloop when installed)")
     p.add_argument("--handoff-option", action="append", default=[], metavar="KEY=VALUE",
                    help="engine-specific handoff setting, repeatable (sglang: bootstrap_ports=P1,P2 "
-                        "one per --prefill URL)")
+                        "one per --prefill URL; vllm-socket-stream: kv_peers=H1:P1,H2:P2, each --prefill "
+                        "URL's KV listener)")
     r = RoutingConfig()
     p.add_argument("--routing-policy", choices=ROUTING_POLICIES, default=r.policy,
                    help="per prompt: 'split' always through the KV handoff (default), 'local' decode "

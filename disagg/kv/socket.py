@@ -12,6 +12,11 @@ Decode instances get ``peers``: every prefill instance's ``address:kv_port``
 (TP rank r's listener is kv_port + r, which the connector derives from the
 same entry). A decode engine fetches only from those, so a request naming
 another host is computed locally instead of making it dial that host.
+
+With ``connector: {type: socket, streaming: true}`` the proxy sends prefill and
+decode their requests at once, joined by a per-request key
+(:mod:`disagg.proxy.socket_stream_handoff`), and needs each prefill instance's
+listener in ``--prefill`` order: :func:`prefill_peer` formats it for both.
 """
 
 from __future__ import annotations
@@ -40,13 +45,18 @@ def format_peer(address: str, port: int) -> str:
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
+def prefill_peer(topo: Topology, inst: InstanceSpec) -> str:
+    """A prefill instance's KV listener (TP rank 0's), ``address:kv_port``."""
+    if inst.kv_port is None:
+        raise DeploymentError(f"{inst.name} (line {inst.line}): the socket connector needs a kv_port")
+    return format_peer(topo.host_of(inst).address, inst.kv_port)
+
+
 def prefill_peers(topo: Topology) -> list[str]:
     """Every prefill listener of the topology, as the decode engines' ``peers`` setting."""
     peers = []
     for inst in topo.role("prefill"):
-        if inst.kv_port is None:
-            raise DeploymentError(f"{inst.name} (line {inst.line}): the socket connector needs a kv_port")
-        peer = format_peer(topo.host_of(inst).address, inst.kv_port)
+        peer = prefill_peer(topo, inst)
         if peer not in peers:
             peers.append(peer)
     return peers

@@ -3,9 +3,10 @@
 ``proxy.kind`` in the topology picks it:
 
 - ``builtin``: ``python -m disagg proxy`` with the handoff of the topology's
-  engine and connector (``--handoff vllm | sglang | vllm-lmcache``) and its
-  ``--handoff-option`` settings (SGLang: the prefill bootstrap ports; LMCache:
-  decode receiver ports and the notification port).
+  engine and connector (``--handoff vllm | sglang | vllm-lmcache |
+  vllm-socket-stream``) and its ``--handoff-option`` settings (SGLang: the
+  prefill bootstrap ports; LMCache: decode receiver ports and the notification
+  port; the streaming socket connector: each prefill instance's KV listener).
 - ``vllm-router`` (PyPI ``vllm-router``, module ``vllm_router.launch_router``):
   ``--vllm-pd-disaggregation --prefill URL --decode URL`` (its default KV
   connector is NIXL, the only one it shares with disagg).
@@ -27,8 +28,10 @@ from pathlib import Path
 from disagg.deployment import Deployment
 from disagg.errors import DeploymentError, DisaggError
 from disagg.kv.lmcache import proxy_options
+from disagg.kv.socket import prefill_peer
 from disagg.planning import route_seeds
 from disagg.proxy.config import DEFAULT_MAX_CONCURRENCY, ProxyConfig, ProxyTimeouts, RoutingConfig
+from disagg.proxy.socket_stream_handoff import KV_PEERS, SocketStreamHandoff
 
 log = logging.getLogger("disagg")
 
@@ -46,12 +49,16 @@ def handoff_kind(dep: Deployment) -> str:
     topo = dep.topology
     if topo.engine == "vllm" and topo.connector == "lmcache" and not topo.colocated:
         return "vllm-lmcache"
+    if topo.engine == "vllm" and topo.connector == "socket" and topo.streaming and not topo.colocated:
+        return SocketStreamHandoff.kind
     return topo.engine
 
 
 def handoff_options(dep: Deployment) -> tuple[tuple[str, str], ...]:
     """The proxy's handoff options for a planned topology (SGLang: the prefill
-    bootstrap ports; vLLM + LMCache: decode receiver ports and the notify port)."""
+    bootstrap ports; vLLM + LMCache: decode receiver ports and the notify port;
+    the streaming socket connector: each prefill instance's KV listener, in the
+    order of the proxy's ``--prefill`` URLs)."""
     topo = dep.topology
     if topo.colocated:
         return ()
@@ -59,6 +66,8 @@ def handoff_options(dep: Deployment) -> tuple[tuple[str, str], ...]:
         return (("bootstrap_ports", ",".join(str(e.instance.kv_port) for e in dep.role("prefill"))),)
     if handoff_kind(dep) == "vllm-lmcache":
         return tuple(proxy_options(topo))
+    if handoff_kind(dep) == SocketStreamHandoff.kind:
+        return ((KV_PEERS, ",".join(prefill_peer(topo, e.instance) for e in dep.role("prefill"))),)
     return ()
 
 

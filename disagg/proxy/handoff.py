@@ -10,10 +10,11 @@ raises :class:`PrefillFailed`, and turns any other error into the client's error
   ``max_tokens: 1`` and ``kv_transfer_params.do_remote_decode``, then decode
   with the client's request plus the ``kv_transfer_params`` prefill returned.
 - A concurrent protocol (SGLang: the same body with ``bootstrap_room`` sent to
-  prefill and decode at once) fits the same interface: its ``serve`` starts
-  both requests, yields the decode reply with ``companion`` set to the
-  prefill task, and cancels whichever side is left if the other fails. Add it
-  to :data:`HANDOFFS`.
+  prefill and decode at once; the socket connector's streaming mode,
+  :mod:`disagg.proxy.socket_stream_handoff`) fits the same interface: its
+  ``serve`` starts both requests, yields the decode reply with ``companion``
+  set to the prefill task, and cancels whichever side is left if the other
+  fails. Add it to :data:`HANDOFFS`.
 """
 
 from __future__ import annotations
@@ -176,6 +177,15 @@ class VllmHandoff(Handoff):
         out["kv_transfer_params"] = dict(kv_transfer_params)
         return out
 
+    def prefill_answered(self, route: PromptRoute, backend: Backend, elapsed: float, reply: Mapping[str, Any]) -> None:
+        """Prefill ``backend`` answered ``route`` with ``reply`` (a JSON object) after ``elapsed`` seconds:
+        the ``prefill_seconds`` metric and :attr:`observer` (with the prompt tokens it counted) learn it."""
+        self.metrics.prefill.observe(elapsed)
+        if self.observer is not None:
+            usage = reply.get("usage")
+            counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+            self.observer(route, backend, elapsed, counted if type(counted) is int else None)
+
     async def run_prefill(self, route: PromptRoute,
                           kv_transfer_params: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Prefill ``route``'s prompt on its preset prefill backend if healthy, else the best one
@@ -203,12 +213,7 @@ class VllmHandoff(Handoff):
             raise PrefillFailed(exc.kind, f"prefill {exc.message}") from exc
         except ProxyHTTPError as exc:  # no healthy prefill instance
             raise PrefillFailed("no_healthy_prefill", exc.message) from exc
-        elapsed = time.perf_counter() - started
-        self.metrics.prefill.observe(elapsed)
-        if self.observer is not None:
-            usage = reply.get("usage")
-            counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-            self.observer(route, backend, elapsed, counted if type(counted) is int else None)
+        self.prefill_answered(route, backend, time.perf_counter() - started, reply)
         params = reply.get("kv_transfer_params")
         if not isinstance(params, dict) or not params:
             raise PrefillFailed("no_kv_params", f"prefill {backend.url} answered without kv_transfer_params "
@@ -234,6 +239,7 @@ HANDOFFS: dict[str, str] = {
     "vllm": "disagg.proxy.handoff:VllmHandoff",
     "sglang": "disagg.proxy.sglang_handoff:SglangHandoff",
     "vllm-lmcache": "disagg.proxy.lmcache_handoff:LmcacheHandoff",
+    "vllm-socket-stream": "disagg.proxy.socket_stream_handoff:SocketStreamHandoff",
 }
 
 

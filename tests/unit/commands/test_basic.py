@@ -109,3 +109,21 @@ def test_python_dash_m_works(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "KV 1024 bytes/token" in done.stdout
     assert (tmp_path / "m" / "model.safetensors").is_file()
+
+
+def test_check_shows_the_socket_connectors_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    example = ROOT / "topologies/local-cpu-socket.yaml"
+    assert main(["check", str(example)]) == 0
+    out = capsys.readouterr().out
+    assert "  mode      disaggregated, connector socket (wire_format raw, streaming off)\n" in out
+    assert "--handoff vllm " in out and "kv_peers" not in out
+    text = example.read_text().replace("\nconnector: socket\n", "\nconnector: {type: socket, streaming: true}\n")
+    streaming = tmp_path / "streaming.yaml"
+    streaming.write_text(text)
+    assert main(["check", str(streaming)]) == 0
+    out = capsys.readouterr().out
+    assert "  mode      disaggregated, connector socket (wire_format raw, streaming on: decode receives the KV " \
+           "while prefill computes)\n" in out
+    assert "--handoff vllm-socket-stream " in out and "--handoff-option kv_peers=127.0.0.1:5601 " in out
+    assert main(["check", str(ROOT / "topologies/local-cpu.yaml")]) == 0
+    assert "  mode      disaggregated, connector nixl\n" in capsys.readouterr().out

@@ -9,9 +9,9 @@ import pytest
 
 from disagg.deployment import build_deployment
 from disagg.errors import DeploymentError, TopologyError
-from disagg.kv.socket import SECRET_ENV, generate_secret
+from disagg.kv.socket import SECRET_ENV, generate_secret, prefill_peer
 from disagg.registry import vllm_kv_adapter
-from disagg.topology import parse_topology
+from disagg.topology import SOCKET_STREAMING_DEFAULT, parse_topology
 
 TOPO = """\
 model: {path: disagg:tiny, max_model_len: 2048}
@@ -142,3 +142,43 @@ def test_fp8_on_the_wire_over_an_fp8_cache_is_refused_before_any_engine_starts()
 def test_bad_wire_formats_are_refused_with_the_line(connector: str, message: str) -> None:
     with pytest.raises(TopologyError, match=r"topo.yaml:3: .*" + message):
         parse_topology(textwrap.dedent(TOPO).replace("connector: socket", f"connector: {connector}"), "topo.yaml")
+
+
+@pytest.mark.parametrize(("connector", "streaming"), [
+    ("socket", SOCKET_STREAMING_DEFAULT),
+    ("{type: socket}", SOCKET_STREAMING_DEFAULT),
+    ("{type: socket, streaming: true}", True),
+    ("{type: socket, streaming: false}", False),
+    ("{type: socket, streaming: null}", SOCKET_STREAMING_DEFAULT),
+    ("{type: socket, wire_format: fp8, streaming: true}", True),
+])
+def test_streaming_is_a_socket_connector_setting(connector: str, streaming: bool) -> None:
+    topo = parse_topology(textwrap.dedent(TOPO).replace("connector: socket", f"connector: {connector}"), "topo.yaml")
+    assert (topo.connector, topo.streaming) == ("socket", streaming)
+
+
+def test_streaming_defaults_off_elsewhere() -> None:
+    assert SOCKET_STREAMING_DEFAULT is False     # until a benchmark decides it
+    nixl = parse_topology(textwrap.dedent(TOPO).replace("connector: socket", "connector: nixl"), "topo.yaml")
+    assert nixl.streaming is SOCKET_STREAMING_DEFAULT
+
+
+@pytest.mark.parametrize(("connector", "message"), [
+    ("{type: nixl, streaming: true}", "streaming needs connector type socket .*connector nixl"),
+    ("{type: lmcache, streaming: false}", "streaming needs connector type socket .*connector lmcache"),
+    ("{streaming: true}", "streaming needs connector type socket .*connector nixl"),   # type's default
+    ("{type: socket, streaming: yes please}", "connector.streaming: expected true or false, got"),
+    ("{type: socket, streaming: 1}", "connector.streaming: expected true or false, got"),
+    ('{type: socket, streaming: "true"}', "connector.streaming: expected true or false, got"),
+    ("{type: socket, stream: true}", "connector.stream: unknown field"),
+])
+def test_bad_streaming_is_refused_with_the_line(connector: str, message: str) -> None:
+    with pytest.raises(TopologyError, match=r"topo.yaml:3: .*" + message):
+        parse_topology(textwrap.dedent(TOPO).replace("connector: socket", f"connector: {connector}"), "topo.yaml")
+
+
+def test_prefill_peer_is_one_instances_listener() -> None:
+    topo = parse_topology(TWO_PREFILL, "topo.yaml", run_dir="/tmp/run")
+    a, v6 = topo.role("prefill")
+    assert prefill_peer(topo, a) == "198.18.0.1:5701"
+    assert prefill_peer(topo, v6) == f"[fd00::7]:{v6.kv_port}"

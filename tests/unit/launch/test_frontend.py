@@ -128,3 +128,80 @@ def test_every_proxy_wait_comes_from_the_topologys_timeouts() -> None:
     assert (t.connect, t.request, t.health_interval, t.health_timeout, t.drain) == (3, 30, 0.5, 1.5, 4)
     a = cfg.to_argv(with_api_key=False)
     assert a[a.index("--health-timeout") + 1] == "1.5" and a[a.index("--drain-timeout") + 1] == "4.0"
+
+
+STREAMING = """\
+model: {path: /models/m}
+engine: vllm
+connector: {type: socket, streaming: STREAMING}
+link: {type: ethernet, rate: 10gbit}
+proxy: {host: 127.0.0.1, port: 9000}
+routing: {policy: split}
+hosts:
+  a: {address: 10.0.0.1}
+  v6: {address: "fd00::7"}
+  d: {address: 10.0.0.2}
+roles:
+  prefill:
+    - {host: v6, port: 8100, kv_port: 5702}
+    - {host: a, port: 8101, kv_port: 5701}
+    - {host: a, port: 8102, kv_port: 5700}
+  decode:
+    - {host: d, port: 8200}
+"""
+
+
+def test_socket_streaming_gets_the_stream_handoff_and_each_prefills_listener_in_prefill_order() -> None:
+    from disagg.cli import build_parser
+    from disagg.commands.proxy import config_from_args
+    from disagg.launch.frontend import handoff_kind, handoff_options
+    from disagg.proxy.socket_stream_handoff import KvPeer, SocketStreamHandoff, parse_kv_peers
+
+    dep = build_deployment(parse_topology(STREAMING.replace("STREAMING", "true"), "t.yaml", run_dir="/tmp/run"))
+    assert handoff_kind(dep) == "vllm-socket-stream" == SocketStreamHandoff.kind
+    assert handoff_options(dep) == (("kv_peers", "[fd00::7]:5702,10.0.0.1:5701,10.0.0.1:5700"),)
+    cfg = proxy_config(dep)
+    assert cfg.prefill == ("http://[fd00::7]:8100", "http://10.0.0.1:8101", "http://10.0.0.1:8102")
+    # what the proxy makes of it: each --prefill URL's own listener
+    assert parse_kv_peers(cfg.prefill, dict(cfg.handoff_options)["kv_peers"]) == {
+        "http://[fd00::7]:8100": KvPeer("fd00::7", 5702), "http://10.0.0.1:8101": KvPeer("10.0.0.1", 5701),
+        "http://10.0.0.1:8102": KvPeer("10.0.0.1", 5700)}
+    assert config_from_args(build_parser().parse_args(frontend_argv(dep)[3:])) == cfg
+
+
+def test_socket_without_streaming_keeps_the_vllm_handoff() -> None:
+    from disagg.launch.frontend import handoff_kind, handoff_options
+
+    for text in (STREAMING.replace("STREAMING", "false"),
+                 STREAMING.replace("{type: socket, streaming: STREAMING}", "socket")):
+        dep = build_deployment(parse_topology(text, "t.yaml", run_dir="/tmp/run"))
+        assert (handoff_kind(dep), handoff_options(dep)) == ("vllm", ())
+
+
+def test_socket_streaming_routing_is_unchanged() -> None:
+    from disagg.launch.frontend import routing_config
+
+    text = STREAMING.replace("routing: {policy: split}\n", "").replace("/models/m", "qwen3-8b")
+    on, off = (routing_config(build_deployment(parse_topology(text.replace("STREAMING", s), "t.yaml",
+                                                              run_dir="/tmp/run")))
+               for s in ("true", "false"))
+    assert on == off and on.whole
+
+
+def test_colocated_socket_streaming_is_a_plain_balancer() -> None:
+    from disagg.launch.frontend import handoff_kind, handoff_options
+
+    text = """\
+    model: {path: /models/m}
+    connector: {type: socket, streaming: true}
+    hosts: {h: {address: 127.0.0.1}}
+    roles: {both: [{host: h, port: 8300}]}
+    """
+    dep = build_deployment(parse_topology(textwrap.dedent(text), "t.yaml", run_dir="/tmp/run"))
+    assert (handoff_kind(dep), handoff_options(dep)) == ("vllm", ())
+
+
+def test_vllm_router_refuses_socket_streaming() -> None:
+    text = STREAMING.replace("STREAMING", "true").replace("port: 9000}", "port: 9000, kind: vllm-router}")
+    with pytest.raises(DeploymentError, match=r"connector socket needs proxy\.kind builtin"):
+        frontend_argv(build_deployment(parse_topology(text, "t.yaml", run_dir="/tmp/run")))
