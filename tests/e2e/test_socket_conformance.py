@@ -32,13 +32,17 @@ from tests.e2e.engines import (
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def socket_pd(conformance_reference: dict[str, Recorded], e2e_dir: Path, tiny_model: Path) -> Iterator[Running]:
-    """1 prefill + 1 decode with the socket connector over loopback behind the proxy."""
+@pytest.fixture(scope="module", params=["fetch", "stream"])
+def socket_pd(request: pytest.FixtureRequest, conformance_reference: dict[str, Recorded], e2e_dir: Path,
+              tiny_model: Path) -> Iterator[Running]:
+    """1 prefill + 1 decode with the socket connector over loopback behind the proxy: the KV fetched
+    after the prefill, then (a deployment of its own) streamed while it runs."""
     for up in foreground_up_processes(e2e_dir / "pd.yaml"):  # the NIXL `pd`, if test_pd did not stop it
         up.send_signal(signal.SIGINT)
         up.wait(timeout=120)
-    run = bring_up_socket_pd(e2e_dir, tiny_model, "pd-socket", extra=SPLIT_EVERY_PROMPT)
+    streaming = request.param == "stream"
+    run = bring_up_socket_pd(e2e_dir, tiny_model, f"pd-socket-{request.param}", extra=SPLIT_EVERY_PROMPT,
+                             streaming=streaming)
     try:
         yield run
     finally:  # test_down_leaves_nothing normally did this already
@@ -49,6 +53,11 @@ def socket_pd(conformance_reference: dict[str, Recorded], e2e_dir: Path, tiny_mo
 def test_deployment_uses_the_socket_connector(socket_pd: Running) -> None:
     assert set(socket_pd.engines) == {"prefill[0]", "decode[0]"}
     assert "socket" in socket_pd.topology.read_text()
+    streaming = "streaming: true" in socket_pd.topology.read_text()
+    cmdlines = [" ".join(p.cmdline()) for p in socket_pd.process_tree()]
+    proxy = [c for c in cmdlines if " disagg proxy " in f" {c} " or "-m disagg proxy" in c]
+    assert proxy, cmdlines
+    assert ("--handoff vllm-socket-stream" in proxy[0]) == streaming, proxy[0]
 
 
 def test_batched_request_moves_every_prompts_kv(socket_pd: Running,

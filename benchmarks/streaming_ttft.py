@@ -1,0 +1,230 @@
+"""Streamed vs fetched KV handoffs: 1P1D time to first token, next to prefill alone and transfer alone.
+
+For each link, one pair of real vLLM CPU engines with the socket connector (P pinned to core 0,
+D to core 1, prefix caching off on both so that every request computes and moves its whole
+prompt) answers prompts of each size (exact token counts, sent as token ids) four ways, the
+ways interleaved within each repeat:
+
+- ``prefill``: P alone, a plain request computing one token: the prefill as a client sees it;
+- ``fetch``: the socket connector's pull mode, as the proxy's ``vllm`` handoff does it: P with
+  ``do_remote_decode`` and ``max_tokens: 1``, then D with P's ``kv_transfer_params``; TTFT is
+  from sending P's request to D's answer (one token). ``xfer`` is the connector's own transfer
+  time on D (``vllm:socket_kv_xfer_seconds``), the transfer alone;
+- ``stream``: the streaming mode, as the proxy's ``vllm-socket-stream`` handoff does it: P and D
+  at once, joined by a ``stream_key``; TTFT from sending both to D's answer;
+- ``nixl`` (``--nixl``): the same sequential handoff with vLLM's NIXL connector, on a pair of
+  its own started after the socket pair on the same link.
+
+``fixed`` = fetch TTFT - prefill - xfer: what a handoff costs beyond computing and moving the
+KV (two HTTP requests, D's scheduling, its last-token step). The issue's target for the
+streamed handoff: ``stream <= 1.15 x max(prefill, xfer) + fixed`` on every shaped row; the
+table prints the bound and the ratio.
+
+Links as in ``connector_throughput.py``: ``loopback``, ``1gbit``, ``2.5gbit`` (P in a network
+namespace behind a tbf-shaped veth; needs root). Model: ``--embedded tiny-kvdeep`` (16 layers,
+32 KiB of KV per token), so that a layer-by-layer stream has 16 steps to overlap.
+
+Run (holds the engine lock; alone on the machine)::
+
+    flock /tmp/disagg-engines.lock .venv/bin/python benchmarks/streaming_ttft.py \\
+        --embedded tiny-kvdeep --links 1gbit,2.5gbit --sizes 512,2048,8000 --repeats 3 --nixl
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # a sibling script: LINKS, planned_engines, prompt_ids
+import connector_throughput as ct
+
+from disagg.modelgen import EMBEDDED_MODELS, build_model
+from tests.e2e.vllm_pair import Engine, free_port, metric, start_engine, wait_healthy
+
+SOCKET = ct.CONNECTORS["socket"]
+NIXL = ct.CONNECTORS["nixl"]
+
+
+def body(ids: list[int], params: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0}
+    if params is not None:
+        out["kv_transfer_params"] = params
+    return out
+
+
+async def timed(coro: Any) -> tuple[Any, float]:
+    """The coroutine's result and how long it took."""
+    started = time.perf_counter()
+    result = await coro
+    return result, time.perf_counter() - started
+
+
+async def xfer_after(d: Engine, conn: ct.Connector, secs0: float, n0: float) -> float:
+    """The transfer time D recorded since (secs0, n0) (stats reach /metrics a step later)."""
+    deadline = time.monotonic() + 15
+    while metric(d.url, conn.xfer_count) <= n0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{conn.name}: no transfer recorded on D\n{d.log_tail()}")
+        await asyncio.sleep(0.1)
+    return metric(d.url, conn.xfer_seconds) - secs0
+
+
+async def fetch_ttft(session: aiohttp.ClientSession, p: Engine, d: Engine, conn: ct.Connector,
+                     ids: list[int]) -> tuple[float, float]:
+    """(TTFT, transfer seconds) of one sequential handoff."""
+    secs0, n0 = metric(d.url, conn.xfer_seconds), metric(d.url, conn.xfer_count)
+    started = time.perf_counter()
+    pre = await ct.post(session, p, body(ids, dict(ct.REMOTE_DECODE)))
+    await ct.post(session, d, body(ids, pre["kv_transfer_params"]))
+    ttft = time.perf_counter() - started
+    return ttft, await xfer_after(d, conn, secs0, n0)
+
+
+async def stream_ttft(session: aiohttp.ClientSession, p: Engine, d: Engine, p_kv: tuple[str, int],
+                      ids: list[int]) -> tuple[float, float]:
+    """(TTFT, D's transfer seconds) of one streamed handoff (P and D at once)."""
+    key = secrets.token_urlsafe(24)
+    secs0, n0 = metric(d.url, SOCKET.xfer_seconds), metric(d.url, SOCKET.xfer_count)
+    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "stream_key": key}
+    d_params = {"do_remote_prefill": True, "do_remote_decode": False, "transfer": "socket", "stream_key": key,
+                "remote_host": p_kv[0], "remote_port": p_kv[1]}
+    started = time.perf_counter()
+    prefill = asyncio.create_task(ct.post(session, p, body(ids, p_params)))
+    await ct.post(session, d, body(ids, d_params))
+    ttft = time.perf_counter() - started
+    await prefill
+    return ttft, await xfer_after(d, SOCKET, secs0, n0)
+
+
+def start_pair(conn: ct.Connector, place: ct.Placement, model_dir: Path, log_dir: Path
+               ) -> tuple[Engine, Engine, tuple[str, int]]:
+    p_port, d_port = free_port(), free_port()
+    p_cfg, d_cfg, p_env, d_env = ct.planned_engines(conn.name, place, p_port, d_port)
+    p = start_engine(f"{conn.label}-prefill", str(model_dir), 0, p_cfg, p_env, log_dir, max_model_len=8192,
+                     host=place.p_host, wrap=place.p_wrap)
+    d = start_engine(f"{conn.label}-decode", str(model_dir), 1, d_cfg, d_env, log_dir, max_model_len=8192)
+    extra = p_cfg.get("kv_connector_extra_config", {})
+    return p, d, (str(extra.get("host", place.p_host)), int(extra.get("port", 0)))
+
+
+def run_link(link: str, model_dir: Path, sizes: list[int], repeats: int, log_dir: Path,
+             nixl: bool) -> list[dict[str, Any]]:
+    samples: dict[tuple[int, str], list[float]] = {}
+
+    def add(n: int, what: str, value: float) -> None:
+        samples.setdefault((n, what), []).append(value)
+
+    with ct.LINKS[link]() as place:
+        p, d, p_kv = start_pair(SOCKET, place, model_dir, log_dir)
+        try:
+            wait_healthy([p, d])
+
+            async def measure() -> None:
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                    warm = ct.prompt_ids(model_dir, 64)
+                    await fetch_ttft(session, p, d, SOCKET, warm)
+                    await stream_ttft(session, p, d, p_kv, warm)
+                    for n in sizes:
+                        ids = ct.prompt_ids(model_dir, n)
+                        await ct.post(session, p, body(ids))          # first use of this size: not measured
+                        for r in range(repeats):
+                            _, pre = await timed(ct.post(session, p, body(ids)))
+                            add(n, "prefill", pre)
+                            order = ("fetch", "stream") if r % 2 == 0 else ("stream", "fetch")
+                            for mode in order:
+                                if mode == "fetch":
+                                    ttft, xfer = await fetch_ttft(session, p, d, SOCKET, ids)
+                                    add(n, "fetch", ttft)
+                                    add(n, "xfer", xfer)
+                                else:
+                                    ttft, sxfer = await stream_ttft(session, p, d, p_kv, ids)
+                                    add(n, "stream", ttft)
+                                    add(n, "stream_xfer", sxfer)
+                            print({k: [round(v * 1e3, 1) for v in vs] for (m, k), vs in samples.items() if m == n},
+                                  flush=True)
+
+            asyncio.run(measure())
+        finally:
+            p.stop()
+            d.stop()
+        if nixl:
+            p, d, _ = start_pair(NIXL, place, model_dir, log_dir)
+            try:
+                wait_healthy([p, d])
+
+                async def measure_nixl() -> None:
+                    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                        await fetch_ttft(session, p, d, NIXL, ct.prompt_ids(model_dir, 64))
+                        for n in sizes:
+                            ids = ct.prompt_ids(model_dir, n)
+                            await ct.post(session, p, body(ids))
+                            for _ in range(repeats):
+                                ttft, xfer = await fetch_ttft(session, p, d, NIXL, ids)
+                                add(n, "nixl", ttft)
+                                add(n, "nixl_xfer", xfer)
+
+                asyncio.run(measure_nixl())
+            finally:
+                p.stop()
+                d.stop()
+    rows = []
+    for n in sizes:
+        med = {what: statistics.median(vs) * 1e3 for (m, what), vs in samples.items() if m == n}
+        spread = {what: [round(v * 1e3, 1) for v in vs] for (m, what), vs in samples.items() if m == n}
+        fixed = med["fetch"] - med["prefill"] - med["xfer"]
+        bound = 1.15 * max(med["prefill"], med["xfer"]) + fixed
+        rows.append({"link": link, "tokens": n, **med, "fixed": fixed, "bound": bound,
+                     "stream_vs_bound": med["stream"] / bound, "stream_vs_fetch": med["stream"] / med["fetch"],
+                     "samples": spread})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| link | tokens | prefill ms | xfer ms | fetch TTFT | stream TTFT | nixl TTFT | fixed ms | "
+            "bound ms | stream / bound | stream / fetch |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        nixl = f"{r['nixl']:.0f}" if "nixl" in r else "-"
+        out.append(f"| {r['link']} | {r['tokens']} | {r['prefill']:.0f} | {r['xfer']:.0f} | {r['fetch']:.0f} | "
+                   f"{r['stream']:.0f} | {nixl} | {r['fixed']:.0f} | {r['bound']:.0f} | "
+                   f"{r['stream_vs_bound']:.2f} | {r['stream_vs_fetch']:.2f} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--embedded", default="tiny-kvdeep", choices=sorted(EMBEDDED_MODELS))
+    ap.add_argument("--links", default="1gbit,2.5gbit")
+    ap.add_argument("--sizes", default="512,2048,8000")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--nixl", action="store_true", help="also the sequential handoff with NIXL")
+    ap.add_argument("--json", type=Path, help="write the rows here too")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    with tempfile.TemporaryDirectory(prefix="streaming-ttft-") as tmp:
+        model_dir = build_model(args.embedded, Path(tmp) / args.embedded)
+        print(f"load average before: {os.getloadavg()}", flush=True)
+        rows: list[dict[str, Any]] = []
+        for link in args.links.split(","):
+            rows += run_link(link, model_dir, sizes, args.repeats, Path(tmp), args.nixl)
+        print(f"load average after: {os.getloadavg()}", flush=True)
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
