@@ -1,7 +1,7 @@
 """Streamed vs fetched KV handoffs: 1P1D time to first token, next to prefill alone and transfer alone.
 
-For each link, one pair of real vLLM CPU engines with the socket connector (P pinned to core 0,
-D to core 1, prefix caching off on both so that every request computes and moves its whole
+For each link, one pair of real vLLM CPU engines with the socket connector (P's processes pinned
+to core 0, D's to core 1: ``pin``; prefix caching off on both so that every request computes and moves its whole
 prompt) answers prompts of each size (exact token counts, sent as token ids) four ways, the
 ways interleaved within each repeat:
 
@@ -22,7 +22,8 @@ table prints the bound and the ratio.
 
 Links as in ``connector_throughput.py``: ``loopback``, ``1gbit``, ``2.5gbit`` (P in a network
 namespace behind a tbf-shaped veth; needs root). Model: ``--embedded tiny-kvdeep`` (16 layers,
-32 KiB of KV per token), so that a layer-by-layer stream has 16 steps to overlap.
+32 KiB of bf16 KV per token), so that a layer-by-layer stream has 16 steps to overlap, run in
+``--dtype float32`` by default (64 KiB of KV per token; see ``--dtype``).
 
 Run (holds the engine lock; alone on the machine)::
 
@@ -107,26 +108,42 @@ async def stream_ttft(session: aiohttp.ClientSession, p: Engine, d: Engine, p_kv
     return ttft, await xfer_after(d, SOCKET, secs0, n0)
 
 
-def start_pair(conn: ct.Connector, place: ct.Placement, model_dir: Path, log_dir: Path
+def pin(core: int, argv: list[str]) -> list[str]:
+    """``argv`` with every process and thread of the engine on ``core`` (its API server and engine
+    core loop too, not only the model's threads as ``VLLM_CPU_OMP_THREADS_BIND`` does): each engine
+    gets one core as if it had a machine of its own. Unpinned, a decode engine waiting for streamed
+    KV spins its engine core loop on whichever core is free, which here is often the prefill's."""
+    return ["taskset", "-c", str(core), *argv]
+
+
+def start_pair(conn: ct.Connector, place: ct.Placement, model_dir: Path, log_dir: Path, dtype: str
                ) -> tuple[Engine, Engine, tuple[str, int]]:
     p_port, d_port = free_port(), free_port()
     p_cfg, d_cfg, p_env, d_env = ct.planned_engines(conn.name, place, p_port, d_port)
+    args = ["--dtype", dtype]
+    p_wrap = place.p_wrap
+
+    def p_pinned(argv: list[str]) -> list[str]:
+        pinned = pin(0, argv)
+        return p_wrap(pinned) if p_wrap is not None else pinned
+
     p = start_engine(f"{conn.label}-prefill", str(model_dir), 0, p_cfg, p_env, log_dir, max_model_len=8192,
-                     host=place.p_host, wrap=place.p_wrap)
-    d = start_engine(f"{conn.label}-decode", str(model_dir), 1, d_cfg, d_env, log_dir, max_model_len=8192)
+                     host=place.p_host, wrap=p_pinned, args=args)
+    d = start_engine(f"{conn.label}-decode", str(model_dir), 1, d_cfg, d_env, log_dir, max_model_len=8192,
+                     args=args, wrap=lambda argv: pin(1, argv))
     extra = p_cfg.get("kv_connector_extra_config", {})
     return p, d, (str(extra.get("host", place.p_host)), int(extra.get("port", 0)))
 
 
 def run_link(link: str, model_dir: Path, sizes: list[int], repeats: int, log_dir: Path,
-             nixl: bool) -> list[dict[str, Any]]:
+             nixl: bool, dtype: str) -> list[dict[str, Any]]:
     samples: dict[tuple[int, str], list[float]] = {}
 
     def add(n: int, what: str, value: float) -> None:
         samples.setdefault((n, what), []).append(value)
 
     with ct.LINKS[link]() as place:
-        p, d, p_kv = start_pair(SOCKET, place, model_dir, log_dir)
+        p, d, p_kv = start_pair(SOCKET, place, model_dir, log_dir, dtype)
         try:
             wait_healthy([p, d])
 
@@ -159,7 +176,7 @@ def run_link(link: str, model_dir: Path, sizes: list[int], repeats: int, log_dir
             p.stop()
             d.stop()
         if nixl:
-            p, d, _ = start_pair(NIXL, place, model_dir, log_dir)
+            p, d, _ = start_pair(NIXL, place, model_dir, log_dir, dtype)
             try:
                 wait_healthy([p, d])
 
@@ -210,7 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="512,2048,8000")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--nixl", action="store_true", help="also the sequential handoff with NIXL")
+    ap.add_argument("--dtype", default="float32",
+                    help="the engines' --dtype (default float32: on a CPU without bf16 instructions, such as "
+                         "AVX2-only ones, bf16 matmuls fall back to a path ~80x slower than fp32, and a bf16 "
+                         "prefill then dwarfs any transfer); the KV cache has this dtype too")
     ap.add_argument("--json", type=Path, help="write the rows here too")
+    ap.add_argument("--log-dir", type=Path, help="keep the engines' logs here (default: a temporary directory)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="streaming-ttft-") as tmp:
@@ -218,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load average before: {os.getloadavg()}", flush=True)
         rows: list[dict[str, Any]] = []
         for link in args.links.split(","):
-            rows += run_link(link, model_dir, sizes, args.repeats, Path(tmp), args.nixl)
+            log_dir = args.log_dir or Path(tmp)
+            log_dir.mkdir(parents=True, exist_ok=True)
+            rows += run_link(link, model_dir, sizes, args.repeats, log_dir, args.nixl, args.dtype)
         print(f"load average after: {os.getloadavg()}", flush=True)
     print(table(rows))
     if args.json:

@@ -323,6 +323,9 @@ class KVServer:
             send_frame(conn, {"ok": True, "nbytes": count * self.store.layout.block_bytes,
                               "request_id": stream.request_id})
             sent = [0] * len(self.store.layout.layers)
+            sending = 0.0   # seconds in send calls
+            messages = 0
+            lag = 0.0       # most seconds between a layer's blocks being written and their send starting
             try:
                 stalled_since = time.monotonic()
                 while min(sent) < count:
@@ -339,9 +342,14 @@ class KVServer:
                             if events[layer] is not None:
                                 events[layer].synchronize()
                             part = ids[first + start : first + start + n]
+                            began = time.perf_counter()
+                            if stream.ready_at:
+                                lag = max(lag, time.monotonic() - stream.ready_at[layer])
                             with self.store.reading(part, [layer]) as views:
                                 send_frame(conn, {"layer": layer, "start": start, "count": n})
                                 sent_bytes += send_views(conn, views)
+                            sending += time.perf_counter() - began
+                            messages += 1
                         sent[layer] = start + n
             except StreamClosed as exc:
                 logger.info("socket KV connector: stream of %s to %s ended after %.2f MB: %s", stream.request_id,
@@ -351,9 +359,13 @@ class KVServer:
             send_frame(conn, {"end": True, "nbytes": sent_bytes})
             complete = True
             self.counters.add("bytes_served", sent_bytes)
-            logger.info("socket KV connector: streamed %s (%d blocks, %.2f MB) to %s in %.1f ms "
-                        "(%.1f ms of it waiting for the request to be scheduled)", stream.request_id, count,
-                        sent_bytes / 1e6, peer, (time.perf_counter() - asked) * 1e3, waited * 1e3)
+            done = time.monotonic()
+            computed = f"{(done - stream.computed_at) * 1e3:.1f} ms" if stream.computed_at is not None else "?"
+            logger.info("socket KV connector: streamed %s (%d blocks, %.2f MB) to %s in %.1f ms (%.1f ms of it "
+                        "waiting for the request to be scheduled; %d messages, %.1f ms in send calls, at most %.1f "
+                        "ms from a layer written to its send; the last byte left %s after the prompt was computed)",
+                        stream.request_id, count, sent_bytes / 1e6, peer, (time.perf_counter() - asked) * 1e3,
+                        waited * 1e3, messages, sending * 1e3, lag * 1e3, computed)
             return True
         finally:
             release = self.streams.detach(stream)

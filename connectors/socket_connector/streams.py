@@ -56,6 +56,8 @@ class Stream:
     ready_seq: list[int]
     #: per layer: an accelerator event to wait on before reading (None on host caches)
     events: list[Any]
+    #: per layer: when it last became more ready (the clock's time; for the listener's log)
+    ready_at: list[float] = field(default_factory=list)
     closed: str | None = None
     readers: int = 0
     attached: bool = False
@@ -64,6 +66,8 @@ class Stream:
     #: the request finished and its lease is registered (the lease then holds the blocks)
     leased: bool = False
     opened_at: float = field(default_factory=time.monotonic)
+    #: when every layer of the whole prompt was written (None: not yet)
+    computed_at: float | None = None
 
     def blocks_ready(self, layer: int, block_size: int) -> int:
         """Leading blocks of the request whose every token is written at ``layer``."""
@@ -98,7 +102,7 @@ class StreamTable:
                 stream = self._streams.get(key)
                 if stream is None:
                     stream = Stream(key, step.request_id, step.num_tokens, [], [0] * self.num_layers,
-                                    [0] * self.num_layers, [None] * self.num_layers)
+                                    [0] * self.num_layers, [None] * self.num_layers, [0.0] * self.num_layers)
                     self._streams[key] = stream
                     self._by_request[step.request_id] = key
                 elif stream.request_id != step.request_id:
@@ -119,6 +123,10 @@ class StreamTable:
                 stream.ready[layer] = tokens
                 stream.ready_seq[layer] = self._seq
                 stream.events[layer] = event
+                if stream.ready_at:
+                    stream.ready_at[layer] = self._clock()
+        if stream.computed_at is None and min(stream.ready) >= stream.num_tokens:
+            stream.computed_at = self._clock()
 
     def mark_layer(self, layer: int, event: Any = None) -> None:
         """This step's forward wrote ``layer``'s KV (``event``: when an accelerator is done with it)."""

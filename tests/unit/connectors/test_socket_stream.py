@@ -74,13 +74,13 @@ def prefill() -> Iterator[Prefill]:
 
 
 def receive(p: Prefill, num_tokens: int = 70, first: int = 0, local: list[int] | None = None,
-            key: str = KEY, per_msg: int = 64) -> Receiver:
+            key: str = KEY, per_msg: int = 64, wire: str = "raw") -> Receiver:
     count = -(-num_tokens // BS) - first
     local = local if local is not None else list(range(20, 20 + count))
     plan = FetchPlan("127.0.0.1", p.server.port, key, list(range(first, first + count)), local,
                      stream_key=key, num_tokens=num_tokens, first_block=first)
     recv = Receiver(plan, kv_caches(0, fill=False))
-    store = make_store(recv.dst, NUM_BLOCKS)
+    store = make_store(recv.dst, NUM_BLOCKS, wire)
 
     def run() -> None:
         conns = PeerConnections(SECRET, store, FetchOptions(blocks_per_message=per_msg, io_timeout_s=5))
@@ -274,3 +274,33 @@ def test_a_key_used_by_another_request_is_not_streamed(prefill: Prefill) -> None
     assert refused == [KEY]
     stream = prefill.table.attach(KEY, 0)
     assert stream is not None and stream.request_id == "p-req"
+
+
+def test_a_streamed_fp8_transfer_equals_a_fetched_one() -> None:
+    """wire_format fp8: each streamed message quantizes one layer's blocks; the decode side ends with
+    the same cache contents as after a whole fetch (the scales are per segment, so per layer alike)."""
+    from disagg_connectors.socket_connector.client import fetch
+
+    caches = kv_caches(7)
+    store = make_store(caches, NUM_BLOCKS, "fp8")
+    table = StreamTable(BS, len(store.layout.layers))
+    leases = LeaseTable()
+    server = KVServer(store, leases, SECRET, "127.0.0.1", 0, io_timeout_s=3, streams=table, stream_wait_s=1.0)
+    server.start()
+    try:
+        p = Prefill(server, table, leases, caches)
+        recv = receive(p, per_msg=2, wire="fp8")
+        p.step(0, 70)
+        table.mark_layer(0)
+        table.mark_step()
+        finish(recv)
+        assert recv.error is None
+        whole = kv_caches(0, fill=False)
+        leases.register("req-f", P_BLOCKS[:5], 30)
+        fetch(FetchPlan("127.0.0.1", server.port, "req-f", P_BLOCKS[:5], recv.plan.local_block_ids), SECRET,
+              make_store(whole, NUM_BLOCKS, "fp8"), FetchOptions(io_timeout_s=5))
+    finally:
+        server.close()
+    for layer in LAYERS:
+        assert torch.equal(recv.dst[layer], whole[layer])
+        assert recv.dst[layer][20].any()
