@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -174,6 +175,11 @@ class BlockStore(ABC):
 
     layout: KVLayout
 
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of host staging buffers this store holds (0: it reads and writes the cache itself)."""
+        return 0
+
     @abstractmethod
     @contextmanager
     def reading(self, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> Iterator[list[memoryview]]:
@@ -222,6 +228,14 @@ def _layer_indices(layout: KVLayout, layers: Sequence[int] | None) -> Sequence[i
     return layers
 
 
+@dataclass
+class _Held:
+    """One thread's staging buffers."""
+
+    bufs: list[torch.Tensor]
+    cap: int
+
+
 class StagingBuffers:
     """Per-thread host buffers, one ``(outer, blocks, seg_bytes)`` uint8 tensor per layer, grown on
     demand, so that parallel streams never share one; for stores whose wire bytes are not the
@@ -231,16 +245,27 @@ class StagingBuffers:
         self._shapes = [(layer.outer, layer.seg_bytes) for layer in layers]
         self._pin = pin
         self._local = threading.local()
+        self._lock = threading.Lock()
+        #: bytes allocated over all threads (a buffer lives as long as its thread)
+        self.allocated = 0
 
     def get(self, nblocks: int) -> list[torch.Tensor]:
         """This thread's buffers, sliced to ``nblocks`` blocks."""
-        bufs: list[torch.Tensor] | None = getattr(self._local, "bufs", None)
-        cap: int = getattr(self._local, "cap", 0)
-        if bufs is None or cap < nblocks:
-            bufs = [torch.empty((outer, nblocks, seg), dtype=torch.uint8, pin_memory=self._pin)
-                    for outer, seg in self._shapes]
-            self._local.bufs, self._local.cap = bufs, nblocks
-        return [b[:, :nblocks, :] for b in bufs]
+        held: _Held | None = getattr(self._local, "held", None)
+        if held is None or held.cap < nblocks:
+            held = _Held([torch.empty((outer, nblocks, seg), dtype=torch.uint8, pin_memory=self._pin)
+                          for outer, seg in self._shapes], nblocks)
+            size = nblocks * sum(outer * seg for outer, seg in self._shapes)
+            with self._lock:
+                self.allocated += size
+            # counted out when the buffers go: replaced by larger ones, or their thread ended
+            weakref.finalize(held, self._freed, size)
+            self._local.held = held
+        return [b[:, :nblocks, :] for b in held.bufs]
+
+    def _freed(self, size: int) -> None:
+        with self._lock:
+            self.allocated -= size
 
     @staticmethod
     def views(host: Sequence[torch.Tensor]) -> list[memoryview]:
@@ -261,6 +286,10 @@ class StagedStore(BlockStore):
         self.layout = layout
         self._dev = list(views)
         self._staging = StagingBuffers(layout.layers, pin and torch.cuda.is_available())
+
+    @property
+    def staged_bytes(self) -> int:
+        return self._staging.allocated
 
     def _pack(self, blocks: torch.Tensor, host: torch.Tensor) -> None:
         """Write ``blocks`` (one layer's selected blocks) into ``host`` (its staging buffer)."""

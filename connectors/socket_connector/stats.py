@@ -67,6 +67,7 @@ class SocketKVConnectorStats(KVConnectorStats):
             "Num failed transfers": len(self.data["num_failed_transfers"]),
             "Num KV expired reqs": len(self.data["num_kv_expired_reqs"]),
             "Num refused": len(self.data["num_refused"]),
+            "MB staged": round(self.data["staging_bytes"][-1] / 2**20, 3) if self.data["staging_bytes"] else 0,
         }
 
 
@@ -100,6 +101,16 @@ class SocketPromMetrics(KVConnectorPromMetrics):
             ),
             self.per_engine_labelvalues,
         )
+        self.staging = create_metric_per_engine(
+            self._gauge_cls(
+                name="vllm:socket_kv_staging_bytes",
+                documentation="Host staging buffers held for KV transfers (0: blocks go straight from and to "
+                              "the cache: host caches, raw wire format).",
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            ),
+            self.per_engine_labelvalues,
+        )
         self.counters = {
             "bytes_transferred": counter("vllm:socket_kv_bytes_received", "KV bytes fetched (decode side)."),
             "transfer_duration": counter("vllm:socket_kv_xfer_seconds", "Seconds spent fetching KV (decode side)."),
@@ -119,6 +130,9 @@ class SocketPromMetrics(KVConnectorPromMetrics):
         for seconds in transfer_stats_data.get("transfer_duration", []):
             self.xfer_time[engine_idx].observe(seconds)
         self.counters["num_transfers"][engine_idx].inc(len(transfer_stats_data.get("transfer_duration", [])))
+        staged = transfer_stats_data.get("staging_bytes", [])
+        if staged:
+            self.staging[engine_idx].set(staged[-1])
         for key, metric in self.counters.items():
             if key == "num_transfers":
                 continue

@@ -69,6 +69,7 @@ class SocketWorker:
         self._conns: PeerConnections | None = None
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._fetches_in_flight = 0  # submitted and awaited, outcome not yet reported (engine thread only)
+        self._staged_reported = 0    # the staging bytes last reported to the stats
         #: prefill side: streamed requests' progress (None until the caches are registered)
         self.streams: StreamTable | None = None
         self._layer_index: dict[str, int] = {}
@@ -251,6 +252,7 @@ class SocketWorker:
         the CPU straight back to the engine's spinning loop.
         """
         wait_s = self.settings.idle_wait_ms / 1000 if idle_step else 0.0
+        self._report_staging()
         results = KVConnectorTransferResults()
         released, expired = self.leases.reap(wait_s)
         for rid in expired:
@@ -275,6 +277,14 @@ class SocketWorker:
             if not outcome.ok:
                 results.failed_recving.add(outcome.request_id)
         return results
+
+    def _report_staging(self) -> None:
+        """Put the store's staging bytes in the stats when they changed (the gauge
+        ``vllm:socket_kv_staging_bytes``; 0 for a host cache in the raw wire format)."""
+        staged = self.store.staged_bytes if self.store is not None else 0
+        if staged != self._staged_reported:
+            self._staged_reported = staged
+            self.counters.add("staging_bytes", staged)
 
     def shutdown(self) -> None:
         """Stop the listener and the fetch pool (idempotent)."""
