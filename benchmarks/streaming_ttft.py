@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # a sibling script: LI
 import connector_throughput as ct
 
 from disagg.modelgen import EMBEDDED_MODELS, build_model
+from disagg.routecost import exposed_transfer_s, handoff_fixed_s
 from tests.e2e.vllm_pair import Engine, free_port, metric, start_engine, wait_healthy
 
 SOCKET = ct.CONNECTORS["socket"]
@@ -208,6 +209,14 @@ def run_link(link: str, model_dir: Path, sizes: list[int], repeats: int, log_dir
     return rows
 
 
+def predicted(row: dict[str, Any], layers: int) -> dict[str, float]:
+    """What ``disagg plan``'s arithmetic says of a row, from its measured prefill and transfer alone and
+    the seeded fixed cost (not the row's own): the handoff each mode adds to the prefill, in ms."""
+    x, p = row["xfer"], row["prefill"]
+    return {"plan_fetch": handoff_fixed_s("socket") * 1e3 + x,
+            "plan_stream": handoff_fixed_s("socket", streaming=True) * 1e3 + exposed_transfer_s(x, p, layers)}
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| link | tokens | prefill ms | xfer ms | fetch TTFT | stream TTFT | nixl TTFT | fixed ms | "
             "bound ms | stream / bound | stream / fetch |")
@@ -217,6 +226,22 @@ def table(rows: list[dict[str, Any]]) -> str:
         out.append(f"| {r['link']} | {r['tokens']} | {r['prefill']:.0f} | {r['xfer']:.0f} | {r['fetch']:.0f} | "
                    f"{r['stream']:.0f} | {nixl} | {r['fixed']:.0f} | {r['bound']:.0f} | "
                    f"{r['stream_vs_bound']:.2f} | {r['stream_vs_fetch']:.2f} |")
+    return "\n".join(out)
+
+
+def plan_table(rows: list[dict[str, Any]], layers: int) -> str:
+    """Measured handoff (TTFT - prefill alone) per mode next to the plan's arithmetic."""
+    head = ("| link | tokens | fetch handoff ms | plan | error | stream handoff ms | plan | error | "
+            "stream TTFT | plan | error |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        plan = predicted(r, layers)
+        got_f, got_s = r["fetch"] - r["prefill"], r["stream"] - r["prefill"]
+        ttft = r["prefill"] + plan["plan_stream"]
+        out.append(f"| {r['link']} | {r['tokens']} | {got_f:.0f} | {plan['plan_fetch']:.0f} | "
+                   f"{plan['plan_fetch'] / got_f - 1:+.0%} | {got_s:.0f} | {plan['plan_stream']:.0f} | "
+                   f"{(plan['plan_stream'] - got_s) / abs(got_s) if got_s else float('nan'):+.0%} | "
+                   f"{r['stream']:.0f} | {ttft:.0f} | {ttft / r['stream'] - 1:+.0%} |")
     return "\n".join(out)
 
 
@@ -233,7 +258,14 @@ def main(argv: list[str] | None = None) -> int:
                          "prefill then dwarfs any transfer); the KV cache has this dtype too")
     ap.add_argument("--json", type=Path, help="write the rows here too")
     ap.add_argument("--log-dir", type=Path, help="keep the engines' logs here (default: a temporary directory)")
+    ap.add_argument("--render", type=Path, help="only print the tables of rows a --json run wrote")
     args = ap.parse_args(argv)
+    if args.render:
+        rows = json.loads(args.render.read_text())
+        print(table(rows))
+        print()
+        print(plan_table(rows, EMBEDDED_MODELS[args.embedded].layers))
+        return 0
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="streaming-ttft-") as tmp:
         model_dir = build_model(args.embedded, Path(tmp) / args.embedded)
@@ -245,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += run_link(link, model_dir, sizes, args.repeats, log_dir, args.nixl, args.dtype)
         print(f"load average after: {os.getloadavg()}", flush=True)
     print(table(rows))
+    print()
+    print(plan_table(rows, EMBEDDED_MODELS[args.embedded].layers))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -8,7 +8,11 @@ For each prompt class (prompt length n, output length m) the planner works out
   link class (:data:`LINK_CLASSES`), and ``fixed`` is the connector's measured
   fixed cost (:data:`disagg.routecost.HANDOFF_FIXED_S`, measured on loopback)
   plus :data:`HANDOFF_ROUND_TRIPS` round trips of the link (without a connector:
-  :data:`PROXY_HOP_S` for the proxy's second request instead of the measured part);
+  :data:`PROXY_HOP_S` for the proxy's second request instead of the measured part).
+  When the KV is streamed layer by layer while the prefill computes (the socket
+  connector's ``streaming``), ``fixed`` + only the part of the transfer the
+  prefill does not hide: :func:`disagg.routecost.exposed_transfer_s` over the
+  model's layers;
 * **prefill**: ``n / rate`` from a rate ``disagg bench`` measured, else an
   *estimate* ``prefill_flops(n) / (peak FLOP/s x PREFILL_UTILISATION)`` for
   the prefill host's device;
@@ -43,11 +47,13 @@ from disagg.hardware import DEVICES, PREFILL_UTILISATION, DeviceSpec, lookup_dev
 from disagg.kvmath import ModelArch, human_count, kv_dtype_bytes, resolve_model
 from disagg.measurements import LinkMeasurement, load_link, lookup_prefill
 from disagg.routecost import (
-    HANDOFF_FIXED_SOURCE,
     EngineCost,
     LinkCost,
     break_even_tokens,
+    exposed_transfer_s,
     handoff_fixed_s,
+    handoff_fixed_source,
+    max_transfer_s,
     shortest,
 )
 from disagg.topology import HostSpec, InstanceSpec, Topology
@@ -189,11 +195,13 @@ class ClassPlan:
     prompt_tokens: int
     output_tokens: int
     kv_bytes: int
-    handoff_s: float
+    handoff_s: float                    # what the split adds to the prefill: fixed + exposed_s
     prefill_s: float
     verdict: str
     reason: str
     conversations: int | None           # that fit in the decode host's KV memory
+    transfer_s: float                   # kv_bytes over the link, on its own
+    exposed_s: float                    # of transfer_s, what the prefill does not hide (all unless streamed)
 
     @property
     def ratio(self) -> float:
@@ -221,6 +229,14 @@ class Plan:
     idle_split_from_tokens: int | None = None
     #: how the KV crosses the link (``connector.wire_format``); ``classes[].kv_bytes`` are wire bytes
     wire_format: str = "raw"
+    #: the model's layers when the KV is streamed layer by layer while the prefill computes (the
+    #: socket connector's ``streaming``); None: it is sent after the prefill
+    streaming_layers: int | None = None
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the handoff is streamed while the prefill computes."""
+        return self.streaming_layers is not None
 
     @property
     def wire_bytes_per_token(self) -> float:
@@ -241,6 +257,8 @@ class Plan:
             "kv_bytes_per_token": m.kv_bytes_per_token(self.kv_dtype),
             "wire_format": self.wire_format,
             "wire_bytes_per_token": self.wire_bytes_per_token,
+            "streaming": self.streaming,
+            "streaming_layers": self.streaming_layers,
             "link": {"usable_bps": self.link.usable_bps, "rtt_s": self.link.rtt_s,
                      "handoff_bytes_per_s": self.link.bytes_per_s,
                      "convert_wire_bytes_per_s": self.link.convert_wire_bps,
@@ -249,11 +267,13 @@ class Plan:
                         "tokens_per_s": self.prefill.tokens_per_s, "flops_per_s": self.prefill.flops_per_s},
             "decode_memory": {"kv_bytes": self.memory.kv_bytes, "source": self.memory.label},
             "classes": [{"prompt_tokens": c.prompt_tokens, "output_tokens": c.output_tokens,
-                         "kv_bytes": c.kv_bytes, "handoff_s": c.handoff_s, "prefill_s": c.prefill_s,
+                         "kv_bytes": c.kv_bytes, "handoff_s": c.handoff_s, "transfer_s": c.transfer_s,
+                         "exposed_handoff_s": c.exposed_s, "prefill_s": c.prefill_s,
                          "ratio": c.ratio, "verdict": c.verdict, "reason": c.reason,
                          "conversations_fit": c.conversations} for c in self.classes],
             "break_even_prompt_tokens": self.break_even_tokens,
-            "handoff_fixed_source": HANDOFF_FIXED_SOURCE if self.link.connector_fixed_s is not None else None,
+            "handoff_fixed_source": (handoff_fixed_source(self.streaming_layers is not None)
+                                     if self.link.connector_fixed_s is not None else None),
             "decode_prefill": None if self.decode_prefill is None else {
                 "estimated": self.decode_prefill.estimated, "source": self.decode_prefill.label,
                 "tokens_per_s": self.decode_prefill.rate()},
@@ -271,10 +291,16 @@ def _percent(ratio: float) -> str:
 
 
 def verdict_for(handoff_s: float, prefill_s: float, nbytes: float, link: LinkEstimate,
-                conversations: int | None = None) -> tuple[str, str]:
-    """(verdict, one-line reason) for one request; ``conversations`` = 0 means it cannot fit."""
+                conversations: int | None = None, streaming_layers: int | None = None) -> tuple[str, str]:
+    """(verdict, one-line reason) for one request; ``conversations`` = 0 means it cannot fit.
+    ``handoff_s``: what the split adds to the prefill; ``streaming_layers``: the KV is streamed
+    over that many layers while the prefill computes (None: sent after it)."""
     ratio = handoff_s / prefill_s
-    moving = f"moving {fmt_bytes(nbytes)} takes {fmt_seconds(handoff_s)}"
+    if streaming_layers is None:
+        moving = f"moving {fmt_bytes(nbytes)} takes {fmt_seconds(handoff_s)}"
+    else:
+        moving = (f"streaming {fmt_bytes(nbytes)} ({fmt_seconds(nbytes / link.bytes_per_s)} on the link alone) "
+                  f"adds {fmt_seconds(handoff_s)}")
     if conversations == 0:
         return NO_PAY, "not one conversation of this length fits in the decode host's KV memory"
     if ratio <= PAYS_RATIO:
@@ -283,16 +309,17 @@ def verdict_for(handoff_s: float, prefill_s: float, nbytes: float, link: LinkEst
     if ratio <= NO_PAY_RATIO:
         return MARGINAL, (f"{moving}, {_percent(ratio)} of the {fmt_seconds(prefill_s)} prefill: "
                           "the handoff adds over half a prefill to TTFT")
-    budget = PAYS_RATIO * prefill_s - link.fixed_s
+    # the longest transfer the split can afford to pay: its exposed part within half the prefill
+    budget = max_transfer_s(PAYS_RATIO * prefill_s - link.fixed_s, prefill_s, streaming_layers)
     need = f"; the link would need {fmt_rate(nbytes * 8 / budget)} for the split to pay" if budget > 0 else ""
     return NO_PAY, f"{moving}, longer than the {fmt_seconds(prefill_s)} prefill{need}"
 
 
-def _shortest_prompt(moved: Callable[[int], float], link: LinkEstimate, prefill: PrefillEstimate,
-                     ratio: float, limit: int) -> int | None:
+def _shortest_prompt(handoff: Callable[[int], float], prefill: PrefillEstimate, ratio: float,
+                     limit: int) -> int | None:
     """Smallest prompt length <= limit with handoff <= ratio x prefill (the ratio falls with length);
-    ``moved(n)``: the bytes an n-token prompt puts on the link."""
-    return shortest(lambda n: link.handoff_s(moved(n)) <= ratio * prefill.seconds(n), limit)
+    ``handoff(n)``: what the split of an n-token prompt adds to its prefill."""
+    return shortest(lambda n: handoff(n) <= ratio * prefill.seconds(n), limit)
 
 
 def wire_ratio_of(wire_format: str, kv_dtype: str) -> float:
@@ -328,7 +355,8 @@ def conversion_limit(link: LinkEstimate, wire_format: str, kv_dtype: str, cpu_en
 def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: PrefillEstimate,
               memory: MemoryEstimate, prompt_tokens: Sequence[int], output_tokens: int,
               notes: Sequence[str] = (), max_prompt_tokens: int | None = None,
-              decode_prefill: PrefillEstimate | None = None, wire_format: str = "raw") -> Plan:
+              decode_prefill: PrefillEstimate | None = None, wire_format: str = "raw",
+              streaming_layers: int | None = None) -> Plan:
     """Work out every prompt class; the pure arithmetic behind ``disagg plan``.
 
     The break-even search stops at ``max_prompt_tokens`` (the model's context
@@ -336,6 +364,9 @@ def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: Prefi
     (the decode host's prefill) it also finds the shortest prompt the proxy's
     ``auto`` routing splits at idle load (:func:`disagg.routecost.break_even_tokens`).
     ``wire_format``: what crosses the link (``fp8``: about half a 16-bit cache's bytes).
+    ``streaming_layers``: the KV is streamed over that many layers while the prefill computes,
+    so a split adds only the fixed cost and the transfer's exposed part
+    (:func:`disagg.routecost.exposed_transfer_s`); None: sent after the prefill, all of it.
     """
     limit = max_prompt_tokens or MAX_SEARCH_TOKENS
     to_wire = wire_ratio_of(wire_format, kv_dtype)
@@ -343,23 +374,31 @@ def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: Prefi
     def moved(n: int) -> float:
         return arch.kv_bytes(n, kv_dtype) * to_wire
 
+    def handoff(n: int) -> float:
+        transfer = moved(n) / link.bytes_per_s
+        return link.fixed_s + exposed_transfer_s(transfer, prefill.seconds(n), streaming_layers)
+
     classes = []
     for n in prompt_tokens:
         nbytes = round(moved(n))
-        handoff, pre = link.handoff_s(nbytes), prefill.seconds(n)
+        pre = prefill.seconds(n)
+        transfer = nbytes / link.bytes_per_s
+        exposed = exposed_transfer_s(transfer, pre, streaming_layers)
         fit = None
         if memory.kv_bytes is not None:
             fit = int(max(memory.kv_bytes, 0) // arch.kv_bytes(n + output_tokens, kv_dtype))
-        verdict, reason = verdict_for(handoff, pre, nbytes, link, fit)
-        classes.append(ClassPlan(n, output_tokens, nbytes, handoff, pre, verdict, reason, fit))
+        verdict, reason = verdict_for(link.fixed_s + exposed, pre, nbytes, link, fit, streaming_layers)
+        classes.append(ClassPlan(n, output_tokens, nbytes, link.fixed_s + exposed, pre, verdict, reason, fit,
+                                 transfer_s=transfer, exposed_s=exposed))
+    link_cost = replace(link.cost(), streaming_layers=streaming_layers)
     return Plan(model=arch, kv_dtype=kv_dtype, link=link, prefill=prefill, memory=memory,
                 classes=tuple(classes),
-                break_even_tokens=_shortest_prompt(moved, link, prefill, NO_PAY_RATIO, limit),
-                pays_from_tokens=_shortest_prompt(moved, link, prefill, PAYS_RATIO, limit),
+                break_even_tokens=_shortest_prompt(handoff, prefill, NO_PAY_RATIO, limit),
+                pays_from_tokens=_shortest_prompt(handoff, prefill, PAYS_RATIO, limit),
                 search_limit=limit, notes=tuple(notes), decode_prefill=decode_prefill,
                 idle_split_from_tokens=None if decode_prefill is None else break_even_tokens(
-                    moved, prefill.cost(), decode_prefill.cost(), link.cost(), limit),
-                wire_format=wire_format)
+                    moved, prefill.cost(), decode_prefill.cost(), link_cost, limit),
+                wire_format=wire_format, streaming_layers=streaming_layers)
 
 
 # --- from a topology -------------------------------------------------------------
@@ -485,8 +524,11 @@ def kv_cache_dtype(topo: Topology) -> str:
 
 def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: int, *,
                   model: str | None = None, link_class: str | None = None, kv_dtype: str | None = None,
-                  use_probe: bool = True, run_dir: str | None = None, wire_format: str | None = None) -> Plan:
-    """The plan for a topology, with optional what-if overrides (model, link class, KV dtype, wire format)."""
+                  use_probe: bool = True, run_dir: str | None = None, wire_format: str | None = None,
+                  streaming: bool | None = None) -> Plan:
+    """The plan for a topology, with optional what-if overrides (model, link class, KV dtype, wire format,
+    ``streaming``: the KV streamed layer by layer while the prefill computes, socket connector only;
+    None: the topology's ``connector.streaming``)."""
     arch = resolve_model(model or topo.model.source, local_path=None if model else topo.model.path)
     prefill_inst, decode_inst = first_pair(topo)
     notes: list[str] = []
@@ -501,7 +543,8 @@ def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: i
     else:
         link = nominal_link(topo)
         notes.append("link rate from the nominal table; `disagg probe-link` measures the real one")
-    link = replace(link, connector_fixed_s=handoff_fixed_s(topo.connector))
+    streamed = topo.streaming if streaming is None else streaming
+    link = replace(link, connector_fixed_s=handoff_fixed_s(topo.connector, streaming=streamed))
     prefill = prefill_estimate(topo, arch, run_dir)
     if prefill.estimated:
         notes.append("prefill times are ESTIMATES from the device's spec sheet; `disagg bench` measures them")
@@ -521,9 +564,23 @@ def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: i
     else:
         on_cpu = all(topo.host_of(inst).device == "cpu" for inst in (prefill_inst, decode_inst))
         link = conversion_limit(link, wire, dtype, on_cpu, notes)
+    if streamed and topo.connector != "socket":
+        raise PlanError(f"{topo.file}: a streamed handoff is the socket connector's (connector.streaming); "
+                        f"connector {topo.connector} sends the KV after the prefill")
+    layers = arch.layers if streamed else None
+    if layers is not None:
+        notes.append(streaming_note(layers))
     return make_plan(arch, dtype, link, prefill, decode_memory(topo, arch), prompt_tokens,
                      output_tokens, notes, max_prompt_tokens=topo.model.max_model_len,
-                     decode_prefill=decode_prefill, wire_format=wire)
+                     decode_prefill=decode_prefill, wire_format=wire, streaming_layers=layers)
+
+
+def streaming_note(layers: int) -> str:
+    """The plan's one-line note on how a streamed handoff is priced."""
+    return (f"streamed handoff: each layer's KV leaves once the prefill has computed that layer and the link "
+            f"sends the layers one after another, so a split adds fixed + max(transfer / L, transfer - prefill "
+            f"+ prefill / L) to the prefill, not fixed + transfer (L = {layers} layers, taken as alike in "
+            "compute and bytes)")
 
 
 @dataclass(frozen=True)
@@ -537,20 +594,25 @@ class RouteSeeds:
     link_bytes_per_s: float
     handoff_fixed_s: float
     sources: tuple[str, ...]
+    #: the model's layers when the topology streams the KV while the prefill computes (None: it does not)
+    streaming_layers: int | None = None
 
 
 def route_seeds(topo: Topology) -> RouteSeeds:
     """The routing seed figures for a split topology: KV bytes per token from the model's
     arch, prefill rates that ``disagg bench`` stored (else the spec estimate), the link
     ``disagg probe-link`` measured (else the nominal table), the connector's measured fixed
-    handoff cost; the same figures ``disagg plan`` prints. Raises PlanError or ModelError
-    when the model or a host's rate cannot be worked out."""
+    handoff cost, and the model's layers when the topology streams the KV (the socket
+    connector's ``streaming``); the same figures ``disagg plan`` prints. Raises PlanError or
+    ModelError when the model or a host's rate cannot be worked out."""
     plan = plan_topology(topo, [], 0)
     decode = plan.decode_prefill or plan.prefill
     return RouteSeeds(kv_bytes_per_token=plan.wire_bytes_per_token,
                       prefill_tokens_per_s=plan.prefill.rate(), decode_tokens_per_s=decode.rate(),
                       link_bytes_per_s=plan.link.bytes_per_s, handoff_fixed_s=plan.link.fixed_s,
-                      sources=(plan.link.label, plan.prefill.label, decode.label, HANDOFF_FIXED_SOURCE))
+                      sources=(plan.link.label, plan.prefill.label, decode.label,
+                               handoff_fixed_source(plan.streaming_layers is not None)),
+                      streaming_layers=plan.streaming_layers)
 
 
 def idle_routing_line(plan: Plan) -> str | None:
@@ -558,7 +620,8 @@ def idle_routing_line(plan: Plan) -> str | None:
     if plan.decode_prefill is None:
         return None
     rates = (f"prefill host {fmt_count(round(plan.prefill.rate()))} tokens/s, decode host "
-             f"{fmt_count(round(plan.decode_prefill.rate()))} tokens/s, handoff {fmt_seconds(plan.link.fixed_s)} fixed")
+             f"{fmt_count(round(plan.decode_prefill.rate()))} tokens/s, handoff {fmt_seconds(plan.link.fixed_s)} fixed"
+             + (f", streamed over {plan.streaming_layers} layers" if plan.streaming_layers is not None else ""))
     if plan.idle_split_from_tokens is None:
         return (f"Routing (auto) at idle load: every prompt stays local (the decode host prefills it "
                 f"sooner than a split answers; {rates}); it splits only when the decode engines are busy.")

@@ -9,10 +9,14 @@ For a prompt of ``n`` tokens whose KV cache is ``kv_bytes``:
 
 - ``local`` (the decode engine prefills it): ``wait(D) + n / rate(D)``;
 - ``whole`` (an idle prefill engine serves the request alone): ``wait(P) + n / rate(P)``;
-- ``split``: ``max(wait(P) + n / rate(P) + fixed + kv_bytes / link rate, wait(D))``:
+- ``split``: ``max(wait(P) + n / rate(P) + fixed + exposed, wait(D))``:
   the decode engine takes the prompt's KV and computes its first token only
   once the prefills queued on it ahead are done, so the handoff overlaps that
-  wait but the first token never comes before it ends;
+  wait but the first token never comes before it ends. ``exposed`` is the
+  part of the transfer (``kv_bytes / link rate``) that the prefill does not
+  hide: all of it when the KV leaves after the prefill (the default), less
+  when it is streamed layer by layer while the prefill computes
+  (``LinkCost.streaming_layers``, :func:`exposed_transfer_s`);
 
 where ``wait(E)`` is the engine's outstanding prefill tokens over its prefill
 rate, and ``fixed`` the handoff's cost that does not depend on its size
@@ -47,6 +51,10 @@ HANDOFF_FIXED_S: dict[str, float] = {"nixl": 0.030, "socket": 0.016}
 HANDOFF_FIXED_SOURCE = ("measured 2026-11-30 on a 2-core CPU machine by benchmarks/handoff_fixed_cost.py: "
                         "TTFT of a split minus a plain request on P, tiny model, loopback; "
                         "nixl 30 ms, socket 16 ms; the proxy measures it live")
+#: where :data:`STREAMED_HANDOFF_FIXED_S` comes from, printed by ``disagg plan`` for a streamed handoff
+STREAMED_HANDOFF_FIXED_SOURCE = ("measured 2026-12-01 on a 2-core CPU machine by benchmarks/streaming_ttft.py: "
+                                 "TTFT of a streamed split minus the prefill alone minus the transfer it "
+                                 "leaves exposed, median of 9 rows; socket 40 ms")
 #: connectors without a measurement of their own use the largest measured one
 DEFAULT_HANDOFF_FIXED_S = max(HANDOFF_FIXED_S.values())
 #: longest prompt the break-even search considers
@@ -61,8 +69,25 @@ class Option(enum.StrEnum):
     WHOLE = "whole"
 
 
-def handoff_fixed_s(connector: str) -> float:
-    """The seeded fixed handoff cost of ``connector`` (:data:`HANDOFF_FIXED_S`)."""
+#: measured fixed cost of a *streamed* handoff per connector (seconds): TTFT of a streamed split minus
+#: the prefill alone minus :func:`exposed_transfer_s`, the median over the 9 rows (loopback, emulated 1
+#: and 2.5 Gb/s; 128, 512 and 2,048 tokens) of ``benchmarks/streaming_ttft.py`` on 2026-12-01 (the
+#: embedded tiny-kvdeep in float32, one pinned core per engine): 24-57 ms on 7 rows, 357 and 382 ms on
+#: the 2,048-token rows at 1 Gb/s and over loopback, where sending 134 MB during the prefill slowed it
+#: (docs/socket-connector.md)
+STREAMED_HANDOFF_FIXED_S: dict[str, float] = {"socket": 0.040}
+
+
+def handoff_fixed_source(streaming: bool) -> str:
+    """Where the seeded fixed cost comes from (what ``disagg plan`` prints beside it)."""
+    return STREAMED_HANDOFF_FIXED_SOURCE if streaming else HANDOFF_FIXED_SOURCE
+
+
+def handoff_fixed_s(connector: str, streaming: bool = False) -> float:
+    """The seeded fixed handoff cost of ``connector`` (:data:`HANDOFF_FIXED_S`), or of its streamed
+    handoff (:data:`STREAMED_HANDOFF_FIXED_S`)."""
+    if streaming and connector in STREAMED_HANDOFF_FIXED_S:
+        return STREAMED_HANDOFF_FIXED_S[connector]
     return HANDOFF_FIXED_S.get(connector, DEFAULT_HANDOFF_FIXED_S)
 
 
@@ -95,16 +120,75 @@ class EngineCost:
         return self.wait_s() + self.prefill_s(tokens)
 
 
+def exposed_transfer_s(transfer_s: float, prefill_s: float, layers: int | None) -> float:
+    """What a KV transfer of ``transfer_s`` seconds adds to a prefill of ``prefill_s`` seconds
+    when the KV is streamed layer by layer over ``layers`` attention layers (the fixed cost apart).
+
+    The derivation. Write ``X`` for ``transfer_s``, ``P`` for ``prefill_s``, ``L`` for
+    ``layers``. The prefill computes the layers one after another, ``P / L`` each, so layer
+    ``l``'s KV exists from ``l P / L`` (``l = 1..L``); it can leave only then, and the link sends
+    one layer after another, ``X / L`` each. Layer ``l``'s send ends at
+    ``e(l) = max(l P / L, e(l - 1)) + X / L`` (``e(0) = 0``), which unrolls to
+    ``e(L) = max over k = 1..L of (k P / L + (L - k + 1) X / L)``: the send of layer ``k``
+    starts as soon as that layer is computed and every later one follows without a gap. That
+    is linear in ``k``, so its maximum is at an end: ``k = L`` (the link keeps up; only the
+    last layer's send is left after the prefill) or ``k = 1`` (the link is the bottleneck from
+    the first layer on). So the last byte arrives at ``max(P + X / L, X + P / L)`` after the
+    prefill starts, and what it adds to the prefill is::
+
+        exposed = max(X / L, X - P + P / L)      (X / L <= exposed <= X)
+
+    ``L`` of 1, or None (the layers unknown, or the KV sent after the prefill: the sequential
+    handoff), gives ``X``: nothing is hidden, the safe side. It takes the layers as alike in
+    compute and bytes (sliding-window layers hold fewer) and the prefill as one forward pass
+    (a prefill in chunks sends each chunk's layers as they come, which overlaps at least as
+    much), and the sends as costing the prefill nothing: where the sending thread shares the
+    prefill's cores (a CPU engine on one core) it is optimistic.
+    """
+    if layers is None or layers <= 1:
+        return transfer_s
+    return max(transfer_s / layers, transfer_s - prefill_s + prefill_s / layers)
+
+
+def max_transfer_s(exposed_s: float, prefill_s: float, layers: int | None) -> float:
+    """The longest transfer whose :func:`exposed_transfer_s` next to a prefill of ``prefill_s``
+    is at most ``exposed_s`` (its inverse; ``exposed_s`` <= 0: 0). ``exposed`` rises with the
+    transfer, so it is ``min(L x exposed_s, exposed_s + P - P / L)``."""
+    if exposed_s <= 0:
+        return 0.0
+    if layers is None or layers <= 1:
+        return exposed_s
+    return min(layers * exposed_s, exposed_s + prefill_s - prefill_s / layers)
+
+
 @dataclass(frozen=True)
 class LinkCost:
-    """A prefill -> decode handoff: ``fixed_s + nbytes / bytes_per_s``."""
+    """A prefill -> decode handoff: ``fixed_s + nbytes / bytes_per_s``, or with
+    ``streaming_layers`` (the KV streamed layer by layer while the prefill computes, over a
+    model of that many layers) ``fixed_s`` + the part of the transfer the prefill does not hide
+    (:func:`exposed_transfer_s`); None: sent after the prefill."""
 
     fixed_s: float
     bytes_per_s: float
+    streaming_layers: int | None = None
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Time the link takes to move ``nbytes`` of KV cache, on its own."""
+        return nbytes / self.bytes_per_s
 
     def seconds(self, nbytes: float) -> float:
-        """Time to hand over ``nbytes`` of KV cache."""
-        return self.fixed_s + nbytes / self.bytes_per_s
+        """Time to hand over ``nbytes`` of KV cache after the prefill (the sequential handoff)."""
+        return self.fixed_s + self.transfer_s(nbytes)
+
+    def exposed_s(self, nbytes: float, prefill_s: float) -> float:
+        """What moving ``nbytes`` adds to a prefill of ``prefill_s`` seconds, the fixed cost apart
+        (the whole transfer unless streamed: :func:`exposed_transfer_s`)."""
+        return exposed_transfer_s(self.transfer_s(nbytes), prefill_s, self.streaming_layers)
+
+    def after_prefill_s(self, nbytes: float, prefill_s: float) -> float:
+        """What the handoff of ``nbytes`` adds to a prefill of ``prefill_s`` seconds: the fixed
+        cost plus :meth:`exposed_s` (:meth:`seconds` when not streamed)."""
+        return self.fixed_s + self.exposed_s(nbytes, prefill_s)
 
 
 def local_ttft(tokens: float, decode: EngineCost) -> float:
@@ -119,9 +203,11 @@ def whole_ttft(tokens: float, prefill: EngineCost) -> float:
 
 def split_ttft(tokens: float, kv_bytes: float, prefill: EngineCost, link: LinkCost,
                decode: EngineCost | None = None) -> float:
-    """Predicted TTFT of a split: prefill on P, then the handoff (fixed + bytes over the link),
-    but no earlier than the end of the prefill work queued on the decode engine (``decode``)."""
-    arrived = prefill.ttft_s(tokens) + link.seconds(kv_bytes)
+    """Predicted TTFT of a split: prefill on P, then the handoff (fixed + the transfer the prefill
+    does not hide: all of it, or with ``link.streaming_layers`` what :func:`exposed_transfer_s`
+    leaves of it next to P's ``tokens / rate``), but no earlier than the end of the prefill
+    work queued on the decode engine (``decode``)."""
+    arrived = prefill.ttft_s(tokens) + link.after_prefill_s(kv_bytes, tokens / prefill.tokens_per_s)
     return max(arrived, decode.wait_s()) if decode is not None else arrived
 
 

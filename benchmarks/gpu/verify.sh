@@ -4,6 +4,8 @@
 #   3. vLLM + our socket connector 1P1D (CUDA caches through host staging)
 # each through `disagg up --detach`, compared with a colocated run of the same
 # engine (greedy outputs must be equal) and checked that KV moved (metrics).
+#   3b. the same with streaming: true (each layer sent as the forward writes it,
+#   after a CUDA event on the cache: the GPU path of streams.py)
 #   4. vLLM + socket connector with wire_format fp8 (lossy, opt-in): the same
 # checks, but instead of equality an accuracy report on the real model: greedy
 # match rate, tokens in common, log-prob drift (verify_run.py accuracy).
@@ -131,8 +133,10 @@ SOCKET_PD="  prefill:
     - {host: gpu, port: 8200, gpus: [0], args: [--gpu-memory-utilization, \"0.4\", --enforce-eager]}
 routing: {policy: split}"
 verify socket vllm socket "$VL" '[--gpu-memory-utilization, "0.8", --enforce-eager]' "$SOCKET_PD"
+verify socket-stream vllm "{type: socket, streaming: true}" "$VL" '[--gpu-memory-utilization, "0.8", --enforce-eager]' \
+  "$SOCKET_PD"
 verify socket-fp8 vllm "{type: socket, wire_format: fp8}" "$VL" '[--gpu-memory-utilization, "0.8", --enforce-eager]' \
   "$SOCKET_PD" accuracy
 
-log "ALL PASS (SGLang 1P1D, vLLM+LMCache 1P1D, vLLM+socket 1P1D; fp8 accuracy in $WORK/socket-fp8-accuracy.txt)" \
+log "ALL PASS (SGLang 1P1D, vLLM+LMCache 1P1D, vLLM+socket 1P1D fetched and streamed; fp8 accuracy in $WORK/socket-fp8-accuracy.txt)" \
   "in ${SECONDS}s"

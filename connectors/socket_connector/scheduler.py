@@ -160,10 +160,12 @@ class SocketScheduler:
                 return RecvSpec([], [], remote.request_id, remote.host, remote.port, remote.tp_size, awaiting=False,
                                 stream_key=remote.stream_key)
             total = -(-remote.num_tokens // self.block_size)
+            # The proxy does not know P's TP size: rank r dials P's rank r, and the hello's layout check
+            # refuses a pair whose ranks hold different shards (then D recomputes).
             return RecvSpec(
                 local_block_ids=list(local), remote_block_ids=list(range(total - len(local), total)),
                 remote_request_id=remote.request_id, remote_host=remote.host, remote_port=remote.port,
-                remote_tp_size=remote.tp_size, awaiting=awaiting, remote_engine_id=remote.engine_id,
+                remote_tp_size=self.tp_size, awaiting=awaiting, remote_engine_id=remote.engine_id,
                 stream_key=remote.stream_key, remote_num_tokens=remote.num_tokens)
         remote_ids = list(remote.block_ids)
         if local:

@@ -8,7 +8,7 @@ import textwrap
 
 from disagg.errors import PlanError
 from disagg.planning import LINK_CLASSES, Plan, first_pair, idle_routing_line, plan_topology, summary_line
-from disagg.routecost import HANDOFF_FIXED_SOURCE
+from disagg.routecost import handoff_fixed_source
 from disagg.topology import WIRE_FORMATS, Topology, load_topology
 from disagg.units import fmt_bytes, fmt_count, fmt_seconds
 
@@ -37,6 +37,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--wire-format", choices=WIRE_FORMATS, metavar="FORMAT",
                    help="what if: the KV crosses the link as raw (the cache's bytes) or fp8 (about half a "
                         "16-bit cache; socket connector only) (default: the topology's connector.wire_format)")
+    p.add_argument("--streaming", choices=("on", "off"),
+                   help="what if: the KV streamed layer by layer while the prefill computes (on; socket "
+                        "connector only) or sent after it (off) (default: the topology's connector.streaming)")
     p.add_argument("--no-probe", action="store_true", help="ignore a stored probe-link result")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(handler=cmd_plan)
@@ -63,9 +66,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.output_tokens < 0:
         raise PlanError("--output-tokens must be >= 0")
     topo = load_topology(args.topology)
+    streaming = None if args.streaming is None else args.streaming == "on"
+    if streaming and topo.connector != "socket":
+        raise PlanError(f"--streaming on: only the socket connector streams the KV while the prefill computes; "
+                        f"{topo.file} uses connector {topo.connector}, which sends it after the prefill")
     plan = plan_topology(topo, parse_token_list(args.prompt_tokens), args.output_tokens,
                          model=args.model, link_class=args.link, kv_dtype=args.kv_dtype,
-                         use_probe=not args.no_probe, wire_format=args.wire_format)
+                         use_probe=not args.no_probe, wire_format=args.wire_format, streaming=streaming)
     if args.json:
         data = plan.to_json()
         data["topology"] = topo.file
@@ -91,6 +98,8 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None) -
     written = model_override or topo.model.source
     est = " (est.)" if plan.prefill.estimated else ""
     out = [f"disagg plan: {topo.file}"]
+    extra_s = plan.link.fixed_s - (plan.link.connector_fixed_s or plan.link.fixed_s)
+    round_trips = f"; + {fmt_seconds(extra_s)} for the link's round trips)" if extra_s > 0 else ")"
     for key, value in (
         ("model", written + (f"  [{m.name}, {m.source}]" if m.name != written else f"  [{m.source}]")),
         ("", m.describe()),
@@ -99,10 +108,10 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None) -
                   f"; {fmt_bytes(plan.wire_bytes_per_token)} on the wire ({plan.wire_format})")),
         ("link", f"{pre.host} -> {dec.host}: {plan.link.label}"),
         ("handoff", f"{fmt_seconds(plan.link.fixed_s)} fixed per request ({topo.connector}: "
-                    f"{HANDOFF_FIXED_SOURCE}" + (f"; + {fmt_seconds(plan.link.fixed_s - plan.link.connector_fixed_s)} "
-                                                 "for the link's round trips)" if plan.link.connector_fixed_s
-                                                 is not None and plan.link.fixed_s > plan.link.connector_fixed_s
-                                                 else ")")),
+                    f"{handoff_fixed_source(plan.streaming_layers is not None)}" + round_trips),
+        *((("", f"streamed layer by layer ({plan.streaming_layers} layers): the KV moves while the prefill "
+                "computes, so the handoff below is the fixed cost plus the part of the transfer the prefill "
+                "does not hide (notes)"),) if plan.streaming_layers is not None else ()),
         ("prefill", plan.prefill.label),
         *((("local", f"decode host prefilling itself: {plan.decode_prefill.label}"),)
           if plan.decode_prefill is not None else ()),
@@ -117,7 +126,14 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None) -
         fit = "?" if c.conversations is None else fmt_count(c.conversations)
         rows.append([fmt_count(c.prompt_tokens), fmt_bytes(c.kv_bytes), fmt_seconds(c.handoff_s),
                      fmt_seconds(c.prefill_s), f"{c.ratio:.2f}", fit, c.verdict.upper()])
-    out += _table(rows, right={0, 1, 2, 3, 4, 5})
+    right = {0, 1, 2, 3, 4, 5}
+    if plan.streaming:   # the transfer on its own, beside what the streamed handoff leaves of it
+        rows[0][2:2], rows[1][2:2] = ["transfer"], ["(alone)"]
+        rows[1][3] = "(streamed)"
+        for row, c in zip(rows[2:], plan.classes, strict=True):
+            row.insert(2, fmt_seconds(c.transfer_s))
+        right = {0, 1, 2, 3, 4, 5, 6}
+    out += _table(rows, right=right)
     out.append("")
     width = max(len(fmt_count(c.prompt_tokens)) for c in plan.classes) if plan.classes else 0
     for c in plan.classes:

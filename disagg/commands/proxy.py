@@ -79,6 +79,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                    help="auto: seed per-request engine cost besides the prompt's tokens")
     p.add_argument("--route-stall-weight", type=float, default=r.stall_weight, metavar="W",
                    help="auto: TTFT seconds one second of stall imposed on each running decode is worth")
+    p.add_argument("--route-streaming-layers", type=int, metavar="N",
+                   help="auto, --handoff vllm-socket-stream: the model's layers; a split is predicted with only "
+                        "the part of the KV transfer the streamed prefill does not hide, and splits take no "
+                        "samples of the link (1: priced as if the KV followed the prefill)")
     p.add_argument("--route-whole", action="store_true",
                    help="auto: an idle prefill engine may serve a request alone while decode engines are backed up")
     p.add_argument("--route-chars-per-token", type=float, default=r.chars_per_token, metavar="C",
@@ -111,7 +115,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
                            stall_weight=args.route_stall_weight, whole=args.route_whole,
                            tokenizer=args.tokenizer, chars_per_token=args.route_chars_per_token,
                            explore_after_s=args.route_explore_after, explore_decisions=args.route_explore_decisions,
-                           explore_within=args.route_explore_within),
+                           explore_within=args.route_explore_within,
+                           streaming_layers=args.route_streaming_layers),
                        log_level=args.log_level)
 
 

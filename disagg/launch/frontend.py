@@ -73,9 +73,10 @@ def handoff_options(dep: Deployment) -> tuple[tuple[str, str], ...]:
 
 def routing_config(dep: Deployment) -> RoutingConfig:
     """The proxy's routing for a planned topology: ``routing.policy`` and, for ``auto``, the seed
-    figures ``disagg plan`` works with (:func:`disagg.planning.route_seeds`) and the model's
-    tokenizer when it is on this machine. When the seeds cannot be worked out (a model whose
-    config is not at hand), the proxy splits every prompt, and says so."""
+    figures ``disagg plan`` works with (:func:`disagg.planning.route_seeds`: with the socket
+    connector's ``streaming``, the model's layers, so that splits are priced as streamed) and
+    the model's tokenizer when it is on this machine. When the seeds cannot be worked out (a
+    model whose config is not at hand), the proxy splits every prompt, and says so."""
     topo = dep.topology
     if topo.colocated or topo.engine == "sglang":  # nothing to choose: one server, or decode cannot prefill
         return RoutingConfig()
@@ -95,7 +96,7 @@ def routing_config(dep: Deployment) -> RoutingConfig:
         whole=topo.engine == "vllm" and topo.connector in WHOLE_CONNECTORS,
         tokenizer=str(tokenizer) if tokenizer.is_file() else None,
         explore_after_s=topo.routing.explore_after_s, explore_decisions=topo.routing.explore_decisions,
-        explore_within=topo.routing.explore_within)
+        explore_within=topo.routing.explore_within, streaming_layers=seeds.streaming_layers)
 
 
 def proxy_config(dep: Deployment) -> ProxyConfig:

@@ -23,6 +23,10 @@ API_KEY_ENV = "DISAGG_PROXY_API_KEY"
 #: puts the run's key here, and takes it from here instead of generating one when it is set
 ENGINE_KEY_ENV = "DISAGG_ENGINE_KEY"
 
+#: the handoff that streams the KV while the prefill computes (``SocketStreamHandoff.kind``), the one
+#: ``RoutingConfig.streaming_layers`` is for
+STREAMING_HANDOFF = "vllm-socket-stream"
+
 #: client requests the proxy serves at once before it answers 429 (generation and
 #: pass-through; /health and /metrics never count): far above what one pair of
 #: engines runs at once (vLLM's --max-num-seqs), so only a flood is refused
@@ -91,6 +95,11 @@ class RoutingConfig:
     lengths; without it, characters / ``chars_per_token`` (calibrated live).
     ``explore_*``: when ``auto`` re-measures a path it has not taken
     (:class:`disagg.proxy.policy.Explorer`; ``explore_within`` 0: never).
+    ``streaming_layers``: the handoff streams the KV layer by layer while the prefill
+    computes (``vllm-socket-stream``), over a model of that many layers: a split is
+    predicted with only the part of the transfer the prefill does not hide
+    (:func:`disagg.routecost.exposed_transfer_s`; 1 hides nothing) and splits teach the
+    link nothing (:class:`disagg.proxy.router.Router`); None: the KV moves after the prefill.
     """
 
     policy: str = "split"
@@ -107,6 +116,7 @@ class RoutingConfig:
     explore_after_s: float = EXPLORE_AFTER_S
     explore_decisions: int = EXPLORE_AFTER_DECISIONS
     explore_within: float = EXPLORE_WITHIN
+    streaming_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -125,6 +135,9 @@ class RoutingConfig:
                 and (self.explore_within == 0 or self.explore_within > 1)):
             raise ProxyError("routing exploration: after >= 0 seconds, decisions >= 1, within > 1 (0: never), "
                              f"got {self.explore_after_s!r}, {self.explore_decisions!r}, {self.explore_within!r}")
+        if self.streaming_layers is not None and (type(self.streaming_layers) is not int or self.streaming_layers < 1):
+            raise ProxyError(f"routing streaming_layers must be a whole number >= 1 (the model's layers), "
+                             f"got {self.streaming_layers!r}")
         if self.policy == "auto":
             missing = [n for n in ("kv_bytes_per_token", "prefill_tokens_per_s", "link_bytes_per_s")
                        if getattr(self, n) is None]
@@ -147,6 +160,8 @@ class RoutingConfig:
                  "--route-explore-after", repr(self.explore_after_s),
                  "--route-explore-decisions", str(self.explore_decisions),
                  "--route-explore-within", repr(self.explore_within)]
+        if self.streaming_layers is not None:
+            argv += ["--route-streaming-layers", str(self.streaming_layers)]
         if self.whole:
             argv.append("--route-whole")
         if self.tokenizer:
@@ -207,6 +222,14 @@ class ProxyConfig:
         keys = [k for k, _ in self.handoff_options]
         if any(not k for k in keys) or len(set(keys)) != len(keys):
             raise ProxyError(f"handoff options need distinct non-empty keys, got {', '.join(keys) or '(none)'}")
+        streamed = self.handoff == STREAMING_HANDOFF
+        if self.routing.streaming_layers is not None and not streamed:
+            raise ProxyError(f"routing streaming_layers (--route-streaming-layers) prices the {STREAMING_HANDOFF} "
+                             f"handoff; handoff {self.handoff} sends the KV after the prefill")
+        if streamed and self.prefill and self.routing.policy == "auto" and self.routing.streaming_layers is None:
+            raise ProxyError(f"routing policy auto with handoff {STREAMING_HANDOFF} needs "
+                             "--route-streaming-layers N (the model's layers; 1 prices the handoff as if "
+                             "the KV followed the prefill)")
 
     @property
     def colocated(self) -> bool:

@@ -10,7 +10,11 @@
   sent with at most :data:`QUEUED_SHARE` of their size queued ahead are
   samples (:meth:`Measurements.observe_prefill` says why);
 - per prefill -> decode pair, a fit of ``seconds = fixed + kv_bytes / rate``
-  from split routes (prefill reply -> first decode token, streamed);
+  from split routes (prefill reply -> first decode token, streamed); none when
+  the handoff streams the KV while the prefill computes (``streaming_layers``:
+  the two overlap, so that time is no sample of the link, and the line stays
+  at its seed), whose predictions take only the part of the transfer the
+  prefill does not hide (:func:`disagg.routecost.exposed_transfer_s`);
 - per engine, the prefill tokens it has still to work through (sent, no
   first token yet, less what the time since then has covered at its fitted
   rate: :meth:`Measurements._progress`) and so the decodes it is running.
@@ -207,8 +211,12 @@ class Measurements:
     """Live prefill fits per engine, handoff fits per pair, and what each engine has queued."""
 
     def __init__(self, *, prefill_tokens_per_s: float, decode_tokens_per_s: float, overhead_s: float,
-                 handoff_fixed_s: float, link_bytes_per_s: float, decay: float = DECAY) -> None:
+                 handoff_fixed_s: float, link_bytes_per_s: float, decay: float = DECAY,
+                 streaming_layers: int | None = None) -> None:
+        """``streaming_layers``: the handoff streams the KV over that many layers while the prefill
+        computes (:class:`~disagg.routecost.LinkCost`); None: it moves after the prefill."""
         self._seed = {"prefill": prefill_tokens_per_s, "decode": decode_tokens_per_s}
+        self.streaming_layers = streaming_layers
         self._overhead = overhead_s
         self._fixed = handoff_fixed_s
         self._link = link_bytes_per_s
@@ -311,9 +319,9 @@ class Measurements:
                           running=max(outstanding - waiting, 0), waiting=waiting)
 
     def link_cost(self, prefill_url: str, decode_url: str) -> LinkCost:
-        """The pair's handoff line (fixed seconds, bytes per second)."""
+        """The pair's handoff line (fixed seconds, bytes per second; streamed or not)."""
         fixed, rate = self._link_fit(prefill_url, decode_url).coefficients()
-        return LinkCost(fixed_s=fixed, bytes_per_s=rate)
+        return LinkCost(fixed_s=fixed, bytes_per_s=rate, streaming_layers=self.streaming_layers)
 
     def _link_fit(self, prefill_url: str, decode_url: str) -> EwFit:
         key = (prefill_url, decode_url)

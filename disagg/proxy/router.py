@@ -16,7 +16,16 @@ One :class:`Router` per app (built by :func:`disagg.proxy.app.build_app` from
 
 Measurements live in :class:`~disagg.proxy.measure.Measurements` (warm-up
 samples dropped, outliers clipped: see there); what became of each sample is
-counted in ``disagg_route_samples_total{fit, outcome}``. The router registers
+counted in ``disagg_route_samples_total{fit, outcome}``.
+
+A streamed handoff (``RoutingConfig.streaming_layers``: ``vllm-socket-stream``
+sends prefill and decode their requests at once, and prefill's KV leaves layer
+by layer as it is computed) gives no link samples: prefill's answer and
+decode's first token then overlap (decode may even answer first), so the time
+between them is no handoff time. The link's line stays at its seed (the
+``disagg plan`` figures), and splits are predicted with the part of the
+transfer the prefill does not hide (:func:`disagg.routecost.exposed_transfer_s`);
+the prefill engines still learn from prefill's answers. The router registers
 :meth:`Measurements.forget` and :meth:`Explorer.forget
 <disagg.proxy.policy.Explorer.forget>` with the pools' ``on_return``.
 
@@ -90,7 +99,9 @@ class Router:
             overhead_s=config.overhead_s,
             handoff_fixed_s=(config.handoff_fixed_s if config.handoff_fixed_s is not None
                              else DEFAULT_HANDOFF_FIXED_S),
-            link_bytes_per_s=config.link_bytes_per_s or 1.0)
+            link_bytes_per_s=config.link_bytes_per_s or 1.0, streaming_layers=config.streaming_layers)
+        #: the handoff streams the KV while the prefill computes: splits are no samples of the link
+        self.streamed = config.streaming_layers is not None
         self.lengths = PromptLength(config.tokenizer, config.chars_per_token) if self.auto else None
         self._flights: dict[int, _Flight] = {}
         self._counters: dict[tuple[str, str], Any] = {}     # disagg_route_total children, by labels
@@ -220,8 +231,11 @@ class Router:
         if flight is None or route.served == "fallback":
             return
         self._settle(flight)
-        if route.path is RoutePath.SPLIT and flight.prefill_done is not None \
-                and route.prefill is not None and route.decode is not None:
+        if route.path is RoutePath.SPLIT:
+            # streamed (self.streamed): prefill's answer and this first token overlap, in either order,
+            # so the time between them is no sample of the link (module doc)
+            if self.streamed or flight.prefill_done is None or route.prefill is None or route.decode is None:
+                return
             nbytes = flight.tokens.get("prompt", route.tokens) * self.kv_bytes_per_token
             handoff = when - flight.prefill_done
             if DECODE_BUSY_SHARE * handoff < flight.decode_wait <= handoff:
@@ -232,7 +246,7 @@ class Router:
             else:
                 self._sampled("link", self.measurements.observe_handoff(route.prefill.url, route.decode.url,
                                                                         nbytes, handoff))
-        elif route.path is not RoutePath.SPLIT and flight.engine is not None \
+        elif flight.engine is not None \
                 and flight.engine is (route.decode if route.path is RoutePath.LOCAL else route.prefill):
             self._sampled("engine", self.measurements.observe_prefill(flight.engine.role, flight.engine.url,
                                                                       route.tokens, when - flight.sent,

@@ -15,7 +15,9 @@ D's counters show the prompt's KV arrived over the socket.
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -218,6 +220,35 @@ async def test_a_lease_nobody_streams_expires(pair: tuple[Engine, Engine]) -> No
     await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S + 10, "the lease to expire")
     await wait_for(lambda: metric(p.url, "vllm:socket_kv_expired_reqs_total") == expired_before + 1, 10,
                    "the expiry to be counted")
+
+
+async def test_a_frozen_prefill_mid_stream_times_out_to_local_recompute(pair: tuple[Engine, Engine]) -> None:
+    """P stops (SIGSTOP) while streaming: D gives up after its I/O timeout and recomputes; once P runs
+    again it finds the stream's reader gone and frees the blocks."""
+    from tests.e2e.test_socket_connector import stop_group
+
+    p, d = pair
+    prompt = huge()
+    async with aiohttp.ClientSession() as session:
+        reference = await complete(session, d, prompt, 8)
+        counters = Counters(d)
+        p_params, d_params = stream_params(p)
+        decode = asyncio.create_task(complete(session, d, prompt, 8, d_params))
+        prefill = asyncio.create_task(complete(session, p, prompt, 1, p_params))
+        await asyncio.sleep(CUT_AFTER_S)
+        assert not prefill.done(), "P finished before it could be frozen"
+        await asyncio.to_thread(stop_group, p.proc.pid)
+        try:
+            started = time.monotonic()
+            dec = await decode
+            elapsed = time.monotonic() - started
+        finally:
+            os.killpg(p.proc.pid, signal.SIGCONT)
+        await prefill
+    assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert counters.delta()["failed"] == 1
+    assert IO_TIMEOUT_S - 1 <= elapsed < IO_TIMEOUT_S + 30, elapsed
+    await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S + 10, "P to free the blocks")
 
 
 async def test_prefill_killed_mid_stream_leads_to_local_recompute(pair: tuple[Engine, Engine]) -> None:

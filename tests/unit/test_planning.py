@@ -25,6 +25,7 @@ from disagg.planning import (
     route_seeds,
     verdict_for,
 )
+from disagg.routecost import exposed_transfer_s
 from disagg.topology import load_topology, parse_topology
 
 LLAMA = BUILTIN_MODELS["llama-3.1-8b"]
@@ -200,7 +201,8 @@ def test_fp8_on_cpu_engines_is_priced_at_the_slower_of_link_and_conversion() -> 
     """On CPU engines the fp8 conversions (about 200 MB/s of cache) are the limit above ~0.8 Gb/s:
     at 2.5 Gb/s the handoff moves the wire bytes at the conversions' rate, at 100 Mb/s at the
     link's; raw and GPU engines are priced by the link alone."""
-    text = Path("topologies/local-emulated-1g.yaml").read_text().replace("connector: nixl", "connector: socket")
+    text = Path("topologies/local-emulated-1g.yaml").read_text().replace(
+        "connector: nixl", "connector: {type: socket, streaming: false}")
     ratio = 1 + 4 / 128
     for rate, limited in (("2.5gbit", True), ("100mbit", False)):
         topo = parse_topology(text.replace("rate: 1gbit", f"rate: {rate}"), "e.yaml")
@@ -217,3 +219,82 @@ def test_fp8_on_cpu_engines_is_priced_at_the_slower_of_link_and_conversion() -> 
     gpu = parse_topology(text.replace("device: cpu", "device: cuda, gpu: rtx-4090"), "g.yaml")
     plan = plan_topology(gpu, [2048], 0, use_probe=False, wire_format="fp8")
     assert plan.link.convert_wire_bps is None and any("not modelled" in n for n in plan.notes)
+
+
+# --- a streamed handoff (the socket connector's streaming) ---------------------------------------
+
+def test_streamed_plan_prices_only_what_the_prefill_does_not_hide() -> None:
+    """LLAMA has 32 layers; on a 10 GB/s-usable link a 2,048-token prompt's 256 MiB take 215 ms,
+    half its 410 ms prefill: MARGINAL when sent after the prefill, and only the last layer's send
+    (a 32nd) when streamed beside it."""
+    args = (LLAMA, "bfloat16", link(10e9), prefill_rate(5000.0), MemoryEstimate(None, "?"), [2048], 0)
+    seq, streamed = make_plan(*args), make_plan(*args, streaming_layers=32)
+    s, t = seq.classes[0], streamed.classes[0]
+    transfer = 256 * MIB * 8 / 10e9
+    assert s.transfer_s == t.transfer_s == pytest.approx(transfer)
+    assert s.exposed_s == s.transfer_s and s.handoff_s == pytest.approx(PROXY_HOP_S + transfer)
+    assert t.exposed_s == pytest.approx(transfer / 32)
+    assert t.handoff_s == pytest.approx(PROXY_HOP_S + transfer / 32)
+    assert (s.verdict, t.verdict) == (MARGINAL, PAYS)
+    assert "streaming 256 MiB (215 ms on the link alone) adds" in t.reason
+    assert not seq.streaming and streamed.streaming and streamed.streaming_layers == 32
+    # the ratio of a dense model on a measured rate hardly moves with length: the sequential split
+    # never clearly pays, the streamed one does from a short prompt on
+    assert seq.pays_from_tokens is None and seq.break_even_tokens is not None
+    assert streamed.pays_from_tokens is not None and streamed.break_even_tokens is not None
+    assert streamed.break_even_tokens <= seq.break_even_tokens
+    n = streamed.pays_from_tokens
+    for m, holds in ((n, True), (n - 1, False)):
+        pre, x = m / 5000.0, LLAMA.kv_bytes(m) * 8 / 10e9
+        assert (PROXY_HOP_S + exposed_transfer_s(x, pre, 32) <= 0.5 * pre) is holds
+    data = streamed.to_json()
+    assert data["streaming"] is True and data["streaming_layers"] == 32
+    assert data["classes"][0]["transfer_s"] == t.transfer_s and data["classes"][0]["exposed_handoff_s"] == t.exposed_s
+    assert seq.to_json()["streaming"] is False and seq.to_json()["streaming_layers"] is None
+
+
+def test_a_streamed_split_that_does_not_pay_names_the_rate_that_would() -> None:
+    # 256 MiB over 2.35 Gb/s take 914 ms beside a 410 ms prefill: 517 ms exposed, no pay; to pay, the
+    # exposed part must fit in half the prefill less the fixed cost, i.e. a transfer of at most
+    # min(32 x budget, budget + prefill - prefill / 32)
+    plan = make_plan(LLAMA, "bfloat16", link(2.35e9), prefill_rate(5000.0), MemoryEstimate(None, "?"), [2048], 0,
+                     streaming_layers=32)
+    row = plan.classes[0]
+    assert row.verdict == NO_PAY
+    budget = 0.5 * 2048 / 5000.0 - PROXY_HOP_S
+    longest = min(32 * budget, budget + 2048 / 5000.0 * (1 - 1 / 32))
+    assert f"the link would need {256 * MIB * 8 / longest / 1e9:.3g} Gb/s" in row.reason
+
+
+def _streaming_socket_topology():
+    text = Path("topologies/local-cpu-socket.yaml").read_text()
+    assert "\nconnector: socket\n" in text
+    return (parse_topology(text.replace("\nconnector: socket\n", "\nconnector: {type: socket, streaming: true}\n"),
+                           "s.yaml", run_dir="/nonexistent/run"),
+            parse_topology(text, "s.yaml", run_dir="/nonexistent/run"))
+
+
+def test_streaming_plans_from_the_topology_and_as_a_what_if() -> None:
+    streamed_topo, plain_topo = _streaming_socket_topology()
+    plan = plan_topology(streamed_topo, [256, 2048], 0, use_probe=False)
+    assert plan.streaming_layers == plan.model.layers == 2         # the embedded tiny model
+    assert any(n.startswith("streamed handoff: ") and "L = 2 layers" in n for n in plan.notes)
+    for c in plan.classes:
+        assert c.handoff_s == pytest.approx(plan.link.fixed_s + exposed_transfer_s(c.transfer_s, c.prefill_s, 2))
+        assert c.handoff_s < plan.link.fixed_s + c.transfer_s
+    # the same topology without streaming, and each as the other's what-if
+    plain = plan_topology(plain_topo, [256, 2048], 0, use_probe=False)
+    assert plain.streaming_layers is None and not any("streamed" in n for n in plain.notes)
+    assert [c.handoff_s for c in plain.classes] == pytest.approx([plain.link.fixed_s + c.transfer_s
+                                                                  for c in plain.classes])
+    assert plan_topology(plain_topo, [256, 2048], 0, use_probe=False, streaming=True).classes == plan.classes
+    assert plan_topology(streamed_topo, [256, 2048], 0, use_probe=False, streaming=False).classes == plain.classes
+    # what the proxy starts from
+    assert route_seeds(streamed_topo).streaming_layers == 2 and route_seeds(plain_topo).streaming_layers is None
+
+
+def test_streaming_is_refused_for_a_connector_that_cannot_stream() -> None:
+    nixl = load_topology("topologies/house-2g5.yaml")
+    with pytest.raises(PlanError, match=r"a streamed handoff is the socket connector's.*connector nixl sends"):
+        plan_topology(nixl, [2048], 0, use_probe=False, streaming=True)
+    assert plan_topology(nixl, [2048], 0, use_probe=False, streaming=False).streaming_layers is None

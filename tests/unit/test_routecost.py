@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from itertools import pairwise
+
 import pytest
 
 from disagg.routecost import (
@@ -12,8 +15,10 @@ from disagg.routecost import (
     Option,
     break_even_tokens,
     cheapest,
+    exposed_transfer_s,
     handoff_fixed_s,
     local_ttft,
+    max_transfer_s,
     option_costs,
     split_gain_s,
     split_ttft,
@@ -86,3 +91,106 @@ def test_fixed_cost_per_connector_is_the_measured_one() -> None:
     for connector, fixed in HANDOFF_FIXED_S.items():
         assert handoff_fixed_s(connector) == fixed > 0
     assert handoff_fixed_s("mooncake") == DEFAULT_HANDOFF_FIXED_S == max(HANDOFF_FIXED_S.values())
+
+
+# --- a streamed handoff: the KV leaves layer by layer while the prefill computes ------------
+
+def test_streamed_exposure_is_sequential_without_layers_or_with_one() -> None:
+    for x, p in ((0.3, 0.1), (0.1, 0.3), (0.0, 0.2), (0.2, 0.0)):
+        assert exposed_transfer_s(x, p, None) == x == exposed_transfer_s(x, p, 1)
+
+
+def test_streamed_exposure_between_one_layers_send_and_the_whole_transfer() -> None:
+    layers = 32
+    # the link far slower than the prefill: the last byte lands about X + P / L after the prefill starts
+    x, p = 10.0, 0.1
+    assert p + exposed_transfer_s(x, p, layers) == pytest.approx(x + p / layers)
+    assert exposed_transfer_s(x, p, layers) == pytest.approx(x - p + p / layers)
+    # the prefill far slower than the link: only the last layer's send is left, P + X / L in all
+    x, p = 0.1, 10.0
+    assert exposed_transfer_s(x, p, layers) == pytest.approx(x / layers)
+    assert p + exposed_transfer_s(x, p, layers) == pytest.approx(p + x / layers)
+    # alike: the two ends meet
+    assert exposed_transfer_s(1.0, 1.0, layers) == pytest.approx(1.0 / layers)
+    for x, p in ((0.3, 0.1), (0.1, 0.3), (5.0, 0.01), (0.01, 5.0)):
+        assert x / layers <= exposed_transfer_s(x, p, layers) <= x
+
+
+def _simulated_end(x: float, p: float, layers: int) -> float:
+    """The streamed transfer's end, step by step: layer l computed at l P / L, sent (X / L) once
+    computed and once the link is free."""
+    end = 0.0
+    for layer in range(1, layers + 1):
+        end = max(layer * p / layers, end) + x / layers
+    return end
+
+
+@pytest.mark.parametrize("layers", [2, 7, 32, 61])
+def test_streamed_exposure_is_the_layer_by_layer_schedule_in_closed_form(layers: int) -> None:
+    for x, p in ((0.3, 0.1), (0.1, 0.3), (1.0, 1.0), (2.0, 1.9), (0.0, 1.0), (1.0, 0.0)):
+        assert p + exposed_transfer_s(x, p, layers) == pytest.approx(_simulated_end(x, p, layers))
+
+
+def test_streamed_end_grows_with_transfer_and_prefill_and_exposure_never_grows_with_prefill() -> None:
+    grid = [0.0, 0.01, 0.05, 0.1, 0.3, 1.0, 3.0]
+    for layers in (None, 1, 4, 32):
+        for a, b in pairwise(grid):
+            for other in grid:
+                assert exposed_transfer_s(a, other, layers) <= exposed_transfer_s(b, other, layers)
+                assert other + exposed_transfer_s(a, other, layers) <= other + exposed_transfer_s(b, other, layers)
+                assert a + exposed_transfer_s(other, a, layers) <= b + exposed_transfer_s(other, b, layers)
+                assert exposed_transfer_s(other, b, layers) <= exposed_transfer_s(other, a, layers)
+
+
+@pytest.mark.parametrize("layers", [None, 1, 4, 32])
+def test_max_transfer_is_the_exposures_inverse(layers: int | None) -> None:
+    for budget, p in ((0.05, 0.2), (0.2, 0.05), (0.1, 0.1), (1.0, 0.0)):
+        x = max_transfer_s(budget, p, layers)
+        assert exposed_transfer_s(x, p, layers) == pytest.approx(budget)
+        assert exposed_transfer_s(x * 1.01, p, layers) > budget
+    assert max_transfer_s(0.0, 1.0, 32) == 0.0 == max_transfer_s(-0.1, 1.0, None)
+
+
+def test_streamed_split_hides_the_transfer_behind_the_prefill_s_tokens_over_rate() -> None:
+    p = EngineCost(tokens_per_s=4000.0, overhead_s=0.002, queued_tokens=1000.0)
+    seq = LinkCost(fixed_s=0.02, bytes_per_s=1e8)
+    streamed = LinkCost(fixed_s=0.02, bytes_per_s=1e8, streaming_layers=32)
+    assert LinkCost(0.02, 1e8, None) == seq
+    for n in (100, 1000, 20_000):
+        x, pre = kv(n) / 1e8, n / 4000.0
+        assert split_ttft(n, kv(n), p, seq) == pytest.approx(whole_ttft(n, p) + 0.02 + x)
+        # queue wait and overhead are not hidden: only the prefill's own n / rate overlaps the transfer
+        assert split_ttft(n, kv(n), p, streamed) == pytest.approx(
+            p.wait_s() + 0.002 + max(pre + x / 32, x + pre / 32) + 0.02)
+        assert split_ttft(n, kv(n), p, streamed) < split_ttft(n, kv(n), p, seq)
+        assert split_ttft(n, kv(n), p, replace(streamed, streaming_layers=1)) == split_ttft(n, kv(n), p, seq)
+    # the decode engine's queue still bounds it from below
+    busy_d = EngineCost(tokens_per_s=1000.0, queued_tokens=5000.0)
+    assert split_ttft(100, kv(100), p, streamed, busy_d) == pytest.approx(5.0)
+
+
+def test_streaming_moves_the_idle_break_even_down() -> None:
+    p, d = EngineCost(tokens_per_s=8000.0), EngineCost(tokens_per_s=1000.0)
+    link = LinkCost(fixed_s=0.03, bytes_per_s=1e9)
+    seq = break_even_tokens(kv, p, d, link)
+    streamed = break_even_tokens(kv, p, d, replace(link, streaming_layers=32))
+    assert seq is not None and streamed is not None and streamed < seq
+    assert split_gain_s(streamed, kv, p, d, replace(link, streaming_layers=32)) >= 0
+    assert split_gain_s(streamed - 1, kv, p, d, replace(link, streaming_layers=32)) < 0
+    # a link that moves a token's KV a little faster than D computes it: after P's prefill the
+    # sequential handoff never catches up with the local prefill, streamed alongside it does
+    close = LinkCost(0.0, KV_PER_TOKEN * 1100.0)
+    assert break_even_tokens(kv, p, d, close) is None
+    assert break_even_tokens(kv, p, d, replace(close, streaming_layers=32)) == 1
+    # a link slower than D computes: streaming cannot help (the last byte lands after X alone)
+    crawl = LinkCost(0.0, KV_PER_TOKEN * 900.0)
+    assert break_even_tokens(kv, p, d, replace(crawl, streaming_layers=32)) is None
+
+
+def test_a_streamed_handoff_has_its_own_measured_fixed_cost() -> None:
+    from disagg.routecost import STREAMED_HANDOFF_FIXED_S, handoff_fixed_source
+
+    assert handoff_fixed_s("socket", streaming=True) == STREAMED_HANDOFF_FIXED_S["socket"] == 0.040
+    assert handoff_fixed_s("socket") == HANDOFF_FIXED_S["socket"]
+    assert handoff_fixed_s("nixl", streaming=True) == HANDOFF_FIXED_S["nixl"]   # nothing streamed measured
+    assert "streaming_ttft" in handoff_fixed_source(True) and "streaming_ttft" not in handoff_fixed_source(False)

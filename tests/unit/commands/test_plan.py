@@ -57,3 +57,35 @@ def test_bad_input_is_one_clear_line(capsys: pytest.CaptureFixture[str], argv: l
     assert main(["plan", "topologies/house-2g5.yaml", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("disagg: error: ") and message in err
+
+
+def test_streaming_what_if_names_the_mode_and_shows_the_transfer_beside_the_handoff(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    socket = "topologies/local-cpu-socket.yaml"
+    assert main(["plan", socket, "--no-probe"]) == 0
+    default = capsys.readouterr().out
+    assert main(["plan", socket, "--no-probe", "--streaming", "off"]) == 0
+    assert capsys.readouterr().out == default                 # the topology does not stream
+    assert "streamed" not in default and "transfer" not in default
+    assert main(["plan", socket, "--no-probe", "--streaming", "on"]) == 0
+    out = capsys.readouterr().out
+    assert "streamed layer by layer (2 layers): the KV moves while the prefill computes" in out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("prompt"))
+    assert header.split()[:4] == ["prompt", "KV", "moved", "transfer"]
+    assert "(alone)" in out and "(streamed)" in out
+    assert "streamed handoff: each layer's KV leaves once the prefill has computed" in out
+    assert main(["plan", socket, "--no-probe", "--streaming", "on", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["streaming"] is True and data["streaming_layers"] == 2
+    for c in data["classes"]:
+        assert c["handoff_s"] == pytest.approx(data["link"]["fixed_s"] + c["exposed_handoff_s"])
+        assert c["exposed_handoff_s"] < c["transfer_s"]
+
+
+def test_streaming_on_is_refused_for_another_connector(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "topologies/house-2g5.yaml", "--streaming", "on"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("disagg: error: --streaming on: only the socket connector streams the KV")
+    assert "connector nixl" in err
+    assert main(["plan", "topologies/house-2g5.yaml", "--streaming", "off", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["streaming"] is False

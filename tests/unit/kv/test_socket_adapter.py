@@ -11,7 +11,7 @@ from disagg.deployment import build_deployment
 from disagg.errors import DeploymentError, TopologyError
 from disagg.kv.socket import SECRET_ENV, generate_secret, prefill_peer
 from disagg.registry import vllm_kv_adapter
-from disagg.topology import SOCKET_STREAMING_DEFAULT, parse_topology
+from disagg.topology import default_streaming, parse_topology
 
 TOPO = """\
 model: {path: disagg:tiny, max_model_len: 2048}
@@ -145,11 +145,11 @@ def test_bad_wire_formats_are_refused_with_the_line(connector: str, message: str
 
 
 @pytest.mark.parametrize(("connector", "streaming"), [
-    ("socket", SOCKET_STREAMING_DEFAULT),
-    ("{type: socket}", SOCKET_STREAMING_DEFAULT),
+    ("socket", True),                       # prefill and decode on different hosts: streamed by default
+    ("{type: socket}", True),
     ("{type: socket, streaming: true}", True),
     ("{type: socket, streaming: false}", False),
-    ("{type: socket, streaming: null}", SOCKET_STREAMING_DEFAULT),
+    ("{type: socket, streaming: null}", True),
     ("{type: socket, wire_format: fp8, streaming: true}", True),
 ])
 def test_streaming_is_a_socket_connector_setting(connector: str, streaming: bool) -> None:
@@ -157,10 +157,14 @@ def test_streaming_is_a_socket_connector_setting(connector: str, streaming: bool
     assert (topo.connector, topo.streaming) == ("socket", streaming)
 
 
-def test_streaming_defaults_off_elsewhere() -> None:
-    assert SOCKET_STREAMING_DEFAULT is False     # until a benchmark decides it
+def test_streaming_defaults_on_only_across_hosts() -> None:
+    one_host = textwrap.dedent(TOPO).replace("{host: b, port: 8200}", "{host: a, port: 8200}")
+    assert parse_topology(one_host, "topo.yaml").streaming is False
+    assert parse_topology(one_host.replace("connector: socket", "connector: {type: socket, streaming: true}"),
+                          "topo.yaml").streaming is True
     nixl = parse_topology(textwrap.dedent(TOPO).replace("connector: socket", "connector: nixl"), "topo.yaml")
-    assert nixl.streaming is SOCKET_STREAMING_DEFAULT
+    assert nixl.streaming is False
+    assert default_streaming("socket", "sglang", ()) is False
 
 
 @pytest.mark.parametrize(("connector", "message"), [

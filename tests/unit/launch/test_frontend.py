@@ -172,20 +172,39 @@ def test_socket_streaming_gets_the_stream_handoff_and_each_prefills_listener_in_
 def test_socket_without_streaming_keeps_the_vllm_handoff() -> None:
     from disagg.launch.frontend import handoff_kind, handoff_options
 
-    for text in (STREAMING.replace("STREAMING", "false"),
-                 STREAMING.replace("{type: socket, streaming: STREAMING}", "socket")):
-        dep = build_deployment(parse_topology(text, "t.yaml", run_dir="/tmp/run"))
-        assert (handoff_kind(dep), handoff_options(dep)) == ("vllm", ())
+    dep = build_deployment(parse_topology(STREAMING.replace("STREAMING", "false"), "t.yaml", run_dir="/tmp/run"))
+    assert (handoff_kind(dep), handoff_options(dep)) == ("vllm", ())
+    # left out, streaming is on here: no prefill instance shares a host with a decode instance
+    plain = STREAMING.replace("{type: socket, streaming: STREAMING}", "socket")
+    assert handoff_kind(build_deployment(parse_topology(plain, "t.yaml", run_dir="/tmp/run"))) == "vllm-socket-stream"
 
 
-def test_socket_streaming_routing_is_unchanged() -> None:
+def test_socket_streaming_routing_prices_splits_streamed_over_the_models_layers() -> None:
+    from dataclasses import replace
+
+    from disagg.cli import build_parser
+    from disagg.commands.proxy import config_from_args
+    from disagg.kvmath import BUILTIN_MODELS
     from disagg.launch.frontend import routing_config
 
     text = STREAMING.replace("routing: {policy: split}\n", "").replace("/models/m", "qwen3-8b")
     on, off = (routing_config(build_deployment(parse_topology(text.replace("STREAMING", s), "t.yaml",
                                                               run_dir="/tmp/run")))
                for s in ("true", "false"))
-    assert on == off and on.whole
+    assert on.streaming_layers == BUILTIN_MODELS["qwen3-8b"].layers == 36 and off.streaming_layers is None
+    # a streamed handoff's own fixed cost (routecost.STREAMED_HANDOFF_FIXED_S), the rest as without
+    assert on.handoff_fixed_s is not None and off.handoff_fixed_s is not None
+    assert on.handoff_fixed_s - off.handoff_fixed_s == pytest.approx(0.040 - 0.016)
+    assert replace(on, streaming_layers=None, handoff_fixed_s=off.handoff_fixed_s) == off
+    assert on.whole and on.policy == "auto"
+    dep = build_deployment(parse_topology(text.replace("STREAMING", "true"), "t.yaml", run_dir="/tmp/run"))
+    argv = frontend_argv(dep)
+    assert argv[argv.index("--route-streaming-layers") + 1] == "36"
+    assert config_from_args(build_parser().parse_args(argv[3:])) == proxy_config(dep)
+    # a static policy has nothing to price
+    split = text.replace("STREAMING", "true") + "routing: {policy: split}\n"
+    assert routing_config(build_deployment(parse_topology(split, "t.yaml", run_dir="/tmp/run"))).streaming_layers \
+        is None
 
 
 def test_colocated_socket_streaming_is_a_plain_balancer() -> None:

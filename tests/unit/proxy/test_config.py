@@ -92,3 +92,36 @@ def test_the_handoff_flag_and_its_old_name() -> None:
         args = build_parser().parse_args(["proxy", "--decode", "http://d:1", "--prefill", "http://p:1",
                                           flag, "vllm-lmcache"])
         assert config_from_args(args).handoff == "vllm-lmcache"
+
+
+AUTO = {"policy": "auto", "kv_bytes_per_token": 1024.0, "prefill_tokens_per_s": 2000.0, "link_bytes_per_s": 1e9}
+
+
+def test_route_streaming_layers_go_with_the_streaming_handoff_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from disagg.proxy.config import STREAMING_HANDOFF, RoutingConfig
+    from disagg.proxy.socket_stream_handoff import SocketStreamHandoff
+
+    monkeypatch.delenv("DISAGG_PROXY_API_KEY", raising=False)
+    monkeypatch.delenv("DISAGG_ENGINE_KEY", raising=False)
+    assert STREAMING_HANDOFF == SocketStreamHandoff.kind
+    urls = {"decode": ("http://d:1",), "prefill": ("http://p:1",)}
+    cfg = ProxyConfig(**urls, handoff=STREAMING_HANDOFF, routing=RoutingConfig(**AUTO, streaming_layers=32))
+    argv = cfg.to_argv()
+    assert argv[argv.index("--route-streaming-layers") + 1] == "32"
+    assert config_from_args(build_parser().parse_args(argv)) == cfg
+    assert "--route-streaming-layers" not in ProxyConfig(**urls, routing=RoutingConfig(**AUTO)).to_argv()
+    for bad in (0, -3, True, 2.5, "32"):
+        with pytest.raises(ProxyError, match="routing streaming_layers must be a whole number >= 1"):
+            RoutingConfig(**AUTO, streaming_layers=bad)
+    with pytest.raises(ProxyError, match="prices the vllm-socket-stream handoff; handoff vllm sends the KV after"):
+        ProxyConfig(**urls, routing=RoutingConfig(**AUTO, streaming_layers=32))
+    with pytest.raises(ProxyError, match="auto with handoff vllm-socket-stream needs --route-streaming-layers N"):
+        ProxyConfig(**urls, handoff=STREAMING_HANDOFF, routing=RoutingConfig(**AUTO))
+    # without auto there is nothing to price: the static policies need no layers
+    ProxyConfig(**urls, handoff=STREAMING_HANDOFF, routing=RoutingConfig(policy="split"))
+    args = build_parser().parse_args(["proxy", "--decode", "http://d:1", "--prefill", "http://p:1", "--handoff",
+                                      STREAMING_HANDOFF, "--routing-policy", "auto", "--route-kv-bytes-per-token",
+                                      "1024", "--route-prefill-rate", "2000", "--route-link-rate", "1e9",
+                                      "--route-streaming-layers", "0"])
+    with pytest.raises(ProxyError, match="streaming_layers must be a whole number >= 1"):
+        config_from_args(args)

@@ -466,3 +466,62 @@ def test_exploration_off_never_explores_and_the_config_sets_the_explorer() -> No
 
     assert "explore" in reasons(2.0)
     assert set(reasons(0.0)) == {"predicted"}
+
+
+def test_a_streamed_handoff_is_priced_streamed_and_takes_no_samples_of_the_link() -> None:
+    """With ``streaming_layers`` (``vllm-socket-stream``) a split is predicted with the part of the
+    transfer the prefill does not hide, and its prefill answer -> first token time, which overlaps
+    the prefill (decode may even answer first), is no sample of the link: the link's line stays at
+    its seed, the prefill engine still learns from its answers."""
+    metrics, prefill, decode, config = _auto_pools()
+    config = replace(config, decode_tokens_per_s=200.0, streaming_layers=32)
+    router = Router(config, prefill, decode, metrics, local=True)
+    p, d = prefill.backends[0], decode.backends[0]
+    seed = router.measurements.link_cost(p.url, d.url)
+    assert (seed.fixed_s, seed.bytes_per_s, seed.streaming_layers) == (pytest.approx(0.03), pytest.approx(1e9), 32)
+
+    def samples(fit: str, outcome: str | None = None) -> float:
+        labels = {"fit": fit} if outcome is None else {"fit": fit, "outcome": outcome}
+        return sample_sum(metrics.render().decode(), "disagg_route_samples_total", **labels)
+
+    for i in range(6):
+        r = _route("y" * 400, i)
+        router.route(RequestPlan(r.request, [r]))
+        assert (r.path, r.prefill, r.decode) == (RoutePath.SPLIT, p, d)
+        if i == 0:     # 100 tokens: 50 ms of prefill hide all but a 32nd of the 0.1 ms transfer
+            x = 100 * 1024 / 1e9
+            assert r.predicted_s == pytest.approx(100 / 2000 + 0.03 + max(x / 32, x - 0.05 + 0.05 / 32))
+            assert r.predicted_s < 100 / 2000 + 0.03 + x
+        router.sent(r, stream=True)
+        if i % 2:      # decode's first token before prefill's answer: a negative "handoff"
+            router.first_token(r, 0.0, time.perf_counter())
+            router.prefill_done(r, p, 0.05, 100)
+        else:          # prefill's answer, then decode's first token 0.3 s later
+            router.prefill_done(r, p, 0.05, 100)
+            router.first_token(r, 0.0, time.perf_counter() + 0.3)
+        router.finished(r)
+    assert samples("link") == 0
+    assert router.measurements.link_cost(p.url, d.url) == seed
+    assert samples("engine", "discarded") == 1 and samples("engine", "used") == 5
+    assert router.measurements.samples(p.url) == 5
+    assert router.measurements.engine_cost("prefill", p.url, 0).queued_tokens == 0   # every prefill settled
+
+
+def test_the_same_splits_without_streaming_sample_the_link() -> None:
+    metrics, prefill, decode, config = _auto_pools()
+    router = Router(replace(config, decode_tokens_per_s=200.0), prefill, decode, metrics, local=True)
+    p, d = prefill.backends[0], decode.backends[0]
+    assert router.measurements.link_cost(p.url, d.url).streaming_layers is None
+    for i in range(3):
+        r = _route("y" * 400, i)
+        router.route(RequestPlan(r.request, [r]))
+        assert r.path is RoutePath.SPLIT
+        if i == 0:
+            assert r.predicted_s == pytest.approx(100 / 2000 + 0.03 + 100 * 1024 / 1e9)
+        router.sent(r, stream=True)
+        router.prefill_done(r, p, 0.05, 100)
+        router.first_token(r, 0.0, time.perf_counter() + 0.3)
+        router.finished(r)
+    text = metrics.render().decode()
+    assert sample_sum(text, "disagg_route_samples_total", fit="link", outcome="discarded") == 1
+    assert sample_sum(text, "disagg_route_samples_total", fit="link", outcome="used") == 2
