@@ -14,7 +14,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +143,26 @@ class _Conn:
     idle_since: float = field(default_factory=time.monotonic)
 
 
+@contextmanager
+def _closing_on_error(conn: _Conn, what: str) -> Iterator[None]:
+    """An exchange on ``conn``: any error closes it, and leaves as a FetchError (``reached_peer``: the
+    connection was authenticated) naming ``what``."""
+    try:
+        yield
+    except FetchError as exc:  # a subclass of OSError: before the clause below
+        conn.sock.close()
+        exc.reached_peer = True
+        raise
+    except (WireError, OSError) as exc:
+        conn.sock.close()
+        err = FetchError(f"{what} failed: {exc}")
+        err.reached_peer = True
+        raise err from exc
+    except BaseException:
+        conn.sock.close()
+        raise
+
+
 class PeerConnections:
     """Authenticated connections to prefill listeners, kept open between fetches.
 
@@ -230,7 +251,7 @@ class PeerConnections:
         where = f"{plan.host}:{plan.port}"
         opts = self.opts
         conn = self._checkout(plan.host, plan.port, plan.engine_id)  # a FetchError here: never reached the peer
-        try:
+        with _closing_on_error(conn, f"fetch of request {plan.request_id} from {where}"):
             reply = self._exchange(plan, conn, {"op": "fetch", "request_id": plan.request_id,
                                                 "block_ids": list(remote),
                                                 "blocks_per_message": opts.blocks_per_message})
@@ -244,18 +265,6 @@ class PeerConnections:
             for part in chunks(local, opts.blocks_per_message):
                 with self._store.writing(part) as views:
                     got += recv_into_views(conn.sock, views)
-        except FetchError as exc:  # a subclass of OSError: before the clause below
-            conn.sock.close()
-            exc.reached_peer = True
-            raise
-        except (WireError, OSError) as exc:
-            conn.sock.close()
-            err = FetchError(f"fetch of request {plan.request_id} from {where} failed: {exc}")
-            err.reached_peer = True
-            raise err from exc
-        except BaseException:
-            conn.sock.close()
-            raise
         self._checkin(plan.host, plan.port, conn)
         return got, answered
 
@@ -318,56 +327,49 @@ class PeerConnections:
         where = f"{plan.host}:{plan.port}"
         if plan.stream_key is None or not local:
             raise FetchError(f"request {plan.request_id}: nothing to stream")
-        layers = len(self._store.layout.layers)
         conn = self._checkout(plan.host, plan.port, plan.engine_id)
         if track is not None:
             track(conn.sock)
         try:
-            reply = self._exchange(plan, conn, {"op": "stream", "key": plan.stream_key, "num_tokens": plan.num_tokens,
-                                                "first_block": plan.first_block,
-                                                "blocks_per_message": self.opts.blocks_per_message})
-            answered = time.perf_counter()
-            if not reply.get("ok"):
-                raise FetchError(f"{where} refused stream {plan.stream_key[:8]}...: {str(reply.get('error'))[:300]}")
-            if reply.get("nbytes") != len(local) * self._store.layout.block_bytes:
-                raise FetchError(f"{where} announced {reply.get('nbytes')!r} bytes for {len(local)} blocks")
-            got = 0
-            received = [0] * layers
-            while True:
-                head = recv_frame(conn.sock)
-                if head.get("end") is True:
-                    break
-                layer, first, count = head.get("layer"), head.get("start"), head.get("count")
-                if not (type(layer) is int and type(first) is int and type(count) is int):
-                    raise FetchError(f"{where}: stream of {plan.request_id} failed: "
-                                     f"{str(head.get('error', head))[:300]}")
-                if not (0 <= layer < layers and first == received[layer] and 0 < count <= len(local) - first):
-                    raise FetchError(f"{where} sent layer {layer} blocks {first}+{count} out of order "
-                                     f"({len(local)} blocks, {received[layer] if 0 <= layer < layers else '?'} "
-                                     "of that layer received)")
-                with self._store.writing(local[first : first + count], [layer]) as views:
-                    got += recv_into_views(conn.sock, views)
-                received[layer] += count
-            if min(received) != len(local) or head.get("nbytes") != got:
-                raise FetchError(f"{where} ended stream of {plan.request_id} after {got} bytes, "
-                                 f"{min(received)} of {len(local)} blocks at every layer")
-        except FetchError as exc:
-            conn.sock.close()
-            exc.reached_peer = True
-            raise
-        except (WireError, OSError) as exc:
-            conn.sock.close()
-            err = FetchError(f"stream of request {plan.request_id} from {where} failed: {exc}")
-            err.reached_peer = True
-            raise err from exc
-        except BaseException:
-            conn.sock.close()
-            raise
+            with _closing_on_error(conn, f"stream of request {plan.request_id} from {where}"):
+                ask = {"op": "stream", "key": plan.stream_key, "num_tokens": plan.num_tokens,
+                       "first_block": plan.first_block, "blocks_per_message": self.opts.blocks_per_message}
+                reply = self._exchange(plan, conn, ask)
+                answered = time.perf_counter()
+                if not reply.get("ok"):
+                    raise FetchError(f"{where} refused stream {plan.stream_key[:8]}...: "
+                                     f"{str(reply.get('error'))[:300]}")
+                if reply.get("nbytes") != len(local) * self._store.layout.block_bytes:
+                    raise FetchError(f"{where} announced {reply.get('nbytes')!r} bytes for {len(local)} blocks")
+                got = self._receive_layers(conn.sock, local, f"{where}: stream of {plan.request_id}")
         finally:
             if track is not None:
                 track(None)
         self._checkin(plan.host, plan.port, conn)
         return FetchResult(got, time.perf_counter() - start, 1, answered - start)
+
+    def _receive_layers(self, sock: socket.socket, local: list[int], what: str) -> int:
+        """A stream's messages into ``local``, each layer's blocks in order, up to its end; returns
+        the bytes received, raises FetchError on an error frame or anything out of order."""
+        layers = len(self._store.layout.layers)
+        got = 0
+        received = [0] * layers
+        while True:
+            head = recv_frame(sock)
+            if head.get("end") is True:
+                break
+            layer, first, count = head.get("layer"), head.get("start"), head.get("count")
+            if not (type(layer) is int and type(first) is int and type(count) is int):
+                raise FetchError(f"{what} failed: {str(head.get('error', head))[:300]}")
+            if not (0 <= layer < layers and first == received[layer] and 0 < count <= len(local) - first):
+                raise FetchError(f"{what}: layer {layer} blocks {first}+{count} out of order ({len(local)} blocks, "
+                                 f"{received[layer] if 0 <= layer < layers else '?'} of that layer received)")
+            with self._store.writing(local[first : first + count], [layer]) as views:
+                got += recv_into_views(sock, views)
+            received[layer] += count
+        if min(received) != len(local) or head.get("nbytes") != got:
+            raise FetchError(f"{what} ended after {got} bytes, {min(received)} of {len(local)} blocks at every layer")
+        return got
 
     def release(self, plan: FetchPlan) -> bool:
         """Tell the prefill side it may free the request's blocks (best effort)."""
