@@ -335,6 +335,8 @@ class PeerConnections:
                 ask = {"op": "stream", "key": plan.stream_key, "num_tokens": plan.num_tokens,
                        "first_block": plan.first_block, "blocks_per_message": self.opts.blocks_per_message}
                 reply = self._exchange(plan, conn, ask)
+                if track is not None:  # the exchange may have replaced a stale pooled connection
+                    track(conn.sock)
                 answered = time.perf_counter()
                 if not reply.get("ok"):
                     raise FetchError(f"{where} refused stream {plan.stream_key[:8]}...: "

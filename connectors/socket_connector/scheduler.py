@@ -254,7 +254,9 @@ class SocketScheduler:
             self._streaming_in.discard(rid)
             self._recv_cancels.add(rid)
         stream = self._streams.pop(rid, None)
-        self._stream_ended.discard(rid)
+        if rid in self._stream_ended:  # preempted mid-stream: its decode engine recomputes, nobody fetches
+            self._stream_ended.discard(rid)
+            return False, None
         normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if stream is not None and (not normal or not block_ids):
             self._stream_closes[stream[0]] = f"request {request.status.name.lower()} on the prefill engine"

@@ -264,6 +264,11 @@ class KVServer:
                         if not self._valid_request_id(rid):
                             self._refuse(conn, peer, f"malformed request id {_short(rid)} in release")
                             return
+                        if self.streams is not None and self.streams.streaming(rid):
+                            # a streamed request's lease ends with its stream (a release now would free
+                            # blocks the stream may still read)
+                            send_frame(conn, {"ok": False, "error": f"request {rid} is streamed"})
+                            continue
                         ok = self.leases.release(rid)
                         send_frame(conn, {"ok": ok} if ok else {"ok": False, "error": f"request {rid} not leased"})
                     elif op == "bye":
@@ -302,22 +307,14 @@ class KVServer:
             return False
         per_msg = min(per_msg, MAX_BLOCKS_PER_MESSAGE)
         asked = time.perf_counter()
-        stream = self.streams.attach(key, self.stream_wait_s)
-        if stream is None:
-            self._refuse(conn, peer, f"no stream {key[:8]}... here (not scheduled within {self.stream_wait_s:g} s, "
-                                     "ended, or already being read)")
+        stream = self.streams.attach(key, self.stream_wait_s, num_tokens, first, conn)
+        if isinstance(stream, str):
+            self._refuse(conn, peer, f"no stream {key[:8]}... to read here: {stream}")
             return True
         total = -(-stream.num_tokens // self.streams.block_size)
         sent_bytes = 0
         complete = False
         try:
-            if num_tokens != stream.num_tokens:
-                self._refuse(conn, peer, f"stream of request {stream.request_id}: {num_tokens} prompt tokens there, "
-                                         f"{stream.num_tokens} here (different tokenization?)")
-                return True
-            if first >= total:
-                self._refuse(conn, peer, f"stream of request {stream.request_id}: first block {first} of {total}")
-                return True
             count = total - first
             waited = time.perf_counter() - asked
             send_frame(conn, {"ok": True, "nbytes": count * self.store.layout.block_bytes,

@@ -8,14 +8,16 @@ forward pass writes them. Who tells this table what:
 
 - the engine thread, before each forward (``SocketWorker.bind_step``, from
   the step's metadata): streams opened, their block lists, the prompt tokens
-  ready at every layer before the step (computed earlier, prefix-cache hits),
-  streams that end now (the request was aborted or preempted: its blocks may
-  be reused by this very forward, so :meth:`StreamTable.close` waits until no
-  listener thread is reading them);
+  the step completes, streams that end now (the request was aborted or
+  preempted: its blocks may be reused by this very forward, so
+  :meth:`StreamTable.close` cuts the connection reading them and waits until
+  no listener thread does);
 - the engine thread, during the forward: :meth:`StreamTable.mark_layer` after
   each attention layer wrote its KV (``save_kv_layer``), :meth:`mark_step`
   at its end (``wait_for_save``: everything of the step is written, whether
-  or not a layer's hook ran);
+  or not a layer's hook ran). Tokens the request had before the step (earlier
+  chunks, prefix-cache hits) count as written only then too: a hit may be on
+  blocks another request writes in this same forward;
 - the engine thread, when the request finished (its lease is registered):
   :meth:`StreamTable.finished`; from then on the lease holds the blocks;
 - listener threads: :meth:`attach`, :meth:`wait_progress`, :meth:`reading`
@@ -28,6 +30,7 @@ table never lets a stream be read after the engine may have reused its blocks.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -57,10 +60,12 @@ class Stream:
     #: per layer: an accelerator event to wait on before reading (None on host caches)
     events: list[Any]
     #: per layer: when it last became more ready (the clock's time; for the listener's log)
-    ready_at: list[float] = field(default_factory=list)
+    ready_at: list[float]
     closed: str | None = None
     readers: int = 0
     attached: bool = False
+    #: the decode connection reading it (close() cuts it, so that a slow reader cannot hold the engine)
+    conn: socket.socket | None = None
     #: everything was sent, or the reader left: this side need not hold the blocks for it
     done: bool = False
     #: the request finished and its lease is registered (the lease then holds the blocks)
@@ -108,10 +113,11 @@ class StreamTable:
                 elif stream.request_id != step.request_id:
                     refused.append(key)
                     continue
+                # Tokens before the step (earlier chunks, prefix-cache hits) count as written only
+                # with this step's marks: a hit may be on blocks that another request writes in
+                # this very forward (vLLM caches a block's hash when it schedules it), or on an
+                # accelerator stream not done yet.
                 stream.block_ids = list(step.block_ids)
-                before = min(step.ready_before, stream.num_tokens)
-                if before > 0:
-                    self._advance(stream, range(self.num_layers), before, None)
                 self._step[key] = min(step.ready_after, stream.num_tokens)
             self._cond.notify_all()
         return refused
@@ -123,8 +129,7 @@ class StreamTable:
                 stream.ready[layer] = tokens
                 stream.ready_seq[layer] = self._seq
                 stream.events[layer] = event
-                if stream.ready_at:
-                    stream.ready_at[layer] = self._clock()
+                stream.ready_at[layer] = self._clock()
         if stream.computed_at is None and min(stream.ready) >= stream.num_tokens:
             stream.computed_at = self._clock()
 
@@ -162,6 +167,11 @@ class StreamTable:
                 self._forget(stream)
             return stream.done
 
+    def streaming(self, request_id: str) -> bool:
+        """Whether a stream still holds ``request_id``'s lease (a peer's ``release`` must not end it)."""
+        with self._cond:
+            return request_id in self._by_request
+
     def key_of(self, request_id: str) -> str | None:
         with self._cond:
             return self._by_request.get(request_id)
@@ -176,6 +186,11 @@ class StreamTable:
             stream.closed = reason
             self._forget(stream)
             self._cond.notify_all()
+            if stream.readers and stream.conn is not None:
+                try:  # a send blocked on a slow reader returns at once (EPIPE) instead of at its timeout
+                    stream.conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
             while stream.readers:
                 self._cond.wait()
 
@@ -196,21 +211,29 @@ class StreamTable:
             return len(self._streams)
 
     # -- listener threads ---------------------------------------------------------
-    def attach(self, key: str, wait_s: float) -> Stream | None:
-        """The stream a decode engine asks for, waiting up to ``wait_s`` for the prefill engine to
-        schedule its request; None when it never came, ended, or another connection reads it."""
+    def attach(self, key: str, wait_s: float, num_tokens: int, first: int = 0, conn: socket.socket | None = None
+               ) -> Stream | str:
+        """The stream a decode engine asks for from block ``first`` on, waiting up to ``wait_s`` for
+        the prefill engine to schedule its request, now read by ``conn``; or why not (never came,
+        ended, read by another connection, counted ``num_tokens`` differently or asks past the
+        prompt's blocks: then it stays free for the right reader)."""
         deadline = self._clock() + wait_s
         with self._cond:
             while True:
                 stream = self._streams.get(key)
                 if stream is not None:
                     if stream.attached or stream.done or stream.closed:
-                        return None
-                    stream.attached = True
+                        return "ended, or already being read"
+                    if stream.num_tokens != num_tokens:
+                        return (f"request {stream.request_id}: {num_tokens} prompt tokens there, "
+                                f"{stream.num_tokens} here (different tokenization?)")
+                    if first >= -(-num_tokens // self.block_size):
+                        return f"request {stream.request_id}: first block {first} is past the prompt"
+                    stream.attached, stream.conn = True, conn
                     return stream
                 left = deadline - self._clock()
                 if left <= 0:
-                    return None
+                    return f"not scheduled within {wait_s:g} s"
                 self._cond.wait(left)
 
     def wait_progress(self, stream: Stream, sent: list[int], first: int, per_message: int,
@@ -258,7 +281,7 @@ class StreamTable:
         """The decode connection is done with the stream (all sent, or it failed); returns the
         request id whose lease the caller must release now (the request already finished)."""
         with self._cond:
-            stream.attached = False
+            stream.attached, stream.conn = False, None
             stream.done = True
             if stream.leased and not stream.closed:
                 self._forget(stream)

@@ -74,10 +74,10 @@ class SocketWorker:
         self.streams: StreamTable | None = None
         self._layer_index: dict[str, int] = {}
         self._on_device = False
-        #: decode side: streams running (request id -> socket) and cut before they started
+        #: decode side: streams submitted and not over (request id -> their connection; None before it
+        #: exists), and those of them cut (their request was aborted)
         self._stream_pool: ThreadPoolExecutor | None = None
-        self._stream_socks: dict[str, socket.socket] = {}
-        self._stream_queued: set[str] = set()  # submitted, not yet connected
+        self._stream_socks: dict[str, socket.socket | None] = {}
         self._cancelled: set[str] = set()
         self._stream_lock = threading.Lock()
 
@@ -163,30 +163,35 @@ class SocketWorker:
                 continue
             if pool is self._stream_pool:
                 with self._stream_lock:
-                    self._stream_queued.add(rid)
+                    self._stream_socks[rid] = None
             pool.submit(self._run_fetch, rid, spec)
             if spec.awaiting:
                 self._fetches_in_flight += 1
 
     def _cancel_stream(self, rid: str) -> None:
+        """Cut ``rid``'s stream (its request was aborted): at once if connected, else as it connects."""
         with self._stream_lock:
-            sock = self._stream_socks.get(rid)
-            if sock is None:
-                if rid in self._stream_queued:
-                    self._cancelled.add(rid)  # not connected yet: it fails as it starts
-                return
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+            if rid not in self._stream_socks:
+                return  # over, or never streamed
+            self._cancelled.add(rid)
+            sock = self._stream_socks[rid]
+        _cut(sock)
 
     def _track(self, rid: str, sock: socket.socket | None) -> None:
+        """The stream's current connection (``PeerConnections.stream`` tells it): cut at once when the
+        request was aborted meanwhile."""
+        if sock is None:
+            return
         with self._stream_lock:
-            if sock is None:
-                self._stream_socks.pop(rid, None)
-            else:
-                self._stream_queued.discard(rid)
-                self._stream_socks[rid] = sock
+            self._stream_socks[rid] = sock
+            cut = rid in self._cancelled
+        if cut:
+            _cut(sock)
+
+    def _stream_over(self, rid: str) -> None:
+        with self._stream_lock:
+            self._stream_socks.pop(rid, None)
+            self._cancelled.discard(rid)
 
     def _plan(self, spec: RecvSpec) -> FetchPlan:
         first = spec.remote_block_ids[0] if spec.stream_key is not None and spec.remote_block_ids else 0
@@ -213,10 +218,7 @@ class SocketWorker:
                 raise FetchError(f"prefill TP size {spec.remote_tp_size} != decode TP size {self.tp_size}")
             if streamed:
                 with self._stream_lock:
-                    cut = rid in self._cancelled
-                    self._cancelled.discard(rid)
-                    if cut:
-                        self._stream_queued.discard(rid)
+                    if rid in self._cancelled:
                         raise FetchError("request aborted before its stream started")
                 result = conns.stream(plan, lambda sock: self._track(rid, sock))
             else:
@@ -239,6 +241,8 @@ class SocketWorker:
             self.counters.add("num_failed_transfers")
             logger.exception("socket KV connector: fetch of %s crashed", rid)
         finally:
+            if streamed:
+                self._stream_over(rid)
             self._outcomes.put(_Outcome(rid, ok))
         if release:
             # After reporting: the request goes on (or recomputes) while the prefill side frees its blocks.
@@ -298,10 +302,17 @@ class SocketWorker:
         with self._stream_lock:
             socks = list(self._stream_socks.values())
         for sock in socks:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _cut(sock)
         if self._conns is not None:
             self._conns.close()
             self._conns = None
+
+
+def _cut(sock: socket.socket | None) -> None:
+    """Shut a stream's connection down both ways: the thread blocked reading it returns at once."""
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

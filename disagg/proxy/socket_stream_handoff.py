@@ -170,7 +170,6 @@ class SocketStreamHandoff(VllmHandoff):
         p_data = json.dumps(self.prefill_body(req.endpoint, req.body, self.prefill_params(key))).encode()
         d_data = json.dumps(self.decode_body(req.body, d_params)).encode()
         with ExitStack() as leases:
-            leases.enter_context(self.prefill.lease(p_backend))
             p_task = asyncio.create_task(self._prefill(route, p_backend, p_data))
             d_task = asyncio.create_task(self._decode(route, d_data, leases))
             watcher: asyncio.Task[None] | None = None
@@ -193,7 +192,12 @@ class SocketStreamHandoff(VllmHandoff):
                 await _close(watcher, p_task, d_task)   # and closes decode's response if unfinished
 
     async def _prefill(self, route: PromptRoute, backend: Backend, data: bytes) -> None:
-        """Prefill's request; its reply is read and dropped. Raises on any failure."""
+        """Prefill's request; its reply is read and dropped. Raises on any failure. The prefill engine
+        counts the request in flight only while it runs (not for the decode's whole reply)."""
+        with self.prefill.lease(backend):
+            await self._run_prefill(route, backend, data)
+
+    async def _run_prefill(self, route: PromptRoute, backend: Backend, data: bytes) -> None:
         req = route.request
         started = time.perf_counter()
         try:

@@ -58,6 +58,9 @@ def test_an_aborted_or_preempted_prefill_ends_its_stream_before_the_next_forward
     s.update_state_after_alloc(req, blocks([]), 0)           # resumed: its stream is over, not opened again
     assert s.build_connector_meta(output(cached={"req-1": 0}, scheduled={"req-1": 16},
                                          block_ids={"req-1": [1]})).streams == {}
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED        # and no lease: its decode engine recomputed
+    assert s.request_finished(req, [1]) == (False, None)
+    assert s.build_connector_meta(output()).reqs_to_send == {}
     other = request(dict(P_PARAMS), prompt_len=70)
     other.request_id = "req-2"
     s.update_state_after_alloc(other, blocks([]), 0)

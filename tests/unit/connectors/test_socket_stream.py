@@ -127,11 +127,16 @@ def test_layers_arrive_as_the_forward_writes_them_and_only_whole_blocks(prefill:
         assert recv.blocks_equal(prefill.src, layer, 5)
 
 
-def test_prefix_cache_hits_go_before_the_first_forward_and_a_local_hit_skips_blocks(prefill: Prefill) -> None:
+def test_prefix_cache_hits_go_with_the_steps_first_marks_and_a_local_hit_skips_blocks(prefill: Prefill) -> None:
+    """P's prefix-cache hits (48 tokens: 3 blocks) may be blocks another request writes in this same
+    forward: they count as written only with this step's marks, layer by layer."""
     recv = receive(prefill, first=2, local=[1, 2, 3])  # D has the first 2 blocks itself
-    prefill.step(48, 70)                               # P: 3 blocks from its prefix cache
-    assert eventually(lambda: recv.blocks_equal(prefill.src, LAYERS[0], 1), True)
-    assert eventually(lambda: recv.blocks_equal(prefill.src, LAYERS[1], 1), True)
+    prefill.step(48, 70)
+    time.sleep(0.3)
+    assert all(recv.untouched(layer, i) for layer in LAYERS for i in range(3)), "sent before the forward wrote it"
+    prefill.table.mark_layer(0)
+    assert eventually(lambda: recv.blocks_equal(prefill.src, LAYERS[0], 3), True)
+    assert recv.untouched(LAYERS[1], 0)
     prefill.table.mark_step()
     finish(recv)
     assert recv.error is None
@@ -163,8 +168,8 @@ def test_an_aborted_request_ends_its_stream_and_close_waits_for_the_reader(prefi
 
 def test_close_blocks_until_a_read_in_progress_ends(prefill: Prefill) -> None:
     prefill.step(0, 70)
-    stream = prefill.table.attach(KEY, 0)
-    assert stream is not None
+    stream = prefill.table.attach(KEY, 0, 70)
+    assert not isinstance(stream, str)
     closed = threading.Event()
     with prefill.table.reading(stream):
         t = threading.Thread(target=lambda: (prefill.table.close(KEY, "preempted"), closed.set()), daemon=True)
@@ -206,10 +211,61 @@ def test_a_key_never_scheduled_is_refused_after_the_wait(prefill: Prefill) -> No
     assert 0.9 <= time.monotonic() - started < 3
 
 
-def test_a_prompt_length_mismatch_is_refused(prefill: Prefill) -> None:
+def test_a_prompt_length_mismatch_is_refused_and_leaves_the_stream_to_the_right_reader(prefill: Prefill) -> None:
     prefill.step(0, 10)
     recv = finish(receive(prefill, num_tokens=71))
     assert isinstance(recv.error, FetchError) and "71 prompt tokens there, 70 here" in str(recv.error)
+    past = finish(receive(prefill, first=5, local=[1]))
+    assert isinstance(past.error, FetchError) and "past the prompt" in str(past.error)
+    right = receive(prefill)
+    prefill.step(10, 70)
+    prefill.table.mark_step()
+    assert finish(right).error is None
+
+
+def test_close_cuts_a_reader_stuck_on_a_slow_decode_side(prefill: Prefill) -> None:
+    """The engine thread's close() must not wait for a send that a slow reader holds up."""
+    prefill.step(0, 70)
+    ours, theirs = socket.socketpair()          # nobody reads ``theirs``: sends block once buffers fill
+    stream = prefill.table.attach(KEY, 0, 70, conn=ours)
+    assert not isinstance(stream, str)
+    failed = threading.Event()
+
+    def send_forever() -> None:
+        try:
+            with prefill.table.reading(stream):
+                while True:
+                    ours.sendall(b"x" * (1 << 20))
+        except OSError:
+            failed.set()
+
+    threading.Thread(target=send_forever, daemon=True).start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    prefill.table.close(KEY, "preempted")
+    assert time.monotonic() - started < 2 and failed.wait(2)
+    ours.close()
+    theirs.close()
+
+
+def test_a_peer_cannot_release_a_streamed_lease_mid_stream(prefill: Prefill) -> None:
+    from disagg_connectors.socket_connector.auth import client_handshake, listener_id
+    from disagg_connectors.socket_connector.wire import set_io_timeout
+
+    prefill.step(0, 70)
+    prefill.table.mark_step()
+    prefill.leases.register("p-req", P_BLOCKS[:5], 30)
+    assert prefill.table.finished(KEY, "p-req") is False
+    with socket.create_connection(("127.0.0.1", prefill.server.port), timeout=3) as sock:
+        client_handshake(sock, SECRET, listener_id("127.0.0.1", prefill.server.port), 3)
+        set_io_timeout(sock, 3)
+        assert recv_frame(sock)["ok"]
+        send_frame(sock, {"op": "release", "request_id": "p-req"})
+        reply = recv_frame(sock)
+    assert reply == {"ok": False, "error": "request p-req is streamed"}
+    assert prefill.leases.reap() == (set(), set())     # still held for the stream
+    assert finish(receive(prefill)).error is None
+    assert eventually(reaped(prefill.leases), ({"p-req"}, set())) == ({"p-req"}, set())
 
 
 def test_only_one_connection_reads_a_stream(prefill: Prefill) -> None:
@@ -272,8 +328,8 @@ def test_a_key_used_by_another_request_is_not_streamed(prefill: Prefill) -> None
     prefill.step(0, 10)
     refused = prefill.table.bind_step({KEY: StreamStep("other-req", 70, P_BLOCKS, 0, 10)}, {})
     assert refused == [KEY]
-    stream = prefill.table.attach(KEY, 0)
-    assert stream is not None and stream.request_id == "p-req"
+    stream = prefill.table.attach(KEY, 0, 70)
+    assert not isinstance(stream, str) and stream.request_id == "p-req"
 
 
 def test_a_streamed_fp8_transfer_equals_a_fetched_one() -> None:
@@ -304,3 +360,26 @@ def test_a_streamed_fp8_transfer_equals_a_fetched_one() -> None:
     for layer in LAYERS:
         assert torch.equal(recv.dst[layer], whole[layer])
         assert recv.dst[layer][20].any()
+
+
+def test_the_decode_worker_cuts_a_stream_aborted_before_or_after_it_connected() -> None:
+    from disagg_connectors.socket_connector.config import SocketSettings
+    from disagg_connectors.socket_connector.worker import SocketWorker
+
+    worker = SocketWorker(SocketSettings.load({}, {"DISAGG_KV_SECRET": "k" * 64}), "d", False, 0, 1, NUM_BLOCKS)
+    worker._stream_socks["r1"] = None            # submitted, not connected yet (what start_load_kv records)
+    worker._cancel_stream("r1")
+    a, b = socket.socketpair()
+    worker._track("r1", a)                       # connects after the abort: cut at once
+    assert b.recv(1) == b""
+    worker._stream_over("r1")
+    worker._stream_socks["r2"] = None
+    c, d = socket.socketpair()
+    worker._track("r2", c)
+    worker._cancel_stream("r2")                  # aborted while connected: cut at once
+    assert d.recv(1) == b""
+    worker._stream_over("r2")
+    worker._cancel_stream("r3")                  # never streamed: nothing kept
+    assert worker._stream_socks == {} and worker._cancelled == set()
+    for sock in (a, b, c, d):
+        sock.close()
