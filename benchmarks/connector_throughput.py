@@ -1,7 +1,7 @@
 """NIXL vs the socket connector: KV handoff time and bytes/s, side by side.
 
-For each connector the same 1P1D pair of real vLLM CPU engines (P pinned to
-core 0, D to core 1, prefix caching off) serves prompts of each size (exact
+For each connector the same 1P1D pair of real vLLM CPU engines (every process
+of P pinned to core 0, of D to core 1: :func:`pin`; prefix caching off) serves prompts of each size (exact
 token counts, sent as token ids): P prefills with ``max_tokens: 1`` and
 ``do_remote_decode``, then D gets P's ``kv_transfer_params`` and generates one
 token. P caches prefixes (each prompt is prefilled once, before its repeats);
@@ -141,6 +141,24 @@ class Placement:
     p_device: str | None = None
     d_device: str | None = None
 
+    def p_argv(self, argv: list[str]) -> list[str]:
+        """P's command: pinned to core 0, then wrapped for its namespace (emulated links)."""
+        pinned = pin(0, argv)
+        return self.p_wrap(pinned) if self.p_wrap is not None else pinned
+
+    def d_argv(self, argv: list[str]) -> list[str]:
+        """D's command: pinned to core 1."""
+        return pin(1, argv)
+
+
+def pin(core: int, argv: list[str]) -> list[str]:
+    """``argv`` with every process and thread of the engine on ``core`` (its API server and engine
+    core loop too, not only the model's threads as ``VLLM_CPU_OMP_THREADS_BIND`` does): each engine
+    gets one core as if it had a machine of its own. Unpinned, a decode engine waiting for KV spins
+    its engine core loop on whichever core is free, which here is often the prefill's, and the
+    conversions of ``socket-fp8`` share a core with the other engine's loop."""
+    return ["taskset", "-c", str(core), *argv]
+
 
 @contextlib.contextmanager
 def loopback() -> Iterator[Placement]:
@@ -257,8 +275,9 @@ def run_connector(conn: Connector, link: str, model_dir: Path, sizes: list[int],
         # P caches prefixes, so repeats skip the (slow, O(n^2) on one core) prefill; the
         # handoff still moves every block. D must not, or it would not fetch at all.
         p = start_engine(f"{conn.label}-prefill", str(model_dir), 0, p_cfg, p_env, log_dir, max_model_len=max_len,
-                         prefix_caching=True, host=place.p_host, wrap=place.p_wrap)
-        d = start_engine(f"{conn.label}-decode", str(model_dir), 1, d_cfg, d_env, log_dir, max_model_len=max_len)
+                         prefix_caching=True, host=place.p_host, wrap=place.p_argv)
+        d = start_engine(f"{conn.label}-decode", str(model_dir), 1, d_cfg, d_env, log_dir, max_model_len=max_len,
+                         wrap=place.d_argv)
         try:
             wait_healthy([p, d])
 

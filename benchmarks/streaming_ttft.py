@@ -1,7 +1,7 @@
 """Streamed vs fetched KV handoffs: 1P1D time to first token, next to prefill alone and transfer alone.
 
 For each link, one pair of real vLLM CPU engines with the socket connector (P's processes pinned
-to core 0, D's to core 1: ``pin``; prefix caching off on both so that every request computes and moves its whole
+to core 0, D's to core 1: ``connector_throughput.pin``; prefix caching off on both so that every request computes and moves its whole
 prompt) answers prompts of each size (exact token counts, sent as token ids) four ways, the
 ways interleaved within each repeat:
 
@@ -109,29 +109,15 @@ async def stream_ttft(session: aiohttp.ClientSession, p: Engine, d: Engine, p_kv
     return ttft, await xfer_after(d, SOCKET, secs0, n0)
 
 
-def pin(core: int, argv: list[str]) -> list[str]:
-    """``argv`` with every process and thread of the engine on ``core`` (its API server and engine
-    core loop too, not only the model's threads as ``VLLM_CPU_OMP_THREADS_BIND`` does): each engine
-    gets one core as if it had a machine of its own. Unpinned, a decode engine waiting for streamed
-    KV spins its engine core loop on whichever core is free, which here is often the prefill's."""
-    return ["taskset", "-c", str(core), *argv]
-
-
 def start_pair(conn: ct.Connector, place: ct.Placement, model_dir: Path, log_dir: Path, dtype: str
                ) -> tuple[Engine, Engine, tuple[str, int]]:
     p_port, d_port = free_port(), free_port()
     p_cfg, d_cfg, p_env, d_env = ct.planned_engines(conn.name, place, p_port, d_port)
     args = ["--dtype", dtype]
-    p_wrap = place.p_wrap
-
-    def p_pinned(argv: list[str]) -> list[str]:
-        pinned = pin(0, argv)
-        return p_wrap(pinned) if p_wrap is not None else pinned
-
     p = start_engine(f"{conn.label}-prefill", str(model_dir), 0, p_cfg, p_env, log_dir, max_model_len=8192,
-                     host=place.p_host, wrap=p_pinned, args=args)
+                     host=place.p_host, wrap=place.p_argv, args=args)
     d = start_engine(f"{conn.label}-decode", str(model_dir), 1, d_cfg, d_env, log_dir, max_model_len=8192,
-                     args=args, wrap=lambda argv: pin(1, argv))
+                     args=args, wrap=place.d_argv)
     extra = p_cfg.get("kv_connector_extra_config", {})
     return p, d, (str(extra.get("host", place.p_host)), int(extra.get("port", 0)))
 
