@@ -1,9 +1,9 @@
 """Streamed vs fetched KV handoffs: 1P1D time to first token, next to prefill alone and transfer alone.
 
-For each link, one pair of real vLLM CPU engines with the socket connector (P's processes pinned
-to core 0, D's to core 1: ``connector_throughput.pin``; prefix caching off on both so that every request computes and moves its whole
-prompt) answers prompts of each size (exact token counts, sent as token ids) four ways, the
-ways interleaved within each repeat:
+For each link, one pair of real vLLM CPU engines with the socket connector (P's processes
+pinned to core 0, D's to core 1: ``connector_throughput.pin``; prefix caching off on both so
+that every request computes and moves its whole prompt) answers prompts of each size (exact
+token counts, sent as token ids) four ways, the ways interleaved within each repeat:
 
 - ``prefill``: P alone, a plain request computing one token: the prefill as a client sees it;
 - ``fetch``: the socket connector's pull mode, as the proxy's ``vllm`` handoff does it: P with
