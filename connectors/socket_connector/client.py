@@ -262,9 +262,11 @@ class PeerConnections:
             if expected != len(local) * self._store.layout.block_bytes:
                 raise FetchError(f"{where} announced {expected} bytes for {len(local)} blocks")
             got = 0
+            layer_runs = self._store.message_layers()
             for part in chunks(local, opts.blocks_per_message):
-                with self._store.writing(part) as views:
-                    got += recv_into_views(conn.sock, views)
+                for layers in layer_runs:
+                    with self._store.writing(part, layers) as views:
+                        got += recv_into_views(conn.sock, views)
         self._checkin(plan.host, plan.port, conn)
         return got, answered
 

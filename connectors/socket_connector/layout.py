@@ -180,6 +180,14 @@ class BlockStore(ABC):
         """Bytes of host staging buffers this store holds (0: it reads and writes the cache itself)."""
         return 0
 
+    def message_layers(self) -> list[list[int] | None]:
+        """How a fetch message of whole blocks is read and written (by the listener's fetch and the
+        client's): ``[None]``, all layers at once (the cache's own memory: one scatter-gather call
+        per message), or one layer at a time for stores that stage (convert or copy) their bytes, so
+        that layer l+1 converts while layer l is on the wire and D converts layer l while l+1
+        arrives. The wire bytes are the same either way (a message is its layers in order)."""
+        return [None]
+
     @abstractmethod
     @contextmanager
     def reading(self, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> Iterator[list[memoryview]]:
@@ -290,6 +298,9 @@ class StagedStore(BlockStore):
     @property
     def staged_bytes(self) -> int:
         return self._staging.allocated
+
+    def message_layers(self) -> list[list[int] | None]:
+        return [[i] for i in range(len(self.layout.layers))]
 
     def _pack(self, blocks: torch.Tensor, host: torch.Tensor) -> None:
         """Write ``blocks`` (one layer's selected blocks) into ``host`` (its staging buffer)."""

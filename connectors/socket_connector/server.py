@@ -48,7 +48,7 @@ from .counters import TransferCounters
 from .layout import BlockStore, LayoutError
 from .leases import LeaseTable
 from .params import is_stream_key
-from .streams import StreamClosed, StreamTable
+from .streams import Stream, StreamClosed, StreamTable
 from .wire import (
     FrameError,
     PeerClosed,
@@ -313,7 +313,7 @@ class KVServer:
             return True
         total = -(-stream.num_tokens // self.streams.block_size)
         sent_bytes = 0
-        complete = False
+        complete = detached = False
         try:
             count = total - first
             waited = time.perf_counter() - asked
@@ -353,6 +353,10 @@ class KVServer:
                             peer, sent_bytes / 1e6, exc)
                 send_frame(conn, {"ok": False, "error": f"stream of request {stream.request_id} ended: {exc}"})
                 return True
+            # every byte is in the kernel's buffers: the blocks are free before D hears the end, so a
+            # request finishing after D saw it finds the stream done and releases its lease at once
+            self._detach(self.streams, stream)
+            detached = True
             send_frame(conn, {"end": True, "nbytes": sent_bytes})
             complete = True
             self.counters.add("bytes_served", sent_bytes)
@@ -365,11 +369,16 @@ class KVServer:
                         waited * 1e3, messages, sending * 1e3, lag * 1e3, computed)
             return True
         finally:
-            release = self.streams.detach(stream)
-            if release is not None:
-                self.leases.release(release)
+            if not detached:
+                self._detach(self.streams, stream)
             if not complete:
                 self.counters.add("bytes_served", sent_bytes)
+
+    def _detach(self, streams: StreamTable, stream: Stream) -> None:
+        """The decode side is done with ``stream``; release the lease of a request that already finished."""
+        release = streams.detach(stream)
+        if release is not None:
+            self.leases.release(release)
 
     def _fetch(self, conn: socket.socket, peer: str, msg: dict[str, Any]) -> bool:
         rid = msg.get("request_id")
@@ -411,9 +420,11 @@ class KVServer:
                 self._refuse(conn, peer, str(exc))
                 return False
             send_frame(conn, {"ok": True, "nbytes": len(block_ids) * self.store.layout.block_bytes})
+            layer_runs = self.store.message_layers()
             for part in chunks(block_ids, per_msg):
-                with self.store.reading(part) as views:
-                    sent += send_views(conn, views)
+                for layers in layer_runs:
+                    with self.store.reading(part, layers) as views:
+                        sent += send_views(conn, views)
             self.counters.add("bytes_served", sent)
             logger.info("socket KV connector: served %s (%d blocks, %.2f MB) to %s in %.1f ms "
                         "(%.1f ms of it waiting for the lease)", rid, len(block_ids), sent / 1e6, peer,

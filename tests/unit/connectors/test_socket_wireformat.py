@@ -198,3 +198,21 @@ def test_fp8_messages_stay_near_4_mib_so_conversion_overlaps_the_wire() -> None:
     assert default_blocks_per_message(layout(3 << 20, "fp8")) == 1           # never below one block
     assert default_blocks_per_message(layout(1 << 10, "fp8")) == 64          # nor above the raw default
     assert SocketSettings.load({}, {"DISAGG_KV_SECRET": "ab" * 32}).blocks_per_message is None
+
+
+def test_a_converting_store_moves_a_message_layer_by_layer_with_the_same_wire_bytes() -> None:
+    """The listener and the fetch read/write fp8 messages one layer at a time (so that one layer
+    converts while another is on the wire): the bytes must be the whole message's, in order."""
+    src = kv_caches(5)
+    fp8, raw = make_store(src, NUM_BLOCKS, "fp8"), make_store(src, NUM_BLOCKS)
+    assert raw.message_layers() == [None]                          # the cache's own memory: one call
+    runs = fp8.message_layers()
+    assert runs == [[i] for i in range(len(fp8.layout.layers))]
+    blocks = [9, 3, 4]
+    with fp8.reading(blocks) as whole:
+        expected = b"".join(bytes(v) for v in whole)
+    parts = []
+    for layers in runs:
+        with fp8.reading(blocks, layers) as views:
+            parts.append(b"".join(bytes(v) for v in views))
+    assert b"".join(parts) == expected
