@@ -65,13 +65,14 @@ PAYS_RATIO = 0.5
 NO_PAY_RATIO = 1.0
 #: KV-cache bytes per second that the socket connector's fp8 wire format converts on CPU engines
 #: (P quantizes as it serves, D dequantizes as it receives, each on the engine's one core beside
-#: its own loop): fitted to benchmarks/connector_throughput.py's socket-fp8 rows (tiny-kvheavy,
-#: 512-8,000 tokens, emulated 1 and 2.5 Gb/s, 2026-11-30) as handoff = wire bytes / min(link,
-#: this x the wire ratio); it predicts those six transfers within 24% (the 2.5 Gb/s samples are
-#: bimodal), where the link alone under-predicted the 2.5 Gb/s ones by up to 3.7x
-FP8_CPU_CONVERT_BYTES_PER_S = 200e6
-FP8_CPU_CONVERT_SOURCE = ("about 200 MB/s of KV cache, measured in one-core CPU engines by "
-                          "benchmarks/connector_throughput.py on 2026-11-30")
+#: its own loop, one layer at a time so that the conversions overlap the wire): fitted to
+#: benchmarks/connector_throughput.py's socket-fp8 rows (tiny-kvheavy, 512-8,000 tokens, emulated
+#: 1 and 2.5 Gb/s, 2026-12-01) as handoff = wire bytes / min(link, this x the wire ratio); it
+#: predicts five of those six transfers within 10% (the sixth, 512 tokens at 2.5 Gb/s, 36% under:
+#: its samples spread 66-101 ms), where the link alone under-predicted the 2.5 Gb/s ones by up to 3x
+FP8_CPU_CONVERT_BYTES_PER_S = 300e6
+FP8_CPU_CONVERT_SOURCE = ("about 300 MB/s of KV cache, measured in one-core CPU engines by "
+                          "benchmarks/connector_throughput.py on 2026-12-01")
 #: network round trips per handoff besides the bulk transfer (request the
 #: blocks, the transfer's first byte, completion notice)
 HANDOFF_ROUND_TRIPS = 3

@@ -198,7 +198,7 @@ def test_fp8_plans_from_the_topology_and_as_a_what_if() -> None:
 
 
 def test_fp8_on_cpu_engines_is_priced_at_the_slower_of_link_and_conversion() -> None:
-    """On CPU engines the fp8 conversions (about 200 MB/s of cache) are the limit above ~0.8 Gb/s:
+    """On CPU engines the fp8 conversions (about 300 MB/s of cache) are the limit above ~1.2 Gb/s:
     at 2.5 Gb/s the handoff moves the wire bytes at the conversions' rate, at 100 Mb/s at the
     link's; raw and GPU engines are priced by the link alone."""
     text = Path("topologies/local-emulated-1g.yaml").read_text().replace(
