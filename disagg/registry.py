@@ -22,6 +22,7 @@ ENGINE_ADAPTERS: dict[str, str] = {
 
 VLLM_KV_ADAPTERS: dict[str, str] = {
     "nixl": "disagg.kv.nixl:NixlVllmAdapter",
+    "nixl-push": "disagg.kv.nixl:NixlPushVllmAdapter",
     "socket": "disagg.kv.socket:SocketVllmAdapter",
     "lmcache": "disagg.kv.lmcache:LmcacheVllmAdapter",
 }

@@ -31,7 +31,7 @@ from disagg.serving import (
 from disagg.yamlsrc import Fields, Node, describe, load_yaml, node_int, parse_yaml
 
 ENGINES = ("vllm", "sglang")
-CONNECTORS = ("nixl", "lmcache", "socket", "mooncake")
+CONNECTORS = ("nixl", "nixl-push", "lmcache", "socket", "mooncake")
 #: ``connector.wire_format`` values: the socket connector's (its config owns them)
 WIRE_FORMATS: tuple[str, ...] = tuple(_CONNECTOR_WIRE_FORMATS)
 

@@ -35,6 +35,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--handoff", "--engine", dest="handoff", default="vllm",
                    help="the KV handoff protocol between the engines: vllm (NIXL, the socket connector), "
                         "sglang, vllm-lmcache, vllm-socket-stream (the socket connector streaming the KV while "
+                        "prefill computes), vllm-nixl-push (NixlPushConnector: decode registers its blocks while "
                         "prefill computes) (default vllm; --engine is its old name)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV} if set)")

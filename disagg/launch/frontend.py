@@ -4,9 +4,11 @@
 
 - ``builtin``: ``python -m disagg proxy`` with the handoff of the topology's
   engine and connector (``--handoff vllm | sglang | vllm-lmcache |
-  vllm-socket-stream``) and its ``--handoff-option`` settings (SGLang: the
-  prefill bootstrap ports; LMCache: decode receiver ports and the notification
-  port; the streaming socket connector: each prefill instance's KV listener).
+  vllm-socket-stream | vllm-nixl-push``) and its ``--handoff-option`` settings
+  (SGLang: the prefill bootstrap ports; LMCache: decode receiver ports and the
+  notification port; the streaming socket connector: each prefill instance's KV
+  listener; NIXL push needs none: the proxy learns each prefill engine's NIXL
+  coordinates from its replies).
 - ``vllm-router`` (PyPI ``vllm-router``, module ``vllm_router.launch_router``):
   ``--vllm-pd-disaggregation --prefill URL --decode URL`` (its default KV
   connector is NIXL, the only one it shares with disagg).
@@ -31,6 +33,7 @@ from disagg.kv.lmcache import proxy_options
 from disagg.kv.socket import prefill_peer
 from disagg.planning import route_seeds
 from disagg.proxy.config import DEFAULT_MAX_CONCURRENCY, ProxyConfig, ProxyTimeouts, RoutingConfig
+from disagg.proxy.nixl_push_handoff import NixlPushHandoff
 from disagg.proxy.socket_stream_handoff import KV_PEERS, SocketStreamHandoff
 
 log = logging.getLogger("disagg")
@@ -51,6 +54,8 @@ def handoff_kind(dep: Deployment) -> str:
         return "vllm-lmcache"
     if topo.engine == "vllm" and topo.connector == "socket" and topo.streaming and not topo.colocated:
         return SocketStreamHandoff.kind
+    if topo.engine == "vllm" and topo.connector == "nixl-push" and not topo.colocated:
+        return NixlPushHandoff.kind
     return topo.engine
 
 

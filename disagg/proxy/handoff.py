@@ -10,8 +10,10 @@ raises :class:`PrefillFailed`, and turns any other error into the client's error
   ``max_tokens: 1`` and ``kv_transfer_params.do_remote_decode``, then decode
   with the client's request plus the ``kv_transfer_params`` prefill returned.
 - A concurrent protocol (SGLang: the same body with ``bootstrap_room`` sent to
-  prefill and decode at once; the socket connector's streaming mode,
-  :mod:`disagg.proxy.socket_stream_handoff`) fits the same interface: its
+  prefill and decode at once; for vLLM, the machinery of
+  :mod:`disagg.proxy.concurrent_handoff` serves the socket connector's streaming
+  mode, :mod:`disagg.proxy.socket_stream_handoff`, and NIXL's push mode,
+  :mod:`disagg.proxy.nixl_push_handoff`) fits the same interface: its
   ``serve`` starts both requests, yields the decode reply with ``companion``
   set to the prefill task, and cancels whichever side is left if the other
   fails. Add it to :data:`HANDOFFS`.
@@ -186,11 +188,12 @@ class VllmHandoff(Handoff):
             counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
             self.observer(route, backend, elapsed, counted if type(counted) is int else None)
 
-    async def run_prefill(self, route: PromptRoute,
-                          kv_transfer_params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    async def run_prefill(self, route: PromptRoute, kv_transfer_params: Mapping[str, Any] | None = None,
+                          headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Prefill ``route``'s prompt on its preset prefill backend if healthy, else the best one
         (recorded in ``route.prefill``); returns the ``kv_transfer_params`` it answered and tells
-        :attr:`observer` how long it took.
+        :attr:`observer` how long it took. ``headers`` replace the request's own (another
+        ``X-Request-Id``: :mod:`disagg.proxy.nixl_push_handoff`).
 
         Raises :class:`PrefillFailed` (fallback possible) or :class:`EngineErrorReply`.
         """
@@ -199,7 +202,8 @@ class VllmHandoff(Handoff):
         started = time.perf_counter()
         try:
             async with self.upstream.request(self.prefill, "POST", req.endpoint, data=data,
-                                             headers=req.headers, prefer=route.prefill) as (backend, resp):
+                                             headers=req.headers if headers is None else headers,
+                                             prefer=route.prefill) as (backend, resp):
                 route.prefill = backend
                 if 400 <= resp.status < 500:
                     body = await self.upstream.read(backend, resp)
@@ -220,16 +224,24 @@ class VllmHandoff(Handoff):
                                 "(is it started with a kv_producer --kv-transfer-config?)")
         return params
 
-    @asynccontextmanager
-    async def serve(self, route: PromptRoute) -> AsyncIterator[DecodeReply]:
+    def serve(self, route: PromptRoute) -> AbstractAsyncContextManager[DecodeReply]:
         """Prefill, then decode with the ``kv_transfer_params`` this prompt's prefill returned."""
+        return self.serve_in_turn(route)
+
+    @asynccontextmanager
+    async def serve_in_turn(self, route: PromptRoute, kv_transfer_params: Mapping[str, Any] | None = None,
+                            headers: Mapping[str, str] | None = None) -> AsyncIterator[DecodeReply]:
+        """Prefill (with ``kv_transfer_params``, default NIXL pull's), then decode with the
+        ``kv_transfer_params`` prefill returned; both with ``headers`` (default the request's).
+        :meth:`serve`, and the push handoff while it does not know a prefill engine yet."""
         req = route.request
-        params = await self.run_prefill(route)
+        params = await self.run_prefill(route, kv_transfer_params, headers)
         route.kv_transfer_params = params
         prefill_done = time.perf_counter()
         data = json.dumps(self.decode_body(req.body, params)).encode()
         async with self.upstream.request(self.decode, "POST", req.endpoint, data=data,
-                                         headers=req.headers, prefer=route.decode) as (backend, resp):
+                                         headers=req.headers if headers is None else headers,
+                                         prefer=route.decode) as (backend, resp):
             route.decode = backend
             yield DecodeReply(backend, resp, prefill_done=prefill_done)
 
@@ -240,6 +252,7 @@ HANDOFFS: dict[str, str] = {
     "sglang": "disagg.proxy.sglang_handoff:SglangHandoff",
     "vllm-lmcache": "disagg.proxy.lmcache_handoff:LmcacheHandoff",
     "vllm-socket-stream": "disagg.proxy.socket_stream_handoff:SocketStreamHandoff",
+    "vllm-nixl-push": "disagg.proxy.nixl_push_handoff:NixlPushHandoff",
 }
 
 

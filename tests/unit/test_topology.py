@@ -110,8 +110,29 @@ def test_emulated_link_needs_rate() -> None:
 
 def test_bad_choice_lists_the_choices() -> None:
     msg = error_of(GOOD.replace("connector: nixl", "connector: nixel"))
-    assert msg == ("topo.yaml:3: connector: expected one of nixl, lmcache, socket, mooncake, got 'nixel' "
+    assert msg == ("topo.yaml:3: connector: expected one of nixl, nixl-push, lmcache, socket, mooncake, got 'nixel' "
                    "(did you mean 'nixl'?)")
+
+
+@pytest.mark.parametrize("form", ["nixl-push", "{type: nixl-push}", "{type: nixl-push, wire_format: raw}"])
+def test_nixl_push_connector_in_either_form(form: str) -> None:
+    topo = parse(GOOD.replace("connector: nixl", f"connector: {form}"))
+    assert topo.connector == "nixl-push" and topo.wire_format == "raw" and not topo.streaming
+    # its engines get a side channel each, as with nixl
+    assert [i.kv_port for i in topo.instances] == [5600, 5601]
+
+
+@pytest.mark.parametrize(("form", "message"), [
+    ("{type: nixl-push, streaming: true}", "topo.yaml:3: connector.streaming: streaming needs connector type socket "
+                                           "(it is how our socket connector hands the KV over; connector nixl-push "
+                                           "has no such setting)"),
+    ("{type: nixl-push, wire_format: fp8}", "topo.yaml:3: connector.wire_format: wire_format fp8 needs connector "
+                                            "type socket (connector nixl-push sends the cache's own bytes)"),
+    ("nixl_push", "topo.yaml:3: connector: expected one of nixl, nixl-push, lmcache, socket, mooncake, got "
+                  "'nixl_push' (did you mean 'nixl-push'?)"),
+])
+def test_nixl_push_connector_errors(form: str, message: str) -> None:
+    assert error_of(GOOD.replace("connector: nixl", f"connector: {form}")) == message
 
 
 def test_unknown_host() -> None:

@@ -51,6 +51,24 @@ def test_lmcache_example_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert "      | pd_peer_init_port: [7300]" in out and "--handoff vllm-lmcache" in out
 
 
+def test_nixl_push_example_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(ROOT / "topologies/local-cpu-nixl-push.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "mode      disaggregated, connector nixl-push" in out
+    configs = {}
+    for name in ("prefill[0]", "decode[0]"):
+        argv = _argv_of(out, name)
+        configs[name] = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        env = _env_of(out, name)
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1" and env["UCX_TLS"] == "tcp,self"
+    assert configs["prefill[0]"] == {"kv_connector": "NixlPushConnector", "kv_role": "kv_producer",
+                                     "kv_buffer_device": "cpu",
+                                     "kv_connector_extra_config": {"backends": ["UCX"], "num_threads": 1}}
+    assert configs["decode[0]"] == {**configs["prefill[0]"], "kv_role": "kv_consumer",
+                                    "kv_load_failure_policy": "recompute"}
+    assert "--handoff vllm-nixl-push" in out and "--handoff-option" not in out
+
+
 def _argv_of(out: str, name: str) -> list[str]:
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{name}:"))

@@ -224,3 +224,46 @@ def test_vllm_router_refuses_socket_streaming() -> None:
     text = STREAMING.replace("STREAMING", "true").replace("port: 9000}", "port: 9000, kind: vllm-router}")
     with pytest.raises(DeploymentError, match=r"connector socket needs proxy\.kind builtin"):
         frontend_argv(build_deployment(parse_topology(text, "t.yaml", run_dir="/tmp/run")))
+
+
+def test_nixl_push_gets_the_push_handoff_with_no_options() -> None:
+    from disagg.cli import build_parser
+    from disagg.commands.proxy import config_from_args
+    from disagg.launch.frontend import handoff_kind, handoff_options
+    from disagg.proxy.nixl_push_handoff import NixlPushHandoff
+
+    text = textwrap.dedent(TEXT).replace("ENGINE", "vllm").replace("CONNECTOR", "nixl-push").replace("KIND", "builtin")
+    dep = build_deployment(parse_topology(text, "t.yaml", run_dir="/tmp/run"))
+    assert handoff_kind(dep) == "vllm-nixl-push" == NixlPushHandoff.kind
+    assert handoff_options(dep) == ()                    # the proxy learns each prefill engine from its replies
+    a = frontend_argv(dep)
+    assert a[a.index("--handoff") + 1] == "vllm-nixl-push" and "--handoff-option" not in a
+    assert config_from_args(build_parser().parse_args(a[3:])) == proxy_config(dep)
+    # routing auto: no "whole" path (a prefill engine serving alone) where real engines have not proven it
+    known = {c: proxy_config(build_deployment(parse_topology(text.replace("/models/m", "qwen3-8b").replace(
+        "connector: nixl-push", f"connector: {c}"), "t.yaml", run_dir="/tmp/run"))).routing
+        for c in ("nixl", "nixl-push")}
+    assert known["nixl"].policy == known["nixl-push"].policy == "auto"
+    assert known["nixl"].whole and not known["nixl-push"].whole
+
+
+def test_colocated_nixl_push_is_a_plain_balancer() -> None:
+    from disagg.launch.frontend import handoff_kind
+
+    text = """\
+    model: {path: /models/m}
+    connector: nixl-push
+    hosts: {h: {address: 127.0.0.1}}
+    roles: {both: [{host: h, port: 8300}]}
+    """
+    assert handoff_kind(build_deployment(parse_topology(textwrap.dedent(text), "t.yaml", run_dir="/tmp/run"))) == "vllm"
+
+
+def test_vllm_router_refuses_nixl_push() -> None:
+    with pytest.raises(DeploymentError, match=r"connector nixl-push needs proxy\.kind builtin"):
+        argv(kind="vllm-router", connector="nixl-push")
+
+
+def test_sglang_refuses_nixl_push() -> None:
+    with pytest.raises(DeploymentError, match="connector 'nixl-push' does not work with engine sglang"):
+        argv(engine="sglang", connector="nixl-push")

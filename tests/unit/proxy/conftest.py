@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
 from typing import Any
 
 import aiohttp
@@ -13,19 +14,27 @@ from disagg.proxy import ProxyConfig, ProxyServer
 
 
 @pytest.fixture
-async def standin() -> AsyncIterator[Callable[..., Awaitable[StandInEngine]]]:
-    """Factory of started stand-in engines, all stopped after the test."""
-    made: list[StandInEngine] = []
+async def started() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+    """Factory: ``await started(StandInClass, *args, **kw)`` makes a stand-in and starts it; every
+    one is stopped after the test."""
+    async with AsyncExitStack() as stopping:
+        async def make(cls: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+            server = cls(*args, **kw)
+            await server.start()
+            stopping.push_async_callback(server.stop)
+            return server
 
+        yield make
+
+
+@pytest.fixture
+def standin(started: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[StandInEngine]]:
+    """Factory of started stand-in engines, all stopped after the test."""
     async def make(name: str, **kw: Any) -> StandInEngine:
-        engine = StandInEngine(name, **kw)
-        await engine.start()
-        made.append(engine)
+        engine: StandInEngine = await started(StandInEngine, name, **kw)
         return engine
 
-    yield make
-    for engine in made:
-        await engine.stop()
+    return make
 
 
 @pytest.fixture

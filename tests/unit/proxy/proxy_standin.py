@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,136 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from disagg.proxy import ProxyTimeouts
+from disagg.proxy.backends import BackendPool
+from disagg.proxy.metrics import ProxyMetrics
+
+
+class ServedApps:
+    """The aiohttp apps of one stand-in (its HTTP API, a KV or bootstrap listener), each on a free
+    127.0.0.1 port, stopped together; the stand-ins of the concurrent handoffs serve through it."""
+
+    def __init__(self) -> None:
+        self._runners: list[web.AppRunner] = []
+
+    async def serve(self, app: web.Application) -> int:
+        """Start ``app``; its port."""
+        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        self._runners.append(runner)
+        return int(runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()
+
+
+async def _ok(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+def engine_app(generate: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.Application:
+    """A stand-in engine's HTTP API: ``GET /health`` (always ok) and both generation routes to ``generate``."""
+    app = web.Application()
+    app.router.add_get("/health", _ok)
+    app.router.add_post("/v1/completions", generate)
+    app.router.add_post("/v1/chat/completions", generate)
+    return app
+
+
+@dataclass
+class RoleStandIn:
+    """A stand-in engine in one role (``mode`` prefill or decode) of a concurrent handoff: its API
+    (:func:`engine_app`) and listeners served by :class:`ServedApps`; every generation request
+    recorded (body, ``X-Request-Id``, arrival) and counted while it runs, and as ``aborted`` when
+    the proxy closed it. Subclasses implement ``start``, ``_prefill`` and ``_decode``."""
+
+    mode: str
+    tokens: int = 3
+    fail_status: int | None = None     # answer generation with this status
+    received: list[dict[str, Any]] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    arrived: list[float] = field(default_factory=list)    # loop time of each generation request
+    answered: list[float] = field(default_factory=list)   # prefill: loop time of each 200 answer
+    recomputed: int = 0
+    aborted: int = 0
+    running: int = 0
+    url: str = ""
+    kv_port: int = 0
+    _apps: ServedApps = field(default_factory=ServedApps)
+
+    async def stop(self) -> None:
+        await self._apps.stop()
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(body)
+        self.request_ids.append(request.headers.get("X-Request-Id", ""))
+        self.arrived.append(asyncio.get_running_loop().time())
+        self.running += 1
+        try:
+            if self.mode == "prefill":
+                return await self._prefill(request, body)
+            return await self._decode(request, body)
+        except (asyncio.CancelledError, ConnectionResetError):  # the proxy closed the request
+            self.aborted += 1
+            raise
+        finally:
+            self.running -= 1
+
+    async def _prefill(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        raise NotImplementedError
+
+    async def _decode(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        raise NotImplementedError
+
+    def _error(self) -> web.Response:
+        return web.json_response({"error": {"message": f"stand-in {self.mode} failed on purpose",
+                                            "type": "StandInError", "param": None, "code": self.fail_status}},
+                                 status=self.fail_status or 500)
+
+    async def _reply(self, text: list[str], out: web.StreamResponse | None) -> web.StreamResponse:
+        """Decode's answer of ``text``: one JSON body, or into ``out`` (a stream already prepared)
+        an event per token, then ``[DONE]``."""
+        if out is None:
+            return web.json_response({"id": "d", "object": "text_completion", "model": "tiny", "served_by": "decode",
+                                      "choices": [{"index": 0, "text": "".join(text), "finish_reason": "length"}],
+                                      "usage": {"prompt_tokens": 5, "completion_tokens": self.tokens,
+                                                "total_tokens": 5 + self.tokens}})
+        for t in text:
+            chunk = {"id": "d", "model": "tiny", "choices": [{"index": 0, "text": t, "finish_reason": None}]}
+            await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+def healthy_pools(prefill: list[str], decode: list[str]) -> tuple[ProxyMetrics, BackendPool, BackendPool]:
+    """Metrics and a prefill and a decode pool of these URLs, every backend in service (for a
+    handoff used directly, without a proxy or its health probes)."""
+    metrics = ProxyMetrics()
+    pools = BackendPool("prefill", prefill, metrics), BackendPool("decode", decode, metrics)
+    for pool in pools:
+        for b in pool.backends:
+            pool.mark_up(b)
+    return metrics, *pools
+
+
+def sample(server: Any, name: str, labels: dict[str, str] | None = None) -> float:
+    """One sample of a proxy's (a ``ProxyServer``'s) metrics, 0 when absent."""
+    value = server.app_state.metrics.registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else float(value)
+
+
+async def both_closed(server: Any, p: RoleStandIn, d: RoleStandIn) -> None:
+    """The proxy closed the prefill and the decode request: neither runs any more, each was
+    cancelled once, and the proxy counts nothing in flight on either."""
+    await wait_for(lambda: p.running == 0 and d.running == 0)
+    assert p.aborted == 1 and d.aborted == 1
+    for role, url in (("prefill", p.url), ("decode", d.url)):
+        await wait_for(lambda role=role, url=url: sample(
+            server, "disagg_proxy_backend_in_flight", {"role": role, "url": url}) == 0)
 
 
 @dataclass

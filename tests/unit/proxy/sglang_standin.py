@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from proxy_standin import ServedApps, engine_app
 
 #: longest wait of a stand-in for its peer (a test that reaches it failed)
 PEER_WAIT_S = 5.0
@@ -42,34 +43,18 @@ class SglangStandIn:
     bootstrap_port: int = 0
     rooms: dict[int, asyncio.Event] = field(default_factory=dict)     # prefill: registered rooms
     transferred: dict[int, asyncio.Event] = field(default_factory=dict)
-    _runners: list[web.AppRunner] = field(default_factory=list)
+    _apps: ServedApps = field(default_factory=ServedApps)
 
     async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_post("/v1/completions", self._generate)
-        app.router.add_post("/v1/chat/completions", self._generate)
-        self.url = f"http://127.0.0.1:{await self._serve(app)}"
+        self.url = f"http://127.0.0.1:{await self._apps.serve(engine_app(self._generate))}"
         if self.mode == "prefill":
             boot = web.Application()
             boot.router.add_post("/register", self._register)
             boot.router.add_get("/status", self._status)
-            self.bootstrap_port = await self._serve(boot)
-
-    async def _serve(self, app: web.Application) -> int:
-        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        self._runners.append(runner)
-        return int(runner.addresses[0][1])
+            self.bootstrap_port = await self._apps.serve(boot)
 
     async def stop(self) -> None:
-        for runner in self._runners:
-            await runner.cleanup()
-        self._runners.clear()
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
+        await self._apps.stop()
 
     def _room_events(self, room: int) -> tuple[asyncio.Event, asyncio.Event]:
         return self.rooms.setdefault(room, asyncio.Event()), self.transferred.setdefault(room, asyncio.Event())

@@ -23,72 +23,41 @@ tests/e2e.
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from proxy_standin import RoleStandIn, engine_app
 
 #: longest wait of a stand-in for its peer (a test that reaches it failed)
 PEER_WAIT_S = 3.0
 
 
 @dataclass
-class StreamStandIn:
+class StreamStandIn(RoleStandIn):
     """One stand-in vLLM server in ``mode`` prefill or decode."""
 
-    mode: str
-    tokens: int = 3
-    fail_status: int | None = None     # answer generation with this status
     fail_early: bool = False           # prefill: fail at once, before any decode connected
     fail_delay: float = 0.0            # seconds before failing (prefill: after decode connected)
     hang: bool = False                 # prefill: never answer once decode connected
     delay: float = 0.0                 # decode: seconds before doing anything with a request
     early_headers: bool = False        # decode: send stream headers before the KV arrived
     recompute_s: float = 0.3           # decode: how long recomputing a prompt takes
-    received: list[dict[str, Any]] = field(default_factory=list)
-    arrived: list[float] = field(default_factory=list)    # loop time of each generation request
-    answered: list[float] = field(default_factory=list)   # prefill: loop time of each answer
-    recomputed: int = 0
     headers_sent: int = 0
-    aborted: int = 0
-    running: int = 0
-    url: str = ""
-    kv_port: int = 0
     connected: dict[str, asyncio.Event] = field(default_factory=dict)    # prefill: keys a decode claimed
     outcome: dict[str, str] = field(default_factory=dict)                # prefill: key -> done | failed
-    _runners: list[web.AppRunner] = field(default_factory=list)
 
     async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_post("/v1/completions", self._generate)
-        app.router.add_post("/v1/chat/completions", self._generate)
-        self.url = f"http://127.0.0.1:{await self._serve(app)}"
+        self.url = f"http://127.0.0.1:{await self._apps.serve(engine_app(self._generate))}"
         if self.mode == "prefill":
             listener = web.Application()
             listener.router.add_post("/connect", self._connect)
             listener.router.add_get("/status", self._status)
-            self.kv_port = await self._serve(listener)
-
-    async def _serve(self, app: web.Application) -> int:
-        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        self._runners.append(runner)
-        return int(runner.addresses[0][1])
-
-    async def stop(self) -> None:
-        for runner in self._runners:
-            await runner.cleanup()
-        self._runners.clear()
+            self.kv_port = await self._apps.serve(listener)
 
     def generations(self) -> list[dict[str, Any]]:
         return self.received
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
 
     # the KV listener (prefill)
 
@@ -104,27 +73,7 @@ class StreamStandIn:
 
     # generation
 
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.received.append(body)
-        self.arrived.append(asyncio.get_running_loop().time())
-        self.running += 1
-        try:
-            if self.mode == "prefill":
-                return await self._prefill(body)
-            return await self._decode(request, body)
-        except asyncio.CancelledError:
-            self.aborted += 1
-            raise
-        finally:
-            self.running -= 1
-
-    def _error(self) -> web.Response:
-        return web.json_response({"error": {"message": f"stand-in {self.mode} failed on purpose",
-                                            "type": "StandInError", "param": None, "code": self.fail_status}},
-                                 status=self.fail_status or 500)
-
-    async def _prefill(self, body: dict[str, Any]) -> web.Response:
+    async def _prefill(self, request: web.Request, body: dict[str, Any]) -> web.Response:
         key = str(body["kv_transfer_params"]["stream_key"])
         if self.fail_status is not None and self.fail_early:
             self.outcome[key] = "failed"
@@ -176,18 +125,8 @@ class StreamStandIn:
                 await asyncio.sleep(self.recompute_s)
         text = [f"tok{i} " for i in range(self.tokens)]
         if not body.get("stream"):
-            return web.json_response({"id": "d", "object": "text_completion", "model": "tiny", "served_by": "decode",
-                                      "choices": [{"index": 0, "text": "".join(text), "finish_reason": "length"}],
-                                      "usage": {"prompt_tokens": 5, "completion_tokens": self.tokens,
-                                                "total_tokens": 5 + self.tokens}})
-        if out is None:
-            out = await self._headers(request)
-        for t in text:
-            event = {"id": "d", "model": "tiny", "choices": [{"index": 0, "text": t, "finish_reason": None}]}
-            await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
-        return out
+            return await self._reply(text, None)
+        return await self._reply(text, out or await self._headers(request))
 
     async def _headers(self, request: web.Request) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

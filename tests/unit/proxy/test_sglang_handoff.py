@@ -5,8 +5,9 @@ follow SGLang's bootstrap semantics; real SGLang P/D needs a GPU
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -28,19 +29,9 @@ LIMIT_S = 8.0
 
 
 @pytest.fixture
-async def sglang() -> AsyncIterator[Callable[..., Awaitable[SglangStandIn]]]:
+def sglang(started: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[SglangStandIn]]:
     """Factory of started stand-in SGLang servers, stopped after the test."""
-    made: list[SglangStandIn] = []
-
-    async def make(mode: str, **kw: Any) -> SglangStandIn:
-        server = SglangStandIn(mode, **kw)
-        await server.start()
-        made.append(server)
-        return server
-
-    yield make
-    for server in made:
-        await server.stop()
+    return functools.partial(started, SglangStandIn)
 
 
 async def _pair(sglang: Any, proxy: Any, p_kw: dict[str, Any] | None = None,

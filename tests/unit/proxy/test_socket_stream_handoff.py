@@ -5,21 +5,20 @@ once, joined by a fresh key; decode fetches from the chosen prefill's KV listene
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import string
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from proxy_standin import FAST, free_port, read_events, wait_for
+from proxy_standin import FAST, both_closed, free_port, healthy_pools, read_events, sample, wait_for
 from socket_stream_standin import StreamStandIn
 
 from disagg.errors import ProxyError
 from disagg.proxy import ProxyServer, ProxyTimeouts
-from disagg.proxy.backends import BackendPool
 from disagg.proxy.handoff import COMPLETIONS, VllmHandoff, handoff_class
-from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.routes import GenerationRequest, PromptRoute, RoutePath
 from disagg.proxy.socket_stream_handoff import (
     KV_PEERS,
@@ -39,19 +38,9 @@ NO_PROBES = ProxyTimeouts(connect=1.0, request=5.0, health_interval=60.0, health
 
 
 @pytest.fixture
-async def streams() -> AsyncIterator[Callable[..., Awaitable[StreamStandIn]]]:
+def streams(started: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[StreamStandIn]]:
     """Factory of started stand-ins, stopped after the test."""
-    made: list[StreamStandIn] = []
-
-    async def make(mode: str, **kw: Any) -> StreamStandIn:
-        server = StreamStandIn(mode, **kw)
-        await server.start()
-        made.append(server)
-        return server
-
-    yield make
-    for server in made:
-        await server.stop()
+    return functools.partial(started, StreamStandIn)
 
 
 def peers_option(*prefills: StreamStandIn) -> tuple[tuple[str, str], ...]:
@@ -65,11 +54,6 @@ async def _pair(streams: Any, proxy: Any, p_kw: dict[str, Any] | None = None, d_
     server = await proxy(prefill=[p.url], decode=[d.url], handoff="vllm-socket-stream",
                          handoff_options=peers_option(p), **proxy_kw)
     return p, d, server
-
-
-def sample(server: ProxyServer, name: str, labels: dict[str, str] | None = None) -> float:
-    value = server.app_state.metrics.registry.get_sample_value(name, labels or {})
-    return 0.0 if value is None else value
 
 
 def decode_params(key: str, port: int) -> dict[str, Any]:
@@ -191,12 +175,7 @@ async def test_serve_records_engines_and_params_and_tells_the_observer(streams) 
     """Direct use: the routing policy's presets are used while healthy; the route records
     the engines and decode's kv_transfer_params; the observer gets prefill's time and count."""
     p1, p2, d = await streams("prefill"), await streams("prefill"), await streams("decode")
-    metrics = ProxyMetrics()
-    prefill = BackendPool("prefill", [p1.url, p2.url], metrics)
-    decode = BackendPool("decode", [d.url], metrics)
-    for pool in (prefill, decode):
-        for b in pool.backends:
-            pool.mark_up(b)
+    metrics, prefill, decode = healthy_pools([p1.url, p2.url], [d.url])
     seen: list[tuple[PromptRoute, str, float, int | None]] = []
     async with make_session(FAST) as session:
         handoff = SocketStreamHandoff(Upstream(session, FAST, metrics), prefill, decode, metrics,
@@ -338,11 +317,7 @@ async def test_client_leaving_closes_both_requests(decode_answered, streams, pro
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-        await wait_for(lambda: p.running == 0 and d.running == 0)
-        assert p.aborted == 1 and d.aborted == 1
-        for role, url in (("prefill", p.url), ("decode", d.url)):
-            await wait_for(lambda role=role, url=url: sample(
-                server, "disagg_proxy_backend_in_flight", {"role": role, "url": url}) == 0)
+        await both_closed(server, p, d)
 
 
 def test_handoff_option_cli_round_trip() -> None:

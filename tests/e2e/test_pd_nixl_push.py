@@ -1,0 +1,101 @@
+"""1P1D with vLLM's NIXL connector in push mode (``connector: nixl-push``) through `disagg up`:
+greedy equality with a colocated server, and the engines' own counters proving the KV moved.
+
+The deployment is this module's own (`disagg up --detach`, stopped when the module ends). It
+sorts after test_pd.py, whose last test stops the session's NIXL deployment; if that did not
+happen (test_pd not selected), the fixture stops it, and it refuses to start while any other
+engine on the session's model still runs (never more than two engines at once).
+
+The proxy's push handoff (disagg/proxy/nixl_push_handoff.py) serves the first split in turn
+(prefill first: it learns the prefill engine's NIXL engine id from the reply), every later one
+with both requests at once (decode registers its blocks while prefill computes, prefill WRITEs
+into them when it finishes).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from disagg.prometheus_text import sample_label as metric_label
+from disagg.prometheus_text import sample_sum as metric_value
+from tests.e2e.engines import (
+    ENGINE_ARGS,
+    SPLIT_EVERY_PROMPT,
+    Running,
+    bring_up,
+    engine_processes,
+    foreground_up_processes,
+    free_ports,
+    get_text,
+    plain_answer,
+    write_topology,
+)
+
+pytestmark = pytest.mark.e2e
+KV_BYTES_PER_TOKEN = 1024  # the embedded tiny model, bf16 (as in test_pd.py)
+
+#: the requests of conftest's ``requests_`` served here, in order: the first goes in turn, the
+#: rest at once (completion and chat, streamed and not, 50 to 1,500 prompt tokens)
+NAMES = ("short", "sync-completion-stream", "sync-chat-stream", "async-chat", "long")
+
+
+@pytest.fixture(scope="module")
+def push_pd(reference: dict[str, str], e2e_dir: Path, tiny_model: Path) -> Iterator[Running]:
+    """1 prefill + 1 decode with NixlPushConnector over loopback behind the proxy, one pinned core each."""
+    for up in foreground_up_processes(e2e_dir / "pd.yaml"):  # the NIXL `pd`, if test_pd did not stop it
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=120)
+    assert not engine_processes(tiny_model), "engines of another deployment still run"
+    proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
+    roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
+             f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
+    topo = write_topology(e2e_dir / "pd-nixl-push.yaml", tiny_model, proxy_port=proxy_port, roles=roles,
+                          connector="nixl-push", extra=SPLIT_EVERY_PROMPT)
+    run = bring_up(topo, e2e_dir / "run-pd-nixl-push")
+    yield run                                            # pytest runs what follows however the tests went
+    stopped = run.down()
+    assert stopped.returncode == 0 and not engine_processes(tiny_model), stopped.stderr
+
+
+def test_push_handoff_equals_colocated_and_kv_moved(push_pd: Running, reference: dict[str, str],
+                                                    requests_: dict[str, dict]) -> None:
+    cmdlines = [" ".join(p.cmdline()) for p in push_pd.process_tree()]
+    assert sum("NixlPushConnector" in c for c in cmdlines if "api_server" in c) == 2, cmdlines
+    assert any("--handoff vllm-nixl-push" in c for c in cmdlines), cmdlines
+    prefill, decode = push_pd.engines["prefill[0]"], push_pd.engines["decode[0]"]
+    for name in NAMES:
+        body = requests_[name]
+        before = {url: get_text(url + "/metrics") for url in (prefill, decode, push_pd.proxy_url)}
+        text = plain_answer(push_pd.proxy_url, body)
+        after = {url: get_text(url + "/metrics") for url in (prefill, decode, push_pd.proxy_url)}
+
+        def delta(url: str, metric: str, before: dict[str, str] = before, after: dict[str, str] = after,
+                  **labels: str) -> float:
+            return metric_value(after[url], metric, **labels) - metric_value(before[url], metric, **labels)
+
+        assert text == reference[name], name
+        tokens = delta(prefill, "vllm:prompt_tokens_total")
+        assert tokens >= 50, (name, tokens)
+        # P WROTE the prompt's blocks (push mode counts its transfers on the writing side): at least
+        # every token but the last, at most one block more
+        block = int(metric_label(after[decode], "vllm:cache_config_info", "block_size") or 0)
+        assert block > 0
+        moved = delta(prefill, "vllm:nixl_bytes_transferred_sum")
+        assert (tokens - 1) * KV_BYTES_PER_TOKEN <= moved <= (tokens + block) * KV_BYTES_PER_TOKEN, (name, moved)
+        assert delta(prefill, "vllm:nixl_xfer_time_seconds_count") >= 1, name
+        # D took the prompt from that WRITE, not by computing it (but for the last token, which it computes)
+        assert delta(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= tokens - 1, name
+        assert delta(decode, "vllm:prompt_tokens_by_source_total", source="local_compute") <= 1, name
+        for url in (prefill, decode):
+            assert delta(url, "vllm:nixl_num_failed_transfers_total") == 0, name
+            assert delta(url, "vllm:nixl_num_failed_notifications_total") == 0, name
+        # the proxy served it through the handoff, not decode alone
+        assert delta(push_pd.proxy_url, "disagg_proxy_requests_total", path="disaggregated") == 1, name
+        assert delta(push_pd.proxy_url, "disagg_proxy_fallbacks_total") == 0, name
+    # the proxy learned the prefill engine once (the first route, in turn); the others went at once
+    log = (push_pd.run_dir / "runs" / push_pd.topology.stem / "logs" / "proxy.log").read_text()
+    assert log.count("NIXL engine") == 1, log[-2000:]
