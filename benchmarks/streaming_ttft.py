@@ -13,7 +13,12 @@ token counts, sent as token ids) four ways, the ways interleaved within each rep
 - ``stream``: the streaming mode, as the proxy's ``vllm-socket-stream`` handoff does it: P and D
   at once, joined by a ``stream_key``; TTFT from sending both to D's answer;
 - ``nixl`` (``--nixl``): the same sequential handoff with vLLM's NIXL connector, on a pair of
-  its own started after the socket pair on the same link.
+  its own started after the socket pair on the same link;
+- ``nixl_push`` (``--nixl-push``): vLLM's own push connector (``NixlPushConnector``), as the
+  proxy's ``vllm-nixl-push`` handoff does it: P and D at once under one request id, D given P's
+  NIXL engine id and side channel (learned from a first, sequential handoff), P WRITEs into the
+  blocks D registered when its prefill ends; TTFT from sending both to D's answer, ``xfer`` the
+  WRITE's time on P (push mode counts its transfers on the writing side). A pair of its own too.
 
 ``fixed`` = fetch TTFT - prefill - xfer: what a handoff costs beyond computing and moving the
 KV (two HTTP requests, D's scheduling, its last-token step). The issue's target for the
@@ -28,7 +33,7 @@ namespace behind a tbf-shaped veth; needs root). Model: ``--embedded tiny-kvdeep
 Run (holds the engine lock; alone on the machine)::
 
     flock /tmp/disagg-engines.lock .venv/bin/python benchmarks/streaming_ttft.py \\
-        --embedded tiny-kvdeep --links 1gbit,2.5gbit --sizes 512,2048,8000 --repeats 3 --nixl
+        --embedded tiny-kvdeep --links 1gbit,2.5gbit --sizes 512,2048,8000 --repeats 3 --nixl --nixl-push
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +57,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # a sibling script: LI
 import connector_throughput as ct
 
 from disagg.modelgen import EMBEDDED_MODELS, build_model
+from disagg.proxy.nixl_push_handoff import NixlPushHandoff, PushPeer, push_request_id
 from disagg.routecost import exposed_transfer_s, handoff_fixed_s
 from tests.e2e.vllm_pair import Engine, free_port, metric, start_engine, wait_healthy
 
 SOCKET = ct.CONNECTORS["socket"]
 NIXL = ct.CONNECTORS["nixl"]
+#: vLLM's push connector; its transfer metrics are the prefill engine's (the side that WRITEs)
+NIXL_PUSH = ct.Connector("nixl-push", NIXL.xfer_seconds, NIXL.xfer_count)
 
 
 def body(ids: list[int], params: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -83,30 +92,71 @@ async def xfer_after(d: Engine, conn: ct.Connector, secs0: float, n0: float) -> 
 
 
 async def fetch_ttft(session: aiohttp.ClientSession, p: Engine, d: Engine, conn: ct.Connector,
-                     ids: list[int]) -> tuple[float, float]:
-    """(TTFT, transfer seconds) of one sequential handoff."""
+                     ids: list[int]) -> tuple[float, float, float]:
+    """(TTFT, transfer seconds, handoff seconds) of one sequential handoff; the handoff is what the
+    split adds after P answered, measured within the request: from P's answer to D's."""
     secs0, n0 = metric(d.url, conn.xfer_seconds), metric(d.url, conn.xfer_count)
     started = time.perf_counter()
     pre = await ct.post(session, p, body(ids, dict(ct.REMOTE_DECODE)))
+    p_done = time.perf_counter()
     await ct.post(session, d, body(ids, pre["kv_transfer_params"]))
-    ttft = time.perf_counter() - started
-    return ttft, await xfer_after(d, conn, secs0, n0)
+    ended = time.perf_counter()
+    return ended - started, await xfer_after(d, conn, secs0, n0), ended - p_done
 
 
 async def stream_ttft(session: aiohttp.ClientSession, p: Engine, d: Engine, p_kv: tuple[str, int],
-                      ids: list[int]) -> tuple[float, float]:
-    """(TTFT, D's transfer seconds) of one streamed handoff (P and D at once)."""
+                      ids: list[int]) -> tuple[float, float, float]:
+    """(TTFT, D's transfer seconds, handoff seconds) of one streamed handoff (P and D at once); the
+    handoff is from P's answer (its prefill done) to D's, both of the same request."""
     key = secrets.token_urlsafe(24)
     secs0, n0 = metric(d.url, SOCKET.xfer_seconds), metric(d.url, SOCKET.xfer_count)
     p_params = {"do_remote_decode": True, "do_remote_prefill": False, "stream_key": key}
     d_params = {"do_remote_prefill": True, "do_remote_decode": False, "transfer": "socket", "stream_key": key,
                 "remote_host": p_kv[0], "remote_port": p_kv[1]}
     started = time.perf_counter()
-    prefill = asyncio.create_task(ct.post(session, p, body(ids, p_params)))
+    prefill = asyncio.create_task(timed(ct.post(session, p, body(ids, p_params))))
     await ct.post(session, d, body(ids, d_params))
     ttft = time.perf_counter() - started
-    await prefill
-    return ttft, await xfer_after(d, SOCKET, secs0, n0)
+    _, p_secs = await prefill
+    return ttft, await xfer_after(d, SOCKET, secs0, n0), ttft - p_secs
+
+
+async def post_as(session: aiohttp.ClientSession, eng: Engine, payload: dict[str, Any], request_id: str
+                  ) -> dict[str, Any]:
+    """``ct.post`` under an ``X-Request-Id``: vLLM's push connector matches D's registration to P's
+    request by that id."""
+    async with session.post(eng.url + "/v1/completions", json=payload, headers={"X-Request-Id": request_id},
+                            timeout=aiohttp.ClientTimeout(total=600)) as r:
+        data: dict[str, Any] = await r.json()
+        if r.status != 200:
+            raise RuntimeError(f"{eng.name}: HTTP {r.status}: {data}\n{eng.log_tail()}")
+        return data
+
+
+async def push_peer(session: aiohttp.ClientSession, p: Engine, d: Engine, ids: list[int]) -> PushPeer:
+    """One sequential push handoff (P, then D with P's reply, as the proxy's first split to a prefill
+    engine): P's NIXL coordinates, and both sides' handshakes done."""
+    rid = push_request_id("bench-warm")
+    pre = await post_as(session, p, body(ids, dict(NixlPushHandoff.PREFILL_PARAMS)), rid)
+    peer = PushPeer.from_params(pre.get("kv_transfer_params"))
+    if peer is None:
+        raise RuntimeError(f"{p.name}: not a push-mode reply: {pre.get('kv_transfer_params')}")
+    await post_as(session, d, body(ids, pre["kv_transfer_params"]), rid)
+    return peer
+
+
+async def push_ttft(session: aiohttp.ClientSession, p: Engine, d: Engine, peer: PushPeer,
+                    ids: list[int]) -> tuple[float, float, float]:
+    """(TTFT, P's WRITE seconds, handoff seconds) of one push handoff (P and D at once, one fresh
+    request id); the handoff is from P's answer to D's."""
+    rid = push_request_id("bench")
+    secs0, n0 = metric(p.url, NIXL_PUSH.xfer_seconds), metric(p.url, NIXL_PUSH.xfer_count)
+    started = time.perf_counter()
+    prefill = asyncio.create_task(timed(post_as(session, p, body(ids, dict(NixlPushHandoff.PREFILL_PARAMS)), rid)))
+    await post_as(session, d, body(ids, NixlPushHandoff.decode_params(peer)), rid)
+    ttft = time.perf_counter() - started
+    _, p_secs = await prefill
+    return ttft, await xfer_after(p, NIXL_PUSH, secs0, n0), ttft - p_secs
 
 
 def start_pair(conn: ct.Connector, place: ct.Placement, model_dir: Path, log_dir: Path, dtype: str
@@ -122,8 +172,41 @@ def start_pair(conn: ct.Connector, place: ct.Placement, model_dir: Path, log_dir
     return p, d, (str(extra.get("host", place.p_host)), int(extra.get("port", 0)))
 
 
+#: one handoff of a prompt (token ids) on a warmed pair: (TTFT, transfer seconds, handoff seconds)
+Measure = Callable[[aiohttp.ClientSession, list[int]], Awaitable[tuple[float, float, float]]]
+#: warms a pair with one handoff of a prompt and returns how to measure the next ones
+Warm = Callable[[aiohttp.ClientSession, Engine, Engine, list[int]], Awaitable[Measure]]
+
+
+def run_nixl_pair(conn: ct.Connector, label: str, place: ct.Placement, model_dir: Path, log_dir: Path,
+                  dtype: str, sizes: list[int], repeats: int, add: Callable[[int, str, float], None],
+                  warm: Warm) -> None:
+    """One NIXL mode on a pair of its own: ``warm`` with a 64-token handoff, then per size a plain
+    request on P and ``repeats`` handoffs, recorded as ``label``, ``label_xfer`` and ``label_handoff``."""
+    p, d, _ = start_pair(conn, place, model_dir, log_dir, dtype)
+    try:
+        wait_healthy([p, d])
+
+        async def measure() -> None:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                one = await warm(session, p, d, ct.prompt_ids(model_dir, 64))
+                for n in sizes:
+                    ids = ct.prompt_ids(model_dir, n)
+                    await ct.post(session, p, body(ids))
+                    for _ in range(repeats):
+                        ttft, xfer, handoff = await one(session, ids)
+                        add(n, label, ttft)
+                        add(n, f"{label}_xfer", xfer)
+                        add(n, f"{label}_handoff", handoff)
+
+        asyncio.run(measure())
+    finally:
+        p.stop()
+        d.stop()
+
+
 def run_link(link: str, model_dir: Path, sizes: list[int], repeats: int, log_dir: Path,
-             nixl: bool, dtype: str) -> list[dict[str, Any]]:
+             nixl: bool, dtype: str, nixl_push: bool = False) -> list[dict[str, Any]]:
     samples: dict[tuple[int, str], list[float]] = {}
 
     def add(n: int, what: str, value: float) -> None:
@@ -148,13 +231,15 @@ def run_link(link: str, model_dir: Path, sizes: list[int], repeats: int, log_dir
                             order = ("fetch", "stream") if r % 2 == 0 else ("stream", "fetch")
                             for mode in order:
                                 if mode == "fetch":
-                                    ttft, xfer = await fetch_ttft(session, p, d, SOCKET, ids)
+                                    ttft, xfer, handoff = await fetch_ttft(session, p, d, SOCKET, ids)
                                     add(n, "fetch", ttft)
                                     add(n, "xfer", xfer)
+                                    add(n, "fetch_handoff", handoff)
                                 else:
-                                    ttft, sxfer = await stream_ttft(session, p, d, p_kv, ids)
+                                    ttft, sxfer, handoff = await stream_ttft(session, p, d, p_kv, ids)
                                     add(n, "stream", ttft)
                                     add(n, "stream_xfer", sxfer)
+                                    add(n, "stream_handoff", handoff)
                             print({k: [round(v * 1e3, 1) for v in vs] for (m, k), vs in samples.items() if m == n},
                                   flush=True)
 
@@ -163,25 +248,17 @@ def run_link(link: str, model_dir: Path, sizes: list[int], repeats: int, log_dir
             p.stop()
             d.stop()
         if nixl:
-            p, d, _ = start_pair(NIXL, place, model_dir, log_dir, dtype)
-            try:
-                wait_healthy([p, d])
+            async def warm_nixl(session: aiohttp.ClientSession, p: Engine, d: Engine, ids: list[int]) -> Measure:
+                await fetch_ttft(session, p, d, NIXL, ids)
+                return lambda session, ids: fetch_ttft(session, p, d, NIXL, ids)
 
-                async def measure_nixl() -> None:
-                    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
-                        await fetch_ttft(session, p, d, NIXL, ct.prompt_ids(model_dir, 64))
-                        for n in sizes:
-                            ids = ct.prompt_ids(model_dir, n)
-                            await ct.post(session, p, body(ids))
-                            for _ in range(repeats):
-                                ttft, xfer = await fetch_ttft(session, p, d, NIXL, ids)
-                                add(n, "nixl", ttft)
-                                add(n, "nixl_xfer", xfer)
+            run_nixl_pair(NIXL, "nixl", place, model_dir, log_dir, dtype, sizes, repeats, add, warm_nixl)
+        if nixl_push:
+            async def warm_push(session: aiohttp.ClientSession, p: Engine, d: Engine, ids: list[int]) -> Measure:
+                peer = await push_peer(session, p, d, ids)
+                return lambda session, ids: push_ttft(session, p, d, peer, ids)
 
-                asyncio.run(measure_nixl())
-            finally:
-                p.stop()
-                d.stop()
+            run_nixl_pair(NIXL_PUSH, "nixl_push", place, model_dir, log_dir, dtype, sizes, repeats, add, warm_push)
     rows = []
     for n in sizes:
         med = {what: statistics.median(vs) * 1e3 for (m, what), vs in samples.items() if m == n}
@@ -204,25 +281,34 @@ def predicted(row: dict[str, Any], layers: int) -> dict[str, float]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| link | tokens | prefill ms | xfer ms | fetch TTFT | stream TTFT | nixl TTFT | fixed ms | "
-            "bound ms | stream / bound | stream / fetch |")
+    head = ("| link | tokens | prefill ms | xfer ms | fetch TTFT | stream TTFT | nixl TTFT | nixl push TTFT | "
+            "fixed ms | bound ms | stream / bound | stream / fetch |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        nixl = f"{r['nixl']:.0f}" if "nixl" in r else "-"
+        nixl, push = (f"{r[k]:.0f}" if k in r else "-" for k in ("nixl", "nixl_push"))
         out.append(f"| {r['link']} | {r['tokens']} | {r['prefill']:.0f} | {r['xfer']:.0f} | {r['fetch']:.0f} | "
-                   f"{r['stream']:.0f} | {nixl} | {r['fixed']:.0f} | {r['bound']:.0f} | "
+                   f"{r['stream']:.0f} | {nixl} | {push} | {r['fixed']:.0f} | {r['bound']:.0f} | "
                    f"{r['stream_vs_bound']:.2f} | {r['stream_vs_fetch']:.2f} |")
     return "\n".join(out)
 
 
+def measured_handoffs(row: dict[str, Any]) -> tuple[float, float]:
+    """A row's (pulled, streamed) handoff in ms: what the split adds after P answered, measured within
+    each request (``fetch_handoff``, ``stream_handoff``); rows of older runs, which lack them, fall
+    back to TTFT - the prefill measured alone (a separate request, so its spread enters the figure)."""
+    if "fetch_handoff" in row and "stream_handoff" in row:
+        return row["fetch_handoff"], row["stream_handoff"]
+    return row["fetch"] - row["prefill"], row["stream"] - row["prefill"]
+
+
 def plan_table(rows: list[dict[str, Any]], layers: int) -> str:
-    """Measured handoff (TTFT - prefill alone) per mode next to the plan's arithmetic."""
+    """Measured handoff (:func:`measured_handoffs`) per mode next to the plan's arithmetic."""
     head = ("| link | tokens | fetch handoff ms | plan | error | stream handoff ms | plan | error | "
             "stream TTFT | plan | error |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         plan = predicted(r, layers)
-        got_f, got_s = r["fetch"] - r["prefill"], r["stream"] - r["prefill"]
+        got_f, got_s = measured_handoffs(r)
         ttft = r["prefill"] + plan["plan_stream"]
         out.append(f"| {r['link']} | {r['tokens']} | {got_f:.0f} | {plan['plan_fetch']:.0f} | "
                    f"{plan['plan_fetch'] / got_f - 1:+.0%} | {got_s:.0f} | {plan['plan_stream']:.0f} | "
@@ -238,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="512,2048,8000")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--nixl", action="store_true", help="also the sequential handoff with NIXL")
+    ap.add_argument("--nixl-push", action="store_true",
+                    help="also vLLM's push connector (NixlPushConnector), P and D at once")
     ap.add_argument("--dtype", default="float32",
                     help="the engines' --dtype (default float32: on a CPU without bf16 instructions, such as "
                          "AVX2-only ones, bf16 matmuls fall back to a path ~80x slower than fp32, and a bf16 "
@@ -260,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         for link in args.links.split(","):
             log_dir = args.log_dir or Path(tmp)
             log_dir.mkdir(parents=True, exist_ok=True)
-            rows += run_link(link, model_dir, sizes, args.repeats, log_dir, args.nixl, args.dtype)
+            rows += run_link(link, model_dir, sizes, args.repeats, log_dir, args.nixl, args.dtype, args.nixl_push)
         print(f"load average after: {os.getloadavg()}", flush=True)
     print(table(rows))
     print()
