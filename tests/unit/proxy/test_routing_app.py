@@ -61,14 +61,19 @@ async def test_auto_splits_when_the_decode_engine_prefills_slowly(standin, proxy
 
 
 async def test_whole_goes_to_the_idle_prefill_engine_while_decode_is_backed_up(standin, proxy, http) -> None:
+    """A prompt of about 1,000 tokens at the seeded 2,000 tokens/s: the first goes local (0.5 s
+    against a split's 0.53 s) and keeps decode's queue predicted busy for half a second, far
+    longer than the second request takes to arrive even on a loaded machine (with a short prompt
+    the queue drained in the predictor within ~25 ms, and a slow arrival went local too)."""
     p, d = await standin("P"), await standin("D")
     d.hang = True   # the first (local) request never gets its first token: decode is backed up
     server = await proxy(prefill=[p.url], decode=[d.url], routing=auto(whole=True))
+    long_prompt = PROMPT * 20
     stuck = asyncio.create_task(http.post(server.url + "/v1/completions",
-                                          json={"model": "tiny", "prompt": PROMPT, "stream": True}))
+                                          json={"model": "tiny", "prompt": long_prompt, "stream": True}))
     await wait_for(lambda: d.running == 1)
     async with http.post(server.url + "/v1/completions",
-                         json={"model": "tiny", "prompt": PROMPT, "stream": True}) as resp:
+                         json={"model": "tiny", "prompt": long_prompt, "stream": True}) as resp:
         assert resp.status == 200 and resp.headers["X-Disagg-Route"] == "whole"
         events = await read_events(resp)
     assert events[-1] == "[DONE]" and len(events) == p.tokens + 1
