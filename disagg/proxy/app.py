@@ -395,11 +395,12 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             if resp.status != 200:
                 timing.on_first = None
             if is_event_stream(resp):
-                out = await relay_stream(request, upstream, reply.backend, resp, rid, timing, routed)
+                out = await relay_stream(request, upstream, reply.backend, resp, rid, timing, routed,
+                                         reply.id_suffix.encode())
                 if not timing.broken and resp.status == 200:
                     observe_stream(metrics, timing, reply.prefill_done, _samples(req.body))
             else:
-                out = await relay_whole(upstream, reply.backend, resp, rid, routed)
+                out = await relay_whole(upstream, reply.backend, resp, rid, routed, reply.id_suffix.encode())
             if reply.companion is not None:
                 await reply.companion
             if resp.status == 200 and not timing.broken:

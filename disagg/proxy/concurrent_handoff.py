@@ -70,6 +70,9 @@ class Dispatch:
     prefill_params: dict[str, Any]
     decode_params: dict[str, Any]
     headers: Mapping[str, str]
+    #: what ``headers``' ``X-Request-Id`` appends to the client's request id
+    #: (:attr:`~disagg.proxy.handoff.DecodeReply.id_suffix`)
+    id_suffix: str = ""
 
 
 class ConcurrentVllmHandoff(VllmHandoff):
@@ -123,13 +126,13 @@ class ConcurrentVllmHandoff(VllmHandoff):
                         raise failure
                 d_used, resp = await d_task
                 if resp.status != 200:
-                    yield DecodeReply(d_used, resp)       # decode's own error, as it answered
+                    yield DecodeReply(d_used, resp, id_suffix=plan.id_suffix)   # decode's own error, as it answered
                     return
                 if self.hold_decode:                    # prefill answered: the handoff's time runs from there
-                    yield DecodeReply(d_used, resp, prefill_done=p_task.result())
+                    yield DecodeReply(d_used, resp, prefill_done=p_task.result(), id_suffix=plan.id_suffix)
                     return
                 watcher = asyncio.create_task(self._watch(p_task, route))
-                yield DecodeReply(d_used, resp, companion=watcher)
+                yield DecodeReply(d_used, resp, companion=watcher, id_suffix=plan.id_suffix)
             finally:
                 await close_tasks(watcher, p_task, d_task)   # and closes decode's response if unfinished
 

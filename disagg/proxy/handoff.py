@@ -64,6 +64,10 @@ class DecodeReply:
     #: concurrent protocols: the prefill request still running; the proxy
     #: awaits it after the decode body and cancels it if the client leaves
     companion: asyncio.Task[None] | None = field(default=None)
+    #: what the handoff appended to the request id the engines saw (vLLM builds a reply's ``id``
+    #: from ``X-Request-Id``); the relay removes it from the reply, so the client gets the id a
+    #: colocated server would give (NIXL push's fresh ``-push<16 hex>``)
+    id_suffix: str = ""
 
 
 class PrefillFailed(ProxyError):

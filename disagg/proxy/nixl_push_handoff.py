@@ -21,9 +21,10 @@ Protocol, per route:
 - Both requests carry ``X-Request-Id: <id>-push<16 hex>`` (:func:`push_request_id`),
   fresh per route: vLLM matches a registration to a prefill by that id alone, so a
   client reusing an ``X-Request-Id`` (a retry, a constant header) must never make P
-  WRITE one request's KV into another's blocks. Replies carry it in their ``id``
-  (``cmpl-<id>-push...``); the proxy's ``X-Request-Id`` response header is the
-  client's. Batches are re-numbered by the proxy anyway.
+  WRITE one request's KV into another's blocks. vLLM puts it in the reply's ``id``
+  (``cmpl-<id>-push...``); the relay removes the suffix again
+  (:attr:`DecodeReply.id_suffix`), so the client reads ``cmpl-<id>`` as from a colocated
+  server. Batches are re-numbered by the proxy anyway.
 - Prefill (P) gets :meth:`VllmHandoff.prefill_body` with ``kv_transfer_params =
   {"do_remote_decode": true, "do_remote_prefill": false}``.
 - Decode (D) gets the client's request with ``kv_transfer_params =
@@ -84,10 +85,15 @@ log = logging.getLogger("disagg.proxy")
 PUSH_MODE = "push"
 
 
+def push_suffix() -> str:
+    """A fresh ``-push<16 hex>`` (64 random bits; never 8 hex alone, which vLLM would strip as its
+    own suffix) for one route's request id."""
+    return f"-push{secrets.token_hex(8)}"
+
+
 def push_request_id(request_id: str) -> str:
-    """The ``X-Request-Id`` both engines get for one route: ``request_id`` plus a fresh
-    ``-push<16 hex>`` (64 random bits; never 8 hex alone, which vLLM would strip as its own suffix)."""
-    return f"{request_id}-push{secrets.token_hex(8)}"
+    """The ``X-Request-Id`` both engines get for one route: ``request_id`` plus :func:`push_suffix`."""
+    return request_id + push_suffix()
 
 
 @dataclass(frozen=True)
@@ -147,21 +153,24 @@ class NixlPushHandoff(ConcurrentVllmHandoff):
                 "remote_block_ids": None}
 
     @staticmethod
-    def engine_headers(route: PromptRoute) -> CIMultiDict[str]:
-        """The route's headers with a fresh :func:`push_request_id`."""
+    def engine_headers(route: PromptRoute) -> tuple[CIMultiDict[str], str]:
+        """The route's headers with its request id plus a fresh :func:`push_suffix`, and that suffix
+        (which the relay removes from the reply again: :attr:`DecodeReply.id_suffix`)."""
+        suffix = push_suffix()
         headers = CIMultiDict(route.request.headers)
-        headers[REQUEST_ID] = push_request_id(route.request.request_id)
-        return headers
+        headers[REQUEST_ID] = route.request.request_id + suffix
+        return headers, suffix
 
     def dispatch(self, route: PromptRoute, prefill: Backend) -> Dispatch:
-        return Dispatch(dict(self.PREFILL_PARAMS), self.decode_params(self.peers[prefill.url]),
-                        self.engine_headers(route))
+        headers, suffix = self.engine_headers(route)
+        return Dispatch(dict(self.PREFILL_PARAMS), self.decode_params(self.peers[prefill.url]), headers, suffix)
 
     def learn(self, backend: Backend, params: object) -> PushPeer:
         """Record the coordinates ``backend`` reported in a reply's ``kv_transfer_params``; raises
         :class:`PrefillFailed` (``no_kv_params``) when the reply is not push mode's."""
         peer = PushPeer.from_params(params)
         if peer is None:
+            self.peers.pop(backend.url, None)   # no longer push mode: its next split goes in turn
             raise PrefillFailed("no_kv_params", f"prefill {backend.url} answered without push-mode "
                                 f"kv_transfer_params (is it started with NixlPushConnector?): {params!r:.300}")
         if self.peers.get(backend.url) != peer:
@@ -199,5 +208,9 @@ class NixlPushHandoff(ConcurrentVllmHandoff):
         if p_backend is None:
             raise PrefillFailed("no_healthy_prefill", f"no healthy prefill instance: {self.prefill.describe()}")
         route.prefill = p_backend
-        async with self.serve_in_turn(route, self.PREFILL_PARAMS, self.engine_headers(route)) as reply:
+        log.info("request %s: prefill %s's NIXL engine not known yet: prefill, then decode, in turn",
+                 route.request.request_id, p_backend.url)
+        headers, suffix = self.engine_headers(route)
+        async with self.serve_in_turn(route, self.PREFILL_PARAMS, headers) as reply:
+            reply.id_suffix = suffix
             yield reply

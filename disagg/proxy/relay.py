@@ -43,6 +43,30 @@ class StreamTiming:
             self.on_first(now)
 
 
+class SuffixStrip:
+    """Removes every occurrence of ``suffix`` from a byte stream fed chunk by chunk, holding back
+    only a chunk's tail that may be the start of one (so an SSE event's end is never held)."""
+
+    def __init__(self, suffix: bytes) -> None:
+        if not suffix:
+            raise ValueError("empty suffix")
+        self.suffix = suffix
+        self._held = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of ``chunk`` (after what was held) can go out now."""
+        data = (self._held + chunk).replace(self.suffix, b"")
+        keep = next((n for n in range(min(len(self.suffix) - 1, len(data)), 0, -1)
+                     if data.endswith(self.suffix[:n])), 0)
+        self._held = data[len(data) - keep:] if keep else b""
+        return data[:len(data) - keep]
+
+    def flush(self) -> bytes:
+        """The held tail (the stream ended: it was not the suffix)."""
+        out, self._held = self._held, b""
+        return out
+
+
 def is_event_stream(resp: aiohttp.ClientResponse) -> bool:
     """True for a ``text/event-stream`` reply."""
     return resp.content_type == "text/event-stream"
@@ -56,16 +80,20 @@ def _headers(resp: aiohttp.ClientResponse, request_id: str, extra: Mapping[str, 
 
 
 async def relay_whole(upstream: Upstream, backend: Backend, resp: aiohttp.ClientResponse,
-                      request_id: str, extra: Mapping[str, str] | None = None) -> web.Response:
-    """The engine's reply as one response: its status, end-to-end headers (plus ``extra``) and body."""
+                      request_id: str, extra: Mapping[str, str] | None = None, strip: bytes = b"") -> web.Response:
+    """The engine's reply as one response: its status, end-to-end headers (plus ``extra``) and body
+    (without ``strip``: :attr:`~disagg.proxy.handoff.DecodeReply.id_suffix`)."""
     body = await upstream.read(backend, resp)
+    if strip:
+        body = body.replace(strip, b"")
     return web.Response(status=resp.status, body=body, headers=_headers(resp, request_id, extra))
 
 
 async def relay_stream(request: web.Request, upstream: Upstream, backend: Backend,
                        resp: aiohttp.ClientResponse, request_id: str, timing: StreamTiming,
-                       extra: Mapping[str, str] | None = None) -> web.StreamResponse:
-    """Pass an SSE reply through event by event, as the engine writes it.
+                       extra: Mapping[str, str] | None = None, strip: bytes = b"") -> web.StreamResponse:
+    """Pass an SSE reply through event by event, as the engine writes it (without ``strip``:
+    :attr:`~disagg.proxy.handoff.DecodeReply.id_suffix`, removed by a :class:`SuffixStrip`).
 
     If the engine fails after the stream started, the client gets vLLM's
     in-stream error event and ``[DONE]``. A client that goes away raises out
@@ -76,6 +104,7 @@ async def relay_stream(request: web.Request, upstream: Upstream, backend: Backen
     await out.prepare(request)
     content = resp.content
     parser: SSEParser | None = SSEParser()
+    stripper = SuffixStrip(strip) if strip else None
     while True:
         try:
             chunk = await content.readany()
@@ -83,10 +112,18 @@ async def relay_stream(request: web.Request, upstream: Upstream, backend: Backen
             err = upstream.failed(backend, exc)
             log.warning("decode stream broke: %s", err.message)
             timing.broken = True
+            if stripper is not None:
+                await out.write(stripper.flush())
             await out.write(sse_error_event(err.status, f"decode stream broke: {err.message}"))
             break
         if not chunk:
+            if stripper is not None:
+                await out.write(stripper.flush())
             break
+        if stripper is not None:
+            chunk = stripper.feed(chunk)
+            if not chunk:
+                continue
         now = time.perf_counter()
         await out.write(chunk)
         if timing.first is None:

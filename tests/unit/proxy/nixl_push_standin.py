@@ -56,6 +56,7 @@ class PushStandIn(RoleStandIn):
     hang: bool = False                 # prefill: never answer
     reply_mode: str = "push"           # prefill: transfer_mode it reports (pull: a NixlConnector; none: no params)
     registered: list[float] = field(default_factory=list)  # decode: loop time of each registration sent
+    ids_from_header: bool = False      # decode: reply ``id`` cmpl-<X-Request-Id>, as vLLM builds it (else "d")
     written: int = 0                   # prefill: WRITEs issued
     _registrations: dict[str, str] = field(default_factory=dict)            # prefill: request id -> decode side channel
     _matched: dict[str, asyncio.Event] = field(default_factory=dict)        # prefill: request id -> registered
@@ -70,8 +71,10 @@ class PushStandIn(RoleStandIn):
         self.kv_port = await self._apps.serve(channel)
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await super().stop()
 
     async def _notify(self, request: web.Request) -> web.Response:
@@ -158,7 +161,8 @@ class PushStandIn(RoleStandIn):
                 kv = self._kv[rid]
             else:
                 self.recomputed += 1
-        return await self._reply(answer_text(kv, self.tokens), out)
+        reply_id = f"cmpl-{request.headers['X-Request-Id']}" if self.ids_from_header else "d"
+        return await self._reply(answer_text(kv, self.tokens), out, reply_id)
 
 
 def _prompt(body: dict[str, Any]) -> str:

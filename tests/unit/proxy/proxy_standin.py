@@ -111,16 +111,18 @@ class RoleStandIn:
                                             "type": "StandInError", "param": None, "code": self.fail_status}},
                                  status=self.fail_status or 500)
 
-    async def _reply(self, text: list[str], out: web.StreamResponse | None) -> web.StreamResponse:
+    async def _reply(self, text: list[str], out: web.StreamResponse | None, reply_id: str = "d"
+                     ) -> web.StreamResponse:
         """Decode's answer of ``text``: one JSON body, or into ``out`` (a stream already prepared)
-        an event per token, then ``[DONE]``."""
+        an event per token, then ``[DONE]``; ``reply_id`` is the body's and each event's ``id``."""
         if out is None:
-            return web.json_response({"id": "d", "object": "text_completion", "model": "tiny", "served_by": "decode",
+            return web.json_response({"id": reply_id, "object": "text_completion", "model": "tiny",
+                                      "served_by": "decode",
                                       "choices": [{"index": 0, "text": "".join(text), "finish_reason": "length"}],
                                       "usage": {"prompt_tokens": 5, "completion_tokens": self.tokens,
                                                 "total_tokens": 5 + self.tokens}})
         for t in text:
-            chunk = {"id": "d", "model": "tiny", "choices": [{"index": 0, "text": t, "finish_reason": None}]}
+            chunk = {"id": reply_id, "model": "tiny", "choices": [{"index": 0, "text": t, "finish_reason": None}]}
             await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()

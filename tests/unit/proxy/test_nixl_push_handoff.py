@@ -174,6 +174,30 @@ async def test_a_reused_client_request_id_never_crosses_kv(pushes, proxy, http) 
     assert d.recomputed == 0 and p.written == 4
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_reply_id_is_a_colocated_servers(stream, pushes, proxy, http) -> None:
+    """vLLM builds a reply's id from X-Request-Id: the fresh -push suffix the engines saw never
+    reaches the client, in the route served in turn nor in those served at once."""
+    p, d, server = await _pair(pushes, proxy, d_kw={"ids_from_header": True})
+    async with asyncio.timeout(LIMIT_S):
+        for rid in ("abc", "def"):                        # the first in turn, the second at once
+            async with http.post(server.url + "/v1/completions", json={**BODY, "stream": stream},
+                                 headers={"X-Request-Id": rid}) as resp:
+                assert resp.status == 200 and resp.headers["X-Request-Id"] == rid
+                if stream:
+                    events = await read_events(resp)
+                    assert events[-1] == "[DONE]" and len(events) == 4
+                    ids = [json.loads(e)["id"] for e in events[:-1]]
+                    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+                else:
+                    body = await resp.json()
+                    ids, text = [body["id"]], body["choices"][0]["text"]
+            assert ids == [f"cmpl-{rid}"] * len(ids) and text == HELLO
+    assert [r.split("-push")[0] for r in d.request_ids] == ["abc", "def"]   # the engines saw the suffix
+    assert all(re.fullmatch(r"(abc|def)-push[0-9a-f]{16}", r) for r in d.request_ids)
+    assert p.written == 2 and d.recomputed == 0
+
+
 async def test_serve_records_engines_params_and_when_prefill_answered(pushes) -> None:
     """Direct use: the routing policy's presets are used while healthy; the route records the
     engines and decode's kv_transfer_params; the observer gets prefill's time and count; the
