@@ -197,8 +197,10 @@ def prompt_ids(model_dir: Path, n: int) -> list[int]:
         lines *= 2
 
 
-async def post(session: aiohttp.ClientSession, eng: Engine, body: dict[str, Any]) -> dict[str, Any]:
-    async with session.post(eng.url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=600)) as r:
+async def post(session: aiohttp.ClientSession, eng: Engine, body: dict[str, Any],
+               headers: dict[str, str] | None = None) -> dict[str, Any]:
+    async with session.post(eng.url + "/v1/completions", json=body, headers=headers,
+                            timeout=aiohttp.ClientTimeout(total=600)) as r:
         data = await r.json()
         if r.status != 200:
             raise RuntimeError(f"{eng.name}: HTTP {r.status}: {data}\n{eng.log_tail()}")

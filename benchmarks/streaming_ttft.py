@@ -125,12 +125,7 @@ async def post_as(session: aiohttp.ClientSession, eng: Engine, payload: dict[str
                   ) -> dict[str, Any]:
     """``ct.post`` under an ``X-Request-Id``: vLLM's push connector matches D's registration to P's
     request by that id."""
-    async with session.post(eng.url + "/v1/completions", json=payload, headers={"X-Request-Id": request_id},
-                            timeout=aiohttp.ClientTimeout(total=600)) as r:
-        data: dict[str, Any] = await r.json()
-        if r.status != 200:
-            raise RuntimeError(f"{eng.name}: HTTP {r.status}: {data}\n{eng.log_tail()}")
-        return data
+    return await ct.post(session, eng, payload, headers={"X-Request-Id": request_id})
 
 
 async def push_peer(session: aiohttp.ClientSession, p: Engine, d: Engine, ids: list[int]) -> PushPeer:
