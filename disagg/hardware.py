@@ -28,6 +28,7 @@ class DeviceSpec:
     bf16_tflops: float          # dense BF16 tensor peak, TFLOP/s
     memory_gb: float | None     # device memory in GB (None: varies, e.g. CPU RAM)
     note: str = ""              # where the figure comes from, when not obvious
+    memory_gbps: float | None = None  # memory bandwidth in GB/s, spec sheet (None: varies, e.g. CPU)
 
     @property
     def bf16_flops(self) -> float:
@@ -36,15 +37,15 @@ class DeviceSpec:
 
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (
-    DeviceSpec("rtx-4090", "RTX 4090", 165.2, 24.0, "BF16 with FP32 accumulate (GeForce rate)"),
-    DeviceSpec("rtx-6000-ada", "RTX 6000 Ada", 364.2, 48.0),
-    DeviceSpec("a100", "A100 80GB SXM", 312.0, 80.0),
-    DeviceSpec("a100-40gb", "A100 40GB", 312.0, 40.0),
-    DeviceSpec("h100", "H100 SXM", 989.0, 80.0),
-    DeviceSpec("h100-pcie", "H100 PCIe", 756.0, 80.0),
-    DeviceSpec("h200", "H200", 989.0, 141.0),
+    DeviceSpec("rtx-4090", "RTX 4090", 165.2, 24.0, "BF16 with FP32 accumulate (GeForce rate)", memory_gbps=1008),
+    DeviceSpec("rtx-6000-ada", "RTX 6000 Ada", 364.2, 48.0, memory_gbps=960),
+    DeviceSpec("a100", "A100 80GB SXM", 312.0, 80.0, memory_gbps=2039),
+    DeviceSpec("a100-40gb", "A100 40GB", 312.0, 40.0, memory_gbps=1555),
+    DeviceSpec("h100", "H100 SXM", 989.0, 80.0, memory_gbps=3350),
+    DeviceSpec("h100-pcie", "H100 PCIe", 756.0, 80.0, memory_gbps=2000),
+    DeviceSpec("h200", "H200", 989.0, 141.0, memory_gbps=4800),
     DeviceSpec("gb10", "GB10 (DGX Spark)", 125.0, 128.0,
-               "derived from NVIDIA's 1 PFLOP sparse FP4; 128 GB shared with the CPU"),
+               "derived from NVIDIA's 1 PFLOP sparse FP4; 128 GB shared with the CPU", memory_gbps=273),
     DeviceSpec("cpu", "CPU", 2.0, None,
                "a rough figure for a modern server socket with AVX-512/AMX; measure it"),
 )}

@@ -9,10 +9,13 @@ For each prompt class (prompt length n, output length m) the planner works out
   fixed cost (:data:`disagg.routecost.HANDOFF_FIXED_S`, measured on loopback)
   plus :data:`HANDOFF_ROUND_TRIPS` round trips of the link (without a connector:
   :data:`PROXY_HOP_S` for the proxy's second request instead of the measured part).
+  Sent after the prefill, the handoff also holds decode's first step
+  (:func:`first_step`: vLLM recomputes the last prompt token there, reading the
+  weights and the prompt's KV at the decode host's memory rate).
   When the KV is streamed layer by layer while the prefill computes (the socket
   connector's ``streaming``), ``fixed`` + only the part of the transfer the
   prefill does not hide: :func:`disagg.routecost.exposed_transfer_s` over the
-  model's layers;
+  model's layers (the streamed ``fixed``, measured, holds the first step);
 * **prefill**: ``n / rate`` from a rate ``disagg bench`` measured, else an
   *estimate* ``prefill_flops(n) / (peak FLOP/s x PREFILL_UTILISATION)`` for
   the prefill host's device;
@@ -47,10 +50,13 @@ from disagg.hardware import DEVICES, PREFILL_UTILISATION, DeviceSpec, lookup_dev
 from disagg.kvmath import ModelArch, human_count, kv_dtype_bytes, resolve_model
 from disagg.measurements import LinkMeasurement, load_link, lookup_prefill
 from disagg.routecost import (
+    FIRST_STEP_CPU_BYTES_PER_S,
+    FIRST_STEP_CPU_SOURCE,
     EngineCost,
     LinkCost,
     break_even_tokens,
     exposed_transfer_s,
+    first_step_s,
     handoff_fixed_s,
     handoff_fixed_source,
     max_transfer_s,
@@ -131,12 +137,22 @@ class LinkEstimate:
     #: wire bytes per second the wire format's conversions sustain (P encodes, D decodes), when
     #: they, not the link, can be the limit (None: not modelled; see :func:`conversion_limit`)
     convert_wire_bps: float | None = None
+    #: the decode engine's first step after a sequential handoff (:func:`disagg.routecost.first_step_s`):
+    #: its part that does not depend on the prompt (reading the weights), seconds ...
+    first_step_fixed_s: float = 0.0
+    #: ... and the wire bytes per second at which its part that does (reading the prompt's KV) goes
+    #: (None: not priced; a streamed handoff, or a decode host whose memory rate is unknown)
+    first_step_wire_bps: float | None = None
 
     @property
     def fixed_s(self) -> float:
-        """Per-handoff cost that does not depend on the size."""
+        """Per-handoff cost that does not depend on the size (with the first step's fixed part)."""
         own = PROXY_HOP_S if self.connector_fixed_s is None else self.connector_fixed_s
-        return HANDOFF_ROUND_TRIPS * self.rtt_s + own
+        return HANDOFF_ROUND_TRIPS * self.rtt_s + own + self.first_step_fixed_s
+
+    def first_step_kv_s(self, nbytes: float) -> float:
+        """The first step's part that grows with the ``nbytes`` wire bytes of KV moved (0: not priced)."""
+        return 0.0 if self.first_step_wire_bps is None else nbytes / self.first_step_wire_bps
 
     @property
     def bytes_per_s(self) -> float:
@@ -146,8 +162,12 @@ class LinkEstimate:
         return link if self.convert_wire_bps is None else min(link, self.convert_wire_bps)
 
     def cost(self) -> LinkCost:
-        """The handoff line the routing predictor uses (bytes per second)."""
-        return LinkCost(fixed_s=self.fixed_s, bytes_per_s=self.bytes_per_s)
+        """The handoff line the routing predictor uses (bytes per second: the link's, with the first
+        step's read of the KV folded in, since both come after the prefill)."""
+        rate = self.bytes_per_s
+        if self.first_step_wire_bps is not None:
+            rate = 1.0 / (1.0 / rate + 1.0 / self.first_step_wire_bps)
+        return LinkCost(fixed_s=self.fixed_s, bytes_per_s=rate)
 
     def handoff_s(self, nbytes: float) -> float:
         """Seconds to hand over ``nbytes`` of KV cache."""
@@ -263,6 +283,8 @@ class Plan:
             "link": {"usable_bps": self.link.usable_bps, "rtt_s": self.link.rtt_s,
                      "handoff_bytes_per_s": self.link.bytes_per_s,
                      "convert_wire_bytes_per_s": self.link.convert_wire_bps,
+                     "first_step_fixed_s": self.link.first_step_fixed_s,
+                     "first_step_wire_bytes_per_s": self.link.first_step_wire_bps,
                      "fixed_s": self.link.fixed_s, "measured": self.link.measured, "source": self.link.label},
             "prefill": {"estimated": self.prefill.estimated, "source": self.prefill.label,
                         "tokens_per_s": self.prefill.tokens_per_s, "flops_per_s": self.prefill.flops_per_s},
@@ -377,7 +399,8 @@ def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: Prefi
 
     def handoff(n: int) -> float:
         transfer = moved(n) / link.bytes_per_s
-        return link.fixed_s + exposed_transfer_s(transfer, prefill.seconds(n), streaming_layers)
+        return (link.fixed_s + exposed_transfer_s(transfer, prefill.seconds(n), streaming_layers)
+                + link.first_step_kv_s(moved(n)))
 
     classes = []
     for n in prompt_tokens:
@@ -388,8 +411,9 @@ def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: Prefi
         fit = None
         if memory.kv_bytes is not None:
             fit = int(max(memory.kv_bytes, 0) // arch.kv_bytes(n + output_tokens, kv_dtype))
-        verdict, reason = verdict_for(link.fixed_s + exposed, pre, nbytes, link, fit, streaming_layers)
-        classes.append(ClassPlan(n, output_tokens, nbytes, link.fixed_s + exposed, pre, verdict, reason, fit,
+        handoff_s = link.fixed_s + exposed + link.first_step_kv_s(nbytes)
+        verdict, reason = verdict_for(handoff_s, pre, nbytes, link, fit, streaming_layers)
+        classes.append(ClassPlan(n, output_tokens, nbytes, handoff_s, pre, verdict, reason, fit,
                                  transfer_s=transfer, exposed_s=exposed))
     link_cost = replace(link.cost(), streaming_layers=streaming_layers)
     return Plan(model=arch, kv_dtype=kv_dtype, link=link, prefill=prefill, memory=memory,
@@ -506,11 +530,48 @@ def decode_memory(topo: Topology, arch: ModelArch) -> MemoryEstimate:
     if spec is None or spec.memory_gb is None:
         return MemoryEstimate(None, f"{host.name}: unknown (add gpu: or kv_memory_gb: to the host)")
     util = float(inst.arg("--gpu-memory-utilization") or DEFAULT_GPU_MEMORY_UTILISATION)
-    weight_bytes = arch.params * (4 if topo.model.dtype == "float32" else 2)
+    weight_bytes = model_weight_bytes(topo, arch)
     kv = spec.memory_gb * 1e9 * util - weight_bytes
     label = (f"{host.name}: ESTIMATE {spec.memory_gb:g} GB x {util:g} - {weight_bytes / 1e9:.1f} GB weights"
              + ("; the weights do not fit" if kv <= 0 else "; set kv_memory_gb to be exact"))
     return MemoryEstimate(max(kv, 0.0), label)
+
+
+def model_weight_bytes(topo: Topology, arch: ModelArch, params: float | None = None) -> float:
+    """Bytes of ``params`` (default: all the model's) in the topology's model dtype."""
+    return (arch.params if params is None else params) * (4 if topo.model.dtype == "float32" else 2)
+
+
+def first_step(topo: Topology, arch: ModelArch, link: LinkEstimate, kv_dtype: str, wire_format: str,
+               notes: list[str]) -> LinkEstimate:
+    """``link`` with the decode engine's first step after a sequential handoff priced
+    (:func:`disagg.routecost.first_step_s`): its active weights and the prompt's KV read at the decode
+    host's memory rate (a CPU engine: :data:`FIRST_STEP_CPU_BYTES_PER_S`, one core; a GPU: its
+    spec-sheet bandwidth, an estimate). A CPU engine's rate is priced per core it is pinned to
+    (``cpus``); an unpinned one's is unknown. A note says where the rate comes from, or that it is
+    unknown."""
+    _, inst = first_pair(topo)
+    host = topo.host_of(inst)
+    if host.device == "cpu":
+        if not inst.cpus:
+            notes.append("decode's first step after the handoff is not priced: the decode engine is not pinned "
+                         "to cores (cpus:), so its memory rate is unknown")
+            return link
+        rate = FIRST_STEP_CPU_BYTES_PER_S * len(inst.cpus)
+        source = f"{FIRST_STEP_CPU_SOURCE}; x {len(inst.cpus)} pinned core(s)"
+    else:
+        spec = host_device(host)
+        if spec is None or spec.memory_gbps is None:
+            notes.append(f"decode's first step after the handoff is not priced: {host.name}'s memory rate is "
+                         "unknown (add gpu: to the host)")
+            return link
+        rate, source = spec.memory_gbps * 1e9, f"decode's first step read at {spec.label}'s {spec.memory_gbps:g} GB/s"
+    weights = model_weight_bytes(topo, arch, arch.active_params)
+    fixed = first_step_s(weights, 0.0, rate)
+    notes.append(f"the handoff includes decode's first step (vLLM recomputes the last prompt token there): "
+                 f"{fmt_bytes(weights)} of weights and the prompt's KV, {fmt_seconds(fixed)} + "
+                 f"{fmt_seconds(first_step_s(0.0, 1e9, rate))} per GB of KV ({source})")
+    return replace(link, first_step_fixed_s=fixed, first_step_wire_bps=rate * wire_ratio_of(wire_format, kv_dtype))
 
 
 def kv_cache_dtype(topo: Topology) -> str:
@@ -571,6 +632,8 @@ def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: i
     layers = arch.layers if streamed else None
     if layers is not None:
         notes.append(streaming_note(layers))
+    else:
+        link = first_step(topo, arch, link, dtype, wire, notes)
     return make_plan(arch, dtype, link, prefill, decode_memory(topo, arch), prompt_tokens,
                      output_tokens, notes, max_prompt_tokens=topo.model.max_model_len,
                      decode_prefill=decode_prefill, wire_format=wire, streaming_layers=layers)
@@ -610,7 +673,7 @@ def route_seeds(topo: Topology) -> RouteSeeds:
     decode = plan.decode_prefill or plan.prefill
     return RouteSeeds(kv_bytes_per_token=plan.wire_bytes_per_token,
                       prefill_tokens_per_s=plan.prefill.rate(), decode_tokens_per_s=decode.rate(),
-                      link_bytes_per_s=plan.link.bytes_per_s, handoff_fixed_s=plan.link.fixed_s,
+                      link_bytes_per_s=plan.link.cost().bytes_per_s, handoff_fixed_s=plan.link.fixed_s,
                       sources=(plan.link.label, plan.prefill.label, decode.label,
                                handoff_fixed_source(plan.streaming_layers is not None)),
                       streaming_layers=plan.streaming_layers)

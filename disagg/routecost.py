@@ -46,17 +46,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 #: measured fixed handoff cost per connector (seconds); see the module doc for how
-HANDOFF_FIXED_S: dict[str, float] = {"nixl": 0.030, "socket": 0.016}
+HANDOFF_FIXED_S: dict[str, float] = {"nixl": 0.030, "socket": 0.016, "nixl-push": 0.074}
 #: where :data:`HANDOFF_FIXED_S` comes from, printed by ``disagg plan``
 HANDOFF_FIXED_SOURCE = ("measured 2026-11-30 on a 2-core CPU machine by benchmarks/handoff_fixed_cost.py: "
                         "TTFT of a split minus a plain request on P, tiny model, loopback; "
-                        "nixl 30 ms, socket 16 ms; the proxy measures it live")
+                        "nixl 30 ms, socket 16 ms; nixl-push 74 ms, measured 2026-12-01 by "
+                        "benchmarks/streaming_ttft.py (P's answer to D's, minus P's WRITE and decode's first "
+                        "step; tiny-kvdeep in float32, emulated 1 and 2.5 Gb/s); the proxy measures it live")
 #: where :data:`STREAMED_HANDOFF_FIXED_S` comes from, printed by ``disagg plan`` for a streamed handoff
 STREAMED_HANDOFF_FIXED_SOURCE = ("measured 2026-12-01 on a 2-core CPU machine by benchmarks/streaming_ttft.py: "
                                  "TTFT of a streamed split minus the prefill alone minus the transfer it "
                                  "leaves exposed, median of 9 rows; socket 40 ms")
-#: connectors without a measurement of their own use the largest measured one
-DEFAULT_HANDOFF_FIXED_S = max(HANDOFF_FIXED_S.values())
+#: bytes per second a CPU decode engine on one core reads in its first step of a sequential split:
+#: vLLM recomputes the last prompt token on the decode engine, a step over the model's weights and the
+#: whole prompt's KV that begins only once the KV is in. Fitted 2026-12-01 on this project's 2-core CPU
+#: machine from benchmarks/streaming_ttft.py's pulled handoffs measured within each request (P's answer
+#: to D's, minus D's transfer; embedded tiny-kvdeep in float32, 128-2,048 tokens, emulated 1 and 2.5
+#: Gb/s): 47 ms + 0.32 ms per MB of KV, where the model's 78 MB of weights and its KV at ~3 GB/s make
+#: up all but the connector's own fixed part (the 2-layer tiny model's first step is ~1 ms of the
+#: 16 ms in :data:`HANDOFF_FIXED_S`); per core the engine is pinned to (an estimate beyond one)
+FIRST_STEP_CPU_BYTES_PER_S = 3.0e9
+#: where :data:`FIRST_STEP_CPU_BYTES_PER_S` comes from, printed by ``disagg plan``
+FIRST_STEP_CPU_SOURCE = ("decode's first step read at 3 GB/s (weights + the prompt's KV), fitted 2026-12-01 on "
+                         "a 2-core CPU machine by benchmarks/streaming_ttft.py, one core per engine")
+#: connectors without a measurement of their own use the largest measured one of a pulled handoff
+DEFAULT_HANDOFF_FIXED_S = max(HANDOFF_FIXED_S["nixl"], HANDOFF_FIXED_S["socket"])
 #: longest prompt the break-even search considers
 MAX_SEARCH_TOKENS = 1 << 20
 
@@ -76,6 +90,15 @@ class Option(enum.StrEnum):
 #: the 2,048-token rows at 1 Gb/s and over loopback, where sending 134 MB during the prefill slowed it
 #: (docs/socket-connector.md)
 STREAMED_HANDOFF_FIXED_S: dict[str, float] = {"socket": 0.040}
+
+
+def first_step_s(weight_bytes: float, kv_bytes: float, bytes_per_s: float) -> float:
+    """The decode engine's first step of a sequential split: vLLM recomputes the last prompt token
+    there, reading the model's weights and the prompt's whole KV, once the KV is in. It adds to the
+    handoff (a colocated prefill computes that token within its own pass). ``disagg plan`` prices
+    it with the decode host's memory rate (:data:`FIRST_STEP_CPU_BYTES_PER_S` on a CPU); a streamed
+    handoff's measured fixed cost already holds it (D's step overlaps P's own reply there)."""
+    return (weight_bytes + kv_bytes) / bytes_per_s
 
 
 def handoff_fixed_source(streaming: bool) -> str:

@@ -212,10 +212,13 @@ def test_fp8_on_cpu_engines_is_priced_at_the_slower_of_link_and_conversion() -> 
         link_bps = topo.link.rate_bps * 0.94 / 8
         expect = FP8_CPU_CONVERT_BYTES_PER_S * ratio / 2 if limited else link_bps
         assert fp8.link.bytes_per_s == pytest.approx(expect)
-        assert fp8.classes[0].handoff_s == pytest.approx(fp8.link.fixed_s + wire / expect)
+        assert fp8.classes[0].handoff_s == pytest.approx(
+            fp8.link.fixed_s + wire / expect + fp8.link.first_step_kv_s(wire))
         assert any("the conversions, not the link" in n for n in fp8.notes) is limited
         assert raw.link.bytes_per_s == pytest.approx(link_bps) and raw.link.convert_wire_bps is None
-        assert route_seeds(topo).link_bytes_per_s == pytest.approx(link_bps)   # the topology's own format: raw
+        # the topology's own format (raw): the link with decode's first step read of the KV folded in
+        assert route_seeds(topo).link_bytes_per_s == pytest.approx(raw.link.cost().bytes_per_s)
+        assert raw.link.cost().bytes_per_s == pytest.approx(1 / (1 / link_bps + 1 / raw.link.first_step_wire_bps))
     gpu = parse_topology(text.replace("device: cpu", "device: cuda, gpu: rtx-4090"), "g.yaml")
     plan = plan_topology(gpu, [2048], 0, use_probe=False, wire_format="fp8")
     assert plan.link.convert_wire_bps is None and any("not modelled" in n for n in plan.notes)
@@ -285,8 +288,10 @@ def test_streaming_plans_from_the_topology_and_as_a_what_if() -> None:
     # the same topology without streaming, and each as the other's what-if
     plain = plan_topology(plain_topo, [256, 2048], 0, use_probe=False)
     assert plain.streaming_layers is None and not any("streamed" in n for n in plain.notes)
-    assert [c.handoff_s for c in plain.classes] == pytest.approx([plain.link.fixed_s + c.transfer_s
-                                                                  for c in plain.classes])
+    # sent after the prefill: decode's first step (weights and the prompt's KV) comes after it
+    assert [c.handoff_s for c in plain.classes] == pytest.approx([
+        plain.link.fixed_s + c.transfer_s + plain.link.first_step_kv_s(c.kv_bytes) for c in plain.classes])
+    assert plain.link.first_step_fixed_s > 0 and plan.link.first_step_fixed_s == 0
     assert plan_topology(plain_topo, [256, 2048], 0, use_probe=False, streaming=True).classes == plan.classes
     assert plan_topology(streamed_topo, [256, 2048], 0, use_probe=False, streaming=False).classes == plain.classes
     # what the proxy starts from
@@ -298,3 +303,36 @@ def test_streaming_is_refused_for_a_connector_that_cannot_stream() -> None:
     with pytest.raises(PlanError, match=r"a streamed handoff is the socket connector's.*connector nixl sends"):
         plan_topology(nixl, [2048], 0, use_probe=False, streaming=True)
     assert plan_topology(nixl, [2048], 0, use_probe=False, streaming=False).streaming_layers is None
+
+
+def test_a_sequential_handoff_adds_decodes_first_step_at_the_decode_hosts_memory_rate() -> None:
+    """vLLM recomputes the last prompt token on the decode engine once the KV is in: the plan adds
+    that step (active weights + the prompt's KV) at 3 GB/s per pinned CPU core, a GPU's spec-sheet
+    bandwidth, or not at all (with a note) where the rate is unknown."""
+    from disagg.routecost import FIRST_STEP_CPU_BYTES_PER_S, handoff_fixed_s
+
+    text = Path("topologies/local-cpu-socket.yaml").read_text()
+    one = plan_topology(parse_topology(text, "a.yaml", run_dir="/nonexistent/run"), [2048], 0, use_probe=False)
+    weights = one.model.active_params * 2                       # the tiny model, bf16
+    assert one.link.first_step_fixed_s == pytest.approx(weights / FIRST_STEP_CPU_BYTES_PER_S)
+    assert one.link.fixed_s == pytest.approx(3 * one.link.rtt_s + handoff_fixed_s("socket") + weights / 3e9)
+    kv = one.model.kv_bytes(2048, one.kv_dtype)
+    c = one.classes[0]
+    assert c.handoff_s == pytest.approx(one.link.fixed_s + c.transfer_s + kv / 3e9)
+    assert any(n.startswith("the handoff includes decode's first step") for n in one.notes)
+    # two pinned cores: twice the rate
+    two = plan_topology(parse_topology(text.replace("cpus: [1]", "cpus: [1, 2]"), "b.yaml", run_dir="/nonexistent/run"),
+                        [2048], 0, use_probe=False)
+    assert two.link.first_step_fixed_s == pytest.approx(one.link.first_step_fixed_s / 2)
+    assert two.classes[0].handoff_s == pytest.approx(two.link.fixed_s + c.transfer_s + kv / 6e9)
+    # unpinned: not priced, and said so
+    free = plan_topology(parse_topology(text.replace(", cpus: [1]", ""), "c.yaml", run_dir="/nonexistent/run"),
+                         [2048], 0, use_probe=False)
+    assert free.link.first_step_fixed_s == 0 and free.link.first_step_wire_bps is None
+    assert free.classes[0].handoff_s == pytest.approx(free.link.fixed_s + c.transfer_s)
+    assert any("first step after the handoff is not priced" in n for n in free.notes)
+    # a GPU decode host: its spec-sheet bandwidth
+    gpu = plan_topology(parse_topology(text.replace("device: cpu", "device: cuda, gpu: h100"), "d.yaml",
+                                       run_dir="/nonexistent/run"), [2048], 0, use_probe=False)
+    assert gpu.link.first_step_fixed_s == pytest.approx(weights / 3350e9)
+    assert gpu.link.first_step_wire_bps == pytest.approx(3350e9)

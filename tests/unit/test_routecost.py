@@ -16,6 +16,7 @@ from disagg.routecost import (
     break_even_tokens,
     cheapest,
     exposed_transfer_s,
+    first_step_s,
     handoff_fixed_s,
     local_ttft,
     max_transfer_s,
@@ -90,7 +91,18 @@ def test_ties_go_local_then_split_then_whole() -> None:
 def test_fixed_cost_per_connector_is_the_measured_one() -> None:
     for connector, fixed in HANDOFF_FIXED_S.items():
         assert handoff_fixed_s(connector) == fixed > 0
-    assert handoff_fixed_s("mooncake") == DEFAULT_HANDOFF_FIXED_S == max(HANDOFF_FIXED_S.values())
+    # an unmeasured connector gets the larger of the pulled handoffs' (push writes after the prefill
+    # under a protocol of its own: its cost says nothing of another connector's)
+    assert handoff_fixed_s("mooncake") == DEFAULT_HANDOFF_FIXED_S == max(HANDOFF_FIXED_S["nixl"],
+                                                                        HANDOFF_FIXED_S["socket"])
+    assert handoff_fixed_s("nixl-push") > DEFAULT_HANDOFF_FIXED_S
+
+
+def test_first_step_reads_the_weights_and_the_prompts_kv() -> None:
+    """Decode's first step after a sequential handoff: weights + KV bytes at the memory rate."""
+    assert first_step_s(78e6, 0.0, 3e9) == pytest.approx(0.026)
+    assert first_step_s(78e6, 134e6, 3e9) == pytest.approx(0.0707, rel=1e-3)
+    assert first_step_s(0.0, 0.0, 3e9) == 0.0
 
 
 # --- a streamed handoff: the KV leaves layer by layer while the prefill computes ------------
@@ -193,4 +205,4 @@ def test_a_streamed_handoff_has_its_own_measured_fixed_cost() -> None:
     assert handoff_fixed_s("socket", streaming=True) == STREAMED_HANDOFF_FIXED_S["socket"] == 0.040
     assert handoff_fixed_s("socket") == HANDOFF_FIXED_S["socket"]
     assert handoff_fixed_s("nixl", streaming=True) == HANDOFF_FIXED_S["nixl"]   # nothing streamed measured
-    assert "streaming_ttft" in handoff_fixed_source(True) and "streaming_ttft" not in handoff_fixed_source(False)
+    assert "of a streamed split" in handoff_fixed_source(True) and "streamed" not in handoff_fixed_source(False)

@@ -42,7 +42,8 @@ def test_auto_hands_the_plan_figures_to_the_proxy(connector: str) -> None:
     assert r.kv_bytes_per_token == plan.model.kv_bytes_per_token(plan.kv_dtype) == seeds.kv_bytes_per_token
     assert r.handoff_fixed_s == pytest.approx(plan.link.fixed_s)
     assert plan.link.fixed_s >= handoff_fixed_s(connector)
-    assert r.link_bytes_per_s == pytest.approx(plan.link.usable_bps / 8)
+    assert r.link_bytes_per_s == pytest.approx(plan.link.cost().bytes_per_s)   # decode's first step folded in
+    assert plan.link.cost().bytes_per_s < plan.link.usable_bps / 8
     assert r.prefill_tokens_per_s == pytest.approx(plan.prefill.rate())
     # through the command line and back: what `disagg up` starts is what it planned
     args = build_parser().parse_args(config.to_argv(with_api_key=False))
