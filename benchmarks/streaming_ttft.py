@@ -20,8 +20,11 @@ token counts, sent as token ids) four ways, the ways interleaved within each rep
   blocks D registered when its prefill ends; TTFT from sending both to D's answer, ``xfer`` the
   WRITE's time on P (push mode counts its transfers on the writing side). A pair of its own too.
 
-``fixed`` = fetch TTFT - prefill - xfer: what a handoff costs beyond computing and moving the
-KV (two HTTP requests, D's scheduling, its last-token step). The issue's target for the
+``fixed`` = fetch handoff - xfer, where the fetch handoff is measured within each fetch (P's
+answer to D's): what a handoff costs beyond computing and moving the KV (D's request, its
+scheduling, its last-token step). (Rows of runs before 2026-12-01 evening lack the in-request
+handoff and use fetch TTFT - prefill - xfer, which the spread of a prefill measured in another
+request enters: -736 ms on a 2,048-token row whose prefills alone spread 6.1-7.0 s.) The issue's target for the
 streamed handoff: ``stream <= 1.15 x max(prefill, xfer) + fixed`` on every shaped row; the
 table prints the bound and the ratio.
 
@@ -56,9 +59,10 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # a sibling script: LINKS, planned_engines, prompt_ids
 import connector_throughput as ct
 
+from disagg.kvmath import ModelArch, embedded_arch, kv_dtype_bytes
 from disagg.modelgen import EMBEDDED_MODELS, build_model
 from disagg.proxy.nixl_push_handoff import NixlPushHandoff, PushPeer, push_request_id
-from disagg.routecost import exposed_transfer_s, handoff_fixed_s
+from disagg.routecost import FIRST_STEP_CPU_BYTES_PER_S, exposed_transfer_s, first_step_s, handoff_fixed_s
 from tests.e2e.vllm_pair import Engine, free_port, metric, start_engine, wait_healthy
 
 SOCKET = ct.CONNECTORS["socket"]
@@ -258,28 +262,45 @@ def run_link(link: str, model_dir: Path, sizes: list[int], repeats: int, log_dir
     for n in sizes:
         med = {what: statistics.median(vs) * 1e3 for (m, what), vs in samples.items() if m == n}
         spread = {what: [round(v * 1e3, 1) for v in vs] for (m, what), vs in samples.items() if m == n}
-        fixed = med["fetch"] - med["prefill"] - med["xfer"]
-        bound = 1.15 * max(med["prefill"], med["xfer"]) + fixed
-        rows.append({"link": link, "tokens": n, **med, "fixed": fixed, "bound": bound,
-                     "stream_vs_bound": med["stream"] / bound, "stream_vs_fetch": med["stream"] / med["fetch"],
-                     "samples": spread})
+        rows.append({"link": link, "tokens": n, **med, **judged(med), "samples": spread})
         print(rows[-1], flush=True)
     return rows
 
 
-def predicted(row: dict[str, Any], layers: int) -> dict[str, float]:
+def judged(med: dict[str, Any]) -> dict[str, float]:
+    """A row's ``fixed``, its ``bound`` and the streamed TTFT's ratios to the bound and to the fetch's
+    (module doc), from its medians (ms)."""
+    if "fetch_handoff" in med:
+        fixed = med["fetch_handoff"] - med["xfer"]
+    else:
+        fixed = med["fetch"] - med["prefill"] - med["xfer"]
+    bound = 1.15 * max(med["prefill"], med["xfer"]) + fixed
+    return {"fixed": fixed, "bound": bound, "stream_vs_bound": med["stream"] / bound,
+            "stream_vs_fetch": med["stream"] / med["fetch"]}
+
+
+def predicted(row: dict[str, Any], arch: ModelArch, dtype: str) -> dict[str, float]:
     """What ``disagg plan``'s arithmetic says of a row, from its measured prefill and transfer alone and
-    the seeded fixed cost (not the row's own): the handoff each mode adds to the prefill, in ms."""
+    the seeded figures (not the row's own), in ms: the handoff each mode adds to the prefill. A
+    sequential handoff (pulled, or NIXL's push) adds decode's first step after the transfer
+    (:func:`disagg.routecost.first_step_s`: the model's weights and the prompt's KV at the one-core CPU
+    rate); a streamed one's measured fixed cost holds it."""
     x, p = row["xfer"], row["prefill"]
-    return {"plan_fetch": handoff_fixed_s("socket") * 1e3 + x,
-            "plan_stream": handoff_fixed_s("socket", streaming=True) * 1e3 + exposed_transfer_s(x, p, layers)}
+    step = first_step_s(arch.active_params * kv_dtype_bytes(dtype), arch.kv_bytes(row["tokens"], dtype),
+                        FIRST_STEP_CPU_BYTES_PER_S) * 1e3
+    out = {"plan_fetch": handoff_fixed_s("socket") * 1e3 + step + x,
+           "plan_stream": handoff_fixed_s("socket", streaming=True) * 1e3 + exposed_transfer_s(x, p, arch.layers)}
+    if "nixl_push_xfer" in row:
+        out["plan_push"] = handoff_fixed_s("nixl-push") * 1e3 + step + row["nixl_push_xfer"]
+    return out
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| link | tokens | prefill ms | xfer ms | fetch TTFT | stream TTFT | nixl TTFT | nixl push TTFT | "
             "fixed ms | bound ms | stream / bound | stream / fetch |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
+    for row in rows:
+        r = {**row, **judged(row)}
         nixl, push = (f"{r[k]:.0f}" if k in r else "-" for k in ("nixl", "nixl_push"))
         out.append(f"| {r['link']} | {r['tokens']} | {r['prefill']:.0f} | {r['xfer']:.0f} | {r['fetch']:.0f} | "
                    f"{r['stream']:.0f} | {nixl} | {push} | {r['fixed']:.0f} | {r['bound']:.0f} | "
@@ -296,18 +317,22 @@ def measured_handoffs(row: dict[str, Any]) -> tuple[float, float]:
     return row["fetch"] - row["prefill"], row["stream"] - row["prefill"]
 
 
-def plan_table(rows: list[dict[str, Any]], layers: int) -> str:
-    """Measured handoff (:func:`measured_handoffs`) per mode next to the plan's arithmetic."""
+def plan_table(rows: list[dict[str, Any]], arch: ModelArch, dtype: str) -> str:
+    """Measured handoff (:func:`measured_handoffs`) per mode next to the plan's arithmetic, and vLLM's
+    push connector's (P's answer to D's) where the rows have it."""
+    push = all("nixl_push_handoff" in r for r in rows)
     head = ("| link | tokens | fetch handoff ms | plan | error | stream handoff ms | plan | error | "
-            "stream TTFT | plan | error |")
+            + ("push handoff ms | plan | error | " if push else "") + "stream TTFT | plan | error |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        plan = predicted(r, layers)
+        plan = predicted(r, arch, dtype)
         got_f, got_s = measured_handoffs(r)
         ttft = r["prefill"] + plan["plan_stream"]
+        pushed = (f"{r['nixl_push_handoff']:.0f} | {plan['plan_push']:.0f} | "
+                  f"{plan['plan_push'] / r['nixl_push_handoff'] - 1:+.0%} | ") if push else ""
         out.append(f"| {r['link']} | {r['tokens']} | {got_f:.0f} | {plan['plan_fetch']:.0f} | "
                    f"{plan['plan_fetch'] / got_f - 1:+.0%} | {got_s:.0f} | {plan['plan_stream']:.0f} | "
-                   f"{(plan['plan_stream'] - got_s) / abs(got_s) if got_s else float('nan'):+.0%} | "
+                   f"{(plan['plan_stream'] - got_s) / abs(got_s) if got_s else float('nan'):+.0%} | {pushed}"
                    f"{r['stream']:.0f} | {ttft:.0f} | {ttft / r['stream'] - 1:+.0%} |")
     return "\n".join(out)
 
@@ -333,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = json.loads(args.render.read_text())
         print(table(rows))
         print()
-        print(plan_table(rows, EMBEDDED_MODELS[args.embedded].layers))
+        print(plan_table(rows, embedded_arch(args.embedded), args.dtype))
         return 0
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="streaming-ttft-") as tmp:
@@ -347,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load average after: {os.getloadavg()}", flush=True)
     print(table(rows))
     print()
-    print(plan_table(rows, EMBEDDED_MODELS[args.embedded].layers))
+    print(plan_table(rows, embedded_arch(args.embedded), args.dtype))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
