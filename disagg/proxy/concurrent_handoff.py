@@ -95,13 +95,20 @@ class ConcurrentVllmHandoff(VllmHandoff):
         :class:`PrefillFailed` to treat it as a failure. Called before the observer is told.
         Default: any such reply will do."""
 
+    def pick_prefill(self, route: PromptRoute) -> Backend:
+        """The route's prefill engine, or a healthy one (:func:`pick`); PrefillFailed
+        (``no_healthy_prefill``) when there is none. Subclasses that choose how to serve by the
+        prefill engine (:class:`~disagg.proxy.nixl_push_handoff.NixlPushHandoff`) pick with it too."""
+        p_backend = pick(self.prefill, route.prefill)
+        if p_backend is None:
+            raise PrefillFailed("no_healthy_prefill", f"no healthy prefill instance: {self.prefill.describe()}")
+        return p_backend
+
     @asynccontextmanager
     async def serve(self, route: PromptRoute) -> AsyncIterator[DecodeReply]:
         """Send prefill and decode their requests at once; yield decode's reply."""
         req = route.request
-        p_backend = pick(self.prefill, route.prefill)
-        if p_backend is None:
-            raise PrefillFailed("no_healthy_prefill", f"no healthy prefill instance: {self.prefill.describe()}")
+        p_backend = self.pick_prefill(route)
         d_backend = pick(self.decode, route.decode)
         if d_backend is None:
             raise NoHealthyBackend(f"no healthy decode instance: {self.decode.describe()}")

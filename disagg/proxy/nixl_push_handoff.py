@@ -72,7 +72,7 @@ from typing import Any, ClassVar
 from multidict import CIMultiDict
 
 from disagg.proxy.backends import Backend, BackendPool
-from disagg.proxy.concurrent_handoff import ConcurrentVllmHandoff, Dispatch, pick
+from disagg.proxy.concurrent_handoff import ConcurrentVllmHandoff, Dispatch
 from disagg.proxy.handoff import DecodeReply, PrefillFailed
 from disagg.proxy.headers import REQUEST_ID
 from disagg.proxy.metrics import ProxyMetrics
@@ -199,15 +199,11 @@ class NixlPushHandoff(ConcurrentVllmHandoff):
     @asynccontextmanager
     async def serve(self, route: PromptRoute) -> AsyncIterator[DecodeReply]:
         """Both requests at once when the prefill engine's coordinates are known, else in turn."""
-        p_backend = pick(self.prefill, route.prefill)
-        if p_backend is not None and p_backend.url in self.peers:
-            route.prefill = p_backend
+        p_backend = route.prefill = self.pick_prefill(route)
+        if p_backend.url in self.peers:
             async with super().serve(route) as reply:
                 yield reply
             return
-        if p_backend is None:
-            raise PrefillFailed("no_healthy_prefill", f"no healthy prefill instance: {self.prefill.describe()}")
-        route.prefill = p_backend
         log.info("request %s: prefill %s's NIXL engine not known yet: prefill, then decode, in turn",
                  route.request.request_id, p_backend.url)
         headers, suffix = self.engine_headers(route)
