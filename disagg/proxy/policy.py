@@ -22,10 +22,12 @@ Policies (``routing.policy`` in the topology, ``--routing-policy``):
 Exploration (``auto`` only). A path the policy judges slow gets no prompts,
 so its estimate never updates: one bad sample could keep a split off for good.
 :func:`decide` takes a ``stale`` predicate (the router's :class:`Explorer`):
-when the cheapest path is chosen, every other ``split`` / ``local`` option
-whose score is within :data:`EXPLORE_WITHIN` x the cheapest's and whose
-(path, engines) is stale is considered, cheapest first, and the first one goes
-instead, with reason ``explore``. :class:`Explorer` calls a (path, engines)
+when the cheapest option is chosen, every other ``split`` / ``local`` option,
+over every pair of healthy engines (not only each path's best pair: a pair
+whose link or engine is judged slow needs its samples too), whose score is
+within :data:`EXPLORE_WITHIN` x the cheapest's and whose (path, engines) is
+stale is considered, cheapest first, and the first one goes instead, with
+reason ``explore``. :class:`Explorer` calls a (path, engines)
 stale when it has not been taken for :data:`EXPLORE_AFTER_S` seconds *and*
 :data:`EXPLORE_AFTER_DECISIONS` auto decisions (both, so the rate is bounded
 under light and heavy load alike); taking it, by choice or to explore, makes it
@@ -41,7 +43,9 @@ predicted: the point is that the prediction may be wrong, most often too
 pessimistic). Its rate: one prompt per stale (path, engines) per 60 s and per
 50 decisions; with one prefill -> decode pair only one other path exists at a
 time, so at most one prompt in 50 (2%) and one a minute, and mean TTFT rises
-by at most about 2% (much less at any load above one prompt a second). The
+by at most about 2% (much less at any load above one prompt a second). With
+P prefill and D decode engines there are up to P x D + D - 1 other options,
+each explored at that rate at most (only those within the factor). The
 bounds are options (``routing.explore``; defaults in :mod:`disagg.serving`).
 
 Reasons (the ``reason`` label of ``disagg_route_total``): ``policy`` for the
@@ -103,32 +107,42 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
                         best_d.cost.ttft_s(tokens))
     backlog = whole and all(d.cost.waiting > 0 for d in decodes)
     per_path: dict[Option, tuple[OptionCost, Candidate[E], Candidate[E]]] = {}
+    every: list[tuple[OptionCost, Candidate[E], Candidate[E]]] = []
     for p in prefills:
         idle = backlog and p.cost.waiting == 0 and p.cost.running == 0
         for d in decodes:
             for opt in option_costs(tokens, kv_bytes, p.cost, d.cost, link(p.engine, d.engine), whole=idle,
                                     stall_weight=stall_weight):
+                every.append((opt, p, d))
                 held = per_path.get(opt.path)
                 if held is None or opt.score_s < held[0].score_s:
                     per_path[opt.path] = (opt, p, d)
     options = tuple(v[0] for v in per_path.values())
     opt = cheapest(list(options))
+    _, p, d = per_path[opt.path]
     reason = "predicted"
     if stale is not None:
+        chosen = _engines(opt.path, p, d)
         limit = explore_within * opt.score_s
-        for alt in sorted(options, key=lambda o: o.score_s):
-            if alt.path is opt.path or alt.path is Option.WHOLE or alt.score_s > limit:
+        asked: set[tuple[Option, E | None, E]] = set()
+        for alt, ap, ad in sorted(every, key=lambda t: t[0].score_s):
+            key = (alt.path, *_engines(alt.path, ap, ad))
+            if alt.path is Option.WHOLE or alt.score_s > limit or key == (opt.path, *chosen) or key in asked:
                 continue
-            _, p, d = per_path[alt.path]
-            if stale(alt.path, p.engine if alt.path is Option.SPLIT else None, d.engine):
-                opt, reason = alt, "explore"
+            asked.add(key)
+            if stale(*key):
+                opt, p, d, reason = alt, ap, ad, "explore"
                 break
-    _, p, d = per_path[opt.path]
     if opt.path is Option.LOCAL:
         return Decision(Option.LOCAL, reason, None, d.engine, opt.ttft_s, options)
     if opt.path is Option.WHOLE:
         return Decision(Option.WHOLE, "decode_backlog", p.engine, None, opt.ttft_s, options)
     return Decision(Option.SPLIT, reason, p.engine, d.engine, opt.ttft_s, options)
+
+
+def _engines(path: Option, p: Candidate[E], d: Candidate[E]) -> tuple[E | None, E]:
+    """The engines an option uses, as :class:`Explorer` keys them: (prefill engine or None, decode engine)."""
+    return (p.engine if path is Option.SPLIT else None), d.engine
 
 
 class Explorer:

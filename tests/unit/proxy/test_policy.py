@@ -163,6 +163,34 @@ def test_a_stale_path_within_the_factor_is_explored_once_named_explore() -> None
     assert asked == [(Option.LOCAL, None, "D")]
 
 
+def test_every_pair_is_explored_not_only_each_paths_best() -> None:
+    """Two prefill engines: the split over the second (its link judged slower) gets no prompts by
+    choice, so its estimate would never update; once stale it is explored like another path."""
+    n = 4000
+    quick, slower = LINK, LinkCost(fixed_s=LINK.fixed_s, bytes_per_s=LINK.bytes_per_s / 2)
+    links = {("P1", "D"): quick, ("P2", "D"): slower}
+    prefills = [Candidate("P1", FAST_P), Candidate("P2", FAST_P)]
+    best = decide("auto", n, kv(n), prefills, [Candidate("D", SLOW_D)], lambda p, d: links[(p, d)])
+    assert (best.path, best.reason, best.prefill) == (Option.SPLIT, "predicted", "P1")
+    asked: list[tuple[Option, object, object]] = []
+
+    def stale(path: Option, p: object, d: object) -> bool:
+        asked.append((path, p, d))
+        return p == "P2"
+
+    e = decide("auto", n, kv(n), prefills, [Candidate("D", SLOW_D)], lambda p, d: links[(p, d)], stale=stale,
+               explore_within=10.0)
+    assert (e.path, e.reason, e.prefill, e.decode) == (Option.SPLIT, "explore", "P2", "D")
+    assert e.predicted_s == pytest.approx(FAST_P.ttft_s(n) + slower.seconds(kv(n)))
+    # cheapest first, each (path, engines) asked once (local over D is offered by both pairs), never the
+    # chosen one: the slower split is cheaper than local here
+    assert asked == [(Option.SPLIT, "P2", "D")]
+    asked.clear()
+    e = decide("auto", n, kv(n), prefills, [Candidate("D", SLOW_D)], lambda p, d: links[(p, d)],
+               stale=lambda path, p, d: asked.append((path, p, d)) is not None, explore_within=10.0)
+    assert e.reason == "predicted" and asked == [(Option.SPLIT, "P2", "D"), (Option.LOCAL, None, "D")]
+
+
 def test_exploration_never_under_static_policies_nor_to_what_is_unavailable() -> None:
     cands = ([Candidate("P", FAST_P)], [Candidate("D", SLOW_D)])
     n = 10
