@@ -154,6 +154,13 @@ class LinkEstimate:
         """The first step's part that grows with the ``nbytes`` wire bytes of KV moved (0: not priced)."""
         return 0.0 if self.first_step_wire_bps is None else nbytes / self.first_step_wire_bps
 
+    def added_s(self, nbytes: float, prefill_s: float, streaming_layers: int | None) -> float:
+        """What handing over ``nbytes`` of wire bytes adds to a prefill of ``prefill_s`` seconds: the
+        fixed cost, the transfer's exposed part (:func:`disagg.routecost.exposed_transfer_s`; all of
+        it unless streamed over ``streaming_layers``) and the first step's read of the KV."""
+        return (self.fixed_s + exposed_transfer_s(nbytes / self.bytes_per_s, prefill_s, streaming_layers)
+                + self.first_step_kv_s(nbytes))
+
     @property
     def bytes_per_s(self) -> float:
         """Wire bytes per second a handoff moves: the link's usable rate, or the conversions'
@@ -398,9 +405,7 @@ def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: Prefi
         return arch.kv_bytes(n, kv_dtype) * to_wire
 
     def handoff(n: int) -> float:
-        transfer = moved(n) / link.bytes_per_s
-        return (link.fixed_s + exposed_transfer_s(transfer, prefill.seconds(n), streaming_layers)
-                + link.first_step_kv_s(moved(n)))
+        return link.added_s(moved(n), prefill.seconds(n), streaming_layers)
 
     classes = []
     for n in prompt_tokens:
@@ -411,7 +416,7 @@ def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: Prefi
         fit = None
         if memory.kv_bytes is not None:
             fit = int(max(memory.kv_bytes, 0) // arch.kv_bytes(n + output_tokens, kv_dtype))
-        handoff_s = link.fixed_s + exposed + link.first_step_kv_s(nbytes)
+        handoff_s = link.added_s(nbytes, pre, streaming_layers)
         verdict, reason = verdict_for(handoff_s, pre, nbytes, link, fit, streaming_layers)
         classes.append(ClassPlan(n, output_tokens, nbytes, handoff_s, pre, verdict, reason, fit,
                                  transfer_s=transfer, exposed_s=exposed))
