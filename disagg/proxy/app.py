@@ -401,8 +401,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                     observe_stream(metrics, timing, reply.prefill_done, _samples(req.body))
             else:
                 out = await relay_whole(upstream, reply.backend, resp, rid, routed, reply.id_suffix.encode())
-            if reply.companion is not None:
-                await reply.companion
+            await reply.settle()
             if resp.status == 200 and not timing.broken:
                 path = _request_path(plan)
         return out

@@ -95,16 +95,14 @@ class _RouteRun:
                 resp = reply.response
                 if self._queue is None or resp.status != 200:
                     body = await self._upstream.read(reply.backend, resp)
-                    if reply.companion is not None:
-                        await reply.companion
+                    await reply.settle()
                     self.opened.set_result(_Opened(resp.status, resp.headers, body))
                     return
                 if not is_event_stream(resp):
                     raise UpstreamBadReply(reply.backend.url, "answered a streamed request without a stream")
                 self.opened.set_result(_Opened(resp.status, resp.headers))
                 await self._pump(reply.backend, resp.content)
-                if reply.companion is not None:  # a concurrent protocol's prefill request (SGLang)
-                    await reply.companion
+                await reply.settle()  # a concurrent protocol's prefill request
         except asyncio.CancelledError:
             if not self.opened.done():
                 self.opened.cancel()

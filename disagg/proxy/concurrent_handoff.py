@@ -36,8 +36,14 @@ Failures:
   instance gets the same request.
 - On exit (normal, error, the client leaving) both engine requests are closed
   if unfinished, and every lease is released. A prefill request still running
-  when D's reply is yielded is the reply's ``companion``: the proxy awaits it
-  after relaying D's reply.
+  when D's reply is yielded is the reply's ``companion``
+  (:attr:`~disagg.proxy.handoff.DecodeReply.release_companion`): once the
+  proxy relayed D's whole reply, P's request is cancelled if P has not
+  answered yet (D then computed the prompt itself: it gave up waiting for a
+  queued P, or its own prefix cache held the prompt), so P does not go on
+  computing it or hold its blocks for a reader that never comes; logged and
+  counted in ``disagg_proxy_prefills_dropped_total``. A P that answered is
+  left to finish.
 """
 
 from __future__ import annotations
@@ -61,6 +67,16 @@ from disagg.proxy.routes import PromptRoute
 from disagg.proxy.upstream import finish
 
 log = logging.getLogger("disagg.proxy")
+
+
+@dataclass
+class PrefillProgress:
+    """One route's prefill request as :meth:`ConcurrentVllmHandoff.serve` follows it."""
+
+    #: prefill's response headers arrived (it computed the prompt; its reply is being read)
+    answered: bool = False
+    #: cancelled because decode's reply was complete first (:meth:`ConcurrentVllmHandoff._drop`)
+    dropped: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,7 +134,8 @@ class ConcurrentVllmHandoff(VllmHandoff):
         p_data = json.dumps(self.prefill_body(req.endpoint, req.body, plan.prefill_params)).encode()
         d_data = json.dumps(self.decode_body(req.body, plan.decode_params)).encode()
         with ExitStack() as leases:
-            p_task = asyncio.create_task(self._prefill(route, p_backend, p_data, plan.headers))
+            progress = PrefillProgress()
+            p_task = asyncio.create_task(self._prefill(route, p_backend, p_data, plan.headers, progress))
             d_task = asyncio.create_task(self._decode(route, d_data, plan.headers, leases))
             watcher: asyncio.Task[None] | None = None
             try:
@@ -138,20 +155,22 @@ class ConcurrentVllmHandoff(VllmHandoff):
                 if self.hold_decode:                    # prefill answered: the handoff's time runs from there
                     yield DecodeReply(d_used, resp, prefill_done=p_task.result(), id_suffix=plan.id_suffix)
                     return
-                watcher = asyncio.create_task(self._watch(p_task, route))
-                yield DecodeReply(d_used, resp, companion=watcher, id_suffix=plan.id_suffix)
+                watcher = asyncio.create_task(self._watch(p_task, route, progress))
+                yield DecodeReply(d_used, resp, companion=watcher, id_suffix=plan.id_suffix,
+                                  release_companion=lambda: self._drop(p_task, route, progress))
             finally:
                 await close_tasks(watcher, p_task, d_task)   # and closes decode's response if unfinished
 
-    async def _prefill(self, route: PromptRoute, backend: Backend, data: bytes, headers: Mapping[str, str]) -> float:
+    async def _prefill(self, route: PromptRoute, backend: Backend, data: bytes, headers: Mapping[str, str],
+                       progress: PrefillProgress) -> float:
         """Prefill's request; its reply is checked and dropped; returns when (perf_counter) it
         answered. Raises on any failure. The prefill engine counts the request in flight only while
         it runs (not for the decode's whole reply)."""
         with self.prefill.lease(backend):
-            return await self._run_prefill(route, backend, data, headers)
+            return await self._run_prefill(route, backend, data, headers, progress)
 
     async def _run_prefill(self, route: PromptRoute, backend: Backend, data: bytes,
-                           headers: Mapping[str, str]) -> float:
+                           headers: Mapping[str, str], progress: PrefillProgress) -> float:
         req = route.request
         started = time.perf_counter()
         try:
@@ -159,6 +178,7 @@ class ConcurrentVllmHandoff(VllmHandoff):
         except UpstreamConnectError as exc:
             self.prefill.mark_down(backend, exc.message)
             raise
+        progress.answered = True
         try:
             if 400 <= resp.status < 500:
                 raise EngineErrorReply(backend.url, resp.status, await self.upstream.read(backend, resp),
@@ -197,17 +217,32 @@ class ConcurrentVllmHandoff(VllmHandoff):
                 return backend, resp
         raise NoHealthyBackend(f"no healthy decode instance: {self.decode.describe()}")
 
-    async def _watch(self, prefill: asyncio.Task[float], route: PromptRoute) -> None:
+    async def _watch(self, prefill: asyncio.Task[float], route: PromptRoute, progress: PrefillProgress) -> None:
         """After decode answered: wait for prefill; a failure now is logged, never raised (decode
-        recomputes what it did not receive)."""
+        recomputes what it did not receive), and so is a prefill :meth:`_drop` cancelled."""
         try:
             await prefill
         except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if progress.dropped and current is not None and not current.cancelling():
+                return  # only prefill's request was cancelled, by _drop
             raise
         except Exception as exc:
             log.warning("request %s: prefill %s failed after decode %s answered (%s); decode computes what "
                         "it did not receive", route.request.request_id, route.prefill.url if route.prefill else "?",
                         route.decode.url if route.decode else "?", exc)
+
+    def _drop(self, prefill: asyncio.Task[float], route: PromptRoute, progress: PrefillProgress) -> None:
+        """Decode's reply is complete (:meth:`DecodeReply.settle`): cancel a prefill request that has
+        not answered (its engine aborts it: no compute, no blocks held), log it and count it."""
+        if prefill.done() or progress.answered:
+            return
+        progress.dropped = True
+        prefill.cancel()
+        self.metrics.prefills_dropped.inc()
+        log.info("request %s: decode %s finished its reply before prefill %s answered; prefill's request "
+                 "cancelled (decode computed the prompt itself)", route.request.request_id,
+                 route.decode.url if route.decode else "?", route.prefill.url if route.prefill else "?")
 
 
 def _answered(decode: asyncio.Task[tuple[Backend, aiohttp.ClientResponse]], ok: bool = False) -> bool:

@@ -62,12 +62,26 @@ class DecodeReply:
     #: perf_counter when prefill answered (None: no prefill, or concurrent)
     prefill_done: float | None = None
     #: concurrent protocols: the prefill request still running; the proxy
-    #: awaits it after the decode body and cancels it if the client leaves
+    #: settles it after the decode body (:meth:`settle`) and cancels it if the client leaves
     companion: asyncio.Task[None] | None = field(default=None)
     #: what the handoff appended to the request id the engines saw (vLLM builds a reply's ``id``
     #: from ``X-Request-Id``); the relay removes it from the reply, so the client gets the id a
     #: colocated server would give (NIXL push's fresh ``-push<16 hex>``)
     id_suffix: str = ""
+    #: called by :meth:`settle` before it awaits the companion: decode's reply is complete, so a
+    #: prefill that has not answered yet can do nothing for it (decode recomputed what it did not
+    #: receive: the socket stream); the handoff cancels such a prefill request (the companion then
+    #: ends without raising) and lets one that answered finish
+    release_companion: Callable[[], None] | None = None
+
+    async def settle(self) -> None:
+        """Called by the proxy once decode's body was relayed whole: release the companion
+        (:attr:`release_companion`), then wait for it."""
+        if self.companion is None:
+            return
+        if self.release_companion is not None:
+            self.release_companion()
+        await self.companion
 
 
 class PrefillFailed(ProxyError):

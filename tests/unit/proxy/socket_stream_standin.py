@@ -15,7 +15,8 @@ tests/e2e.
   generates. If the listener cannot be reached or the transfer failed, it
   recomputes the prompt itself (``kv_load_failure_policy`` recompute) and
   generates the same tokens. A request without ``kv_transfer_params`` (the
-  proxy's fallback) is generated directly.
+  proxy's fallback), or any request to a ``local_hit`` decode (its own prefix
+  cache holds every prompt), is generated directly.
 - Either side counts generation requests it was cancelled in (the proxy
   closed them) and records every body it got.
 """
@@ -43,6 +44,7 @@ class StreamStandIn(RoleStandIn):
     hang: bool = False                 # prefill: never answer once decode connected
     delay: float = 0.0                 # decode: seconds before doing anything with a request
     early_headers: bool = False        # decode: send stream headers before the KV arrived
+    local_hit: bool = False            # decode: its own prefix cache holds the prompt: never connects
     recompute_s: float = 0.3           # decode: how long recomputing a prompt takes
     headers_sent: int = 0
     connected: dict[str, asyncio.Event] = field(default_factory=dict)    # prefill: keys a decode claimed
@@ -103,7 +105,7 @@ class StreamStandIn(RoleStandIn):
             return self._error()
         params = body.get("kv_transfer_params")
         out: web.StreamResponse | None = None
-        if params:
+        if params and not self.local_hit:
             listener = f"http://{params['remote_host']}:{params['remote_port']}"
             key = params["stream_key"]
             async with aiohttp.ClientSession() as session:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from proxy_standin import FAST, both_closed, free_port, healthy_pools, read_events, sample, wait_for
-from socket_stream_standin import StreamStandIn
+from socket_stream_standin import PEER_WAIT_S, StreamStandIn
 
 from disagg.errors import ProxyError
 from disagg.proxy import ProxyServer, ProxyTimeouts
@@ -273,6 +273,42 @@ async def test_prefill_failure_after_decode_answered_leaves_decode_alone(status,
     assert any("failed after decode" in r.getMessage() and p.url in r.getMessage() for r in caplog.records)
     assert sample(server, "disagg_proxy_requests_total", {"endpoint": "completions", "path": "disaggregated"}) == 1
     assert sample(server, "disagg_proxy_fallbacks_total", {"reason": "status"}) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prefill_still_running_when_decode_finished_is_cancelled(stream, streams, proxy, http,
+                                                                         caplog) -> None:
+    """Decode answers without the stream (its own prefix cache holds the prompt, or it gave up on a
+    queued prefill): once its reply is relayed, prefill's request is cancelled, not awaited (the
+    stand-in prefill would wait PEER_WAIT_S for a reader and then fail)."""
+    p, d, server = await _pair(streams, proxy, d_kw={"local_hit": True})
+    caplog.set_level(logging.INFO, logger="disagg.proxy")
+    started = asyncio.get_running_loop().time()
+    async with asyncio.timeout(LIMIT_S):
+        async with http.post(server.url + "/v1/completions", json={**BODY, "stream": stream}) as resp:
+            assert resp.status == 200
+            if stream:
+                events = await read_events(resp)
+                assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["tok0 ", "tok1 ", "tok2 "]
+            else:
+                assert (await resp.json())["choices"][0]["text"] == "tok0 tok1 tok2 "
+        await wait_for(lambda: p.aborted == 1 and p.running == 0)
+    assert asyncio.get_running_loop().time() - started < PEER_WAIT_S  # prefill's request was not awaited
+    assert d.aborted == 0 and d.recomputed == 0 and not p.outcome  # no reader came; prefill never answered
+    assert sample(server, "disagg_proxy_prefills_dropped_total") == 1
+    assert sample(server, "disagg_proxy_requests_total", {"endpoint": "completions", "path": "disaggregated"}) == 1
+    assert any("prefill's request cancelled" in r.getMessage() and p.url in r.getMessage() for r in caplog.records)
+    assert not any("failed after decode" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_prefill_that_answered_first_is_not_counted_as_dropped(streams, proxy, http) -> None:
+    _p, _d, server = await _pair(streams, proxy)
+    async with asyncio.timeout(LIMIT_S):
+        for stream in (False, True):
+            async with http.post(server.url + "/v1/completions", json={**BODY, "stream": stream}) as resp:
+                assert resp.status == 200
+                await resp.read()
+    assert sample(server, "disagg_proxy_prefills_dropped_total") == 0
 
 
 async def test_decode_error_status_is_relayed_and_prefill_closed(streams, proxy, http) -> None:
