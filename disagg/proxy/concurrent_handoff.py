@@ -241,7 +241,7 @@ class ConcurrentVllmHandoff(VllmHandoff):
         prefill.cancel()
         self.metrics.prefills_dropped.inc()
         log.info("request %s: decode %s finished its reply before prefill %s answered; prefill's request "
-                 "cancelled (decode computed the prompt itself)", route.request.request_id,
+                 "cancelled (decode no longer needs it)", route.request.request_id,
                  route.decode.url if route.decode else "?", route.prefill.url if route.prefill else "?")
 
 

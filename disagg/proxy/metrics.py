@@ -94,8 +94,8 @@ class ProxyMetrics:
         self.e2e = Histogram("disagg_proxy_e2e_seconds", "Request arrival to last byte sent",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.prefills_dropped = Counter(
-            "disagg_proxy_prefills_dropped", "Prefill requests cancelled because decode's reply was complete "
-            "first (a streamed split whose decode engine computed the prompt itself)", registry=r)
+            "disagg_proxy_prefills_dropped", "Prefill requests of streamed splits cancelled because they had "
+            "not answered when decode's whole reply was relayed (their answer could no longer help it)", registry=r)
         self.prefill = Histogram("disagg_proxy_prefill_seconds", "Duration of the prefill request",
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.handoff = Histogram("disagg_proxy_handoff_seconds", "Prefill reply to first decode event",
