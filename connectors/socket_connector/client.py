@@ -376,18 +376,21 @@ class PeerConnections:
         return got
 
     def release(self, plan: FetchPlan) -> bool:
-        """Tell the prefill side it may free the request's blocks (best effort)."""
+        """Tell the prefill side it may free the request's blocks (best effort); for a streamed
+        plan, that this side will never read its stream (op ``abandon``)."""
+        what = f"stream {plan.stream_key[:8]}..." if plan.stream_key is not None else plan.request_id
+        ask = ({"op": "abandon", "key": plan.stream_key} if plan.stream_key is not None
+               else {"op": "release", "request_id": plan.request_id})
         try:
             conn = self._checkout(plan.host, plan.port, plan.engine_id)
         except FetchError as exc:
-            logger.info("socket KV connector: release of %s skipped: %s", plan.request_id, exc)
+            logger.info("socket KV connector: release of %s skipped: %s", what, exc)
             return False
         try:
-            ok = bool(self._exchange(plan, conn, {"op": "release", "request_id": plan.request_id}).get("ok"))
+            ok = bool(self._exchange(plan, conn, ask).get("ok"))
         except (WireError, OSError, FetchError) as exc:
             conn.sock.close()
-            logger.info("socket KV connector: could not release %s on %s:%d: %s",
-                        plan.request_id, plan.host, plan.port, exc)
+            logger.info("socket KV connector: could not release %s on %s:%d: %s", what, plan.host, plan.port, exc)
             return False
         self._checkin(plan.host, plan.port, conn)
         return ok

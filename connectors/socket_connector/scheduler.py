@@ -156,7 +156,7 @@ class SocketScheduler:
 
     def _recv_spec(self, remote: RemotePrefill, local: list[int], awaiting: bool) -> RecvSpec:
         if remote.stream_key is not None:
-            if not local:  # nothing to receive (a local hit covers it, or aborted): P's lease just expires
+            if not local:  # nothing to receive (a local hit covers it, or aborted): the worker abandons the stream
                 return RecvSpec([], [], remote.request_id, remote.host, remote.port, remote.tp_size, awaiting=False,
                                 stream_key=remote.stream_key)
             total = -(-remote.num_tokens // self.block_size)

@@ -15,6 +15,8 @@ Protocol after the HMAC handshake (see auth.py), all control frames JSON:
               F + s .. F + s + c - 1, in layout.py's order restricted to that layer)
               ending with {"end": true, "nbytes": N}
            |  {"ok": false, "error": "..."}   (unknown key, token count mismatch, stream ended)
+    client -> {"op": "abandon", "key": K}   (this decode engine will never read stream K)
+    server -> {"ok": true}
     client -> {"op": "bye"}
 
 A connection carries any number of fetches and releases: decode engines keep
@@ -271,6 +273,9 @@ class KVServer:
                             continue
                         ok = self.leases.release(rid)
                         send_frame(conn, {"ok": ok} if ok else {"ok": False, "error": f"request {rid} not leased"})
+                    elif op == "abandon":
+                        if not self._abandon(conn, peer, msg.get("key")):
+                            return
                     elif op == "bye":
                         return
                     else:
@@ -373,6 +378,23 @@ class KVServer:
                 self._detach(self.streams, stream)
             if not complete:
                 self.counters.add("bytes_served", sent_bytes)
+
+    def _abandon(self, conn: socket.socket, peer: str, key: object) -> bool:
+        """A decode engine will never read stream ``key``: its lease ends (streams.abandon); False
+        when the connection must close."""
+        if self.streams is None:
+            self._refuse(conn, peer, "this listener does not stream")
+            return False
+        if not is_stream_key(key):
+            self._refuse(conn, peer, f"malformed stream key {_short(key)} in abandon")
+            return False
+        release = self.streams.abandon(key)
+        if release is not None:
+            self.leases.release(release)
+        logger.info("socket KV connector: %s abandoned stream %s...%s", peer, key[:8],
+                    f" (request {release}: its lease released)" if release is not None else "")
+        send_frame(conn, {"ok": True})
+        return True
 
     def _detach(self, streams: StreamTable, stream: Stream) -> None:
         """The decode side is done with ``stream``; release the lease of a request that already finished."""

@@ -21,7 +21,15 @@ forward pass writes them. Who tells this table what:
 - the engine thread, when the request finished (its lease is registered):
   :meth:`StreamTable.finished`; from then on the lease holds the blocks;
 - listener threads: :meth:`attach`, :meth:`wait_progress`, :meth:`reading`
-  and :meth:`detach`.
+  and :meth:`detach`; :meth:`abandon` when a decode engine says it will
+  never read a key (op ``abandon``: its own prefix cache held the prompt, or
+  its request ended before it was scheduled). A reader that gave up waiting
+  for the request to be scheduled here (``attach``'s wait ran out) abandons
+  its key the same way. An abandoned stream holds no lease: its request's
+  blocks are freed when it finishes (or at once, if it already did), instead
+  of waiting out the lease for a reader that never comes. Keys abandoned
+  before their request was scheduled are remembered (at most
+  :data:`ABANDONED_MAX`, for :data:`ABANDONED_TTL_S`).
 
 Blocks are read from the cache in place (no staging on this side); a block's
 bytes are only read while :meth:`reading` holds the stream open, and the
@@ -33,12 +41,18 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from .metadata import StreamStep
+
+#: keys abandoned before their request was scheduled here, remembered at most this many ...
+ABANDONED_MAX = 4096
+#: ... and for this long (a prefill engine's queue may hold a request this long)
+ABANDONED_TTL_S = 600.0
 
 
 class StreamClosed(ConnectionError):
@@ -93,6 +107,7 @@ class StreamTable:
         self._by_request: dict[str, str] = {}
         self._step: dict[str, int] = {}     # key -> tokens ready after this step's forward
         self._seq = 0
+        self._abandoned: OrderedDict[str, float] = OrderedDict()   # key -> when (before it was scheduled)
 
     # -- engine thread --------------------------------------------------------
     def bind_step(self, steps: Mapping[str, StreamStep], closes: Mapping[str, str]) -> list[str]:
@@ -108,6 +123,8 @@ class StreamTable:
                 if stream is None:
                     stream = Stream(key, step.request_id, step.num_tokens, [], [0] * self.num_layers,
                                     [0] * self.num_layers, [None] * self.num_layers, [0.0] * self.num_layers)
+                    # abandoned before it was scheduled: nobody will read it, its lease ends at once
+                    stream.done = self._abandoned.pop(key, None) is not None
                     self._streams[key] = stream
                     self._by_request[step.request_id] = key
                 elif stream.request_id != step.request_id:
@@ -233,6 +250,7 @@ class StreamTable:
                     return stream
                 left = deadline - self._clock()
                 if left <= 0:
+                    self._remember_abandoned(key)  # the reader computes the prompt itself now
                     return f"not scheduled within {wait_s:g} s"
                 self._cond.wait(left)
 
@@ -260,6 +278,33 @@ class StreamTable:
                 if left <= 0:
                     return out
                 self._cond.wait(left)
+
+    def abandon(self, key: str) -> str | None:
+        """A decode engine will never read ``key`` (see the module docstring); returns the request id
+        whose lease the caller must release now (its request already finished here), else None. A
+        stream being read is left alone (the reader is another engine, or this one retrying)."""
+        with self._cond:
+            stream = self._streams.get(key)
+            if stream is None:
+                self._remember_abandoned(key)
+                return None
+            if stream.attached or stream.done or stream.closed:
+                return None
+            stream.done = True
+            if stream.leased:
+                self._forget(stream)
+                return stream.request_id
+            return None
+
+    def _remember_abandoned(self, key: str) -> None:
+        now = self._clock()
+        self._abandoned[key] = now
+        self._abandoned.move_to_end(key)
+        while self._abandoned:
+            oldest, when = next(iter(self._abandoned.items()))
+            if len(self._abandoned) <= ABANDONED_MAX and now - when <= ABANDONED_TTL_S:
+                break
+            del self._abandoned[oldest]
 
     @contextmanager
     def reading(self, stream: Stream) -> Iterator[tuple[list[int], list[Any]]]:

@@ -204,9 +204,8 @@ class SocketWorker:
         assert conns is not None
         plan = self._plan(spec)
         streamed = spec.stream_key is not None
-        if not spec.awaiting:
-            if not streamed:  # a stream nobody reads ends with its lease on the prefill side
-                conns.release(plan)
+        if not spec.awaiting:  # nothing to receive: P frees the blocks now (a stream: P's lease ends at once)
+            conns.release(plan)
             return
         ok = False
         release = not streamed  # a streamed transfer's lease ends when the stream sent everything

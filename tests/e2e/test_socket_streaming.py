@@ -174,6 +174,26 @@ async def test_a_key_the_prefill_engine_never_sees_is_recomputed_after_the_wait(
     assert STREAM_WAIT_S <= elapsed < STREAM_WAIT_S + 10, elapsed
 
 
+async def test_a_prefill_reaching_a_key_after_decode_gave_up_holds_no_lease(pair: tuple[Engine, Engine]) -> None:
+    """D waited ``stream_wait_s`` for P (whose queue was long), then computed the prompt itself. When
+    P reaches the request, its listener remembers the abandoned key: P answers and frees the blocks
+    at once, instead of holding them for the lease (LEASE_S) for a reader that never comes."""
+    p, d = pair
+    async with aiohttp.ClientSession() as session:
+        reference = await complete(session, d, LONG, 8)
+        p_params, d_params = stream_params(p)
+        counters = Counters(d)
+        dec = await complete(session, d, LONG, 8, d_params)      # P has not got it yet: D gives up
+        assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
+        assert counters.delta()["failed"] == 1
+        expired_before = metric(p.url, "vllm:socket_kv_expired_reqs_total")
+        started = time.monotonic()
+        await complete(session, p, LONG, 1, p_params)            # P reaches it late
+        await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S - 3, "P to free the blocks")
+    assert time.monotonic() - started < LEASE_S, "P held the blocks for the lease"
+    assert metric(p.url, "vllm:socket_kv_expired_reqs_total") == expired_before
+
+
 async def test_a_prefill_request_aborted_mid_stream_ends_it_and_decode_recomputes(pair: tuple[Engine, Engine]) -> None:
     p, d = pair
     prompt = huge()

@@ -96,3 +96,25 @@ def test_stream_params_are_checked() -> None:
         assert isinstance(declined, Declined) and declined.field == field, bad
     assert stream_key_of({}) is None and stream_key_of({"stream_key": None}) is None
     assert isinstance(stream_key_of({"stream_key": 12345678901234567890}), Declined)
+
+
+def test_a_decode_request_aborted_before_its_stream_started_abandons_it() -> None:
+    """D's request ends before vLLM scheduled it: its worker tells P it will never read the stream
+    (a release of a streamed plan is op ``abandon``), so P's lease ends at once."""
+    s = scheduler(producer=False, peers=["198.18.0.1:5601"])
+    req = request(dict(D_PARAMS), prompt_len=70, status=RequestStatus.FINISHED_ABORTED)
+    assert s.request_finished(req, []) == (False, None)
+    spec = s.build_connector_meta(output()).reqs_to_recv["req-1"]
+    assert (spec.stream_key, spec.awaiting, spec.local_block_ids) == (KEY, False, [])
+
+
+def test_the_decode_worker_releases_a_stream_it_will_not_read() -> None:
+    from disagg_connectors.socket_connector.config import SocketSettings
+    from disagg_connectors.socket_connector.metadata import RecvSpec
+    from disagg_connectors.socket_connector.worker import SocketWorker
+
+    worker = SocketWorker(SocketSettings.load({}, {"DISAGG_KV_SECRET": "k" * 64}), "d", False, 0, 1, 64)
+    released = []
+    worker._conns = SimpleNamespace(release=released.append)  # type: ignore[assignment]
+    worker._run_fetch("req-1", RecvSpec([], [], "", "198.18.0.1", 5601, 1, awaiting=False, stream_key=KEY))
+    assert [(p.stream_key, p.host, p.port) for p in released] == [(KEY, "198.18.0.1", 5601)]

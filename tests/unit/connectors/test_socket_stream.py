@@ -383,3 +383,96 @@ def test_the_decode_worker_cuts_a_stream_aborted_before_or_after_it_connected() 
     assert worker._stream_socks == {} and worker._cancelled == set()
     for sock in (a, b, c, d):
         sock.close()
+
+
+# abandoned streams: no lease held for a reader that never comes
+
+
+def abandon(p: Prefill, key: str = KEY) -> bool:
+    plan = FetchPlan("127.0.0.1", p.server.port, "", [], [], stream_key=key, num_tokens=70)
+    conns = PeerConnections(SECRET, make_store(kv_caches(0, fill=False), NUM_BLOCKS), FetchOptions(io_timeout_s=5))
+    try:
+        return conns.release(plan)  # a streamed plan's release is op abandon
+    finally:
+        conns.close()
+
+
+def test_a_stream_abandoned_after_its_request_finished_releases_the_lease_at_once(prefill: Prefill) -> None:
+    prefill.step(0, 70)
+    prefill.table.mark_step()
+    prefill.leases.register("p-req", P_BLOCKS[:5], 30)
+    assert prefill.table.finished(KEY, "p-req") is False   # the lease waits for a reader ...
+    assert abandon(prefill)                                 # ... who says it never comes
+    assert eventually(reaped(prefill.leases), ({"p-req"}, set())) == ({"p-req"}, set())
+    assert len(prefill.table) == 0
+
+
+def test_a_stream_abandoned_while_computed_keeps_no_lease_when_it_finishes(prefill: Prefill) -> None:
+    prefill.step(0, 40)
+    assert abandon(prefill)
+    recv = finish(receive(prefill))                          # nobody may read it any more
+    assert isinstance(recv.error, FetchError) and "ended" in str(recv.error)
+    prefill.step(40, 70)
+    prefill.table.mark_step()
+    prefill.leases.register("p-req", P_BLOCKS[:5], 30)
+    assert prefill.table.finished(KEY, "p-req") is True     # the worker releases the lease at once
+
+
+def test_a_key_abandoned_before_its_request_was_scheduled_keeps_no_lease(prefill: Prefill) -> None:
+    assert abandon(prefill, "a" * 32)
+    prefill.step(0, 70, key="a" * 32, rid="late-req")         # P gets to it later (it was queued)
+    prefill.table.mark_step()
+    prefill.leases.register("late-req", P_BLOCKS[:5], 30)
+    assert prefill.table.finished("a" * 32, "late-req") is True
+    assert len(prefill.table) == 0
+
+
+def test_a_reader_that_gave_up_waiting_abandons_the_key(prefill: Prefill) -> None:
+    """D waited stream_wait_s for P to schedule the request, then computed it itself: when P's queue
+    reaches the request, its stream keeps no lease."""
+    recv = finish(receive(prefill, key="q" * 32))
+    assert isinstance(recv.error, FetchError) and "not scheduled within" in str(recv.error)
+    prefill.step(0, 70, key="q" * 32, rid="queued-req")
+    prefill.table.mark_step()
+    prefill.leases.register("queued-req", P_BLOCKS[:5], 30)
+    assert prefill.table.finished("q" * 32, "queued-req") is True
+
+
+def test_abandon_leaves_a_stream_being_read_alone(prefill: Prefill) -> None:
+    recv = receive(prefill)
+    prefill.step(0, 40)
+    prefill.table.mark_step()
+    assert eventually(lambda: recv.blocks_equal(prefill.src, LAYERS[0], 2), True)
+    assert abandon(prefill)                                  # someone else's abandon: the reader goes on
+    prefill.step(40, 70)
+    prefill.table.mark_step()
+    assert finish(recv).error is None
+    for layer in LAYERS:
+        assert recv.blocks_equal(prefill.src, layer, 5)
+
+
+def test_abandoned_keys_are_remembered_within_bounds() -> None:
+    from disagg_connectors.socket_connector import streams as streams_mod
+
+    now = [0.0]
+    table = StreamTable(BS, 2, clock=lambda: now[0])
+    for i in range(streams_mod.ABANDONED_MAX + 10):
+        table.abandon(f"{i:032d}")
+    assert len(table._abandoned) == streams_mod.ABANDONED_MAX
+    assert f"{0:032d}" not in table._abandoned               # the oldest went first
+    now[0] = streams_mod.ABANDONED_TTL_S + 1
+    table.abandon("n" * 32)
+    assert list(table._abandoned) == ["n" * 32]             # the rest were too old
+
+
+def test_a_malformed_abandon_is_refused(prefill: Prefill) -> None:
+    from disagg_connectors.socket_connector.auth import client_handshake, listener_id
+    from disagg_connectors.socket_connector.wire import set_io_timeout
+
+    with socket.create_connection(("127.0.0.1", prefill.server.port), timeout=3) as sock:
+        client_handshake(sock, SECRET, listener_id("127.0.0.1", prefill.server.port), 3)
+        set_io_timeout(sock, 3)
+        assert recv_frame(sock)["ok"]
+        send_frame(sock, {"op": "abandon", "key": ["not", "a", "key"]})
+        reply = recv_frame(sock)
+    assert reply["ok"] is False and "malformed stream key" in reply["error"]
