@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import json
 
+from disagg_connectors.cpu_amx_attention import ENV as CPU_ATTENTION_AMX_ENV
+from disagg_connectors.cpu_amx_attention import OFF as CPU_ATTENTION_AMX_OFF
+
 from disagg.engines.base import EngineAdapter, cpu_list
 from disagg.registry import vllm_kv_adapter
 from disagg.topology import HostSpec, InstanceSpec, Topology
@@ -67,6 +70,9 @@ class VllmEngine(EngineAdapter):
         env: dict[str, str] = {}
         if host.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KVCACHE_GIB
+            # vLLM 0.32's AMX attention kills an engine whose first attention call has one query
+            # token (connectors/cpu_amx_attention.py); the instance's env may say "on"
+            env[CPU_ATTENTION_AMX_ENV] = CPU_ATTENTION_AMX_OFF
             if inst.cpus:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(inst.cpus)
                 env["OMP_NUM_THREADS"] = str(len(inst.cpus))
