@@ -295,16 +295,26 @@ class KVServer:
     def _valid_request_id(rid: object) -> TypeGuard[str]:
         return isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_CHARS
 
+    def _stream_key(self, conn: socket.socket, peer: str, key: object, where: str = ""
+                    ) -> tuple[StreamTable, str] | None:
+        """This listener's stream table and ``key``, checked for a stream op (``stream``, ``abandon``);
+        None once the peer was refused (no streams here, or a malformed key): the connection must close."""
+        if self.streams is None:
+            self._refuse(conn, peer, "this listener does not stream")
+            return None
+        if not is_stream_key(key):
+            self._refuse(conn, peer, f"malformed stream key {_short(key)}{where}")
+            return None
+        return self.streams, key
+
     def _stream(self, conn: socket.socket, peer: str, msg: dict[str, Any]) -> bool:
         """Serve one streamed transfer; False when the connection must close."""
         key, num_tokens, first = msg.get("key"), msg.get("num_tokens"), msg.get("first_block")
         per_msg = msg.get("blocks_per_message", BLOCKS_PER_MESSAGE)
-        if self.streams is None:
-            self._refuse(conn, peer, "this listener does not stream")
+        checked = self._stream_key(conn, peer, key)
+        if checked is None:
             return False
-        if not is_stream_key(key):
-            self._refuse(conn, peer, f"malformed stream key {_short(key)}")
-            return False
+        streams, key = checked
         if (type(num_tokens) is not int or num_tokens < 1 or type(first) is not int or first < 0
                 or type(per_msg) is not int or per_msg < 1):
             self._refuse(conn, peer, "malformed stream request: num_tokens, first_block and blocks_per_message "
@@ -312,11 +322,11 @@ class KVServer:
             return False
         per_msg = min(per_msg, MAX_BLOCKS_PER_MESSAGE)
         asked = time.perf_counter()
-        stream = self.streams.attach(key, self.stream_wait_s, num_tokens, first, conn)
+        stream = streams.attach(key, self.stream_wait_s, num_tokens, first, conn)
         if isinstance(stream, str):
             self._refuse(conn, peer, f"no stream {key[:8]}... to read here: {stream}")
             return True
-        total = -(-stream.num_tokens // self.streams.block_size)
+        total = -(-stream.num_tokens // streams.block_size)
         sent_bytes = 0
         complete = detached = False
         try:
@@ -331,7 +341,7 @@ class KVServer:
             try:
                 stalled_since = time.monotonic()
                 while min(sent) < count:
-                    todo = self.streams.wait_progress(stream, sent, first, per_msg, STREAM_POLL_S)
+                    todo = streams.wait_progress(stream, sent, first, per_msg, STREAM_POLL_S)
                     if not todo:
                         if wait_readable(conn, 0):  # EOF (or a stray frame): the decode side gave up
                             raise StreamClosed("the decode side closed the connection")
@@ -340,7 +350,7 @@ class KVServer:
                         continue
                     stalled_since = time.monotonic()
                     for layer, start, n in todo:
-                        with self.streams.reading(stream) as (ids, events):
+                        with streams.reading(stream) as (ids, events):
                             if events[layer] is not None:
                                 events[layer].synchronize()
                             part = ids[first + start : first + start + n]
@@ -360,7 +370,7 @@ class KVServer:
                 return True
             # every byte is in the kernel's buffers: the blocks are free before D hears the end, so a
             # request finishing after D saw it finds the stream done and releases its lease at once
-            self._detach(self.streams, stream)
+            self._detach(streams, stream)
             detached = True
             send_frame(conn, {"end": True, "nbytes": sent_bytes})
             complete = True
@@ -375,20 +385,18 @@ class KVServer:
             return True
         finally:
             if not detached:
-                self._detach(self.streams, stream)
+                self._detach(streams, stream)
             if not complete:
                 self.counters.add("bytes_served", sent_bytes)
 
     def _abandon(self, conn: socket.socket, peer: str, key: object) -> bool:
         """A decode engine will never read stream ``key``: its lease ends (streams.abandon); False
         when the connection must close."""
-        if self.streams is None:
-            self._refuse(conn, peer, "this listener does not stream")
+        checked = self._stream_key(conn, peer, key, " in abandon")
+        if checked is None:
             return False
-        if not is_stream_key(key):
-            self._refuse(conn, peer, f"malformed stream key {_short(key)} in abandon")
-            return False
-        release = self.streams.abandon(key)
+        streams, key = checked
+        release = streams.abandon(key)
         if release is not None:
             self.leases.release(release)
         logger.info("socket KV connector: %s abandoned stream %s...%s", peer, key[:8],
