@@ -22,8 +22,8 @@ forward pass writes them. Who tells this table what:
   :meth:`StreamTable.finished`; from then on the lease holds the blocks;
 - listener threads: :meth:`attach`, :meth:`wait_progress`, :meth:`reading`
   and :meth:`detach`; :meth:`abandon` when a decode engine says it will
-  never read a key (op ``abandon``: its own prefix cache held the prompt, or
-  its request ended before it was scheduled). A reader that gave up waiting
+  never read a key (op ``abandon``: its request ended before it was
+  scheduled, so it received nothing). A reader that gave up waiting
   for the request to be scheduled here (``attach``'s wait ran out) abandons
   its key the same way. An abandoned stream holds no lease: its request's
   blocks are freed when it finishes (or at once, if it already did), instead

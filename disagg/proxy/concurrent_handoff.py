@@ -40,7 +40,7 @@ Failures:
   (:attr:`~disagg.proxy.handoff.DecodeReply.release_companion`): once the
   proxy relayed D's whole reply, P's request is cancelled if P has not
   answered yet (D then computed the prompt itself: it gave up waiting for a
-  queued P, or its own prefix cache held the prompt), so P does not go on
+  queued P, or the stream failed), so P does not go on
   computing it or hold its blocks for a reader that never comes; logged and
   counted in ``disagg_proxy_prefills_dropped_total``. A P that answered is
   left to finish.
