@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import time
 
 import pytest
@@ -122,6 +123,9 @@ def test_a_crashed_fetch_is_reported_failed_and_still_frees_the_lease(workers, m
 
 
 def test_idle_step_waits_for_the_transfer_instead_of_returning_at_once(workers) -> None:
+    """The fetch is held behind a gate opened 0.3 s after the idle step began: the busy step cannot
+    have seen it end (on a fast machine an ungated loopback fetch may end before that call), and the
+    idle step can only report it by waiting for it."""
     p, d, _, _ = workers
     for worker in (p, d):  # long enough that one call must cover the whole fetch
         worker.settings = dataclasses.replace(worker.settings, idle_wait_ms=5000)
@@ -129,12 +133,27 @@ def test_idle_step_waits_for_the_transfer_instead_of_returning_at_once(workers) 
     assert d.get_transfer_results(idle_step=True).finished_recving == set()  # nothing in flight: no wait
     assert p.get_transfer_results(idle_step=True).finished_sending == set()
     assert time.monotonic() - started < 1
+    assert d._conns is not None
+    gate, real_fetch = threading.Event(), d._conns.fetch
+
+    def gated_fetch(plan):
+        assert gate.wait(10), "the test never opened the gate"
+        return real_fetch(plan)
+
+    d._conns.fetch = gated_fetch  # type: ignore[method-assign]
     p.start_load_kv(SocketConnectorMetadata(reqs_to_send={"p5": SendSpec([2, 3], 30)}))
     d.start_load_kv(SocketConnectorMetadata(reqs_to_recv={"d5": recv_spec(p, "p5", [7, 8], [2, 3])}))
+    busy_started = time.monotonic()
     assert d.get_transfer_results(idle_step=False).finished_recving == set()  # busy step: returns at once
+    assert time.monotonic() - busy_started < 1
+    opener = threading.Timer(0.3, gate.set)
+    opener.start()
+    idle_started = time.monotonic()
     assert d.get_transfer_results(idle_step=True).finished_recving == {"d5"}  # idle step: waited for it
+    assert time.monotonic() - idle_started >= 0.25
     assert p.get_transfer_results(idle_step=True).finished_sending == {"p5"}
     assert time.monotonic() - started < 4
+    opener.join()
 
 
 @pytest.mark.parametrize(("configured_ms", "expected_s"), [(None, 0.0005), (2, 0.002), (0, 0.005)])

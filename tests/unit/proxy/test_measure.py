@@ -15,7 +15,7 @@ from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
 from disagg.proxy.backends import BackendPool
 from disagg.proxy.config import RoutingConfig
-from disagg.proxy.measure import CLIP, SEED_SAMPLES, EwFit, Measurements
+from disagg.proxy.measure import CLIP, SEED_SAMPLES, EwFit, EwMean, Measurements
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.proxy.promptlen import SAMPLE_CHARS, PromptLength
@@ -468,11 +468,13 @@ def test_exploration_off_never_explores_and_the_config_sets_the_explorer() -> No
     assert set(reasons(0.0)) == {"predicted"}
 
 
-def test_a_streamed_handoff_is_priced_streamed_and_takes_no_samples_of_the_link() -> None:
+def test_a_streamed_handoff_is_priced_streamed_and_learns_its_fixed_cost_not_the_links_rate() -> None:
     """With ``streaming_layers`` (``vllm-socket-stream``) a split is predicted with the part of the
     transfer the prefill does not hide, and its prefill answer -> first token time, which overlaps
-    the prefill (decode may even answer first), is no sample of the link: the link's line stays at
-    its seed, the prefill engine still learns from its answers."""
+    the prefill (decode may even answer first), is no sample of the link: the link's rate stays at
+    its seed. What each first token took beyond the prediction less the fixed cost is a sample of
+    the fixed cost (``fit="handoff_fixed"``): 0.3 s beyond, every time, and the fixed cost becomes
+    0.3 s. The prefill engine still learns from its answers."""
     metrics, prefill, decode, config = _auto_pools()
     config = replace(config, decode_tokens_per_s=200.0, streaming_layers=32)
     router = Router(config, prefill, decode, metrics, local=True)
@@ -484,27 +486,89 @@ def test_a_streamed_handoff_is_priced_streamed_and_takes_no_samples_of_the_link(
         labels = {"fit": fit} if outcome is None else {"fit": fit, "outcome": outcome}
         return sample_sum(metrics.render().decode(), "disagg_route_samples_total", **labels)
 
-    for i in range(6):
+    x = 100 * 1024 / 1e9          # 100 tokens' KV over the seeded 1 GB/s
+    exposed = max(x / 32, x - 0.05 + 0.05 / 32)
+    for i in range(8):
         r = _route("y" * 400, i)
         router.route(RequestPlan(r.request, [r]))
         assert (r.path, r.prefill, r.decode) == (RoutePath.SPLIT, p, d)
         if i == 0:     # 100 tokens: 50 ms of prefill hide all but a 32nd of the 0.1 ms transfer
-            x = 100 * 1024 / 1e9
-            assert r.predicted_s == pytest.approx(100 / 2000 + 0.03 + max(x / 32, x - 0.05 + 0.05 / 32))
+            assert r.predicted_s == pytest.approx(100 / 2000 + 0.03 + exposed)
             assert r.predicted_s < 100 / 2000 + 0.03 + x
         router.sent(r, stream=True)
-        if i % 2:      # decode's first token before prefill's answer: a negative "handoff"
-            router.first_token(r, 0.0, time.perf_counter())
+        arrival = router._flights[id(r)].streamed_arrival
+        assert arrival == pytest.approx(100 / 2000 + exposed)   # the prediction less the fixed cost
+        sent = router._flights[id(r)].sent
+        if i % 2:      # decode's first token before prefill's answer
+            router.first_token(r, 0.0, sent + arrival + 0.3)
             router.prefill_done(r, p, 0.05, 100)
-        else:          # prefill's answer, then decode's first token 0.3 s later
+        else:          # prefill's answer, then decode's first token
             router.prefill_done(r, p, 0.05, 100)
-            router.first_token(r, 0.0, time.perf_counter() + 0.3)
+            router.first_token(r, 0.0, sent + arrival + 0.3)
         router.finished(r)
     assert samples("link") == 0
-    assert router.measurements.link_cost(p.url, d.url) == seed
-    assert samples("engine", "discarded") == 1 and samples("engine", "used") == 5
-    assert router.measurements.samples(p.url) == 5
+    learned = router.measurements.link_cost(p.url, d.url)
+    assert (learned.bytes_per_s, learned.streaming_layers) == (seed.bytes_per_s, 32)
+    assert learned.fixed_s == pytest.approx(0.3)       # the seed left after 4 samples; 7 of 0.3 s
+    assert samples("handoff_fixed", "discarded") == 1 and samples("handoff_fixed", "used") == 7
+    assert samples("engine", "discarded") == 1 and samples("engine", "used") == 7
+    assert router.measurements.samples(p.url) == 7
     assert router.measurements.engine_cost("prefill", p.url, 0).queued_tokens == 0   # every prefill settled
+    r = _route("y" * 400, 9)
+    router.route(RequestPlan(r.request, [r]))
+    assert r.predicted_s == pytest.approx(100 / 2000 + 0.3 + exposed)
+    # forgotten with the engine: the seed again
+    router._forget(d)
+    assert router.measurements.link_cost(p.url, d.url).fixed_s == pytest.approx(0.03)
+
+
+def test_a_streamed_split_behind_a_queue_is_no_sample_of_the_fixed_cost() -> None:
+    """Sent behind a prefill queue on P (``queued``) or while D had more than half the time
+    queued as its own prefills (``decode_busy``): the fixed cost stays where it was."""
+    metrics, prefill, decode, config = _auto_pools()
+    router = Router(replace(config, decode_tokens_per_s=200.0, streaming_layers=32), prefill, decode, metrics,
+                    local=True)
+    p, d = prefill.backends[0], decode.backends[0]
+    before = router.measurements.link_cost(p.url, d.url)
+
+    def queued_on(backend, path: RoutePath, tokens: int, i: int) -> PromptRoute:
+        q = PromptRoute(100 + i, _route("z", 100 + i).request, path, "predicted")
+        q.tokens = tokens
+        if path is RoutePath.LOCAL:
+            q.decode = backend
+        else:
+            q.prefill, q.decode = backend, d
+        router.sent(q, stream=True)
+        return q
+
+    for i, (backend, path) in enumerate(((p, RoutePath.SPLIT), (d, RoutePath.LOCAL))):
+        ahead = queued_on(backend, path, 2000, i)   # 1 s of work queued (2,000 tokens/s seeded)
+        r = _route("y" * 400, i)
+        r.reason, r.prefill, r.decode, r.tokens = "predicted", p, d, 100
+        router.sent(r, stream=True)
+        router.first_token(r, 0.0, router._flights[id(r)].sent + 1.2)
+        router.finished(r)
+        router.finished(ahead)
+    text = metrics.render().decode()
+    assert sample_sum(text, "disagg_route_samples_total", fit="handoff_fixed", outcome="queued") == 1
+    assert sample_sum(text, "disagg_route_samples_total", fit="handoff_fixed", outcome="decode_busy") == 1
+    assert sample_sum(text, "disagg_route_samples_total", fit="handoff_fixed", outcome="discarded") == 0
+    assert router.measurements.link_cost(p.url, d.url) == before
+
+
+def test_ew_mean_seed_warm_up_clipping_and_floor() -> None:
+    m = EwMean(0.04)
+    assert m.value == pytest.approx(0.04)
+    assert m.add(5.0) == "discarded" and m.value == pytest.approx(0.04)      # warm-up: a first handshake
+    assert m.add(float("nan")) == "invalid"
+    for _ in range(SEED_SAMPLES):
+        assert m.add(0.2) == "used"
+    assert m.value == pytest.approx(0.2)            # the seed left with the 4th sample
+    assert m.add(10.0) == "clipped"                 # entered as CLIP x 0.2
+    assert m.value == pytest.approx(0.8 * 0.2 + 0.2 * CLIP * 0.2)
+    for _ in range(30):
+        m.add(-0.1)                                 # the rest of the prediction ran high
+    assert m.value == 0.0
 
 
 def test_the_same_splits_without_streaming_sample_the_link() -> None:
