@@ -10,11 +10,18 @@
   sent with at most :data:`QUEUED_SHARE` of their size queued ahead are
   samples (:meth:`Measurements.observe_prefill` says why);
 - per prefill -> decode pair, a fit of ``seconds = fixed + kv_bytes / rate``
-  from split routes (prefill reply -> first decode token, streamed); none when
-  the handoff streams the KV while the prefill computes (``streaming_layers``:
-  the two overlap, so that time is no sample of the link, and the line stays
-  at its seed), whose predictions take only the part of the transfer the
-  prefill does not hide (:func:`disagg.routecost.exposed_transfer_s`);
+  from split routes (prefill reply -> first decode token, streamed). When the
+  handoff streams the KV while the prefill computes (``streaming_layers``) the
+  two overlap, so that time is no sample of the link: the rate stays at its
+  seed, predictions take only the part of the transfer the prefill does not
+  hide (:func:`disagg.routecost.exposed_transfer_s`), and the fixed cost is
+  learned instead as an exponentially weighted mean (:class:`EwMean`) of what
+  each streamed split's first token took beyond that prediction less its fixed
+  cost (:meth:`Measurements.streamed_arrival_s`,
+  :meth:`Measurements.observe_streamed_split`). Left at its seed (40 ms,
+  measured on one machine), it had streamed splits of a few tokens predicted at
+  43 ms where they took 120-420 ms on another, so at idle the policy split
+  prompts that a colocated engine answered in 25 ms;
 - per engine, the prefill tokens it has still to work through (sent, no
   first token yet, less what the time since then has covered at its fitted
   rate: :meth:`Measurements._progress`) and so the decodes it is running.
@@ -184,6 +191,57 @@ class EwFit:
         return a, (max(1.0 / slope, MIN_RATE) if slope > 0 else math.inf)
 
 
+class EwMean:
+    """An exponentially weighted mean of one quantity (seconds), with :class:`EwFit`'s rules: a
+    seed that enters as one pseudo-sample and leaves once :data:`SEED_SAMPLES` real ones are in,
+    the first ``warmup`` observations dropped, and (once the seed has left) an observation above
+    ``clip`` x the mean entered as ``clip`` x the mean. Observations may be negative (a residual:
+    the rest of the prediction was too high); :attr:`value` is never below 0."""
+
+    __slots__ = ("_clip", "_decay", "_seed", "_seed_left", "_sum", "_w", "_warmup", "clipped", "discarded",
+                 "samples")
+
+    def __init__(self, seed: float, decay: float = DECAY, *, warmup: int = WARMUP_SAMPLES,
+                 clip: float = CLIP) -> None:
+        self._seed = seed
+        self._decay = decay
+        self._warmup = warmup
+        self._clip = clip
+        self._sum, self._w = seed, 1.0
+        self._seed_left = 1.0
+        self.samples = self.discarded = self.clipped = 0
+
+    @property
+    def value(self) -> float:
+        """The mean (at least 0)."""
+        return max(self._sum / self._w, 0.0)
+
+    def add(self, y: float) -> str:
+        """One observation; returns ``used``, ``clipped``, ``discarded`` (warm-up) or ``invalid``."""
+        if not math.isfinite(y):
+            return "invalid"
+        if self.discarded < self._warmup:
+            self.discarded += 1
+            return "discarded"
+        outcome = "used"
+        if self.samples >= SEED_SAMPLES:
+            ceiling = self._clip * self.value
+            if 0 < ceiling < y:
+                y = ceiling
+                self.clipped += 1
+                outcome = "clipped"
+        keep = 1.0 - self._decay
+        self._sum = self._sum * keep + self._decay * y
+        self._w = self._w * keep + self._decay
+        self._seed_left *= keep
+        self.samples += 1
+        if self.samples == SEED_SAMPLES:   # the seed leaves; from now on each sample weighs ``decay`` of the whole
+            self._sum = (self._sum - self._seed_left * self._seed) / (self._w - self._seed_left)
+            self._w = 1.0
+            self._seed_left = 0.0
+        return outcome
+
+
 @dataclass(eq=False)   # identity: two prefills of one size are two entries (settle removes the right one)
 class _Pending:
     """A prefill sent to an engine that has not produced its first token yet."""
@@ -223,6 +281,8 @@ class Measurements:
         self._decay = decay
         self._engines: dict[str, _Engine] = {}
         self._links: dict[tuple[str, str], EwFit] = {}
+        #: per pair, a streamed handoff's fixed cost (streaming_layers set; see the module doc)
+        self._streamed_fixed: dict[tuple[str, str], EwMean] = {}
 
     # --- state per engine --------------------------------------------------------
 
@@ -319,9 +379,37 @@ class Measurements:
                           running=max(outstanding - waiting, 0), waiting=waiting)
 
     def link_cost(self, prefill_url: str, decode_url: str) -> LinkCost:
-        """The pair's handoff line (fixed seconds, bytes per second; streamed or not)."""
+        """The pair's handoff line (fixed seconds, bytes per second; streamed or not: a streamed
+        handoff's fixed cost is its learned :class:`EwMean`, its rate the seed's)."""
         fixed, rate = self._link_fit(prefill_url, decode_url).coefficients()
+        if self.streaming_layers is not None:
+            fixed = self._streamed_fixed_fit(prefill_url, decode_url).value
         return LinkCost(fixed_s=fixed, bytes_per_s=rate, streaming_layers=self.streaming_layers)
+
+    def _streamed_fixed_fit(self, prefill_url: str, decode_url: str) -> EwMean:
+        key = (prefill_url, decode_url)
+        fit = self._streamed_fixed.get(key)
+        if fit is None:
+            fit = self._streamed_fixed[key] = EwMean(self._fixed, self._decay)
+        return fit
+
+    def streamed_arrival_s(self, prefill_url: str, decode_url: str, tokens: float, kv_bytes: float,
+                           queued_ahead: float) -> float:
+        """A streamed split's predicted TTFT less the handoff's fixed cost: the prefill engine's
+        ``queued_ahead + tokens`` at its line (:meth:`_line`) plus the part of the transfer of
+        ``kv_bytes`` that prefill does not hide. The router takes it when the split is sent, and
+        gives what the first token took beyond it to :meth:`observe_streamed_split`."""
+        overhead, rate = self._line(self._engine("prefill", prefill_url))
+        link = self.link_cost(prefill_url, decode_url)
+        return overhead + (queued_ahead + tokens) / rate + link.exposed_s(kv_bytes, tokens / rate)
+
+    def observe_streamed_split(self, prefill_url: str, decode_url: str, beyond_s: float) -> str:
+        """A streamed split's first token came ``beyond_s`` seconds after its
+        :meth:`streamed_arrival_s` (negative: before): a sample of the pair's fixed handoff cost
+        (what the handoff adds beyond the modelled prefill and exposed transfer: the decode
+        engine's first step, the requests' round trips, and whatever the prefill line missed).
+        Returns what the mean made of it (:meth:`EwMean.add`)."""
+        return self._streamed_fixed_fit(prefill_url, decode_url).add(beyond_s)
 
     def _link_fit(self, prefill_url: str, decode_url: str) -> EwFit:
         key = (prefill_url, decode_url)
@@ -383,6 +471,8 @@ class Measurements:
         self._engines.pop(url, None)
         for key in [k for k in self._links if url in k]:
             del self._links[key]
+        for key in [k for k in self._streamed_fixed if url in k]:
+            del self._streamed_fixed[key]
 
     def samples(self, url: str) -> int:
         """Real observations behind the engine's current fit (0: the seed alone; warm-up discards not counted)."""

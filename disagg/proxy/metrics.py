@@ -38,12 +38,13 @@ Routing (:mod:`disagg.proxy.policy`; named without the prefix, as issue 15 asks)
 - ``disagg_route_ttft_error_ratio{path}``: per prompt, |predicted - observed| / observed TTFT
   (the prompts of both histograms above with a prediction); ``_sum / _count`` is the mean
   absolute relative error of the predictions for that path.
-- ``disagg_route_samples_total{fit, outcome}``: live measurements (``fit``: ``engine`` prefill
-  or ``link`` handoff) by what the fit made of them: ``used``, ``clipped`` (far above the
-  prediction: entered as ``CLIP`` x it), ``discarded`` (an engine's or pair's first, warm-up),
-  ``invalid``, ``queued`` (a prefill sent behind a queue: not a sample of the engine's line;
-  see :mod:`disagg.proxy.measure`), ``decode_busy`` (a handoff that waited
-  mostly for the decode engine's own queue: not a sample of the link; :mod:`disagg.proxy.router`).
+- ``disagg_route_samples_total{fit, outcome}``: live measurements (``fit``: ``engine`` prefill,
+  ``link`` handoff, or ``handoff_fixed``, a streamed handoff's fixed cost) by what the fit made
+  of them: ``used``, ``clipped`` (far above the prediction: entered as ``CLIP`` x it),
+  ``discarded`` (an engine's or pair's first, warm-up), ``invalid``, ``queued`` (a prefill sent
+  behind a queue: not a sample of the engine's line; see :mod:`disagg.proxy.measure`),
+  ``decode_busy`` (a handoff that waited mostly for the decode engine's own queue: not a sample
+  of the link; :mod:`disagg.proxy.router`).
 - ``disagg_route_prompt_length_error_ratio``: mean |estimated - counted| / counted prompt tokens.
 """
 

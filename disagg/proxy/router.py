@@ -20,12 +20,19 @@ counted in ``disagg_route_samples_total{fit, outcome}``.
 
 A streamed handoff (``RoutingConfig.streaming_layers``: ``vllm-socket-stream``
 sends prefill and decode their requests at once, and prefill's KV leaves layer
-by layer as it is computed) gives no link samples: prefill's answer and
-decode's first token then overlap (decode may even answer first), so the time
-between them is no handoff time. The link's line stays at its seed (the
+by layer as it is computed) gives no samples of the link's rate: prefill's
+answer and decode's first token then overlap (decode may even answer first),
+so the time between them is no handoff time. The rate stays at its seed (the
 ``disagg plan`` figures), and splits are predicted with the part of the
-transfer the prefill does not hide (:func:`disagg.routecost.exposed_transfer_s`);
-the prefill engines still learn from prefill's answers. The router registers
+transfer the prefill does not hide (:func:`disagg.routecost.exposed_transfer_s`).
+The fixed cost is learned: when a streamed split is sent, :meth:`Router.sent`
+takes its :meth:`Measurements.streamed_arrival_s` (its prediction less the
+fixed cost) and the decode engine's queued prefill work; at its first token,
+the time beyond that arrival is a sample of the fixed cost
+(:meth:`Measurements.observe_streamed_split`), unless the prefill was sent
+behind a queue (``queued``, as for the engines' lines) or the decode engine's
+own queue was more than half of that time (``decode_busy``); counted with
+``fit="handoff_fixed"``. The prefill engines still learn from prefill's answers. The router registers
 :meth:`Measurements.forget` and :meth:`Explorer.forget
 <disagg.proxy.policy.Explorer.forget>` with the pools' ``on_return``.
 
@@ -45,7 +52,7 @@ from typing import Any
 
 from disagg.proxy.backends import Backend, BackendPool
 from disagg.proxy.config import RoutingConfig
-from disagg.proxy.measure import Measurements
+from disagg.proxy.measure import QUEUED_SHARE, Measurements
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.proxy.promptlen import PromptLength
@@ -75,6 +82,9 @@ class _Flight:
     pending: Any = None
     prefill_done: float | None = None
     decode_wait: float = 0.0               # split: the decode engine's queued prefill work then, seconds
+    #: streamed split: its predicted TTFT less the fixed cost, and D's queued prefill work, when sent
+    streamed_arrival: float | None = None
+    streamed_decode_wait: float = 0.0
     tokens: dict[str, int] = field(default_factory=dict)
 
 
@@ -190,6 +200,12 @@ class Router:
         # a non-streamed reply shows no first token: it stops counting when predicted done
         until = float("inf") if (stream or route.path is RoutePath.SPLIT) else \
             flight.sent + (route.predicted_s or 0.0)
+        if self.streamed and route.path is RoutePath.SPLIT and route.decode is not None:
+            m = self.measurements
+            flight.streamed_arrival = m.streamed_arrival_s(engine.url, route.decode.url, route.tokens,
+                                                           route.tokens * self.kv_bytes_per_token,
+                                                           flight.queued_ahead)
+            flight.streamed_decode_wait = m.wait_s("decode", route.decode.url, flight.sent)
         flight.pending = self.measurements.dispatch(role, engine.url, route.tokens, until, now=flight.sent)
 
     def _settle(self, flight: _Flight, *, done: bool = True) -> None:
@@ -232,9 +248,10 @@ class Router:
             return
         self._settle(flight)
         if route.path is RoutePath.SPLIT:
-            # streamed (self.streamed): prefill's answer and this first token overlap, in either order,
-            # so the time between them is no sample of the link (module doc)
-            if self.streamed or flight.prefill_done is None or route.prefill is None or route.decode is None:
+            if self.streamed:   # a sample of the fixed cost, not of the link's rate (module doc)
+                self._streamed_split_sample(route, flight, when - flight.sent)
+                return
+            if flight.prefill_done is None or route.prefill is None or route.decode is None:
                 return
             nbytes = flight.tokens.get("prompt", route.tokens) * self.kv_bytes_per_token
             handoff = when - flight.prefill_done
@@ -251,6 +268,18 @@ class Router:
             self._sampled("engine", self.measurements.observe_prefill(flight.engine.role, flight.engine.url,
                                                                       route.tokens, when - flight.sent,
                                                                       flight.queued_ahead))
+
+    def _streamed_split_sample(self, route: PromptRoute, flight: _Flight, observed: float) -> None:
+        """A streamed split's first token came ``observed`` seconds after it was sent."""
+        if flight.streamed_arrival is None or route.prefill is None or route.decode is None:
+            return
+        if flight.queued_ahead > QUEUED_SHARE * route.tokens:
+            self._sampled("handoff_fixed", "queued")      # the queue estimate, not the handoff
+        elif flight.streamed_decode_wait > DECODE_BUSY_SHARE * observed:
+            self._sampled("handoff_fixed", "decode_busy")  # the decode engine's own queue, not the handoff
+        else:
+            self._sampled("handoff_fixed", self.measurements.observe_streamed_split(
+                route.prefill.url, route.decode.url, observed - flight.streamed_arrival))
 
     def _sampled(self, fit: str, outcome: str) -> None:
         self.metrics.route_samples.labels(fit, outcome).inc()
