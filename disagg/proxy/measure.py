@@ -16,12 +16,13 @@
   seed, predictions take only the part of the transfer the prefill does not
   hide (:func:`disagg.routecost.exposed_transfer_s`), and the fixed cost is
   learned instead as an exponentially weighted mean (:class:`EwMean`) of what
-  each streamed split's first token took beyond that prediction less its fixed
-  cost (:meth:`Measurements.streamed_arrival_s`,
-  :meth:`Measurements.observe_streamed_split`). Left at its seed (40 ms,
-  measured on one machine), it had streamed splits of a few tokens predicted at
-  43 ms where they took 120-420 ms on another, so at idle the policy split
-  prompts that a colocated engine answered in 25 ms;
+  each streamed split sent while the decode engine was idle took to its first
+  token beyond that prediction less its fixed cost
+  (:meth:`Measurements.streamed_arrival_s`, :meth:`Measurements.observe_streamed_split`;
+  the router picks the samples). Left at its seed (40 ms, measured on one
+  machine), it had streamed splits of a few tokens predicted at 43 ms where
+  they took 120-420 ms on another, so at idle the policy split prompts that a
+  colocated engine answered in 25 ms;
 - per engine, the prefill tokens it has still to work through (sent, no
   first token yet, less what the time since then has covered at its fitted
   rate: :meth:`Measurements._progress`) and so the decodes it is running.

@@ -522,9 +522,10 @@ def test_a_streamed_handoff_is_priced_streamed_and_learns_its_fixed_cost_not_the
     assert router.measurements.link_cost(p.url, d.url).fixed_s == pytest.approx(0.03)
 
 
-def test_a_streamed_split_behind_a_queue_is_no_sample_of_the_fixed_cost() -> None:
-    """Sent behind a prefill queue on P (``queued``) or while D had more than half the time
-    queued as its own prefills (``decode_busy``): the fixed cost stays where it was."""
+def test_a_streamed_split_behind_a_queue_or_to_a_busy_decode_engine_is_no_sample_of_the_fixed_cost() -> None:
+    """Sent behind a prefill queue on P (``queued``) or while D had anything in flight
+    (``decode_busy``: its first token waited for D's batch, which is load): the fixed cost stays
+    where it was."""
     metrics, prefill, decode, config = _auto_pools()
     router = Router(replace(config, decode_tokens_per_s=200.0, streaming_layers=32), prefill, decode, metrics,
                     local=True)
@@ -543,12 +544,14 @@ def test_a_streamed_split_behind_a_queue_is_no_sample_of_the_fixed_cost() -> Non
 
     for i, (backend, path) in enumerate(((p, RoutePath.SPLIT), (d, RoutePath.LOCAL))):
         ahead = queued_on(backend, path, 2000, i)   # 1 s of work queued (2,000 tokens/s seeded)
+        backend.outstanding += 1                     # as the pool counts a request in flight
         r = _route("y" * 400, i)
         r.reason, r.prefill, r.decode, r.tokens = "predicted", p, d, 100
         router.sent(r, stream=True)
         router.first_token(r, 0.0, router._flights[id(r)].sent + 1.2)
         router.finished(r)
         router.finished(ahead)
+        backend.outstanding -= 1
     text = metrics.render().decode()
     assert sample_sum(text, "disagg_route_samples_total", fit="handoff_fixed", outcome="queued") == 1
     assert sample_sum(text, "disagg_route_samples_total", fit="handoff_fixed", outcome="decode_busy") == 1
