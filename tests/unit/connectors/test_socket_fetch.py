@@ -281,7 +281,12 @@ def server_dropped_idle(conns: PeerConnections, timeout_s: float = 5.0) -> bool:
 
 def test_connections_the_prefill_side_dropped_are_replaced(connects, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server closes connections idle for ``idle_timeout_s``; the next fetch opens new ones,
-    also when the drop is only noticed on the first message (the race: checked just before)."""
+    also when the drop is only noticed on the first message (the race: checked just before).
+
+    A fetch of two blocks over two streams opens one or two connections: its second part's
+    thread may start only after the first part returned its connection to the pool, and then
+    takes that one. So each fetch after a drop must open at least one (every pooled one is
+    dead) and at most two."""
     src = kv_caches(7)
     server = KVServer(make_store(src, NUM_BLOCKS), LeaseTable(), SECRET, "127.0.0.1", 0, idle_timeout_s=0.2)
     server.start()
@@ -289,13 +294,14 @@ def test_connections_the_prefill_side_dropped_are_replaced(connects, monkeypatch
     try:
         with PeerConnections(SECRET, make_store(dst, NUM_BLOCKS), FetchOptions(streams=2)) as conns:
             fetch_and_check(conns, server, src, dst, "r0", [1, 2], [3, 4])
-            assert server_dropped_idle(conns)
-            fetch_and_check(conns, server, src, dst, "r1", [5, 6], [7, 8])
-            assert len(connects) == 4
-            monkeypatch.setattr(client, "wait_readable", lambda sock, seconds: False)
-            assert server_dropped_idle(conns)
-            fetch_and_check(conns, server, src, dst, "r2", [9, 10], [11, 12])
-            assert len(connects) == 6
+            assert 1 <= len(connects) <= 2
+            for rid, remote, local in (("r1", [5, 6], [7, 8]), ("r2", [9, 10], [11, 12])):
+                if rid == "r2":   # the drop now noticed only when the first message fails
+                    monkeypatch.setattr(client, "wait_readable", lambda sock, seconds: False)
+                assert server_dropped_idle(conns)
+                before = len(connects)
+                fetch_and_check(conns, server, src, dst, rid, remote, local)
+                assert 1 <= len(connects) - before <= 2, (rid, connects)
     finally:
         server.close()
 
