@@ -20,9 +20,9 @@
   token beyond that prediction less its fixed cost
   (:meth:`Measurements.streamed_arrival_s`, :meth:`Measurements.observe_streamed_split`;
   the router picks the samples). Left at its seed (40 ms, measured on one
-  machine), it had streamed splits of a few tokens predicted at 43 ms where
-  they took 120-420 ms on another, so at idle the policy split prompts that a
-  colocated engine answered in 25 ms;
+  machine), it had the first streamed splits of a few tokens after start
+  predicted at 43 ms where they took 120-420 ms on another, and the policy
+  went on splitting at idle prompts that a colocated engine answered in 25 ms;
 - per engine, the prefill tokens it has still to work through (sent, no
   first token yet, less what the time since then has covered at its fitted
   rate: :meth:`Measurements._progress`) and so the decodes it is running.
