@@ -78,9 +78,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
-from disagg.routecost import EngineCost, LinkCost
+from disagg.routecost import EngineCost, LinkCost, split_ttft
 
 #: the weight one new sample takes (an EWMA over about the last 1/DECAY samples)
 DECAY = 0.2
@@ -102,7 +103,35 @@ CLIP = 3.0
 QUEUED_SHARE = 0.25
 
 
-class EwFit:
+class _Gate:
+    """The two rules against one-off costs (module doc) that :class:`EwFit` and :class:`EwMean`
+    share: the first ``warmup`` observations are dropped, and once :data:`SEED_SAMPLES` real
+    ones are in, an observation above ``clip`` x the prediction enters as ``clip`` x it."""
+
+    __slots__ = ("_clip", "_warmup", "clipped", "discarded", "samples")
+
+    def __init__(self, warmup: int, clip: float) -> None:
+        self._warmup = warmup
+        self._clip = clip
+        self.samples = 0               # observations in the fit
+        self.discarded = 0             # warm-up observations dropped
+        self.clipped = 0               # observations clipped to ``clip`` x the prediction
+
+    def _admit(self, y: float, predicted: Callable[[], float]) -> tuple[float, str] | None:
+        """``(y as it enters, "used" or "clipped")``, or None for a warm-up observation
+        (counted ``discarded``). ``predicted`` is asked only once the seed has left."""
+        if self.discarded < self._warmup:
+            self.discarded += 1
+            return None
+        if self.samples >= SEED_SAMPLES:    # the fit stands on its own samples: clip what is far above it
+            ceiling = self._clip * predicted()
+            if 0 < ceiling < y:
+                self.clipped += 1
+                return ceiling, "clipped"
+        return y, "used"
+
+
+class EwFit(_Gate):
     """``y = a + x / rate``, fitted by exponentially weighted least squares.
 
     Both coefficients stay physical: ``a >= 0`` and ``rate > 0``. When the
@@ -112,19 +141,14 @@ class EwFit:
     ``clip`` x the prediction enters as ``clip`` x the prediction (module doc).
     """
 
-    __slots__ = ("_a", "_clip", "_decay", "_s", "_seed", "_seed_left", "_sx", "_sxx", "_sxy", "_sy", "_warmup",
-                 "clipped", "discarded", "samples")
+    __slots__ = ("_a", "_decay", "_s", "_seed", "_seed_left", "_sx", "_sxx", "_sxy", "_sy")
 
     def __init__(self, intercept: float, rate: float, seed_x: tuple[float, float], decay: float = DECAY, *,
                  warmup: int = WARMUP_SAMPLES, clip: float = CLIP) -> None:
+        super().__init__(warmup, clip)
         self._decay = decay
-        self._warmup = warmup
-        self._clip = clip
         self._s = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._a = max(intercept, 0.0)
-        self.samples = 0               # observations in the fit
-        self.discarded = 0             # warm-up observations dropped
-        self.clipped = 0               # observations clipped to ``clip`` x the prediction
         for x in seed_x:
             self._add(x, intercept + x / rate, 1.0)
         self._seed = (self._s, self._sx, self._sy, self._sxx, self._sxy)
@@ -147,16 +171,10 @@ class EwFit:
         ``used``, ``clipped``, ``discarded`` (warm-up) or ``invalid`` (not finite, negative)."""
         if not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0:
             return "invalid"
-        if self.discarded < self._warmup:
-            self.discarded += 1
+        admitted = self._admit(y, lambda: self.predict(x))
+        if admitted is None:
             return "discarded"
-        outcome = "used"
-        if self.samples >= SEED_SAMPLES:    # the fit stands on its own samples: clip what is far above it
-            ceiling = self._clip * self.predict(x)
-            if 0 < ceiling < y:
-                y = ceiling
-                self.clipped += 1
-                outcome = "clipped"
+        y, outcome = admitted
         keep = 1.0 - self._decay
         self._s *= keep
         self._sx *= keep
@@ -192,25 +210,22 @@ class EwFit:
         return a, (max(1.0 / slope, MIN_RATE) if slope > 0 else math.inf)
 
 
-class EwMean:
+class EwMean(_Gate):
     """An exponentially weighted mean of one quantity (seconds), with :class:`EwFit`'s rules: a
     seed that enters as one pseudo-sample and leaves once :data:`SEED_SAMPLES` real ones are in,
-    the first ``warmup`` observations dropped, and (once the seed has left) an observation above
-    ``clip`` x the mean entered as ``clip`` x the mean. Observations may be negative (a residual:
-    the rest of the prediction was too high); :attr:`value` is never below 0."""
+    and :class:`_Gate`'s warm-up discard and clipping (to ``clip`` x the mean). Observations may
+    be negative (a residual: the rest of the prediction was too high); :attr:`value` is never
+    below 0."""
 
-    __slots__ = ("_clip", "_decay", "_seed", "_seed_left", "_sum", "_w", "_warmup", "clipped", "discarded",
-                 "samples")
+    __slots__ = ("_decay", "_seed", "_seed_left", "_sum", "_w")
 
     def __init__(self, seed: float, decay: float = DECAY, *, warmup: int = WARMUP_SAMPLES,
                  clip: float = CLIP) -> None:
+        super().__init__(warmup, clip)
         self._seed = seed
         self._decay = decay
-        self._warmup = warmup
-        self._clip = clip
         self._sum, self._w = seed, 1.0
         self._seed_left = 1.0
-        self.samples = self.discarded = self.clipped = 0
 
     @property
     def value(self) -> float:
@@ -221,16 +236,10 @@ class EwMean:
         """One observation; returns ``used``, ``clipped``, ``discarded`` (warm-up) or ``invalid``."""
         if not math.isfinite(y):
             return "invalid"
-        if self.discarded < self._warmup:
-            self.discarded += 1
+        admitted = self._admit(y, lambda: self.value)
+        if admitted is None:
             return "discarded"
-        outcome = "used"
-        if self.samples >= SEED_SAMPLES:
-            ceiling = self._clip * self.value
-            if 0 < ceiling < y:
-                y = ceiling
-                self.clipped += 1
-                outcome = "clipped"
+        y, outcome = admitted
         keep = 1.0 - self._decay
         self._sum = self._sum * keep + self._decay * y
         self._w = self._w * keep + self._decay
@@ -401,8 +410,9 @@ class Measurements:
         ``kv_bytes`` that prefill does not hide. The router takes it when the split is sent, and
         gives what the first token took beyond it to :meth:`observe_streamed_split`."""
         overhead, rate = self._line(self._engine("prefill", prefill_url))
-        link = self.link_cost(prefill_url, decode_url)
-        return overhead + (queued_ahead + tokens) / rate + link.exposed_s(kv_bytes, tokens / rate)
+        prefill = EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued_ahead)
+        link = replace(self.link_cost(prefill_url, decode_url), fixed_s=0.0)
+        return split_ttft(tokens, kv_bytes, prefill, link)
 
     def observe_streamed_split(self, prefill_url: str, decode_url: str, beyond_s: float) -> str:
         """A streamed split's first token came ``beyond_s`` seconds after its
@@ -470,10 +480,9 @@ class Measurements:
         Registered with ``BackendPool.on_return``; its pending prefills are gone with it.
         """
         self._engines.pop(url, None)
-        for key in [k for k in self._links if url in k]:
-            del self._links[key]
-        for key in [k for k in self._streamed_fixed if url in k]:
-            del self._streamed_fixed[key]
+        for pairs in (self._links, self._streamed_fixed):
+            for key in [k for k in pairs if url in k]:
+                del pairs[key]
 
     def samples(self, url: str) -> int:
         """Real observations behind the engine's current fit (0: the seed alone; warm-up discards not counted)."""
