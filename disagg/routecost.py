@@ -25,9 +25,11 @@ prefill and its first step). ``rate`` is the engine's prefill rate in tokens
 per second, ``overhead`` its per-request cost (HTTP, scheduling, the first
 decode step) so that ``ttft = overhead + (queued + n) / rate``.
 
-Besides its own TTFT, a prompt prefilled on a decode engine stalls the decodes
+Besides its own TTFT, a prompt prefilled on an engine stalls the decodes
 running there for about its prefill time: :func:`option_costs` adds
-``stall_weight x running x prefill time`` to the local score.
+``stall_weight x running x prefill time`` to the score, for ``local`` with the
+decode engine's running decodes, for ``split`` and ``whole`` with the prefill
+engine's (requests it serves ``whole``: none unless the policy sent it some).
 
 The fixed cost was measured per connector on the project's 2-core CPU machine
 by ``benchmarks/handoff_fixed_cost.py`` (2026-11-30, load average 4.5-5.2 from
@@ -121,7 +123,9 @@ class EngineCost:
     ``tokens_per_s``: its prefill rate; ``overhead_s``: per-request cost on top;
     ``queued_tokens``: prompt tokens it has still to prefill (its queue, as estimated);
     ``running``: requests it is decoding now (local prefill stalls them);
-    ``waiting``: prefills sent to it that have not produced their first token yet.
+    ``waiting``: prefills sent to it that have not produced their first token yet;
+    ``tpot_s``: predicted time per output token of one more request decoding there
+    (None: not measured; the policy offers ``whole`` on it only from the backlog rule).
     """
 
     tokens_per_s: float
@@ -129,6 +133,7 @@ class EngineCost:
     queued_tokens: float = 0.0
     running: int = 0
     waiting: int = 0
+    tpot_s: float | None = None
 
     def wait_s(self) -> float:
         """Queue wait: the outstanding prefill tokens at this engine's rate."""
@@ -247,17 +252,27 @@ def option_costs(tokens: float, kv_bytes: float, prefill: EngineCost, decode: En
                  *, whole: bool = False, stall_weight: float = 0.0) -> list[OptionCost]:
     """Every option's predicted TTFT and score for one prompt and one (prefill, decode) pair.
 
-    ``whole`` adds the option of the prefill engine serving the request alone.
+    The score is the TTFT plus ``stall_weight`` x the stall the prompt's prefill imposes on
+    the decodes running on the engine that computes it (:func:`stall_s`). ``whole`` adds
+    the option of the prefill engine serving the request alone.
     Order: split, local, whole (ties go to the earlier; see :func:`cheapest`).
     """
     split = split_ttft(tokens, kv_bytes, prefill, link, decode)
     local = local_ttft(tokens, decode)
-    stall = stall_weight * decode.running * (tokens / decode.tokens_per_s)
-    out = [OptionCost(Option.SPLIT, split, split), OptionCost(Option.LOCAL, local, local + stall)]
+    on_prefill = stall_weight * stall_s(tokens, prefill)
+    out = [OptionCost(Option.SPLIT, split, split + on_prefill),
+           OptionCost(Option.LOCAL, local, local + stall_weight * stall_s(tokens, decode))]
     if whole:
         w = whole_ttft(tokens, prefill)
-        out.append(OptionCost(Option.WHOLE, w, w))
+        out.append(OptionCost(Option.WHOLE, w, w + on_prefill))
     return out
+
+
+def stall_s(tokens: float, engine: EngineCost) -> float:
+    """Decode time a prefill of ``tokens`` takes from the requests decoding on ``engine``: each of
+    its ``running`` decodes waits about that prefill's time once (vLLM steps prefill and decodes
+    together)."""
+    return engine.running * (tokens / engine.tokens_per_s)
 
 
 def cheapest(options: list[OptionCost]) -> OptionCost:

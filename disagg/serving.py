@@ -21,6 +21,12 @@ EXPLORE_AFTER_S = 60.0
 EXPLORE_AFTER_DECISIONS = 50
 EXPLORE_WITHIN = 2.0
 
+#: under ``auto``, a prefill engine with no prefill waiting is offered ``whole`` when one more
+#: decode would take more than this factor x its time per output token on every decode engine
+#: (:mod:`disagg.proxy.policy`, the ``decode_load`` rule); the margin keeps the TPOT lines'
+#: noise from moving decodes off a decode engine that is not the bottleneck
+WHOLE_TPOT_FACTOR = 1.25
+
 #: ``proxy.log_level`` / ``--log-level``: ``debug`` adds one line per routing decision (every
 #: option's predicted TTFT) and one per prompt's first token (observed against predicted)
 PROXY_LOG_LEVELS = ("info", "debug")

@@ -399,6 +399,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                                          reply.id_suffix.encode())
                 if not timing.broken and resp.status == 200:
                     observe_stream(metrics, timing, reply.prefill_done, _samples(req.body))
+                    if _samples(req.body) == 1 and timing.first is not None and timing.last is not None:
+                        state.router.decoded(route, reply.backend, timing.token_events, timing.first,
+                                             timing.last)
             else:
                 out = await relay_whole(upstream, reply.backend, resp, rid, routed, reply.id_suffix.encode())
             await reply.settle()

@@ -25,7 +25,16 @@
   went on splitting at idle prompts that a colocated engine answered in 25 ms;
 - per engine, the prefill tokens it has still to work through (sent, no
   first token yet, less what the time since then has covered at its fitted
-  rate: :meth:`Measurements._progress`) and so the decodes it is running.
+  rate: :meth:`Measurements._progress`) and so the decodes it is running;
+- per engine, its time per output token as a line in the requests it has in
+  flight (:meth:`Measurements.observe_decode`, from each streamed single-prompt
+  reply the proxy relays: its mean gap between token events against the engine's
+  requests in flight at its first token and at its end). No seed: flat (one
+  figure whatever the load) until the samples' loads differ, and an engine
+  without :data:`SEED_SAMPLES` samples of its own is priced with the mean of the
+  others' lines (a prefill engine serves no decodes until the policy sends it
+  ``whole`` requests); :meth:`Measurements.tpot_s`, and ``EngineCost.tpot_s``
+  for the ``decode_load`` rule of :mod:`disagg.proxy.policy`.
 
 Each fit is an exponentially weighted least-squares line (:class:`EwFit`):
 every new sample weighs :data:`DECAY` of the whole, so the figures follow an
@@ -139,11 +148,15 @@ class EwFit(_Gate):
     rate is refitted through the weighted mean. The first ``warmup``
     observations are dropped and, once the seed has left, an observation above
     ``clip`` x the prediction enters as ``clip`` x the prediction (module doc).
+    The seed is the line ``intercept + x / rate`` at each of ``seed_x``; with no
+    ``seed_x`` there is none (ask nothing before the first sample), and an
+    ``intercept`` of ``inf`` keeps the line flat at the samples' mean until their
+    ``x`` differ.
     """
 
     __slots__ = ("_a", "_decay", "_s", "_seed", "_seed_left", "_sx", "_sxx", "_sxy", "_sy")
 
-    def __init__(self, intercept: float, rate: float, seed_x: tuple[float, float], decay: float = DECAY, *,
+    def __init__(self, intercept: float, rate: float, seed_x: tuple[float, ...], decay: float = DECAY, *,
                  warmup: int = WARMUP_SAMPLES, clip: float = CLIP) -> None:
         super().__init__(warmup, clip)
         self._decay = decay
@@ -291,6 +304,8 @@ class Measurements:
         self._decay = decay
         self._engines: dict[str, _Engine] = {}
         self._links: dict[tuple[str, str], EwFit] = {}
+        #: per engine URL, time per output token against requests in flight (see the module doc)
+        self._decode: dict[str, EwFit] = {}
         #: per pair, a streamed handoff's fixed cost (streaming_layers set; see the module doc)
         self._streamed_fixed: dict[tuple[str, str], EwMean] = {}
 
@@ -386,7 +401,27 @@ class Measurements:
         queued = self._queued(eng, now, rate)
         waiting = len(eng.pending)
         return EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued,
-                          running=max(outstanding - waiting, 0), waiting=waiting)
+                          running=max(outstanding - waiting, 0), waiting=waiting,
+                          tpot_s=self.tpot_s(url, outstanding + 1))
+
+    def tpot_s(self, url: str, in_flight: float) -> float | None:
+        """Predicted time per output token on the engine at ``url`` with ``in_flight`` requests
+        (module doc): its own line once it has :data:`SEED_SAMPLES` samples, else the mean of the
+        lines of the engines that have them, else None."""
+        own = self._decode.get(url)
+        if own is not None and own.samples >= SEED_SAMPLES:
+            return own.predict(in_flight)
+        known = [f.predict(in_flight) for f in self._decode.values() if f.samples >= SEED_SAMPLES]
+        return sum(known) / len(known) if known else None
+
+    def observe_decode(self, url: str, in_flight: float, tpot_s: float) -> str:
+        """A streamed reply from the engine at ``url`` averaged ``tpot_s`` seconds between token
+        events with about ``in_flight`` requests in flight there (its own included); returns what
+        the line made of it (:meth:`EwFit.add`)."""
+        fit = self._decode.get(url)
+        if fit is None:     # no seed: flat at the samples' mean until their loads differ
+            fit = self._decode[url] = EwFit(math.inf, 1.0, (), self._decay)
+        return fit.add(in_flight, tpot_s)
 
     def link_cost(self, prefill_url: str, decode_url: str) -> LinkCost:
         """The pair's handoff line (fixed seconds, bytes per second; streamed or not: a streamed
@@ -480,6 +515,7 @@ class Measurements:
         Registered with ``BackendPool.on_return``; its pending prefills are gone with it.
         """
         self._engines.pop(url, None)
+        self._decode.pop(url, None)
         for pairs in (self._links, self._streamed_fixed):
             for key in [k for k in pairs if url in k]:
                 del pairs[key]

@@ -29,7 +29,7 @@ Routing (:mod:`disagg.proxy.policy`; named without the prefix, as issue 15 asks)
 
 - ``disagg_route_total{path, reason}``: prompts by the path chosen (``split``,
   ``local``, ``whole``) and why (``predicted``, ``explore`` (re-measuring a path not taken
-  for a while), ``policy``, ``decode_backlog``, ``no_prefill``, ``no_decode``, or a
+  for a while), ``policy``, ``decode_backlog`` / ``decode_load`` (``whole``), ``no_prefill``, ``no_decode``, or a
   correctness reason to stay local: ``n``, ``prompt_logprobs``, ... see
   :mod:`disagg.proxy.routes`; ``colocated``).
 - ``disagg_route_predicted_ttft_seconds{path}``: the policy's prediction for the chosen path.
@@ -39,7 +39,8 @@ Routing (:mod:`disagg.proxy.policy`; named without the prefix, as issue 15 asks)
   (the prompts of both histograms above with a prediction); ``_sum / _count`` is the mean
   absolute relative error of the predictions for that path.
 - ``disagg_route_samples_total{fit, outcome}``: live measurements (``fit``: ``engine`` prefill,
-  ``link`` handoff, or ``handoff_fixed``, a streamed handoff's fixed cost) by what the fit made
+  ``link`` handoff, ``handoff_fixed``, a streamed handoff's fixed cost, or ``decode``, an engine's
+  time per output token against its requests in flight) by what the fit made
   of them: ``used``, ``clipped`` (far above the prediction: entered as ``CLIP`` x it),
   ``discarded`` (an engine's or pair's first, warm-up), ``invalid``, ``queued`` (a prefill sent
   behind a queue: not a sample of the engine's line; see :mod:`disagg.proxy.measure`),

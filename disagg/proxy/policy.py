@@ -14,10 +14,22 @@ Policies (``routing.policy`` in the topology, ``--routing-policy``):
 - ``split``: every free route splits (the engines are left to the handoff's own pick);
 - ``local``: every route goes to a decode engine, which prefills it;
 - ``auto``: the option with the lowest score (:func:`disagg.routecost.option_costs`:
-  predicted TTFT, plus for ``local`` the stall a prefill imposes on the decodes
-  running on that engine). ``whole`` is an option only where the connector allows
-  it (``RoutingConfig.whole``), on a prefill engine with nothing in flight, while
-  every decode engine has prefills waiting (the decode side is the bottleneck).
+  predicted TTFT, plus the stall a prefill imposes on the decodes running on the
+  engine that computes it). ``whole`` is an option only where the connector allows
+  it (``RoutingConfig.whole``), on a prefill engine with no prefill waiting, while
+  the decode side is the bottleneck, by either of two rules:
+
+  - ``decode_backlog``: the prefill engine has nothing in flight and every decode
+    engine has prefills waiting;
+  - ``decode_load``: one more decode would run slower on every decode engine than
+    on the prefill engine, by more than :data:`~disagg.serving.WHOLE_TPOT_FACTOR`
+    (``EngineCost.tpot_s``: each engine's time per output token as a line in its
+    requests in flight, measured from the streams the proxy relays). Past
+    saturation the decode engines' decodes are what limits goodput, and only
+    ``whole`` moves decode work to the prefill side: static split's decodes ran
+    at TPOT 92 ms on a one-core decode engine where two replicas ran at 50 ms
+    (docs/results.md). As the prefill engine takes decodes its own line rises
+    and the rule stops offering it, so the decodes balance between the sides.
 
 Exploration (``auto`` only). A path the policy judges slow gets no prompts,
 so its estimate never updates: one bad sample could keep a split off for good.
@@ -50,7 +62,7 @@ bounds are options (``routing.explore``; defaults in :mod:`disagg.serving`).
 
 Reasons (the ``reason`` label of ``disagg_route_total``): ``policy`` for the
 static policies, ``predicted`` for an ``auto`` choice, ``explore`` for an
-``auto`` exploration, ``decode_backlog`` for ``whole``, and ``no_prefill`` /
+``auto`` exploration, ``decode_backlog`` / ``decode_load`` for ``whole``, and ``no_prefill`` /
 ``no_decode`` when a pool has no healthy engine.
 """
 
@@ -61,7 +73,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from disagg.routecost import EngineCost, LinkCost, Option, OptionCost, cheapest, option_costs
-from disagg.serving import EXPLORE_AFTER_DECISIONS, EXPLORE_AFTER_S, EXPLORE_WITHIN
+from disagg.serving import EXPLORE_AFTER_DECISIONS, EXPLORE_AFTER_S, EXPLORE_WITHIN, WHOLE_TPOT_FACTOR
 
 E = TypeVar("E")
 
@@ -90,7 +102,7 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
            decodes: Sequence[Candidate[E]], link: Callable[[E, E], LinkCost], *, whole: bool = False,
            local: bool = True, stall_weight: float = 1.0,
            stale: Callable[[Option, E | None, E], bool] | None = None,
-           explore_within: float = EXPLORE_WITHIN) -> Decision[E]:
+           explore_within: float = EXPLORE_WITHIN, whole_tpot_factor: float = WHOLE_TPOT_FACTOR) -> Decision[E]:
     """The route of one prompt (see the module doc). ``local`` false: decode engines cannot serve
     alone (SGLang), so only ``split`` remains. ``stale(path, prefill engine or None, decode engine)``:
     whether that option is due to be explored (None: never explore)."""
@@ -108,11 +120,16 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
     backlog = whole and all(d.cost.waiting > 0 for d in decodes)
     per_path: dict[Option, tuple[OptionCost, Candidate[E], Candidate[E]]] = {}
     every: list[tuple[OptionCost, Candidate[E], Candidate[E]]] = []
+    whole_reason: dict[int, str] = {}        # per prefill candidate offered ``whole``: by which rule
     for p in prefills:
-        idle = backlog and p.cost.waiting == 0 and p.cost.running == 0
+        if whole and p.cost.waiting == 0:
+            if backlog and p.cost.running == 0:
+                whole_reason[id(p)] = "decode_backlog"
+            elif decodes_slower(p.cost, [d.cost for d in decodes], whole_tpot_factor):
+                whole_reason[id(p)] = "decode_load"
         for d in decodes:
-            for opt in option_costs(tokens, kv_bytes, p.cost, d.cost, link(p.engine, d.engine), whole=idle,
-                                    stall_weight=stall_weight):
+            for opt in option_costs(tokens, kv_bytes, p.cost, d.cost, link(p.engine, d.engine),
+                                    whole=id(p) in whole_reason, stall_weight=stall_weight):
                 every.append((opt, p, d))
                 held = per_path.get(opt.path)
                 if held is None or opt.score_s < held[0].score_s:
@@ -136,8 +153,17 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
     if opt.path is Option.LOCAL:
         return Decision(Option.LOCAL, reason, None, d.engine, opt.ttft_s, options)
     if opt.path is Option.WHOLE:
-        return Decision(Option.WHOLE, "decode_backlog", p.engine, None, opt.ttft_s, options)
+        return Decision(Option.WHOLE, whole_reason[id(p)], p.engine, None, opt.ttft_s, options)
     return Decision(Option.SPLIT, reason, p.engine, d.engine, opt.ttft_s, options)
+
+
+def decodes_slower(prefill: EngineCost, decodes: Sequence[EngineCost], factor: float) -> bool:
+    """The ``decode_load`` rule (module doc): one more decode would take more than ``factor`` x
+    the prefill engine's time per output token on every decode engine (False while any of
+    them is unmeasured)."""
+    if prefill.tpot_s is None or not decodes:
+        return False
+    return all(d.tpot_s is not None and d.tpot_s > factor * prefill.tpot_s for d in decodes)
 
 
 def _engines(path: Option, p: Candidate[E], d: Candidate[E]) -> tuple[E | None, E]:

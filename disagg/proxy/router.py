@@ -12,7 +12,9 @@ One :class:`Router` per app (built by :func:`disagg.proxy.app.build_app` from
 3. :meth:`Router.prefill_done` from the handoff when a split route's prefill
    engine answers (the handoff holds the router as its ``observer``);
 4. :meth:`Router.first_token` when a streamed single-prompt reply sends its first event;
-5. :meth:`Router.finished` when the route is over, whatever happened.
+5. :meth:`Router.decoded` when such a reply (one choice) ended well: its time per output
+   token is a sample of the decode line of the engine that served it;
+6. :meth:`Router.finished` when the route is over, whatever happened.
 
 Measurements live in :class:`~disagg.proxy.measure.Measurements` (warm-up
 samples dropped, outliers clipped: see there); what became of each sample is
@@ -89,6 +91,8 @@ class _Flight:
     #: streamed split: its predicted TTFT less the fixed cost when sent, and whether D had nothing in flight then
     streamed_arrival: float | None = None
     streamed_decode_idle: bool = False
+    #: requests in flight on the engine that streams the answer, at its first token
+    in_flight_at_first: int | None = None
     tokens: dict[str, int] = field(default_factory=dict)
 
 
@@ -251,6 +255,9 @@ class Router:
         if flight is None or route.served == "fallback":
             return
         self._settle(flight)
+        answering = route.prefill if route.path is RoutePath.WHOLE else route.decode
+        if answering is not None:
+            flight.in_flight_at_first = answering.outstanding
         if route.path is RoutePath.SPLIT:
             if self.streamed:   # a sample of the fixed cost, not of the link's rate (module doc)
                 self._streamed_split_sample(route, flight, when - flight.sent)
@@ -284,6 +291,18 @@ class Router:
         else:
             self._sampled("handoff_fixed", self.measurements.observe_streamed_split(
                 route.prefill.url, route.decode.url, observed - flight.streamed_arrival))
+
+    def decoded(self, route: PromptRoute, backend: Backend, token_events: int, first: float, last: float) -> None:
+        """A streamed single-prompt, single-choice reply from ``backend`` ended well: ``token_events``
+        token events, the first sent at ``first`` and the last at ``last`` (perf_counter). Its mean gap
+        is a sample of the engine's decode line at the mean of its requests in flight at the first
+        token and now (both count this one), counted with ``fit="decode"``."""
+        flight = self._flights.get(id(route))
+        if flight is None or flight.in_flight_at_first is None or token_events < 2 or route.served == "fallback":
+            return
+        in_flight = (flight.in_flight_at_first + backend.outstanding) / 2
+        self._sampled("decode", self.measurements.observe_decode(backend.url, in_flight,
+                                                                 (last - first) / (token_events - 1)))
 
     def _sampled(self, fit: str, outcome: str) -> None:
         self.metrics.route_samples.labels(fit, outcome).inc()

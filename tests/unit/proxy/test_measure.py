@@ -592,3 +592,62 @@ def test_the_same_splits_without_streaming_sample_the_link() -> None:
     text = metrics.render().decode()
     assert sample_sum(text, "disagg_route_samples_total", fit="link", outcome="discarded") == 1
     assert sample_sum(text, "disagg_route_samples_total", fit="link", outcome="used") == 2
+
+
+def test_decode_line_per_engine_flat_until_loads_differ_borrowed_until_measured_and_forgotten() -> None:
+    m = Measurements(prefill_tokens_per_s=2000.0, decode_tokens_per_s=2000.0, overhead_s=0.0,
+                     handoff_fixed_s=0.03, link_bytes_per_s=1e9)
+    assert m.tpot_s("http://d:1", 1) is None and m.engine_cost("decode", "http://d:1", 0).tpot_s is None
+    assert m.observe_decode("http://d:1", 1, 1.0) == "discarded"      # warm-up: the engine's first
+    for _ in range(SEED_SAMPLES):
+        assert m.observe_decode("http://d:1", 2, 0.040) == "used"
+    # one load seen: flat at what was seen, whatever the load asked about
+    assert m.tpot_s("http://d:1", 1) == pytest.approx(0.040) and m.tpot_s("http://d:1", 9) == pytest.approx(0.040)
+    for _ in range(20):                                              # 30 ms + 5 ms per request in flight
+        for n in (1, 4, 8):
+            m.observe_decode("http://d:1", n, 0.030 + 0.005 * n)
+    assert m.tpot_s("http://d:1", 6) == pytest.approx(0.060, rel=0.02)
+    # the engine's cost asks the line at its requests in flight plus the one being routed
+    assert m.engine_cost("decode", "http://d:1", 5).tpot_s == pytest.approx(0.060, rel=0.02)
+    # an engine with no decodes of its own (a prefill engine) is priced with the others' line
+    assert m.tpot_s("http://p:1", 1) == pytest.approx(0.035, rel=0.02)
+    assert m.observe_decode("http://p:1", 1, 0.5) == "discarded"
+    for _ in range(SEED_SAMPLES):
+        m.observe_decode("http://p:1", 1, 0.020)
+    assert m.tpot_s("http://p:1", 1) == pytest.approx(0.020)
+    assert m.observe_decode("http://p:1", 1, float("nan")) == "invalid"
+    m.forget("http://d:1")
+    assert m.tpot_s("http://d:1", 6) == pytest.approx(0.020)         # its own line gone: P's now
+
+
+def test_router_learns_decode_lines_from_streams_and_sends_whole_while_decode_is_the_bottleneck() -> None:
+    """Streamed replies teach the decode engine's line (``fit="decode"``); once one more decode
+    would run more than the factor slower there than on the idle prefill engine (which borrows
+    that line at its own load), the next prompt goes ``whole`` with reason ``decode_load``."""
+    metrics, prefill, decode, config = _auto_pools()
+    router = Router(replace(config, whole=True), prefill, decode, metrics, local=True)
+    p, d = prefill.backends[0], decode.backends[0]
+    for i in range(12):
+        r = _route("y" * 40, i)
+        d.outstanding = 0
+        router.route(RequestPlan(r.request, [r]))
+        assert r.path is RoutePath.LOCAL                  # 10 tokens, nothing learned: local
+        load = 1 + 2 * (i % 4)                            # 1, 3, 5, 7 in flight
+        d.outstanding = load
+        router.sent(r, stream=True)
+        router.first_token(r, 0.0, time.perf_counter())
+        router.decoded(r, d, 33, 0.0, 32 * (0.030 + 0.010 * load))
+        router.finished(r)
+    text = metrics.render().decode()
+    assert sample_sum(text, "disagg_route_samples_total", fit="decode", outcome="discarded") == 1
+    assert sample_sum(text, "disagg_route_samples_total", fit="decode", outcome="used") == 11
+    assert router.measurements.tpot_s(d.url, 8) == pytest.approx(0.110, rel=0.02)
+    d.outstanding = 7                                     # one more there: 110 ms; on idle P: 40 ms
+    r = _route("y" * 40, 99)
+    router.route(RequestPlan(r.request, [r]))
+    assert (r.path, r.reason, r.prefill) == (RoutePath.WHOLE, "decode_load", p)
+    assert sample_sum(metrics.render().decode(), "disagg_route_total", path="whole", reason="decode_load") == 1
+    # a reply with one token event, several choices' worth of nothing, or no flight: no sample
+    router.decoded(_route("z", 100), d, 33, 0.0, 1.0)
+    router.decoded(r, p, 1, 0.0, 0.0)
+    assert sample_sum(metrics.render().decode(), "disagg_route_samples_total", fit="decode") == 12

@@ -4,6 +4,8 @@ prefill rate and queue cross it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from disagg.proxy.policy import Candidate, Explorer, decide
@@ -231,3 +233,41 @@ def test_explorer_needs_both_the_time_and_the_decisions_then_is_fresh_again() ->
     for _ in range(50):
         ex.taken(Option.LOCAL, None, "D", now=10_000.0)
     assert ex.stale(*key, now=10_060.0)
+
+
+def test_whole_when_decodes_run_slower_on_every_decode_engine_by_the_factor() -> None:
+    """The ``decode_load`` rule: a prefill engine with no prefill waiting is offered ``whole``
+    when one more decode would take more than the factor x its time per output token on every
+    decode engine; unmeasured lines, a prefill waiting, or one decode engine within the factor
+    keep it off."""
+    p = EngineCost(tokens_per_s=2000.0, tpot_s=0.040)
+    slow_d = EngineCost(tokens_per_s=2000.0, running=6, tpot_s=0.060)
+    d = decide("auto", 100, kv(100), [Candidate("P", p)], [Candidate("D", slow_d)], lambda _p, _d: LINK,
+               whole=True, whole_tpot_factor=1.25)
+    assert (d.path, d.reason, d.prefill, d.decode) == (Option.WHOLE, "decode_load", "P", None)
+    assert d.predicted_s == pytest.approx(p.ttft_s(100))
+    near_d = replace(slow_d, tpot_s=0.049)                       # 1.225 x: within the factor
+    assert choose(100, p, near_d, LINK, whole=True, whole_tpot_factor=1.25) is not Option.WHOLE
+    assert choose(100, p, slow_d, LINK, whole=False) is not Option.WHOLE
+    assert choose(100, replace(p, tpot_s=None), slow_d, LINK, whole=True) is not Option.WHOLE
+    assert choose(100, p, replace(slow_d, tpot_s=None), LINK, whole=True) is not Option.WHOLE
+    assert choose(100, replace(p, waiting=1), slow_d, LINK, whole=True) is not Option.WHOLE
+    # decodes on P itself do not bar it (the rule compares the lines, which count them)
+    assert choose(100, replace(p, running=3), slow_d, LINK, whole=True) is Option.WHOLE
+    two = decide("auto", 100, kv(100), [Candidate("P", p)], [Candidate("D1", slow_d), Candidate("D2", near_d)],
+                 lambda _p, _d: LINK, whole=True, whole_tpot_factor=1.25)
+    assert two.path is not Option.WHOLE
+
+
+def test_a_prefill_stalls_the_decodes_running_on_the_engine_that_computes_it() -> None:
+    """Decodes running on the prefill engine (requests it serves ``whole``) are stalled by a split's
+    prefill there as a local prefill stalls the decode engine's: the score says so."""
+    same = EngineCost(tokens_per_s=2000.0)
+    long = 4000
+    busy_d = EngineCost(tokens_per_s=2000.0, running=1)
+    assert choose(long, same, busy_d, LINK) is Option.SPLIT
+    busier_p = EngineCost(tokens_per_s=2000.0, running=2)
+    d = decide("auto", long, kv(long), [Candidate("P", busier_p)], [Candidate("D", busy_d)], lambda _p, _d: LINK)
+    assert d.path is Option.LOCAL
+    split = next(o for o in d.options if o.path is Option.SPLIT)
+    assert split.score_s == pytest.approx(split.ttft_s + 2 * long / 2000.0)
