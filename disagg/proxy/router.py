@@ -173,8 +173,9 @@ class Router:
         def stale(path: Option, p: Backend | None, dd: Backend) -> bool:
             return explorer.stale(path, p.url if p is not None else None, dd.url, now)
 
-        d = decide(policy, tokens, tokens * self.kv_bytes_per_token, self._candidates(self.prefill),
-                   self._candidates(self.decode), lambda p, dd: self.measurements.link_cost(p.url, dd.url),
+        prefills, decodes = self._candidates(self.prefill), self._candidates(self.decode)
+        d = decide(policy, tokens, tokens * self.kv_bytes_per_token, prefills,
+                   decodes, lambda p, dd: self.measurements.link_cost(p.url, dd.url),
                    whole=self.config.whole, local=self.local, stall_weight=self.config.stall_weight,
                    stale=stale if self.config.explore_within > 0 else None, explore_within=self.config.explore_within)
         route.path, route.reason = _PATHS[d.path], d.reason
@@ -186,9 +187,12 @@ class Router:
             self._predicted[d.path].observe(d.predicted_s)
         if log.isEnabledFor(logging.DEBUG):
             alts = ", ".join(f"{o.path} {o.ttft_s * 1e3:.1f} ms (score {o.score_s * 1e3:.1f})" for o in d.options)
-            log.debug("route %s: %d tokens -> %s (%s) P=%s D=%s; predicted %s", route.request.request_id, tokens,
-                      d.path, d.reason, d.prefill.url if d.prefill else "-", d.decode.url if d.decode else "-",
-                      alts or "-")
+            tpot = ", ".join(f"{c.engine.role} {c.engine.outstanding} in flight "
+                             + (f"{c.cost.tpot_s * 1e3:.1f} ms" if c.cost.tpot_s is not None else "-")
+                             for c in (*prefills, *decodes))
+            log.debug("route %s: %d tokens -> %s (%s) P=%s D=%s; predicted %s; tpot %s", route.request.request_id,
+                      tokens, d.path, d.reason, d.prefill.url if d.prefill else "-",
+                      d.decode.url if d.decode else "-", alts or "-", tpot)
 
     # --- learning --------------------------------------------------------------------
 
