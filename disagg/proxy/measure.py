@@ -15,14 +15,21 @@
   two overlap, so that time is no sample of the link: the rate stays at its
   seed, predictions take only the part of the transfer the prefill does not
   hide (:func:`disagg.routecost.exposed_transfer_s`), and the fixed cost is
-  learned instead as an exponentially weighted mean (:class:`EwMean`) of what
-  each streamed split sent while the decode engine was idle took to its first
-  token beyond that prediction less its fixed cost
-  (:meth:`Measurements.streamed_arrival_s`, :meth:`Measurements.observe_streamed_split`;
-  the router picks the samples). Left at its seed (40 ms, measured on one
-  machine), it had the first streamed splits of a few tokens after start
-  predicted at 43 ms where they took 120-420 ms on another, and the policy
-  went on splitting at idle prompts that a colocated engine answered in 25 ms;
+  learned instead, as a line in the decode engine's requests in flight when
+  the split was sent: what each streamed split took to its first token beyond
+  that prediction less its fixed cost (:meth:`Measurements.streamed_arrival_s`,
+  :meth:`Measurements.observe_streamed_split`; the router picks the samples).
+  Left at its seed (40 ms, measured on one machine), it had the first streamed
+  splits of a few tokens after start predicted at 43 ms where they took
+  120-420 ms on another, and the policy went on splitting at idle prompts that
+  a colocated engine answered in 25 ms. A line, not one figure: a split's
+  first token also waits for the decode engine's step in progress and the one
+  that takes it in, which grow with the decodes running there (on one core,
+  41 ms beyond the prediction with 0-2 requests in flight, 81 ms with 3-5, 151
+  ms with 6-8). One mean over every split priced them all at the average load
+  (past saturation 27% too high at lighter moments, and the policy prefilled
+  on the decode engine prompts that doubled its decodes' TPOT); one over the
+  idle splits alone under-priced every split under load (by 49% at 2 req/s);
 - per engine, the prefill tokens it has still to work through (sent, no
   first token yet, less what the time since then has covered at its fitted
   rate: :meth:`Measurements._progress`) and so the decodes it is running;
@@ -98,6 +105,8 @@ DECAY = 0.2
 SEED_TOKENS = (128.0, 2048.0)
 #: KV sizes (bytes) of the two pseudo-samples that carry a link's seed line
 SEED_BYTES = (1 << 20, 64 << 20)
+#: decode engine loads (requests in flight) of the two pseudo-samples of a streamed fixed cost's seed
+STREAMED_SEED_IN_FLIGHT = (0.0, 8.0)
 #: real samples after which the seed leaves a fit altogether
 SEED_SAMPLES = 4
 #: relative spread of the samples' x below which a fit keeps its intercept and fits only the slope
@@ -113,8 +122,8 @@ QUEUED_SHARE = 0.25
 
 
 class _Gate:
-    """The two rules against one-off costs (module doc) that :class:`EwFit` and :class:`EwMean`
-    share: the first ``warmup`` observations are dropped, and once :data:`SEED_SAMPLES` real
+    """The two rules against one-off costs (module doc), apart from :class:`EwFit`'s arithmetic:
+    the first ``warmup`` observations are dropped, and once :data:`SEED_SAMPLES` real
     ones are in, an observation above ``clip`` x the prediction enters as ``clip`` x it."""
 
     __slots__ = ("_clip", "_warmup", "clipped", "discarded", "samples")
@@ -145,7 +154,8 @@ class EwFit(_Gate):
 
     Both coefficients stay physical: ``a >= 0`` and ``rate > 0``. When the
     samples' ``x`` hardly differ, the intercept stays where it was and only the
-    rate is refitted through the weighted mean. The first ``warmup``
+    rate is refitted through the weighted mean (all at ``x = 0``: the mean is the
+    intercept). The first ``warmup``
     observations are dropped and, once the seed has left, an observation above
     ``clip`` x the prediction enters as ``clip`` x the prediction (module doc).
     The seed is the line ``intercept + x / rate`` at each of ``seed_x``; with no
@@ -218,51 +228,11 @@ class EwFit(_Gate):
             if slope > 0 and a >= 0:
                 self._a = a
                 return a, max(1.0 / slope, MIN_RATE)
+        if mx <= 0:       # every sample at x = 0: their mean is the intercept
+            return max(my, 0.0), math.inf
         a = min(self._a, my)
-        slope = (my - a) / mx if mx > 0 else 0.0
+        slope = (my - a) / mx
         return a, (max(1.0 / slope, MIN_RATE) if slope > 0 else math.inf)
-
-
-class EwMean(_Gate):
-    """An exponentially weighted mean of one quantity (seconds), with :class:`EwFit`'s rules: a
-    seed that enters as one pseudo-sample and leaves once :data:`SEED_SAMPLES` real ones are in,
-    and :class:`_Gate`'s warm-up discard and clipping (to ``clip`` x the mean). Observations may
-    be negative (a residual: the rest of the prediction was too high); :attr:`value` is never
-    below 0."""
-
-    __slots__ = ("_decay", "_seed", "_seed_left", "_sum", "_w")
-
-    def __init__(self, seed: float, decay: float = DECAY, *, warmup: int = WARMUP_SAMPLES,
-                 clip: float = CLIP) -> None:
-        super().__init__(warmup, clip)
-        self._seed = seed
-        self._decay = decay
-        self._sum, self._w = seed, 1.0
-        self._seed_left = 1.0
-
-    @property
-    def value(self) -> float:
-        """The mean (at least 0)."""
-        return max(self._sum / self._w, 0.0)
-
-    def add(self, y: float) -> str:
-        """One observation; returns ``used``, ``clipped``, ``discarded`` (warm-up) or ``invalid``."""
-        if not math.isfinite(y):
-            return "invalid"
-        admitted = self._admit(y, lambda: self.value)
-        if admitted is None:
-            return "discarded"
-        y, outcome = admitted
-        keep = 1.0 - self._decay
-        self._sum = self._sum * keep + self._decay * y
-        self._w = self._w * keep + self._decay
-        self._seed_left *= keep
-        self.samples += 1
-        if self.samples == SEED_SAMPLES:   # the seed leaves; from now on each sample weighs ``decay`` of the whole
-            self._sum = (self._sum - self._seed_left * self._seed) / (self._w - self._seed_left)
-            self._w = 1.0
-            self._seed_left = 0.0
-        return outcome
 
 
 @dataclass(eq=False)   # identity: two prefills of one size are two entries (settle removes the right one)
@@ -306,8 +276,9 @@ class Measurements:
         self._links: dict[tuple[str, str], EwFit] = {}
         #: per engine URL, time per output token against requests in flight (see the module doc)
         self._decode: dict[str, EwFit] = {}
-        #: per pair, a streamed handoff's fixed cost (streaming_layers set; see the module doc)
-        self._streamed_fixed: dict[tuple[str, str], EwMean] = {}
+        #: per pair, a streamed handoff's fixed cost against the decode engine's requests in flight
+        #: (streaming_layers set; see the module doc)
+        self._streamed_fixed: dict[tuple[str, str], EwFit] = {}
 
     # --- state per engine --------------------------------------------------------
 
@@ -423,19 +394,21 @@ class Measurements:
             fit = self._decode[url] = EwFit(math.inf, 1.0, (), self._decay)
         return fit.add(in_flight, tpot_s)
 
-    def link_cost(self, prefill_url: str, decode_url: str) -> LinkCost:
+    def link_cost(self, prefill_url: str, decode_url: str, decode_in_flight: int = 0) -> LinkCost:
         """The pair's handoff line (fixed seconds, bytes per second; streamed or not: a streamed
-        handoff's fixed cost is its learned :class:`EwMean`, its rate the seed's)."""
+        handoff's fixed cost is its learned line at the decode engine's ``decode_in_flight``
+        requests, its rate the seed's)."""
         fixed, rate = self._link_fit(prefill_url, decode_url).coefficients()
         if self.streaming_layers is not None:
-            fixed = self._streamed_fixed_fit(prefill_url, decode_url).value
+            fixed = self._streamed_fixed_fit(prefill_url, decode_url).predict(decode_in_flight)
         return LinkCost(fixed_s=fixed, bytes_per_s=rate, streaming_layers=self.streaming_layers)
 
-    def _streamed_fixed_fit(self, prefill_url: str, decode_url: str) -> EwMean:
+    def _streamed_fixed_fit(self, prefill_url: str, decode_url: str) -> EwFit:
+        """The pair's streamed fixed cost against D's requests in flight, seeded flat at the seed."""
         key = (prefill_url, decode_url)
         fit = self._streamed_fixed.get(key)
         if fit is None:
-            fit = self._streamed_fixed[key] = EwMean(self._fixed, self._decay)
+            fit = self._streamed_fixed[key] = EwFit(self._fixed, math.inf, STREAMED_SEED_IN_FLIGHT, self._decay)
         return fit
 
     def streamed_arrival_s(self, prefill_url: str, decode_url: str, tokens: float, kv_bytes: float,
@@ -449,13 +422,16 @@ class Measurements:
         link = replace(self.link_cost(prefill_url, decode_url), fixed_s=0.0)
         return split_ttft(tokens, kv_bytes, prefill, link)
 
-    def observe_streamed_split(self, prefill_url: str, decode_url: str, beyond_s: float) -> str:
-        """A streamed split's first token came ``beyond_s`` seconds after its
-        :meth:`streamed_arrival_s` (negative: before): a sample of the pair's fixed handoff cost
-        (what the handoff adds beyond the modelled prefill and exposed transfer: the decode
-        engine's first step, the requests' round trips, and whatever the prefill line missed).
-        Returns what the mean made of it (:meth:`EwMean.add`)."""
-        return self._streamed_fixed_fit(prefill_url, decode_url).add(beyond_s)
+    def observe_streamed_split(self, prefill_url: str, decode_url: str, beyond_s: float,
+                               decode_in_flight: int = 0) -> str:
+        """A streamed split sent while the decode engine had ``decode_in_flight`` requests came to
+        its first token ``beyond_s`` seconds after its :meth:`streamed_arrival_s`: a sample of the
+        pair's fixed handoff cost at that load (what the handoff adds beyond the modelled prefill
+        and exposed transfer: the decode engine's steps, the requests' round trips, and whatever
+        the prefill line missed). Earlier than predicted counts as 0 (the line's ``y`` is never
+        negative). Returns what the line made of it (:meth:`EwFit.add`)."""
+        fit = self._streamed_fixed_fit(prefill_url, decode_url)
+        return fit.add(decode_in_flight, max(beyond_s, 0.0) if math.isfinite(beyond_s) else beyond_s)
 
     def _link_fit(self, prefill_url: str, decode_url: str) -> EwFit:
         key = (prefill_url, decode_url)

@@ -29,16 +29,14 @@ so the time between them is no handoff time. The rate stays at its seed (the
 transfer the prefill does not hide (:func:`disagg.routecost.exposed_transfer_s`).
 The fixed cost is learned: when a streamed split is sent, :meth:`Router.sent`
 takes its :meth:`Measurements.streamed_arrival_s` (its prediction less the
-fixed cost) and whether the decode engine had anything in flight; at its first
-token, the time beyond that arrival is a sample of the fixed cost
-(:meth:`Measurements.observe_streamed_split`), unless the prefill was sent
-behind a queue (``queued``, as for the engines' lines) or the decode engine was
-not idle (``decode_busy``); counted with ``fit="handoff_fixed"``. Only idle
-samples: under load the first token also waits for the decode engine's batch of
-running decodes and queued prefills, which is load, not a fixed cost; learned
-as one, it over-priced splits past saturation, sent the decode engine prefills
-that doubled its decodes' TPOT, and cut goodput (docs/results.md). The prefill
-engines still learn from prefill's answers. The router registers
+fixed cost) and the decode engine's requests in flight; at its first token,
+the time beyond that arrival is a sample of the fixed cost at that load
+(:meth:`Measurements.observe_streamed_split`: a line in the decode engine's
+requests in flight, since the first token also waits for that engine's steps),
+unless the prefill was sent behind a queue (``queued``, as for the engines'
+lines); counted with ``fit="handoff_fixed"``. The policy asks the line at each
+decode engine's requests in flight now. The prefill engines still learn from
+prefill's answers. The router registers
 :meth:`Measurements.forget` and :meth:`Explorer.forget
 <disagg.proxy.policy.Explorer.forget>` with the pools' ``on_return``.
 
@@ -88,9 +86,9 @@ class _Flight:
     pending: Any = None
     prefill_done: float | None = None
     decode_wait: float = 0.0               # split: the decode engine's queued prefill work then, seconds
-    #: streamed split: its predicted TTFT less the fixed cost when sent, and whether D had nothing in flight then
+    #: streamed split: its predicted TTFT less the fixed cost when sent, and D's requests in flight then
     streamed_arrival: float | None = None
-    streamed_decode_idle: bool = False
+    streamed_decode_in_flight: int = 0
     #: requests in flight on the engine that streams the answer, at its first token
     in_flight_at_first: int | None = None
     tokens: dict[str, int] = field(default_factory=dict)
@@ -175,7 +173,7 @@ class Router:
 
         prefills, decodes = self._candidates(self.prefill), self._candidates(self.decode)
         d = decide(policy, tokens, tokens * self.kv_bytes_per_token, prefills,
-                   decodes, lambda p, dd: self.measurements.link_cost(p.url, dd.url),
+                   decodes, lambda p, dd: self.measurements.link_cost(p.url, dd.url, dd.outstanding),
                    whole=self.config.whole, local=self.local, stall_weight=self.config.stall_weight,
                    stale=stale if self.config.explore_within > 0 else None, explore_within=self.config.explore_within)
         route.path, route.reason = _PATHS[d.path], d.reason
@@ -217,7 +215,7 @@ class Router:
             flight.streamed_arrival = m.streamed_arrival_s(engine.url, route.decode.url, route.tokens,
                                                            route.tokens * self.kv_bytes_per_token,
                                                            flight.queued_ahead)
-            flight.streamed_decode_idle = route.decode.outstanding == 0
+            flight.streamed_decode_in_flight = route.decode.outstanding
         flight.pending = self.measurements.dispatch(role, engine.url, route.tokens, until, now=flight.sent)
 
     def _settle(self, flight: _Flight, *, done: bool = True) -> None:
@@ -290,11 +288,10 @@ class Router:
             return
         if flight.queued_ahead > QUEUED_SHARE * route.tokens:
             self._sampled("handoff_fixed", "queued")      # the queue estimate, not the handoff
-        elif not flight.streamed_decode_idle:
-            self._sampled("handoff_fixed", "decode_busy")  # D's batch and queue, not the handoff's fixed cost
         else:
             self._sampled("handoff_fixed", self.measurements.observe_streamed_split(
-                route.prefill.url, route.decode.url, observed - flight.streamed_arrival))
+                route.prefill.url, route.decode.url, observed - flight.streamed_arrival,
+                flight.streamed_decode_in_flight))
 
     def decoded(self, route: PromptRoute, backend: Backend, token_events: int, first: float, last: float) -> None:
         """A streamed single-prompt, single-choice reply from ``backend`` ended well: ``token_events``

@@ -15,7 +15,7 @@ from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
 from disagg.proxy.backends import BackendPool
 from disagg.proxy.config import RoutingConfig
-from disagg.proxy.measure import CLIP, SEED_SAMPLES, EwFit, EwMean, Measurements
+from disagg.proxy.measure import CLIP, SEED_SAMPLES, EwFit, Measurements
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.proxy.promptlen import SAMPLE_CHARS, PromptLength
@@ -522,56 +522,50 @@ def test_a_streamed_handoff_is_priced_streamed_and_learns_its_fixed_cost_not_the
     assert router.measurements.link_cost(p.url, d.url).fixed_s == pytest.approx(0.03)
 
 
-def test_a_streamed_split_behind_a_queue_or_to_a_busy_decode_engine_is_no_sample_of_the_fixed_cost() -> None:
-    """Sent behind a prefill queue on P (``queued``) or while D had anything in flight
-    (``decode_busy``: its first token waited for D's batch, which is load): the fixed cost stays
-    where it was."""
+def test_a_streamed_split_behind_a_queue_is_no_sample_and_one_to_a_busy_decode_engine_teaches_that_load() -> None:
+    """Sent behind a prefill queue on P (``queued``): no sample. Sent while D had requests in
+    flight: a sample of the fixed cost at that load (the first token also waits for D's steps),
+    so the line rises with D's load and the idle figure stays where the idle samples put it."""
     metrics, prefill, decode, config = _auto_pools()
     router = Router(replace(config, decode_tokens_per_s=200.0, streaming_layers=32), prefill, decode, metrics,
                     local=True)
     p, d = prefill.backends[0], decode.backends[0]
     before = router.measurements.link_cost(p.url, d.url)
-
-    def queued_on(backend, path: RoutePath, tokens: int, i: int) -> PromptRoute:
-        q = PromptRoute(100 + i, _route("z", 100 + i).request, path, "predicted")
-        q.tokens = tokens
-        if path is RoutePath.LOCAL:
-            q.decode = backend
-        else:
-            q.prefill, q.decode = backend, d
-        router.sent(q, stream=True)
-        return q
-
-    for i, (backend, path) in enumerate(((p, RoutePath.SPLIT), (d, RoutePath.LOCAL))):
-        ahead = queued_on(backend, path, 2000, i)   # 1 s of work queued (2,000 tokens/s seeded)
-        backend.outstanding += 1                     # as the pool counts a request in flight
-        r = _route("y" * 400, i)
-        r.reason, r.prefill, r.decode, r.tokens = "predicted", p, d, 100
-        router.sent(r, stream=True)
-        router.first_token(r, 0.0, router._flights[id(r)].sent + 1.2)
-        router.finished(r)
-        router.finished(ahead)
-        backend.outstanding -= 1
+    ahead = PromptRoute(100, _route("z", 100).request, RoutePath.SPLIT, "predicted")
+    ahead.tokens, ahead.prefill, ahead.decode = 2000, p, d   # 1 s of work queued on P (2,000 tokens/s seeded)
+    router.sent(ahead, stream=True)
+    r = _route("y" * 400, 0)
+    r.reason, r.prefill, r.decode, r.tokens = "predicted", p, d, 100
+    router.sent(r, stream=True)
+    router.first_token(r, 0.0, router._flights[id(r)].sent + 1.2)
+    router.finished(r)
+    router.finished(ahead)
     text = metrics.render().decode()
     assert sample_sum(text, "disagg_route_samples_total", fit="handoff_fixed", outcome="queued") == 1
-    assert sample_sum(text, "disagg_route_samples_total", fit="handoff_fixed", outcome="decode_busy") == 1
     assert sample_sum(text, "disagg_route_samples_total", fit="handoff_fixed", outcome="discarded") == 0
     assert router.measurements.link_cost(p.url, d.url) == before
 
-
-def test_ew_mean_seed_warm_up_clipping_and_floor() -> None:
-    m = EwMean(0.04)
-    assert m.value == pytest.approx(0.04)
-    assert m.add(5.0) == "discarded" and m.value == pytest.approx(0.04)      # warm-up: a first handshake
-    assert m.add(float("nan")) == "invalid"
-    for _ in range(SEED_SAMPLES):
-        assert m.add(0.2) == "used"
-    assert m.value == pytest.approx(0.2)            # the seed left with the 4th sample
-    assert m.add(10.0) == "clipped"                 # entered as CLIP x 0.2
-    assert m.value == pytest.approx(0.8 * 0.2 + 0.2 * CLIP * 0.2)
-    for _ in range(30):
-        m.add(-0.1)                                 # the rest of the prediction ran high
-    assert m.value == 0.0
+    for i in range(12):                         # 20 ms beyond at idle, 20 + 10 ms per request in flight
+        load = (0, 2, 6)[i % 3]
+        d.outstanding = load
+        s = _route("y" * 400, 1 + i)
+        s.reason, s.prefill, s.decode, s.tokens = "predicted", p, d, 100
+        router.sent(s, stream=True)
+        flight = router._flights[id(s)]
+        router.first_token(s, 0.0, flight.sent + flight.streamed_arrival + 0.020 + 0.010 * load)
+        router.finished(s)
+    d.outstanding = 0
+    assert sample_sum(metrics.render().decode(), "disagg_route_samples_total", fit="handoff_fixed",
+                      outcome="used") == 11
+    assert router.measurements.link_cost(p.url, d.url).fixed_s == pytest.approx(0.020, abs=0.002)
+    assert router.measurements.link_cost(p.url, d.url, 4).fixed_s == pytest.approx(0.060, abs=0.004)
+    # the policy asks the line at the decode engine's load now
+    d.outstanding = 6
+    q = _route("y" * 400, 50)
+    router.route(RequestPlan(q.request, [q]))
+    split = router.measurements.link_cost(p.url, d.url, 6)
+    assert q.path is RoutePath.SPLIT and split.fixed_s == pytest.approx(0.080, abs=0.006)
+    assert q.predicted_s == pytest.approx(100 / 2000 + split.after_prefill_s(100 * 1024, 100 / 2000), rel=0.05)
 
 
 def test_the_same_splits_without_streaming_sample_the_link() -> None:
