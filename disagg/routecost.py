@@ -125,7 +125,10 @@ class EngineCost:
     ``running``: requests it is decoding now (local prefill stalls them);
     ``waiting``: prefills sent to it that have not produced their first token yet;
     ``tpot_s``: predicted time per output token of one more request decoding there
-    (None: not measured; the policy offers ``whole`` on it only from the backlog rule).
+    (None: not measured; the policy offers ``whole`` on it only from the backlog rule);
+    ``busy_s``: what its load (requests in flight) adds to a prefill's time to first token
+    beyond its line (the step in progress, decodes batched with the prefill): part of
+    :meth:`ttft_s`, not of :meth:`prefill_s`, so not of the stall a prefill imposes.
     """
 
     tokens_per_s: float
@@ -134,6 +137,7 @@ class EngineCost:
     running: int = 0
     waiting: int = 0
     tpot_s: float | None = None
+    busy_s: float = 0.0
 
     def wait_s(self) -> float:
         """Queue wait: the outstanding prefill tokens at this engine's rate."""
@@ -144,8 +148,8 @@ class EngineCost:
         return self.overhead_s + tokens / self.tokens_per_s
 
     def ttft_s(self, tokens: float) -> float:
-        """Queue wait plus prefill of ``tokens``."""
-        return self.wait_s() + self.prefill_s(tokens)
+        """Queue wait plus prefill of ``tokens`` plus what the engine's load adds (``busy_s``)."""
+        return self.wait_s() + self.prefill_s(tokens) + self.busy_s
 
 
 def exposed_transfer_s(transfer_s: float, prefill_s: float, layers: int | None) -> float:

@@ -8,7 +8,18 @@
   when it was sent: from prefill replies of split routes (prefill engines), and
   from the first streamed token of ``local`` / ``whole`` routes; only prompts
   sent with at most :data:`QUEUED_SHARE` of their size queued ahead are
-  samples (:meth:`Measurements.observe_prefill` says why);
+  samples (:meth:`Measurements.observe_prefill` says why), and only prompts
+  sent while the engine had nothing in flight: its line is the prefill's own
+  time, which is also the stall it imposes on decodes there. A prompt sent
+  while the engine had requests in flight is a sample of a second line per
+  engine, what that load adds to the first token beyond the first line (the
+  step in progress, the decodes batched with the prefill), against the
+  requests in flight (seeded flat at 0; ``EngineCost.busy_s``). One line fed
+  by both mixed them: on a one-core decode engine at 2-4 req/s it predicted
+  a 64-token local prefill at 153 ms with nothing in flight, where such
+  prompts took 25-40 ms, and priced its stall on 4 running decodes at 275 ms
+  instead of about 75, so short prompts went to a split (p50 294 ms) instead
+  of local (p50 83 ms);
 - per prefill -> decode pair, a fit of ``seconds = fixed + kv_bytes / rate``
   from split routes (prefill reply -> first decode token, streamed). When the
   handoff streams the KV while the prefill computes (``streaming_layers``) the
@@ -105,8 +116,9 @@ DECAY = 0.2
 SEED_TOKENS = (128.0, 2048.0)
 #: KV sizes (bytes) of the two pseudo-samples that carry a link's seed line
 SEED_BYTES = (1 << 20, 64 << 20)
-#: decode engine loads (requests in flight) of the two pseudo-samples of a streamed fixed cost's seed
-STREAMED_SEED_IN_FLIGHT = (0.0, 8.0)
+#: engine loads (requests in flight) of the two pseudo-samples of the lines in load: a streamed fixed
+#: cost's seed, and an engine's busy line (flat at 0)
+LOAD_SEED_IN_FLIGHT = (0.0, 8.0)
 #: real samples after which the seed leaves a fit altogether
 SEED_SAMPLES = 4
 #: relative spread of the samples' x below which a fit keeps its intercept and fits only the slope
@@ -251,7 +263,8 @@ class _Pending:
 
 @dataclass
 class _Engine:
-    fit: EwFit
+    fit: EwFit                         # prefill seconds against work tokens, engine alone
+    busy: EwFit                        # what its load adds, against requests in flight
     seed_rate: float
     pending: list[_Pending] = field(default_factory=list)
     #: perf_counter up to which the engine's work on ``pending`` has been counted
@@ -286,7 +299,8 @@ class Measurements:
         eng = self._engines.get(url)
         if eng is None:
             rate = self._seed.get(role, self._seed["prefill"])
-            eng = self._engines[url] = _Engine(EwFit(self._overhead, rate, SEED_TOKENS, self._decay), rate)
+            eng = self._engines[url] = _Engine(EwFit(self._overhead, rate, SEED_TOKENS, self._decay),
+                                               EwFit(0.0, math.inf, LOAD_SEED_IN_FLIGHT, self._decay), rate)
         return eng
 
     def queued_tokens(self, role: str, url: str, now: float | None = None) -> float:
@@ -373,7 +387,7 @@ class Measurements:
         waiting = len(eng.pending)
         return EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued,
                           running=max(outstanding - waiting, 0), waiting=waiting,
-                          tpot_s=self.tpot_s(url, outstanding + 1))
+                          tpot_s=self.tpot_s(url, outstanding + 1), busy_s=eng.busy.predict(outstanding))
 
     def tpot_s(self, url: str, in_flight: float) -> float | None:
         """Predicted time per output token on the engine at ``url`` with ``in_flight`` requests
@@ -408,17 +422,20 @@ class Measurements:
         key = (prefill_url, decode_url)
         fit = self._streamed_fixed.get(key)
         if fit is None:
-            fit = self._streamed_fixed[key] = EwFit(self._fixed, math.inf, STREAMED_SEED_IN_FLIGHT, self._decay)
+            fit = self._streamed_fixed[key] = EwFit(self._fixed, math.inf, LOAD_SEED_IN_FLIGHT, self._decay)
         return fit
 
     def streamed_arrival_s(self, prefill_url: str, decode_url: str, tokens: float, kv_bytes: float,
-                           queued_ahead: float) -> float:
+                           queued_ahead: float, prefill_in_flight: int = 0) -> float:
         """A streamed split's predicted TTFT less the handoff's fixed cost: the prefill engine's
-        ``queued_ahead + tokens`` at its line (:meth:`_line`) plus the part of the transfer of
-        ``kv_bytes`` that prefill does not hide. The router takes it when the split is sent, and
-        gives what the first token took beyond it to :meth:`observe_streamed_split`."""
-        overhead, rate = self._line(self._engine("prefill", prefill_url))
-        prefill = EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued_ahead)
+        ``queued_ahead + tokens`` at its line (:meth:`_line`) and its busy line at
+        ``prefill_in_flight``, plus the part of the transfer of ``kv_bytes`` that prefill does not
+        hide. The router takes it when the split is sent, and gives what the first token took
+        beyond it to :meth:`observe_streamed_split`."""
+        eng = self._engine("prefill", prefill_url)
+        overhead, rate = self._line(eng)
+        prefill = EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued_ahead,
+                             busy_s=eng.busy.predict(prefill_in_flight))
         link = replace(self.link_cost(prefill_url, decode_url), fixed_s=0.0)
         return split_ttft(tokens, kv_bytes, prefill, link)
 
@@ -468,17 +485,26 @@ class Measurements:
         else:
             eng.pending = [p for p in eng.pending if p is not pending]
 
-    def observe_prefill(self, role: str, url: str, tokens: float, seconds: float, queued_ahead: float = 0.0) -> str:
+    def observe_prefill(self, role: str, url: str, tokens: float, seconds: float, queued_ahead: float = 0.0,
+                        in_flight: int = 0) -> str:
         """A prefill of ``tokens`` took ``seconds`` (sent -> first token or prefill reply) with
-        ``queued_ahead`` tokens of work queued before it (:meth:`queued_tokens` when it was sent);
-        returns what the fit made of it (:meth:`EwFit.add`), or ``queued`` when more than
-        :data:`QUEUED_SHARE` of ``tokens`` was queued ahead: such a time measures how far the queue
-        estimate was off (vLLM batches, the engine ran decodes in between) more than the engine's
-        rate, and fitting it as ``queued_ahead + tokens`` bent the line (the intercept grew, so
-        short prompts on an idle engine were predicted several times their time)."""
+        ``queued_ahead`` tokens of work queued before it (:meth:`queued_tokens` when it was sent)
+        and ``in_flight`` requests on the engine then (not counting itself); returns what the fit
+        made of it (:meth:`EwFit.add`), or ``queued`` when more than :data:`QUEUED_SHARE` of
+        ``tokens`` was queued ahead: such a time measures how far the queue estimate was off (vLLM
+        batches, the engine ran decodes in between) more than the engine's rate, and fitting it as
+        ``queued_ahead + tokens`` bent the line (the intercept grew, so short prompts on an idle
+        engine were predicted several times their time). With ``in_flight`` > 0 it is a sample
+        of the engine's busy line instead (module doc): what the time exceeded its line by, at
+        that load (never below 0)."""
         if queued_ahead > QUEUED_SHARE * tokens:
             return "queued"
-        return self._engine(role, url).fit.add(queued_ahead + tokens, seconds)
+        eng = self._engine(role, url)
+        if in_flight <= 0:
+            return eng.fit.add(queued_ahead + tokens, seconds)
+        overhead, rate = self._line(eng)
+        beyond = seconds - overhead - (queued_ahead + tokens) / rate
+        return eng.busy.add(in_flight, max(beyond, 0.0) if math.isfinite(beyond) else beyond)
 
     def observe_handoff(self, prefill_url: str, decode_url: str, kv_bytes: float, seconds: float) -> str:
         """A handoff of ``kv_bytes`` took ``seconds`` (prefill reply -> first decode token);

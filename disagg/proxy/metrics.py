@@ -38,9 +38,10 @@ Routing (:mod:`disagg.proxy.policy`; named without the prefix, as issue 15 asks)
 - ``disagg_route_ttft_error_ratio{path}``: per prompt, |predicted - observed| / observed TTFT
   (the prompts of both histograms above with a prediction); ``_sum / _count`` is the mean
   absolute relative error of the predictions for that path.
-- ``disagg_route_samples_total{fit, outcome}``: live measurements (``fit``: ``engine`` prefill,
-  ``link`` handoff, ``handoff_fixed``, a streamed handoff's fixed cost, or ``decode``, an engine's
-  time per output token against its requests in flight) by what the fit made
+- ``disagg_route_samples_total{fit, outcome}``: live measurements (``fit``: ``engine`` prefill
+  on an engine with nothing else in flight, ``engine_busy`` what an engine's load adds,
+  ``link`` handoff, ``handoff_fixed``, a streamed handoff's fixed cost, or ``decode``, an
+  engine's time per output token against its requests in flight) by what the fit made
   of them: ``used``, ``clipped`` (far above the prediction: entered as ``CLIP`` x it),
   ``discarded`` (an engine's or pair's first, warm-up), ``invalid``, ``queued`` (a prefill sent
   behind a queue: not a sample of the engine's line; see :mod:`disagg.proxy.measure`),

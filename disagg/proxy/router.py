@@ -83,6 +83,7 @@ class _Flight:
     sent: float = 0.0
     engine: Backend | None = None          # where its prefill is queued
     queued_ahead: float = 0.0              # prefill tokens queued there when it was sent
+    in_flight_at_send: int = 0             # requests in flight there when it was sent (not itself)
     pending: Any = None
     prefill_done: float | None = None
     decode_wait: float = 0.0               # split: the decode engine's queued prefill work then, seconds
@@ -206,6 +207,7 @@ class Router:
         if engine is None:
             return
         flight.engine = engine
+        flight.in_flight_at_send = engine.outstanding
         flight.queued_ahead = self.measurements.queued_tokens(role, engine.url, flight.sent)
         # a non-streamed reply shows no first token: it stops counting when predicted done
         until = float("inf") if (stream or route.path is RoutePath.SPLIT) else \
@@ -214,7 +216,7 @@ class Router:
             m = self.measurements
             flight.streamed_arrival = m.streamed_arrival_s(engine.url, route.decode.url, route.tokens,
                                                            route.tokens * self.kv_bytes_per_token,
-                                                           flight.queued_ahead)
+                                                           flight.queued_ahead, flight.in_flight_at_send)
             flight.streamed_decode_in_flight = route.decode.outstanding
         flight.pending = self.measurements.dispatch(role, engine.url, route.tokens, until, now=flight.sent)
 
@@ -241,8 +243,8 @@ class Router:
         tokens = prompt_tokens or route.tokens
         flight.tokens["prompt"] = tokens
         if flight.engine is backend:
-            self._sampled("engine", self.measurements.observe_prefill("prefill", backend.url, tokens, seconds,
-                                                                      flight.queued_ahead))
+            self._sampled(_engine_fit(flight), self.measurements.observe_prefill(
+                "prefill", backend.url, tokens, seconds, flight.queued_ahead, flight.in_flight_at_send))
 
     def first_token(self, route: PromptRoute, started: float, when: float) -> None:
         """A streamed single-prompt reply sent its first event at ``when`` (``started``: request arrival)."""
@@ -278,9 +280,9 @@ class Router:
                                                                         nbytes, handoff))
         elif flight.engine is not None \
                 and flight.engine is (route.decode if route.path is RoutePath.LOCAL else route.prefill):
-            self._sampled("engine", self.measurements.observe_prefill(flight.engine.role, flight.engine.url,
-                                                                      route.tokens, when - flight.sent,
-                                                                      flight.queued_ahead))
+            self._sampled(_engine_fit(flight), self.measurements.observe_prefill(
+                flight.engine.role, flight.engine.url, route.tokens, when - flight.sent, flight.queued_ahead,
+                flight.in_flight_at_send))
 
     def _streamed_split_sample(self, route: PromptRoute, flight: _Flight, observed: float) -> None:
         """A streamed split's first token came ``observed`` seconds after it was sent."""
@@ -313,3 +315,9 @@ class Router:
         flight = self._flights.pop(id(route), None)
         if flight is not None:
             self._settle(flight, done=False)   # still queued here: it never answered
+
+
+def _engine_fit(flight: _Flight) -> str:
+    """The ``fit`` label of a prefill's sample: ``engine`` (its line, sent to an idle engine) or
+    ``engine_busy`` (the line of what load adds)."""
+    return "engine" if flight.in_flight_at_send == 0 else "engine_busy"

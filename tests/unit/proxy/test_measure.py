@@ -645,3 +645,29 @@ def test_router_learns_decode_lines_from_streams_and_sends_whole_while_decode_is
     router.decoded(_route("z", 100), d, 33, 0.0, 1.0)
     router.decoded(r, p, 1, 0.0, 0.0)
     assert sample_sum(metrics.render().decode(), "disagg_route_samples_total", fit="decode") == 12
+
+
+def test_a_prefill_sent_to_a_busy_engine_teaches_the_busy_line_not_the_engines_own() -> None:
+    """Only prefills sent while the engine had nothing in flight fit its line (the prefill's own
+    time, which is also the stall it imposes); the others teach what load adds, against the
+    requests in flight, which the time to first token includes and the stall does not."""
+    m = Measurements(prefill_tokens_per_s=2000.0, decode_tokens_per_s=2000.0, overhead_s=0.0,
+                     handoff_fixed_s=0.03, link_bytes_per_s=1e9)
+    assert m.observe_prefill("decode", "d", 64.0, 1.0) == "discarded"            # warm-up
+    for i in range(12):                                                          # alone: 10 ms + 64 tokens at 3,200/s
+        n = 64.0 + 64 * (i % 4)
+        assert m.observe_prefill("decode", "d", n, 0.010 + n / 3200) == "used"
+    line = m.engine_cost("decode", "d", 0)
+    assert (line.overhead_s, line.tokens_per_s, line.busy_s) == (pytest.approx(0.010), pytest.approx(3200.0), 0.0)
+    assert m.observe_prefill("decode", "d", 64.0, 1.0, in_flight=2) == "discarded"   # the busy line's warm-up
+    for i in range(12):                         # with k in flight: 15 ms per request beyond the line
+        k = (1, 4, 8)[i % 3]
+        assert m.observe_prefill("decode", "d", 64.0, 0.010 + 64 / 3200 + 0.015 * k, in_flight=k) == "used"
+    busy = m.engine_cost("decode", "d", 4)
+    assert busy.tokens_per_s == pytest.approx(3200.0) and busy.busy_s == pytest.approx(0.060, abs=0.003)
+    assert busy.ttft_s(64) == pytest.approx(0.010 + 64 / 3200 + 0.060, abs=0.003)
+    assert busy.prefill_s(64) == pytest.approx(0.010 + 64 / 3200)     # the stall is the prefill's own time
+    # faster than its line counts as 0 beyond it (the line of what load adds never goes below 0)
+    assert m.observe_prefill("decode", "d", 64.0, 0.001, in_flight=1) == "used"
+    m.forget("d")
+    assert m.engine_cost("decode", "d", 4).busy_s == 0.0
