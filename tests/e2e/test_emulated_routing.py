@@ -48,7 +48,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.netns,
 #: long answers decoding on the decode engine while the long and the short prompt are decided
 BUSY = 4
 
-_REASONS = ("predicted", "explore", "no_prefill", "no_decode", "decode_backlog", "policy")
+_REASONS = ("predicted", "explore", "no_prefill", "no_decode", "decode_backlog", "decode_load", "policy")
 
 
 def _counted(before: str, after: str) -> dict[str, float]:

@@ -65,7 +65,8 @@ def test_a_backed_up_decode_engine_sends_a_prompt_whole_to_the_idle_prefill_engi
     """Rounds of a long prompt and two short ones sent 15 ms apart. Once the long one goes local
     (it may split while the fits settle: here the first round's did, twice in three runs), the
     next short one finds the decode engine busy prefilling it and the prefill engine idle, and the
-    policy itself sends it ``whole`` to the prefill engine (reason ``decode_backlog``), which
+    policy itself sends it ``whole`` to the prefill engine (reason ``decode_backlog``, or
+    ``decode_load`` once the decode engine's time per output token has risen with its load), which
     answers it alone with the text the decode engine gives."""
     proxy, decode = auto_pd.proxy_url, auto_pd.engines["decode[0]"]
 
@@ -98,8 +99,9 @@ def test_a_backed_up_decode_engine_sends_a_prompt_whole_to_the_idle_prefill_engi
         wholes = [i for i, (route, _) in answers.items() if route == "whole"]
         if not wholes:
             continue
-        counted = (sample_sum(after, "disagg_route_total", path="whole", reason="decode_backlog")
-                   - sample_sum(before, "disagg_route_total", path="whole", reason="decode_backlog"))
+        counted = sum(sample_sum(after, "disagg_route_total", path="whole", reason=reason)
+                      - sample_sum(before, "disagg_route_total", path="whole", reason=reason)
+                      for reason in ("decode_backlog", "decode_load"))
         assert counted == len(wholes)
         print(f"routes per round (long, short, short): {rounds}")
         for i in wholes:
