@@ -4,7 +4,8 @@ Times, in this process (no engines, no network):
 
 - the decision: ``Router.route`` on a one-prompt plan, as the proxy calls it per request
   (candidates from the live measurements, every option of every prefill x decode pair,
-  the metric and the route written), with ``--pairs`` prefill and decode engines;
+  the metric and the route written), with ``--pairs`` prefill and decode engines, once
+  every engine's lines have samples (``_steady_state``);
 - the prompt-length estimate of a ``--tokens``-token prompt: with the embedded model's
   ``tokenizer.json`` (the ``tokenizers`` library) and from characters.
 
@@ -20,11 +21,12 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from disagg.modelgen import build_model
 from disagg.prompts import exact_prompt, load_tokenizer
-from disagg.proxy.backends import BackendPool
+from disagg.proxy.backends import Backend, BackendPool
 from disagg.proxy.config import RoutingConfig
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.promptlen import SAMPLE_CHARS, PromptLength
@@ -35,6 +37,19 @@ from disagg.proxy.routes import COMPLETIONS, GenerationRequest, PromptRoute, Req
 def _percentiles(samples: list[float]) -> str:
     q = statistics.quantiles(samples, n=100)
     return f"p50 {statistics.median(samples) * 1e3:.4f} ms, p90 {q[89] * 1e3:.4f} ms, p99 {q[98] * 1e3:.4f} ms"
+
+
+def _steady_state(router: Router, backends: Sequence[Backend]) -> None:
+    """Every line a serving proxy has learned, with samples at several loads: each engine's prefill
+    line and busy line, and its time per output token, so the decision asks all of them as it does
+    while serving (the decode lines are what the ``decode_load`` rule compares)."""
+    m = router.measurements
+    for b in backends:
+        for i in range(12):
+            load = 1 + i % 6
+            m.observe_prefill(b.role, b.url, 64.0 + 64 * (i % 5), 0.01 + (64 + 64 * (i % 5)) / 2000)
+            m.observe_prefill(b.role, b.url, 64.0, 0.05 + 0.01 * load, in_flight=load)
+            m.observe_decode(b.url, load, 0.03 + 0.005 * load)
 
 
 def main() -> int:
@@ -57,6 +72,7 @@ def main() -> int:
                            link_bytes_per_s=1.25e8, handoff_fixed_s=0.016, whole=True,
                            tokenizer=str(model / "tokenizer.json"))
     router = Router(config, pools[0], pools[1], metrics, local=True)
+    _steady_state(router, [*pools[0].backends, *pools[1].backends])
     ids = tok.encode(prompt).ids
     # the decision alone: a prompt of token ids has an exact length that costs nothing to read
     by_ids = GenerationRequest(COMPLETIONS, {"prompt": ids, "max_tokens": 16}, b"{}", {}, "bench")
