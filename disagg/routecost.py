@@ -122,7 +122,7 @@ class EngineCost:
 
     ``tokens_per_s``: its prefill rate; ``overhead_s``: per-request cost on top;
     ``queued_tokens``: prompt tokens it has still to prefill (its queue, as estimated);
-    ``running``: requests it is decoding now (local prefill stalls them);
+    ``running``: requests it is decoding now (a prefill computed there stalls them);
     ``waiting``: prefills sent to it that have not produced their first token yet;
     ``tpot_s``: predicted time per output token of one more request decoding there
     (None: not measured; the policy offers ``whole`` on it only from the backlog rule);

@@ -202,7 +202,8 @@ class EwFit(_Gate):
         return a + x / rate
 
     def add(self, x: float, y: float) -> str:
-        """One observation: ``y`` seconds for ``x`` units (tokens, bytes). Returns what became of it:
+        """One observation: ``y`` seconds for ``x`` units (tokens, bytes, requests in flight). Returns
+        what became of it:
         ``used``, ``clipped``, ``discarded`` (warm-up) or ``invalid`` (not finite, negative)."""
         if not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0:
             return "invalid"
@@ -234,15 +235,19 @@ class EwFit(_Gate):
         """``(intercept seconds, rate units per second)``."""
         mx, my = self._sx / self._s, self._sy / self._s
         var = self._sxx / self._s - mx * mx
+        rising = False
         if var > (MIN_SPREAD * mx) ** 2:
             slope = (self._sxy / self._s - mx * my) / var
             a = my - slope * mx
             if slope > 0 and a >= 0:
                 self._a = a
                 return a, max(1.0 / slope, MIN_RATE)
+            rising = slope > 0            # steeper than a line with an intercept >= 0
         if mx <= 0:       # every sample at x = 0: their mean is the intercept
-            return max(my, 0.0), math.inf
-        a = min(self._a, my)
+            self._a = max(my, 0.0)
+            return self._a, math.inf
+        # no intercept known yet (a line seeded flat): a rising line goes through 0 and the mean
+        a = min(0.0 if rising and math.isinf(self._a) else self._a, my)
         slope = (my - a) / mx
         return a, (max(1.0 / slope, MIN_RATE) if slope > 0 else math.inf)
 
@@ -496,12 +501,15 @@ class Measurements:
         ``queued_ahead + tokens`` bent the line (the intercept grew, so short prompts on an idle
         engine were predicted several times their time). With ``in_flight`` > 0 it is a sample
         of the engine's busy line instead (module doc): what the time exceeded its line by, at
-        that load (never below 0)."""
+        that load (never below 0); ``unfitted`` while that line is still the seed (no engine's
+        line stands on :data:`SEED_SAMPLES` samples yet)."""
         if queued_ahead > QUEUED_SHARE * tokens:
             return "queued"
         eng = self._engine(role, url)
         if in_flight <= 0:
             return eng.fit.add(queued_ahead + tokens, seconds)
+        if eng.fit.samples < SEED_SAMPLES and not any(e.fit.samples >= SEED_SAMPLES for e in self._engines.values()):
+            return "unfitted"     # the line is still the seed: what load adds cannot be told from its error
         overhead, rate = self._line(eng)
         beyond = seconds - overhead - (queued_ahead + tokens) / rate
         return eng.busy.add(in_flight, max(beyond, 0.0) if math.isfinite(beyond) else beyond)

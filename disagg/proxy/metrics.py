@@ -46,7 +46,8 @@ Routing (:mod:`disagg.proxy.policy`; named without the prefix, as issue 15 asks)
   ``discarded`` (an engine's or pair's first, warm-up), ``invalid``, ``queued`` (a prefill sent
   behind a queue: not a sample of the engine's line; see :mod:`disagg.proxy.measure`),
   ``decode_busy`` (a handoff that waited mostly for the decode engine's own queue: not a sample
-  of the link; :mod:`disagg.proxy.router`).
+  of the link; :mod:`disagg.proxy.router`), ``unfitted`` (``engine_busy``: no engine's line
+  stands on samples yet).
 - ``disagg_route_prompt_length_error_ratio``: mean |estimated - counted| / counted prompt tokens.
 """
 

@@ -73,6 +73,10 @@ ROUTE_HEADER = "X-Disagg-Route"
 #: the prefill reply came
 DECODE_BUSY_SHARE = 0.5
 
+#: token events a streamed reply needs to be a sample of its engine's decode line (a chat reply's first
+#: event is the role alone, sent with the first token: two or three events say little of the gaps)
+MIN_DECODE_EVENTS = 4
+
 _PATHS = {Option.SPLIT: RoutePath.SPLIT, Option.LOCAL: RoutePath.LOCAL, Option.WHOLE: RoutePath.WHOLE}
 
 
@@ -301,7 +305,8 @@ class Router:
         is a sample of the engine's decode line at the mean of its requests in flight at the first
         token and now (both count this one), counted with ``fit="decode"``."""
         flight = self._flights.get(id(route))
-        if flight is None or flight.in_flight_at_first is None or token_events < 2 or route.served == "fallback":
+        if (flight is None or flight.in_flight_at_first is None or token_events < MIN_DECODE_EVENTS
+                or route.served == "fallback"):
             return
         in_flight = (flight.in_flight_at_first + backend.outstanding) / 2
         self._sampled("decode", self.measurements.observe_decode(backend.url, in_flight,

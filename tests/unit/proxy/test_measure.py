@@ -3,6 +3,7 @@ and the router that joins them to the policy (disagg.proxy.router)."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from itertools import pairwise
@@ -19,7 +20,7 @@ from disagg.proxy.measure import CLIP, SEED_SAMPLES, EwFit, Measurements
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.proxy.promptlen import SAMPLE_CHARS, PromptLength
-from disagg.proxy.router import Router
+from disagg.proxy.router import MIN_DECODE_EVENTS, Router
 from disagg.proxy.routes import COMPLETIONS, GenerationRequest, PromptRoute, RequestPlan, RoutePath
 from disagg.routecost import EngineCost, LinkCost, Option
 
@@ -641,10 +642,14 @@ def test_router_learns_decode_lines_from_streams_and_sends_whole_while_decode_is
     router.route(RequestPlan(r.request, [r]))
     assert (r.path, r.reason, r.prefill) == (RoutePath.WHOLE, "decode_load", p)
     assert sample_sum(metrics.render().decode(), "disagg_route_total", path="whole", reason="decode_load") == 1
-    # a reply with one token event, several choices' worth of nothing, or no flight: no sample
+    # a route never sent (no flight), or a reply with fewer than MIN_DECODE_EVENTS token events: no sample
     router.decoded(_route("z", 100), d, 33, 0.0, 1.0)
-    router.decoded(r, p, 1, 0.0, 0.0)
+    router.sent(r, stream=True)
+    router.first_token(r, 0.0, time.perf_counter())
+    router.decoded(r, p, MIN_DECODE_EVENTS - 1, 0.0, 0.5)
     assert sample_sum(metrics.render().decode(), "disagg_route_samples_total", fit="decode") == 12
+    router.decoded(r, p, MIN_DECODE_EVENTS, 0.0, 0.5)
+    assert sample_sum(metrics.render().decode(), "disagg_route_samples_total", fit="decode") == 13
 
 
 def test_a_prefill_sent_to_a_busy_engine_teaches_the_busy_line_not_the_engines_own() -> None:
@@ -653,6 +658,8 @@ def test_a_prefill_sent_to_a_busy_engine_teaches_the_busy_line_not_the_engines_o
     requests in flight, which the time to first token includes and the stall does not."""
     m = Measurements(prefill_tokens_per_s=2000.0, decode_tokens_per_s=2000.0, overhead_s=0.0,
                      handoff_fixed_s=0.03, link_bytes_per_s=1e9)
+    # no engine's line stands on samples yet: its error would pass for what load adds
+    assert m.observe_prefill("decode", "d", 64.0, 0.5, in_flight=3) == "unfitted"
     assert m.observe_prefill("decode", "d", 64.0, 1.0) == "discarded"            # warm-up
     for i in range(12):                                                          # alone: 10 ms + 64 tokens at 3,200/s
         n = 64.0 + 64 * (i % 4)
@@ -671,3 +678,21 @@ def test_a_prefill_sent_to_a_busy_engine_teaches_the_busy_line_not_the_engines_o
     assert m.observe_prefill("decode", "d", 64.0, 0.001, in_flight=1) == "used"
     m.forget("d")
     assert m.engine_cost("decode", "d", 4).busy_s == 0.0
+
+
+def test_a_line_seeded_flat_that_rises_steeply_goes_through_zero_not_flat() -> None:
+    """A line with no intercept known (seeded flat, as the decode lines) whose samples rise more
+    steeply than any line with an intercept >= 0 keeps rising (through 0 and the samples' mean)
+    instead of falling back flat at their mean; samples all at x = 0 set the intercept for later."""
+    fit = EwFit(math.inf, 1.0, (), warmup=0)
+    for _ in range(6):
+        for x, y in ((4.0, 0.02), (8.0, 0.10)):        # a least-squares intercept of -0.06
+            fit.add(x, y)
+    assert fit.predict(8.0) > fit.predict(4.0) > 0
+    flat = EwFit(0.04, math.inf, (0.0, 8.0), warmup=0)
+    for _ in range(6):
+        flat.add(0.0, 0.2)
+    assert flat.coefficients() == (pytest.approx(0.2), math.inf)
+    for _ in range(3):
+        flat.add(2.0, 0.1)          # falling: no physical line, flat at the mean (the 0.2 learned caps it)
+    assert 0.1 < flat.coefficients()[0] < 0.2                # not the 0.04 seed
