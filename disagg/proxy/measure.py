@@ -176,7 +176,7 @@ class EwFit(_Gate):
     ``x`` differ.
     """
 
-    __slots__ = ("_a", "_decay", "_s", "_seed", "_seed_left", "_sx", "_sxx", "_sxy", "_sy")
+    __slots__ = ("_a", "_coef", "_decay", "_s", "_seed", "_seed_left", "_sx", "_sxx", "_sxy", "_sy")
 
     def __init__(self, intercept: float, rate: float, seed_x: tuple[float, ...], decay: float = DECAY, *,
                  warmup: int = WARMUP_SAMPLES, clip: float = CLIP) -> None:
@@ -184,6 +184,7 @@ class EwFit(_Gate):
         self._decay = decay
         self._s = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._a = max(intercept, 0.0)
+        self._coef: tuple[float, float] | None = None     # coefficients() until the next sample
         for x in seed_x:
             self._add(x, intercept + x / rate, 1.0)
         self._seed = (self._s, self._sx, self._sy, self._sxx, self._sxy)
@@ -211,6 +212,7 @@ class EwFit(_Gate):
         if admitted is None:
             return "discarded"
         y, outcome = admitted
+        self._coef = None
         keep = 1.0 - self._decay
         self._s *= keep
         self._sx *= keep
@@ -232,7 +234,13 @@ class EwFit(_Gate):
         return outcome
 
     def coefficients(self) -> tuple[float, float]:
-        """``(intercept seconds, rate units per second)``."""
+        """``(intercept seconds, rate units per second)``, computed once per sample (the policy
+        asks every engine's lines for every prompt)."""
+        if self._coef is None:
+            self._coef = self._fit()
+        return self._coef
+
+    def _fit(self) -> tuple[float, float]:
         mx, my = self._sx / self._s, self._sy / self._s
         var = self._sxx / self._s - mx * mx
         rising = False
