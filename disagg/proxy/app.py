@@ -398,8 +398,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 out = await relay_stream(request, upstream, reply.backend, resp, rid, timing, routed,
                                          reply.id_suffix.encode())
                 if not timing.broken and resp.status == 200:
-                    observe_stream(metrics, timing, reply.prefill_done, _samples(req.body))
-                    if _samples(req.body) == 1 and timing.first is not None and timing.last is not None:
+                    choices = _samples(req.body)
+                    observe_stream(metrics, timing, reply.prefill_done, choices)
+                    if choices == 1 and timing.first is not None and timing.last is not None:
                         state.router.decoded(route, reply.backend, timing.token_events, timing.first,
                                              timing.last)
             else:

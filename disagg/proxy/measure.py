@@ -260,6 +260,12 @@ class EwFit(_Gate):
         return a, (max(1.0 / slope, MIN_RATE) if slope > 0 else math.inf)
 
 
+def _residual(beyond_s: float) -> float:
+    """What a time exceeded its prediction by, as a line's ``y``: never below 0 (earlier than
+    predicted counts as 0); not finite stays so, for :meth:`EwFit.add` to call invalid."""
+    return max(beyond_s, 0.0) if math.isfinite(beyond_s) else beyond_s
+
+
 @dataclass(eq=False)   # identity: two prefills of one size are two entries (settle removes the right one)
 class _Pending:
     """A prefill sent to an engine that has not produced its first token yet."""
@@ -372,6 +378,10 @@ class Measurements:
         queued = self._queued(eng, now, rate)
         return queued / rate if queued else 0.0
 
+    def _measured(self) -> list[_Engine]:
+        """The engines whose prefill line stands on :data:`SEED_SAMPLES` samples of their own."""
+        return [e for e in self._engines.values() if e.fit.samples >= SEED_SAMPLES]
+
     def _line(self, eng: _Engine) -> tuple[float, float]:
         """The engine's (overhead seconds, prefill tokens per second) for predictions.
 
@@ -384,8 +394,7 @@ class Measurements:
         """
         overhead, rate = eng.fit.coefficients()
         if eng.fit.samples < SEED_SAMPLES:
-            known = [(e.fit.coefficients(), e.seed_rate) for e in self._engines.values()
-                     if e.fit.samples >= SEED_SAMPLES]
+            known = [(e.fit.coefficients(), e.seed_rate) for e in self._measured()]
             if known:
                 overhead = sum(c[0] for c, _ in known) / len(known)
                 rate = eng.seed_rate * sum(c[1] / seed for c, seed in known) / len(known)
@@ -460,8 +469,7 @@ class Measurements:
         and exposed transfer: the decode engine's steps, the requests' round trips, and whatever
         the prefill line missed). Earlier than predicted counts as 0 (the line's ``y`` is never
         negative). Returns what the line made of it (:meth:`EwFit.add`)."""
-        fit = self._streamed_fixed_fit(prefill_url, decode_url)
-        return fit.add(decode_in_flight, max(beyond_s, 0.0) if math.isfinite(beyond_s) else beyond_s)
+        return self._streamed_fixed_fit(prefill_url, decode_url).add(decode_in_flight, _residual(beyond_s))
 
     def _link_fit(self, prefill_url: str, decode_url: str) -> EwFit:
         key = (prefill_url, decode_url)
@@ -516,11 +524,10 @@ class Measurements:
         eng = self._engine(role, url)
         if in_flight <= 0:
             return eng.fit.add(queued_ahead + tokens, seconds)
-        if eng.fit.samples < SEED_SAMPLES and not any(e.fit.samples >= SEED_SAMPLES for e in self._engines.values()):
-            return "unfitted"     # the line is still the seed: what load adds cannot be told from its error
+        if not self._measured():
+            return "unfitted"     # every line is still the seed: what load adds cannot be told from its error
         overhead, rate = self._line(eng)
-        beyond = seconds - overhead - (queued_ahead + tokens) / rate
-        return eng.busy.add(in_flight, max(beyond, 0.0) if math.isfinite(beyond) else beyond)
+        return eng.busy.add(in_flight, _residual(seconds - overhead - (queued_ahead + tokens) / rate))
 
     def observe_handoff(self, prefill_url: str, decode_url: str, kv_bytes: float, seconds: float) -> str:
         """A handoff of ``kv_bytes`` took ``seconds`` (prefill reply -> first decode token);
