@@ -45,6 +45,8 @@ def huge() -> str:
     return f"Run {secrets.token_hex(4)}. {HUGE}"
 
 
+#: what P's listener logs when a stream has sent every layer
+STREAM_COMPLETED = "socket KV connector: streamed "
 #: how long after sending both requests a test cuts one short (P is then mid-prompt)
 CUT_AFTER_S = 0.15
 
@@ -252,6 +254,7 @@ async def test_a_frozen_prefill_mid_stream_times_out_to_local_recompute(pair: tu
     async with aiohttp.ClientSession() as session:
         reference = await complete(session, d, prompt, 8)
         counters = Counters(d)
+        completed_before = len(log_lines(p, STREAM_COMPLETED))
         p_params, d_params = stream_params(p)
         decode = asyncio.create_task(complete(session, d, prompt, 8, d_params))
         prefill = asyncio.create_task(complete(session, p, prompt, 1, p_params))
@@ -265,8 +268,11 @@ async def test_a_frozen_prefill_mid_stream_times_out_to_local_recompute(pair: tu
         finally:
             os.killpg(p.proc.pid, signal.SIGCONT)
         await prefill
+    # the premise: P had not sent the whole stream when it froze (else D had every layer in time)
+    assert len(log_lines(p, STREAM_COMPLETED)) == completed_before, "P completed the stream before it froze"
     assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
-    assert counters.delta()["failed"] == 1
+    # the failure reaches /metrics with the engine core's stats, which may trail the reply
+    await wait_for(lambda: counters.delta()["failed"] == 1, 10, "D to count the failed stream")
     assert IO_TIMEOUT_S - 1 <= elapsed < IO_TIMEOUT_S + 30, elapsed
     await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S + 10, "P to free the blocks")
 
