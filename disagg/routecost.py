@@ -128,7 +128,9 @@ class EngineCost:
     (None: not measured; the policy offers ``whole`` on it only from the backlog rule);
     ``busy_s``: what its load (requests in flight) adds to a prefill's time to first token
     beyond its line (the step in progress, decodes batched with the prefill): part of
-    :meth:`ttft_s`, not of :meth:`prefill_s`, so not of the stall a prefill imposes.
+    :meth:`ttft_s`, not of :meth:`prefill_s`, so not of the stall a prefill imposes;
+    ``tpot_added_s``: how much one more request there raises the time per output token of each
+    request decoding there (the slope of the line behind ``tpot_s``; 0 when it is flat or unmeasured).
     """
 
     tokens_per_s: float
@@ -138,6 +140,7 @@ class EngineCost:
     waiting: int = 0
     tpot_s: float | None = None
     busy_s: float = 0.0
+    tpot_added_s: float = 0.0
 
     def wait_s(self) -> float:
         """Queue wait: the outstanding prefill tokens at this engine's rate."""
@@ -245,31 +248,56 @@ def split_ttft(tokens: float, kv_bytes: float, prefill: EngineCost, link: LinkCo
 
 @dataclass(frozen=True)
 class OptionCost:
-    """One path's prediction: its TTFT and the score the policy compares (TTFT + stall cost)."""
+    """One path's prediction: its TTFT and the score the policy compares (TTFT + stall cost +
+    ``decode_s``, the decode work it places on an engine: :func:`decode_s`)."""
 
     path: Option
     ttft_s: float
     score_s: float
+    decode_s: float = 0.0
 
 
 def option_costs(tokens: float, kv_bytes: float, prefill: EngineCost, decode: EngineCost, link: LinkCost,
-                 *, whole: bool = False, stall_weight: float = 0.0) -> list[OptionCost]:
+                 *, whole: bool = False, stall_weight: float = 0.0, out_tokens: float = 0.0) -> list[OptionCost]:
     """Every option's predicted TTFT and score for one prompt and one (prefill, decode) pair.
 
     The score is the TTFT plus ``stall_weight`` x the stall the prompt's prefill imposes on
-    the decodes running on the engine that computes it (:func:`stall_s`). ``whole`` adds
-    the option of the prefill engine serving the request alone.
+    the decodes running on the engine that computes it (:func:`stall_s`), plus the decode
+    work of the request's ``out_tokens`` on the engine that will decode it (:func:`decode_s`:
+    the decode engine for split and local, the prefill engine for whole; counted only when
+    every engine compared has a decode line, else no option carries it). ``whole`` adds the
+    option of the prefill engine serving the request alone.
     Order: split, local, whole (ties go to the earlier; see :func:`cheapest`).
     """
     split = split_ttft(tokens, kv_bytes, prefill, link, decode)
     local = local_ttft(tokens, decode)
     on_prefill = stall_weight * stall_s(tokens, prefill)
-    out = [OptionCost(Option.SPLIT, split, split + on_prefill),
-           OptionCost(Option.LOCAL, local, local + stall_weight * stall_s(tokens, decode))]
+    on_d = decode_s(out_tokens, decode, stall_weight)
+    on_p = decode_s(out_tokens, prefill, stall_weight) if whole else 0.0
+    if on_d is None or on_p is None:
+        on_d = on_p = 0.0
+    out = [OptionCost(Option.SPLIT, split, split + on_prefill + on_d, on_d),
+           OptionCost(Option.LOCAL, local, local + stall_weight * stall_s(tokens, decode) + on_d, on_d)]
     if whole:
         w = whole_ttft(tokens, prefill)
-        out.append(OptionCost(Option.WHOLE, w, w + on_prefill))
+        out.append(OptionCost(Option.WHOLE, w, w + on_prefill + on_p, on_p))
     return out
+
+
+def decode_s(out_tokens: float, engine: EngineCost, stall_weight: float = 1.0) -> float | None:
+    """Decode time a request of ``out_tokens`` output tokens costs when ``engine`` decodes it
+    (None: the engine has no decode line, ``tpot_s``).
+
+    Its own: ``out_tokens x tpot_s`` (the time per output token of one more request there).
+    What it adds to the ``running`` decodes there, weighted like a stall: each of them runs
+    ``tpot_added_s`` slower per token while both decode, for about half of this request's
+    tokens (a running decode is, on average, half-way through answers of like length). So
+    past saturation, where decodes limit goodput, an option is priced by where its decode
+    goes, not only by its first token: split and local put it on the decode engine, whole
+    on the prefill engine."""
+    if engine.tpot_s is None:
+        return None
+    return out_tokens * (engine.tpot_s + stall_weight * engine.running * engine.tpot_added_s / 2)
 
 
 def stall_s(tokens: float, engine: EngineCost) -> float:

@@ -52,7 +52,12 @@
   without :data:`SEED_SAMPLES` samples of its own is priced with the mean of the
   others' lines (a prefill engine serves no decodes until the policy sends it
   ``whole`` requests); :meth:`Measurements.tpot_s`, and ``EngineCost.tpot_s``
-  for the ``decode_load`` rule of :mod:`disagg.proxy.policy`.
+  for the ``decode_load`` rule of :mod:`disagg.proxy.policy`, and with the line's
+  slope (``EngineCost.tpot_added_s``) for the decode work an option places on an
+  engine (:func:`disagg.routecost.decode_s`);
+- the output tokens of a reply, an exponentially weighted mean over the streamed
+  replies that ended well (:meth:`Measurements.output_tokens`): how many tokens
+  a request is expected to decode, which the router caps with its ``max_tokens``.
 
 Each fit is an exponentially weighted least-squares line (:class:`EwFit`):
 every new sample weighs :data:`DECAY` of the whole, so the figures follow an
@@ -311,6 +316,8 @@ class Measurements:
         #: per pair, a streamed handoff's fixed cost against the decode engine's requests in flight
         #: (streaming_layers set; see the module doc)
         self._streamed_fixed: dict[tuple[str, str], EwFit] = {}
+        #: output tokens per reply, an exponentially weighted mean (:meth:`observe_output`)
+        self._output: float | None = None
 
     # --- state per engine --------------------------------------------------------
 
@@ -407,9 +414,13 @@ class Measurements:
         overhead, rate = self._line(eng)
         queued = self._queued(eng, now, rate)
         waiting = len(eng.pending)
+        tpot = self.tpot_s(url, outstanding + 1)
+        now_tpot = self.tpot_s(url, outstanding) if tpot is not None else None
         return EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued,
                           running=max(outstanding - waiting, 0), waiting=waiting,
-                          tpot_s=self.tpot_s(url, outstanding + 1), busy_s=eng.busy.predict(outstanding))
+                          tpot_s=tpot, busy_s=eng.busy.predict(outstanding),
+                          tpot_added_s=max(tpot - now_tpot, 0.0) if tpot is not None and now_tpot is not None
+                          else 0.0)
 
     def tpot_s(self, url: str, in_flight: float) -> float | None:
         """Predicted time per output token on the engine at ``url`` with ``in_flight`` requests
@@ -429,6 +440,18 @@ class Measurements:
         if fit is None:     # no seed: flat at the samples' mean until their loads differ
             fit = self._decode[url] = EwFit(math.inf, 1.0, (), self._decay)
         return fit.add(in_flight, tpot_s)
+
+    def observe_output(self, tokens: float) -> None:
+        """A streamed reply ended well with ``tokens`` output tokens (its token events): a sample of
+        :meth:`output_tokens`, an exponentially weighted mean over every engine."""
+        if tokens > 0:
+            held = self._output
+            self._output = tokens if held is None else held + self._decay * (tokens - held)
+
+    def output_tokens(self) -> float | None:
+        """The output tokens of a reply, as the replies relayed so far went (None: none yet); the
+        router caps it with each request's ``max_tokens`` to price its decode work."""
+        return self._output
 
     def link_cost(self, prefill_url: str, decode_url: str, decode_in_flight: int = 0) -> LinkCost:
         """The pair's handoff line (fixed seconds, bytes per second; streamed or not: a streamed

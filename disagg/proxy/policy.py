@@ -15,7 +15,10 @@ Policies (``routing.policy`` in the topology, ``--routing-policy``):
 - ``local``: every route goes to a decode engine, which prefills it;
 - ``auto``: the option with the lowest score (:func:`disagg.routecost.option_costs`:
   predicted TTFT, plus the stall a prefill imposes on the decodes running on the
-  engine that computes it). ``whole`` is an option only where the connector allows
+  engine that computes it, plus the decode work the request places on the engine
+  that decodes it: :func:`disagg.routecost.decode_s`, its expected output tokens at
+  that engine's time per output token, and what it adds to the decodes running
+  there). ``whole`` is an option only where the connector allows
   it (``RoutingConfig.whole``), on a prefill engine with no prefill waiting, while
   the decode side is the bottleneck, by either of two rules:
 
@@ -36,8 +39,10 @@ so its estimate never updates: one bad sample could keep a split off for good.
 :func:`decide` takes a ``stale`` predicate (the router's :class:`Explorer`):
 when the cheapest option is chosen, every other ``split`` / ``local`` option,
 over every pair of healthy engines (not only each path's best pair: a pair
-whose link or engine is judged slow needs its samples too), whose score is
-within :data:`EXPLORE_WITHIN` x the cheapest's and whose (path, engines) is
+whose link or engine is judged slow needs its samples too), whose score
+without its decode work is within :data:`EXPLORE_WITHIN` x the cheapest's
+(the decode work is alike for split and local on one decode engine, and would
+loosen the factor's bound on the first token) and whose (path, engines) is
 stale is considered, cheapest first, and the first one goes instead, with
 reason ``explore``. :class:`Explorer` calls a (path, engines)
 stale when it has not been taken for :data:`EXPLORE_AFTER_S` seconds *and*
@@ -102,10 +107,12 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
            decodes: Sequence[Candidate[E]], link: Callable[[E, E], LinkCost], *, whole: bool = False,
            local: bool = True, stall_weight: float = 1.0,
            stale: Callable[[Option, E | None, E], bool] | None = None,
-           explore_within: float = EXPLORE_WITHIN, whole_tpot_factor: float = WHOLE_TPOT_FACTOR) -> Decision[E]:
+           explore_within: float = EXPLORE_WITHIN, whole_tpot_factor: float = WHOLE_TPOT_FACTOR,
+           out_tokens: float = 0.0) -> Decision[E]:
     """The route of one prompt (see the module doc). ``local`` false: decode engines cannot serve
     alone (SGLang), so only ``split`` remains. ``stale(path, prefill engine or None, decode engine)``:
-    whether that option is due to be explored (None: never explore)."""
+    whether that option is due to be explored (None: never explore). ``out_tokens``: the output
+    tokens the request is expected to decode (0: its decode work is not priced)."""
     if policy == "split" or not local:
         return Decision(Option.SPLIT, "policy", None, None, None)
     if not decodes:
@@ -129,7 +136,8 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
                 whole_reason[id(p)] = "decode_load"
         for d in decodes:
             for opt in option_costs(tokens, kv_bytes, p.cost, d.cost, link(p.engine, d.engine),
-                                    whole=id(p) in whole_reason, stall_weight=stall_weight):
+                                    whole=id(p) in whole_reason, stall_weight=stall_weight,
+                                    out_tokens=out_tokens):
                 every.append((opt, p, d))
                 held = per_path.get(opt.path)
                 if held is None or opt.score_s < held[0].score_s:
@@ -140,11 +148,12 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
     reason = "predicted"
     if stale is not None:
         chosen = _engines(opt.path, p, d)
-        limit = explore_within * opt.score_s
+        limit = explore_within * (opt.score_s - opt.decode_s)
         asked: set[tuple[Option, E | None, E]] = set()
         for alt, ap, ad in sorted(every, key=lambda t: t[0].score_s):
             key = (alt.path, *_engines(alt.path, ap, ad))
-            if alt.path is Option.WHOLE or alt.score_s > limit or key == (opt.path, *chosen) or key in asked:
+            if alt.path is Option.WHOLE or alt.score_s - alt.decode_s > limit or key == (opt.path, *chosen) \
+                    or key in asked:
                 continue
             asked.add(key)
             if stale(*key):

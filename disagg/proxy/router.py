@@ -13,7 +13,8 @@ One :class:`Router` per app (built by :func:`disagg.proxy.app.build_app` from
    engine answers (the handoff holds the router as its ``observer``);
 4. :meth:`Router.first_token` when a streamed single-prompt reply sends its first event;
 5. :meth:`Router.decoded` when such a reply (one choice) ended well: its time per output
-   token is a sample of the decode line of the engine that served it;
+   token is a sample of the decode line of the engine that served it, and its token count
+   one of the output tokens a request is expected to decode (:func:`expected_output_tokens`);
 6. :meth:`Router.finished` when the route is over, whatever happened.
 
 Measurements live in :class:`~disagg.proxy.measure.Measurements` (warm-up
@@ -49,8 +50,9 @@ are stale; the clock is ``clock`` (``time.monotonic`` unless a test injects one)
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,10 +179,12 @@ class Router:
             return explorer.stale(path, p.url if p is not None else None, dd.url, now)
 
         prefills, decodes = self._candidates(self.prefill), self._candidates(self.decode)
+        out_tokens = expected_output_tokens(route.request.body, self.measurements.output_tokens())
         d = decide(policy, tokens, tokens * self.kv_bytes_per_token, prefills,
                    decodes, lambda p, dd: self.measurements.link_cost(p.url, dd.url, dd.outstanding),
                    whole=self.config.whole, local=self.local, stall_weight=self.config.stall_weight,
-                   stale=stale if self.config.explore_within > 0 else None, explore_within=self.config.explore_within)
+                   stale=stale if self.config.explore_within > 0 else None, explore_within=self.config.explore_within,
+                   out_tokens=out_tokens)
         route.path, route.reason = _PATHS[d.path], d.reason
         route.prefill, route.decode, route.predicted_s = d.prefill, d.decode, d.predicted_s
         if d.options:    # an auto comparison (not a fallback for want of engines): that path is fresh now
@@ -193,9 +197,9 @@ class Router:
             tpot = ", ".join(f"{c.engine.role} {c.engine.outstanding} in flight "
                              + (f"{c.cost.tpot_s * 1e3:.1f} ms" if c.cost.tpot_s is not None else "-")
                              for c in (*prefills, *decodes))
-            log.debug("route %s: %d tokens -> %s (%s) P=%s D=%s; predicted %s; tpot %s", route.request.request_id,
-                      tokens, d.path, d.reason, d.prefill.url if d.prefill else "-",
-                      d.decode.url if d.decode else "-", alts or "-", tpot)
+            log.debug("route %s: %d tokens, %.0f out -> %s (%s) P=%s D=%s; predicted %s; tpot %s",
+                      route.request.request_id, tokens, out_tokens, d.path, d.reason,
+                      d.prefill.url if d.prefill else "-", d.decode.url if d.decode else "-", alts or "-", tpot)
 
     # --- learning --------------------------------------------------------------------
 
@@ -305,8 +309,10 @@ class Router:
         is a sample of the engine's decode line at the mean of its requests in flight at the first
         token and now (both count this one), counted with ``fit="decode"``."""
         flight = self._flights.get(id(route))
-        if (flight is None or flight.in_flight_at_first is None or token_events < MIN_DECODE_EVENTS
-                or route.served == "fallback"):
+        if flight is None or flight.in_flight_at_first is None or route.served == "fallback":
+            return
+        self.measurements.observe_output(token_events)
+        if token_events < MIN_DECODE_EVENTS:
             return
         in_flight = (flight.in_flight_at_first + backend.outstanding) / 2
         self._sampled("decode", self.measurements.observe_decode(backend.url, in_flight,
@@ -320,6 +326,23 @@ class Router:
         flight = self._flights.pop(id(route), None)
         if flight is not None:
             self._settle(flight, done=False)   # still queued here: it never answered
+
+
+def expected_output_tokens(body: Mapping[str, Any], learned: float | None) -> float:
+    """The output tokens a request is expected to decode, to price its decode work
+    (:func:`disagg.routecost.decode_s`): the replies' mean so far (``learned``), capped by its
+    ``max_tokens`` / ``max_completion_tokens``; the cap alone before any reply; 0 (no decode
+    term: the options are priced by their first token alone) with neither. The cap is read only
+    when it is a positive number (the engine judges anything else)."""
+    cap = None
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf:
+            cap = float(value)
+            break
+    if learned is None:
+        return cap or 0.0
+    return learned if cap is None else min(cap, learned)
 
 
 def _engine_fit(flight: _Flight) -> str:

@@ -15,6 +15,7 @@ from disagg.routecost import (
     Option,
     break_even_tokens,
     cheapest,
+    decode_s,
     exposed_transfer_s,
     first_step_s,
     handoff_fixed_s,
@@ -206,3 +207,26 @@ def test_a_streamed_handoff_has_its_own_measured_fixed_cost() -> None:
     assert handoff_fixed_s("socket") == HANDOFF_FIXED_S["socket"]
     assert handoff_fixed_s("nixl", streaming=True) == HANDOFF_FIXED_S["nixl"]   # nothing streamed measured
     assert "of a streamed split" in handoff_fixed_source(True) and "streamed" not in handoff_fixed_source(False)
+
+
+def test_decode_work_is_priced_on_the_engine_that_decodes() -> None:
+    """:func:`decode_s`: the request's own tokens at the engine's time per output token, plus what
+    it adds to each running decode for about half of them (weighted like a stall); split and local
+    put it on the decode engine, whole on the prefill engine; the TTFT is untouched."""
+    p = EngineCost(tokens_per_s=4000.0, tpot_s=0.040)
+    d = EngineCost(tokens_per_s=2000.0, running=4, tpot_s=0.060, tpot_added_s=0.005)
+    link = LinkCost(fixed_s=0.03, bytes_per_s=1.25e9)
+    assert decode_s(32, d) == pytest.approx(32 * (0.060 + 4 * 0.005 / 2))
+    assert decode_s(32, d, stall_weight=0.0) == pytest.approx(32 * 0.060)
+    assert decode_s(0, d) == 0.0 and decode_s(32, replace(d, tpot_s=None)) is None
+    base = option_costs(500, kv(500), p, d, link, whole=True, stall_weight=1.0)
+    priced = option_costs(500, kv(500), p, d, link, whole=True, stall_weight=1.0, out_tokens=32)
+    assert [o.decode_s for o in priced] == [pytest.approx(decode_s(32, d)), pytest.approx(decode_s(32, d)),
+                                            pytest.approx(32 * 0.040)]
+    for b, o in zip(base, priced, strict=True):
+        assert (o.path, o.ttft_s) == (b.path, b.ttft_s) and o.score_s == pytest.approx(b.score_s + o.decode_s)
+    # an engine compared without a decode line: no option carries decode work (none is compared unfairly)
+    unmeasured = option_costs(500, kv(500), replace(p, tpot_s=None), d, link, whole=True, out_tokens=32)
+    assert [o.decode_s for o in unmeasured] == [0.0, 0.0, 0.0]
+    # without whole, only the decode engine's line is needed
+    assert option_costs(500, kv(500), replace(p, tpot_s=None), d, link, out_tokens=32)[0].decode_s > 0

@@ -43,7 +43,9 @@ def test_billion_laughs_through_the_cli_exits_2(tmp_path: Path, capsys: pytest.C
     path.write_text(BILLION_LAUGHS)
     started = time.perf_counter()
     assert main(["check", str(path)]) == 2
-    assert time.perf_counter() - started < 1.0
+    # expanded, these aliases would take minutes and gigabytes; refused, milliseconds (a loose bound:
+    # the machine may be busy with engines)
+    assert time.perf_counter() - started < 10.0
     err = capsys.readouterr().err
     assert err.startswith(f"disagg: error: {path}:3: ") and "Traceback" not in err
 

@@ -20,7 +20,7 @@ from disagg.proxy.measure import CLIP, SEED_SAMPLES, EwFit, Measurements
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.proxy.promptlen import SAMPLE_CHARS, PromptLength
-from disagg.proxy.router import MIN_DECODE_EVENTS, Router
+from disagg.proxy.router import MIN_DECODE_EVENTS, Router, expected_output_tokens
 from disagg.proxy.routes import COMPLETIONS, GenerationRequest, PromptRoute, RequestPlan, RoutePath
 from disagg.routecost import EngineCost, LinkCost, Option
 
@@ -615,6 +615,37 @@ def test_decode_line_per_engine_flat_until_loads_differ_borrowed_until_measured_
     assert m.tpot_s("http://d:1", 6) == pytest.approx(0.020)         # its own line gone: P's now
 
 
+def test_an_engines_cost_carries_its_decode_lines_slope_for_the_decode_work_it_adds() -> None:
+    m = Measurements(prefill_tokens_per_s=2000.0, decode_tokens_per_s=2000.0, overhead_s=0.0,
+                     handoff_fixed_s=0.03, link_bytes_per_s=1e9)
+    assert m.engine_cost("decode", "http://d:1", 3).tpot_added_s == 0.0        # no line: nothing added
+    m.observe_decode("http://d:1", 1, 1.0)                                       # warm-up
+    for _ in range(20):                                                          # 30 ms + 5 ms per request
+        for n in (1, 4, 8):
+            m.observe_decode("http://d:1", n, 0.030 + 0.005 * n)
+    cost = m.engine_cost("decode", "http://d:1", 3)
+    assert cost.tpot_s == pytest.approx(0.050, rel=0.02) and cost.tpot_added_s == pytest.approx(0.005, rel=0.05)
+
+
+def test_expected_output_tokens_is_the_replies_mean_capped_by_the_requests_max_tokens() -> None:
+    m = Measurements(prefill_tokens_per_s=2000.0, decode_tokens_per_s=2000.0, overhead_s=0.0,
+                     handoff_fixed_s=0.03, link_bytes_per_s=1e9)
+    assert m.output_tokens() is None
+    m.observe_output(100)
+    m.observe_output(0)                                  # nothing decoded: no sample
+    assert m.output_tokens() == 100
+    for _ in range(30):
+        m.observe_output(20)
+    assert m.output_tokens() == pytest.approx(20, abs=0.1)
+    assert expected_output_tokens({}, None) == 0.0       # nothing known: the decode work is not priced
+    assert expected_output_tokens({"max_tokens": 64}, None) == 64.0
+    assert expected_output_tokens({"max_tokens": 64}, 20.0) == 20.0
+    assert expected_output_tokens({"max_tokens": 8}, 20.0) == 8.0
+    assert expected_output_tokens({"max_completion_tokens": 8, "max_tokens": 64}, 20.0) == 8.0
+    for hostile in ("64", True, -1, float("inf"), float("nan"), None, [64]):
+        assert expected_output_tokens({"max_tokens": hostile}, 20.0) == 20.0
+
+
 def test_router_learns_decode_lines_from_streams_and_sends_whole_while_decode_is_the_bottleneck() -> None:
     """Streamed replies teach the decode engine's line (``fit="decode"``); once one more decode
     would run more than the factor slower there than on the idle prefill engine (which borrows
@@ -637,6 +668,7 @@ def test_router_learns_decode_lines_from_streams_and_sends_whole_while_decode_is
     assert sample_sum(text, "disagg_route_samples_total", fit="decode", outcome="discarded") == 1
     assert sample_sum(text, "disagg_route_samples_total", fit="decode", outcome="used") == 11
     assert router.measurements.tpot_s(d.url, 8) == pytest.approx(0.110, rel=0.02)
+    assert router.measurements.output_tokens() == 33    # each reply's token events: the output expected
     d.outstanding = 7                                     # one more there: 110 ms; on idle P: 40 ms
     r = _route("y" * 40, 99)
     router.route(RequestPlan(r.request, [r]))

@@ -157,6 +157,10 @@ def test_a_stale_path_within_the_factor_is_explored_once_named_explore() -> None
     assert best.predicted_s is not None and slow.seconds(kv(n)) > best.predicted_s
     assert decide("auto", n, kv(n), [Candidate("P", same)], [Candidate("D", same)], lambda _p, _d: slow,
                   stale=always).reason == "predicted"
+    # nor when the decode work both paths put on D would make it look within twice the best's score
+    decoding = replace(same, tpot_s=0.050)
+    assert decide("auto", n, kv(n), [Candidate("P", decoding)], [Candidate("D", decoding)], lambda _p, _d: slow,
+                  stale=always, out_tokens=32).reason == "predicted"
     # exploring local asks with no prefill engine
     asked.clear()
     e = decide("auto", 4000, kv(4000), [Candidate("P", FAST_P)], [Candidate("D", SLOW_D)], lambda _p, _d: LINK,
@@ -271,3 +275,30 @@ def test_a_prefill_stalls_the_decodes_running_on_the_engine_that_computes_it() -
     assert d.path is Option.LOCAL
     split = next(o for o in d.options if o.path is Option.SPLIT)
     assert split.score_s == pytest.approx(split.ttft_s + 2 * long / 2000.0)
+
+
+def test_decode_work_sends_whole_a_prompt_its_first_token_alone_keeps_on_the_decode_engine() -> None:
+    """Past saturation the decode engine's decodes limit goodput: a prompt whose first token would
+    come sooner there (P is busier to first token) still goes ``whole`` once its 32 output tokens
+    are priced at each side's time per output token (and what they add to the decodes running)."""
+    p = EngineCost(tokens_per_s=2000.0, running=3, busy_s=0.5, tpot_s=0.040, tpot_added_s=0.003)
+    d = EngineCost(tokens_per_s=2000.0, running=8, busy_s=0.05, tpot_s=0.080, tpot_added_s=0.005)
+    first_token_only = decide("auto", 100, kv(100), [Candidate("P", p)], [Candidate("D", d)],
+                              lambda _p, _d: LINK, whole=True)
+    assert first_token_only.path is Option.LOCAL
+    priced = decide("auto", 100, kv(100), [Candidate("P", p)], [Candidate("D", d)], lambda _p, _d: LINK,
+                    whole=True, out_tokens=32)
+    assert (priced.path, priced.reason) == (Option.WHOLE, "decode_load")
+    by_path = {o.path: o for o in priced.options}
+    assert by_path[Option.WHOLE].decode_s == pytest.approx(32 * (0.040 + 3 * 0.003 / 2))
+    assert by_path[Option.LOCAL].decode_s == pytest.approx(32 * (0.080 + 8 * 0.005 / 2))
+    # the predicted TTFT stays the first token's: the decode work is in the score alone
+    assert priced.predicted_s == pytest.approx(p.ttft_s(100))
+    # of two decode engines, the decode work picks the one that decodes faster, all else alike
+    quick = replace(d, tpot_s=0.050)
+    two = decide("auto", 100, kv(100), [], [Candidate("D1", d), Candidate("D2", quick)], lambda _p, _d: LINK,
+                 out_tokens=32)
+    assert two.decode == "D1"      # no prefill engine: the fallback picks by first token alone
+    both = decide("auto", 100, kv(100), [Candidate("P", replace(p, tpot_s=None))],
+                  [Candidate("D1", d), Candidate("D2", quick)], lambda _p, _d: LINK, out_tokens=32)
+    assert both.decode == "D2"
