@@ -8,6 +8,7 @@ Two files, both JSON, both written atomically (temp file + rename):
       "<served model name>": {
         "<host name>": {
           "prompt_tokens_per_s": 11850.0,           # prefill throughput
+          "dtype": "auto",                          # the topology's model.dtype it was measured with
           "measured_at": "2026-11-29T09:12:00+00:00",  # ISO 8601
           "source": "disagg bench ... (free text: how it was measured)"
         }
@@ -25,6 +26,11 @@ Two files, both JSON, both written atomically (temp file + rename):
       "rtt_s": 0.00021,
       "measured_at": "2026-11-29T09:12:00+00:00"
     }
+
+A prefill rate holds only for the dtype it was measured with (on a CPU without
+native bf16, bf16 prefilled 78 times slower than float32 here): a lookup for
+another dtype finds nothing, and an entry written before the field existed
+counts as ``auto``.
 
 A missing file means "no measurement"; an unreadable or malformed one is a
 :class:`~disagg.errors.StateError` naming the file.
@@ -86,6 +92,7 @@ class PrefillMeasurement:
     prompt_tokens_per_s: float
     measured_at: str
     source: str
+    dtype: str = "auto"
 
 
 def prefill_path(run_dir: str | Path) -> Path:
@@ -111,18 +118,22 @@ def load_prefill(run_dir: str | Path) -> dict[str, dict[str, PrefillMeasurement]
                 raise StateError(f"{path}: {model}.{host}.prompt_tokens_per_s: expected a positive number")
             out.setdefault(model, {})[host] = PrefillMeasurement(
                 model=model, host=host, prompt_tokens_per_s=float(rate),
-                measured_at=str(entry.get("measured_at", "")), source=str(entry.get("source", "")))
+                measured_at=str(entry.get("measured_at", "")), source=str(entry.get("source", "")),
+                dtype=str(entry.get("dtype", "auto")))
     return out
 
 
-def lookup_prefill(run_dir: str | Path, model: str, host: str) -> PrefillMeasurement | None:
-    """The stored prefill rate of ``model`` on ``host``, or None."""
-    return load_prefill(run_dir).get(model, {}).get(host)
+def lookup_prefill(run_dir: str | Path, model: str, host: str, dtype: str = "auto") -> PrefillMeasurement | None:
+    """The stored prefill rate of ``model`` in ``dtype`` on ``host``, or None (none stored, or
+    one measured with another dtype)."""
+    found = load_prefill(run_dir).get(model, {}).get(host)
+    return found if found is not None and found.dtype == dtype else None
 
 
 def store_prefill(run_dir: str | Path, model: str, host: str, prompt_tokens_per_s: float,
-                  source: str, measured_at: str | None = None) -> Path:
-    """Record (or replace) the prefill rate of ``model`` on ``host``; returns the file."""
+                  source: str, measured_at: str | None = None, dtype: str = "auto") -> Path:
+    """Record (or replace) the prefill rate of ``model`` in ``dtype`` (the topology's
+    ``model.dtype``) on ``host``; returns the file."""
     if prompt_tokens_per_s <= 0:
         raise ValueError("prompt_tokens_per_s must be positive")
     path = prefill_path(run_dir)
@@ -134,6 +145,7 @@ def store_prefill(run_dir: str | Path, model: str, host: str, prompt_tokens_per_
             raise StateError(f"{path}: expected an object of model names")
         data.setdefault(model, {})[host] = {
             "prompt_tokens_per_s": float(prompt_tokens_per_s),
+            "dtype": dtype,
             "measured_at": measured_at or now_iso(),
             "source": source,
         }

@@ -497,7 +497,7 @@ def prefill_estimate(topo: Topology, arch: ModelArch, run_dir: str | None = None
     p_inst, d_inst = first_pair(topo)
     host = topo.host_of(p_inst if role == "prefill" else d_inst)
     model = served_model_name(topo)
-    found = lookup_prefill(run_dir or topo.run_dir, model, host.name)
+    found = lookup_prefill(run_dir or topo.run_dir, model, host.name, topo.model.dtype)
     if found is not None:
         return PrefillEstimate(f"measured on {host.name}: {found.prompt_tokens_per_s:,.0f} prompt tokens/s "
                                f"({found.source}, {found.measured_at})", estimated=False, arch=arch,

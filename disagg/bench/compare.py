@@ -72,6 +72,7 @@ class TopologyUnderTest:
     proxy_url: str
     model: str
     run_dir: str
+    dtype: str                          # the topology's model.dtype (stored with the prefill rate)
     engine_urls: tuple[str, ...]
     prefill_engines: tuple[tuple[str, str, str], ...]   # (host name, engine name, engine URL), one per host
     split: bool = False                 # prefill and decode roles behind the builtin proxy
@@ -88,7 +89,7 @@ class TopologyUnderTest:
             if eng.instance.role in ("prefill", "both") and eng.host.name not in prefill:
                 prefill[eng.host.name] = (eng.host.name, eng.name, eng.url)
         return cls(file=file, label=topo.name, proxy_url=dep.proxy_url, model=served_model_name(topo),
-                   run_dir=topo.run_dir, engine_urls=tuple(e.url for e in dep.engines),
+                   run_dir=topo.run_dir, dtype=topo.model.dtype, engine_urls=tuple(e.url for e in dep.engines),
                    prefill_engines=tuple(prefill.values()), split=is_split(topo))
 
 
@@ -175,7 +176,7 @@ async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[S
                                             headers={"Authorization": f"Bearer {engine_key}"} if engine_key else None)
             source = (f"disagg bench compare: {probe_count} prompts of {longest} tokens, max_tokens 1, "
                       f"concurrency 1, straight to {engine} at {url} ({t.file})")
-            path = store_prefill(t.run_dir, t.model, host, rate, source)
+            path = store_prefill(t.run_dir, t.model, host, rate, source, dtype=t.dtype)
             measured[host] = {"prompt_tokens_per_s": rate, "file": str(path)}
     return result, measured
 

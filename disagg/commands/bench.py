@@ -76,6 +76,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     pf = serve.add_argument_group("prefill rate (stored for disagg plan)")
     pf.add_argument("--prefill-host", metavar="NAME",
                     help="store the measured prefill rate under this topology host name")
+    pf.add_argument("--prefill-dtype", default="auto", metavar="DTYPE",
+                    help="the engine's dtype, as the topology's model.dtype says it (default auto): "
+                         "`disagg plan` uses the stored rate only for that dtype")
     pf.add_argument("--prefill-probe", type=int, default=0, metavar="N",
                     help="probe N long prompts at concurrency 1 (default 0 = use requests that ran alone)")
     pf.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
@@ -247,7 +250,7 @@ def _measure_prefill(args: argparse.Namespace, base_url: str, model: str, worklo
             return {}
         rate, used = found
         source = f"disagg bench: TTFT of {used} requests that ran alone at {base_url}"
-    path = store_prefill(args.run_dir, model, args.prefill_host, rate, source)
+    path = store_prefill(args.run_dir, model, args.prefill_host, rate, source, dtype=args.prefill_dtype)
     print(f"prefill rate {rate:.0f} prompt tokens/s for {args.prefill_host} stored in {path}", file=sys.stderr)
     return {args.prefill_host: {"prompt_tokens_per_s": rate, "file": str(path)}}
 

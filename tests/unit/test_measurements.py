@@ -32,6 +32,19 @@ def test_prefill_round_trip_and_merge(tmp_path) -> None:
     assert raw["tiny"]["local"]["prompt_tokens_per_s"] == 1234.5   # the documented schema
 
 
+def test_a_prefill_rate_holds_for_the_dtype_it_was_measured_with(tmp_path) -> None:
+    store_prefill(tmp_path, "tiny", "local", 222.9, "bf16 on a CPU without native bf16", dtype="bfloat16")
+    assert lookup_prefill(tmp_path, "tiny", "local", "float32") is None
+    assert lookup_prefill(tmp_path, "tiny", "local") is None                    # auto is another dtype too
+    assert lookup_prefill(tmp_path, "tiny", "local", "bfloat16").prompt_tokens_per_s == 222.9  # type: ignore[union-attr]
+    # an entry stored before the field existed counts as auto
+    raw = json.loads(prefill_path(tmp_path).read_text())
+    raw["tiny"]["old"] = {"prompt_tokens_per_s": 1000.0, "measured_at": "", "source": "old"}
+    prefill_path(tmp_path).write_text(json.dumps(raw))
+    assert lookup_prefill(tmp_path, "tiny", "old").prompt_tokens_per_s == 1000.0  # type: ignore[union-attr]
+    assert lookup_prefill(tmp_path, "tiny", "old", "float32") is None
+
+
 def test_prefill_store_replaces_an_entry(tmp_path) -> None:
     store_prefill(tmp_path, "m", "h", 10.0, "a")
     store_prefill(tmp_path, "m", "h", 20.0, "b")

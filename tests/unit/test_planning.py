@@ -117,10 +117,14 @@ def _copy_house(tmp_path):
 
 def test_measured_prefill_rate_replaces_the_estimate(tmp_path) -> None:
     topo = _copy_house(tmp_path)
-    store_prefill(topo.run_dir, "meta-llama/Llama-3.1-8B-Instruct", "gamer", 10000.0, "test bench")
+    store_prefill(topo.run_dir, "meta-llama/Llama-3.1-8B-Instruct", "gamer", 10000.0, "test bench",
+                  dtype="bfloat16")
     plan = plan_topology(topo, [4096], 0)
     assert not plan.prefill.estimated and "test bench" in plan.prefill.label
     assert plan.classes[0].prefill_s == pytest.approx(0.4096)
+    # a rate measured with another dtype is no measurement of this topology's engines
+    store_prefill(topo.run_dir, "meta-llama/Llama-3.1-8B-Instruct", "gamer", 10000.0, "test bench", dtype="float32")
+    assert plan_topology(topo, [4096], 0).prefill.estimated
 
 
 def test_measured_link_replaces_the_table_unless_it_is_for_other_hosts(tmp_path) -> None:

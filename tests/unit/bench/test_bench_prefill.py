@@ -46,11 +46,11 @@ def test_record_prefill_rate_merges(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     assert data == {
         "tiny": {"spark-a": {"prompt_tokens_per_s": 2000.0, "measured_at": "2026-01-02T03:04:05+00:00",
-                             "source": "probe A2"},
+                             "source": "probe A2", "dtype": "auto"},
                  "spark-b": {"prompt_tokens_per_s": 99.0, "measured_at": "2026-01-02T03:04:05+00:00",
-                             "source": "probe B"}},
+                             "source": "probe B", "dtype": "auto"}},
         "llama": {"spark-a": {"prompt_tokens_per_s": 5.0, "measured_at": "2026-01-02T03:04:05+00:00",
-                              "source": "probe C"}}}
+                              "source": "probe C", "dtype": "auto"}}}
 
 
 def test_record_prefill_rate_refuses_a_corrupt_file(tmp_path: Path) -> None:
