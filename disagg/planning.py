@@ -490,8 +490,9 @@ def host_device(host: HostSpec) -> DeviceSpec | None:
 
 def prefill_estimate(topo: Topology, arch: ModelArch, run_dir: str | None = None,
                      role: str = "prefill") -> PrefillEstimate:
-    """The measured prefill rate for the first ``role`` instance's host if stored, else the spec
-    estimate (``role`` decode: how fast the decode host prefills a prompt itself)."""
+    """The measured prefill rate for the first ``role`` instance's host if stored for the
+    topology's ``model.dtype``, else the spec estimate (``role`` decode: how fast the decode host
+    prefills a prompt itself)."""
     from disagg.engines.vllm import served_model_name
 
     p_inst, d_inst = first_pair(topo)

@@ -28,7 +28,7 @@ from disagg.errors import DisaggError
 from disagg.measurements import store_prefill
 from disagg.proxy.config import ENGINE_KEY_ENV
 from disagg.serving import ROUTING_POLICIES
-from disagg.topology import DEFAULT_RUN_DIR
+from disagg.topology import DEFAULT_RUN_DIR, DTYPES
 
 #: the subcommands of ``disagg bench``; anything else first is the old spelling ``disagg bench URL``
 SUBCOMMANDS = ("serve", "compare")
@@ -76,7 +76,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     pf = serve.add_argument_group("prefill rate (stored for disagg plan)")
     pf.add_argument("--prefill-host", metavar="NAME",
                     help="store the measured prefill rate under this topology host name")
-    pf.add_argument("--prefill-dtype", default="auto", metavar="DTYPE",
+    pf.add_argument("--prefill-dtype", default="auto", choices=DTYPES,
                     help="the engine's dtype, as the topology's model.dtype says it (default auto): "
                          "`disagg plan` uses the stored rate only for that dtype")
     pf.add_argument("--prefill-probe", type=int, default=0, metavar="N",

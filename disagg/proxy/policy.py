@@ -42,7 +42,9 @@ over every pair of healthy engines (not only each path's best pair: a pair
 whose link or engine is judged slow needs its samples too), whose score
 without its decode work is within :data:`EXPLORE_WITHIN` x the cheapest's
 (the decode work is alike for split and local on one decode engine, and would
-loosen the factor's bound on the first token) and whose (path, engines) is
+loosen the factor's bound on the first token), whose decode work is within
+the same factor of the cheapest's (another decode engine may be far busier),
+and whose (path, engines) is
 stale is considered, cheapest first, and the first one goes instead, with
 reason ``explore``. :class:`Explorer` calls a (path, engines)
 stale when it has not been taken for :data:`EXPLORE_AFTER_S` seconds *and*
@@ -134,6 +136,12 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
                 whole_reason[id(p)] = "decode_backlog"
             elif decodes_slower(p.cost, [d.cost for d in decodes], whole_tpot_factor):
                 whole_reason[id(p)] = "decode_load"
+    # the decode work is priced for every option of the decision or for none: an engine without
+    # a decode line would otherwise look free beside one that has it
+    deciding = [*decodes, *(p for p in prefills if id(p) in whole_reason)]
+    if any(c.cost.tpot_s is None for c in deciding):
+        out_tokens = 0.0
+    for p in prefills:
         for d in decodes:
             for opt in option_costs(tokens, kv_bytes, p.cost, d.cost, link(p.engine, d.engine),
                                     whole=id(p) in whole_reason, stall_weight=stall_weight,
@@ -152,8 +160,8 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
         asked: set[tuple[Option, E | None, E]] = set()
         for alt, ap, ad in sorted(every, key=lambda t: t[0].score_s):
             key = (alt.path, *_engines(alt.path, ap, ad))
-            if alt.path is Option.WHOLE or alt.score_s - alt.decode_s > limit or key == (opt.path, *chosen) \
-                    or key in asked:
+            if alt.path is Option.WHOLE or alt.score_s - alt.decode_s > limit \
+                    or alt.decode_s > explore_within * opt.decode_s or key == (opt.path, *chosen) or key in asked:
                 continue
             asked.add(key)
             if stale(*key):

@@ -50,7 +50,6 @@ are stale; the clock is ``clock`` (``time.monotonic`` unless a test injects one)
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -78,6 +77,11 @@ DECODE_BUSY_SHARE = 0.5
 #: token events a streamed reply needs to be a sample of its engine's decode line (a chat reply's first
 #: event is the role alone, sent with the first token: two or three events say little of the gaps)
 MIN_DECODE_EVENTS = 4
+
+#: what a completions request without ``max_tokens`` decodes at most (vLLM's default, as OpenAI's)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+#: caps above this say nothing more of a reply's length (nor overflow a float)
+MAX_OUTPUT_CAP = 1 << 20
 
 _PATHS = {Option.SPLIT: RoutePath.SPLIT, Option.LOCAL: RoutePath.LOCAL, Option.WHOLE: RoutePath.WHOLE}
 
@@ -179,7 +183,7 @@ class Router:
             return explorer.stale(path, p.url if p is not None else None, dd.url, now)
 
         prefills, decodes = self._candidates(self.prefill), self._candidates(self.decode)
-        out_tokens = expected_output_tokens(route.request.body, self.measurements.output_tokens())
+        out_tokens = expected_output_tokens(route.request.body, self.measurements.output_tokens(), chat)
         d = decide(policy, tokens, tokens * self.kv_bytes_per_token, prefills,
                    decodes, lambda p, dd: self.measurements.link_cost(p.url, dd.url, dd.outstanding),
                    whole=self.config.whole, local=self.local, stall_weight=self.config.stall_weight,
@@ -328,20 +332,23 @@ class Router:
             self._settle(flight, done=False)   # still queued here: it never answered
 
 
-def expected_output_tokens(body: Mapping[str, Any], learned: float | None) -> float:
+def expected_output_tokens(body: Mapping[str, Any], learned: float | None, chat: bool = False) -> float:
     """The output tokens a request is expected to decode, to price its decode work
-    (:func:`disagg.routecost.decode_s`): the replies' mean so far (``learned``), capped by its
-    ``max_tokens`` / ``max_completion_tokens``; the cap alone before any reply; 0 (no decode
-    term: the options are priced by their first token alone) with neither. The cap is read only
-    when it is a positive number (the engine judges anything else)."""
-    cap = None
-    for key in ("max_completion_tokens", "max_tokens"):
-        value = body.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf:
-            cap = float(value)
-            break
+    (:func:`disagg.routecost.decode_s`): the replies' mean so far (``learned``), capped by the
+    request's own cap; 0 before any reply (no decode term: the options are priced by their first
+    token alone, as a cap such as 4,096 says little of the answer's length). The cap: for chat
+    ``max_completion_tokens``, else ``max_tokens``; for completions ``max_tokens``, 16 when absent
+    (vLLM's and OpenAI's default there). Only a positive number is read as a cap (the engine
+    judges anything else), and none above :data:`MAX_OUTPUT_CAP` matters."""
     if learned is None:
-        return cap or 0.0
+        return 0.0
+    keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    cap: float | None = None if chat else float(COMPLETIONS_DEFAULT_MAX_TOKENS)
+    for key in keys:
+        value = body.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            cap = float(min(value, MAX_OUTPUT_CAP))      # min first: a huge JSON integer overflows float()
+            break
     return learned if cap is None else min(cap, learned)
 
 

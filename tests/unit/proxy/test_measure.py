@@ -637,13 +637,19 @@ def test_expected_output_tokens_is_the_replies_mean_capped_by_the_requests_max_t
     for _ in range(30):
         m.observe_output(20)
     assert m.output_tokens() == pytest.approx(20, abs=0.1)
-    assert expected_output_tokens({}, None) == 0.0       # nothing known: the decode work is not priced
-    assert expected_output_tokens({"max_tokens": 64}, None) == 64.0
+    # before any reply: no decode term, whatever the cap (4,096 says little of an answer's length)
+    assert expected_output_tokens({"max_tokens": 64}, None) == 0.0
     assert expected_output_tokens({"max_tokens": 64}, 20.0) == 20.0
     assert expected_output_tokens({"max_tokens": 8}, 20.0) == 8.0
-    assert expected_output_tokens({"max_completion_tokens": 8, "max_tokens": 64}, 20.0) == 8.0
-    for hostile in ("64", True, -1, float("inf"), float("nan"), None, [64]):
-        assert expected_output_tokens({"max_tokens": hostile}, 20.0) == 20.0
+    assert expected_output_tokens({}, 20.0) == 16.0                     # completions: vLLM's default cap
+    assert expected_output_tokens({}, 20.0, chat=True) == 20.0          # chat: no cap by default
+    assert expected_output_tokens({"max_completion_tokens": 8, "max_tokens": 64}, 20.0, chat=True) == 8.0
+    assert expected_output_tokens({"max_completion_tokens": 8, "max_tokens": 64}, 20.0) == 20.0  # chat's name
+    for hostile in ("64", True, -1, float("nan"), None, [64]):
+        assert expected_output_tokens({"max_tokens": hostile}, 20.0, chat=True) == 20.0
+    # a JSON integer too large for a float, or infinity, is no crash and no cap
+    assert expected_output_tokens({"max_tokens": int("1" + "0" * 400)}, 20.0) == 20.0
+    assert expected_output_tokens({"max_tokens": float("inf")}, 20.0) == 20.0
 
 
 def test_router_learns_decode_lines_from_streams_and_sends_whole_while_decode_is_the_bottleneck() -> None:
@@ -728,3 +734,26 @@ def test_a_line_seeded_flat_that_rises_steeply_goes_through_zero_not_flat() -> N
     for _ in range(3):
         flat.add(2.0, 0.1)          # falling: no physical line, flat at the mean (the 0.2 learned caps it)
     assert 0.1 < flat.coefficients()[0] < 0.2                # not the 0.04 seed
+
+
+def test_the_router_prices_each_prompts_decode_work_at_its_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:meth:`Router.route` passes :func:`expected_output_tokens` of each request to the policy."""
+    import disagg.proxy.router as router_mod
+
+    metrics, prefill, decode, config = _auto_pools()
+    router = Router(config, prefill, decode, metrics, local=True)
+    seen: list[float] = []
+    real = router_mod.decide
+
+    def spy(*args: object, **kw: object):  # type: ignore[no-untyped-def]
+        seen.append(kw["out_tokens"])      # type: ignore[arg-type]
+        return real(*args, **kw)           # type: ignore[arg-type]
+
+    monkeypatch.setattr(router_mod, "decide", spy)
+    router.measurements.observe_output(40)
+    for i, cap in enumerate((8, 64)):
+        body = {"prompt": "x" * 40, "stream": True, "max_tokens": cap}
+        req = GenerationRequest(COMPLETIONS, body, b"{}", {}, f"c{i}")
+        r = PromptRoute(0, req, RoutePath.SPLIT)
+        router.route(RequestPlan(req, [r]))
+    assert seen == [8.0, 40.0]

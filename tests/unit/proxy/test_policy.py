@@ -302,3 +302,31 @@ def test_decode_work_sends_whole_a_prompt_its_first_token_alone_keeps_on_the_dec
     both = decide("auto", 100, kv(100), [Candidate("P", replace(p, tpot_s=None))],
                   [Candidate("D1", d), Candidate("D2", quick)], lambda _p, _d: LINK, out_tokens=32)
     assert both.decode == "D2"
+
+
+def test_decode_work_is_priced_for_the_whole_decision_or_not_at_all() -> None:
+    """A decode engine without a decode line would look free beside one that has it: then no option
+    of the decision carries decode work, and the choice is the first token's."""
+    fast = EngineCost(tokens_per_s=2000.0, tpot_s=0.030)
+    unmeasured = EngineCost(tokens_per_s=1900.0)
+    d = decide("auto", 100, kv(100), [Candidate("P", FAST_P)], [Candidate("D1", fast), Candidate("D2", unmeasured)],
+               lambda _p, _d: LINK, out_tokens=32)
+    assert all(o.decode_s == 0.0 for o in d.options) and d.decode == "D1"   # D1 prefills 100 tokens sooner
+
+
+def test_exploration_never_sends_a_prompt_to_a_far_slower_decoder() -> None:
+    """The bound on exploring leaves out the decode work for its first token, but an option whose
+    decode work is beyond the factor x the chosen one's (another, slower decode engine) is never explored."""
+    calm = EngineCost(tokens_per_s=2000.0, tpot_s=0.030)
+    slow_decoder = EngineCost(tokens_per_s=2000.0, tpot_s=0.300)
+    slow_link = LinkCost(fixed_s=0.2, bytes_per_s=LINK.bytes_per_s)       # no split within the factor
+
+    def choose_with(out_tokens: float):  # type: ignore[no-untyped-def]
+        return decide("auto", 100, kv(100), [Candidate("P", calm)],
+                      [Candidate("D1", calm), Candidate("D2", slow_decoder)], lambda _p, _d: slow_link,
+                      stale=lambda *_: True, out_tokens=out_tokens)
+
+    unpriced = choose_with(0.0)
+    assert (unpriced.path, unpriced.reason, unpriced.decode) == (Option.LOCAL, "explore", "D2")
+    priced = choose_with(32.0)
+    assert (priced.path, priced.reason, priced.decode) == (Option.LOCAL, "predicted", "D1")
