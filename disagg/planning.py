@@ -48,7 +48,7 @@ from disagg_connectors.socket_connector.config import wire_ratio
 from disagg.errors import PlanError
 from disagg.hardware import DEVICES, PREFILL_UTILISATION, DeviceSpec, lookup_device
 from disagg.kvmath import ModelArch, human_count, kv_dtype_bytes, resolve_model
-from disagg.measurements import LinkMeasurement, load_link, lookup_prefill
+from disagg.measurements import LinkMeasurement, load_link, load_prefill, lookup_prefill
 from disagg.routecost import (
     FIRST_STEP_CPU_BYTES_PER_S,
     FIRST_STEP_CPU_SOURCE,
@@ -508,7 +508,13 @@ def prefill_estimate(topo: Topology, arch: ModelArch, run_dir: str | None = None
         raise PlanError(f"{topo.file}: hosts.{host.name}: device: cuda but no gpu: field; add "
                         f"gpu: (one of {', '.join(n for n in DEVICES if n != 'cpu')}) for an estimate, "
                         "or measure the prefill rate with `disagg bench`")
-    return device_prefill(spec, arch, f"for {host.name} ")
+    estimate = device_prefill(spec, arch, f"for {host.name} ")
+    other = load_prefill(run_dir or topo.run_dir).get(model, {}).get(host.name)
+    if other is not None:       # stored, but measured with another dtype: say why it is not used
+        estimate = replace(estimate, label=f"{estimate.label} (the rate stored for {host.name}, "
+                           f"{other.prompt_tokens_per_s:,.0f} tokens/s, was measured in {other.dtype}; "
+                           f"this topology runs {topo.model.dtype})")
+    return estimate
 
 
 def device_prefill(spec: DeviceSpec, arch: ModelArch, who: str = "") -> PrefillEstimate:

@@ -124,7 +124,8 @@ def test_measured_prefill_rate_replaces_the_estimate(tmp_path) -> None:
     assert plan.classes[0].prefill_s == pytest.approx(0.4096)
     # a rate measured with another dtype is no measurement of this topology's engines
     store_prefill(topo.run_dir, "meta-llama/Llama-3.1-8B-Instruct", "gamer", 10000.0, "test bench", dtype="float32")
-    assert plan_topology(topo, [4096], 0).prefill.estimated
+    other = plan_topology(topo, [4096], 0).prefill
+    assert other.estimated and "measured in float32; this topology runs bfloat16" in other.label
 
 
 def test_measured_link_replaces_the_table_unless_it_is_for_other_hosts(tmp_path) -> None:
