@@ -28,7 +28,7 @@ Two files, both JSON, both written atomically (temp file + rename):
     }
 
 A prefill rate holds only for the dtype it was measured with (on a CPU without
-native bf16, bf16 prefilled 78 times slower than float32 here): a lookup for
+native bf16, bf16 prefilled 4 times slower than float32 here): a lookup for
 another dtype finds nothing, and an entry written before the field existed
 counts as ``auto``.
 
@@ -94,6 +94,10 @@ class PrefillMeasurement:
     source: str
     dtype: str = "auto"
 
+    def holds_for(self, dtype: str) -> bool:
+        """Whether this rate is one of an engine running ``dtype`` (the topology's ``model.dtype``)."""
+        return self.dtype == dtype
+
 
 def prefill_path(run_dir: str | Path) -> Path:
     """Where prefill rates live under a run directory."""
@@ -127,7 +131,7 @@ def lookup_prefill(run_dir: str | Path, model: str, host: str, dtype: str = "aut
     """The stored prefill rate of ``model`` in ``dtype`` on ``host``, or None (none stored, or
     one measured with another dtype)."""
     found = load_prefill(run_dir).get(model, {}).get(host)
-    return found if found is not None and found.dtype == dtype else None
+    return found if found is not None and found.holds_for(dtype) else None
 
 
 def store_prefill(run_dir: str | Path, model: str, host: str, prompt_tokens_per_s: float,

@@ -48,7 +48,7 @@ from disagg_connectors.socket_connector.config import wire_ratio
 from disagg.errors import PlanError
 from disagg.hardware import DEVICES, PREFILL_UTILISATION, DeviceSpec, lookup_device
 from disagg.kvmath import ModelArch, human_count, kv_dtype_bytes, resolve_model
-from disagg.measurements import LinkMeasurement, load_link, load_prefill, lookup_prefill
+from disagg.measurements import LinkMeasurement, load_link, load_prefill
 from disagg.routecost import (
     FIRST_STEP_CPU_BYTES_PER_S,
     FIRST_STEP_CPU_SOURCE,
@@ -498,7 +498,8 @@ def prefill_estimate(topo: Topology, arch: ModelArch, run_dir: str | None = None
     p_inst, d_inst = first_pair(topo)
     host = topo.host_of(p_inst if role == "prefill" else d_inst)
     model = served_model_name(topo)
-    found = lookup_prefill(run_dir or topo.run_dir, model, host.name, topo.model.dtype)
+    stored = load_prefill(run_dir or topo.run_dir).get(model, {}).get(host.name)
+    found = stored if stored is not None and stored.holds_for(topo.model.dtype) else None
     if found is not None:
         return PrefillEstimate(f"measured on {host.name}: {found.prompt_tokens_per_s:,.0f} prompt tokens/s "
                                f"({found.source}, {found.measured_at})", estimated=False, arch=arch,
@@ -509,10 +510,9 @@ def prefill_estimate(topo: Topology, arch: ModelArch, run_dir: str | None = None
                         f"gpu: (one of {', '.join(n for n in DEVICES if n != 'cpu')}) for an estimate, "
                         "or measure the prefill rate with `disagg bench`")
     estimate = device_prefill(spec, arch, f"for {host.name} ")
-    other = load_prefill(run_dir or topo.run_dir).get(model, {}).get(host.name)
-    if other is not None:       # stored, but measured with another dtype: say why it is not used
+    if stored is not None:      # stored, but measured with another dtype: say why it is not used
         estimate = replace(estimate, label=f"{estimate.label} (the rate stored for {host.name}, "
-                           f"{other.prompt_tokens_per_s:,.0f} tokens/s, was measured in {other.dtype}; "
+                           f"{stored.prompt_tokens_per_s:,.0f} tokens/s, was measured in {stored.dtype}; "
                            f"this topology runs {topo.model.dtype})")
     return estimate
 
