@@ -200,8 +200,10 @@ class Router:
             alts = ", ".join(f"{o.path} {o.ttft_s * 1e3:.1f} ms (score {o.score_s * 1e3:.1f})" for o in d.options)
             tpot = ", ".join(f"{c.engine.role} {c.engine.outstanding} in flight "
                              + (f"{c.cost.tpot_s * 1e3:.1f} ms" if c.cost.tpot_s is not None else "-")
+                             + f" (line {c.cost.overhead_s * 1e3:.1f} ms + n / {c.cost.tokens_per_s:.0f}/s,"
+                               f" queued {c.cost.queued_tokens:.0f}, busy {c.cost.busy_s * 1e3:.1f} ms)"
                              for c in (*prefills, *decodes))
-            log.debug("route %s: %d tokens, %.0f out -> %s (%s) P=%s D=%s; predicted %s; tpot %s",
+            log.debug("route %s: %d tokens, %.0f out -> %s (%s) P=%s D=%s; predicted %s; tpot and engines %s",
                       route.request.request_id, tokens, out_tokens, d.path, d.reason,
                       d.prefill.url if d.prefill else "-", d.decode.url if d.decode else "-", alts or "-", tpot)
 

@@ -705,13 +705,16 @@ def test_a_prefill_sent_to_a_busy_engine_teaches_the_busy_line_not_the_engines_o
     line = m.engine_cost("decode", "d", 0)
     assert (line.overhead_s, line.tokens_per_s, line.busy_s) == (pytest.approx(0.010), pytest.approx(3200.0), 0.0)
     assert m.observe_prefill("decode", "d", 64.0, 1.0, in_flight=2) == "discarded"   # the busy line's warm-up
-    for i in range(12):                         # with k in flight: 15 ms per request beyond the line
+    for i in range(12):                         # with k in flight: 20 ms + 10 ms per request beyond the line
         k = (1, 4, 8)[i % 3]
-        assert m.observe_prefill("decode", "d", 64.0, 0.010 + 64 / 3200 + 0.015 * k, in_flight=k) == "used"
+        assert m.observe_prefill("decode", "d", 64.0, 0.010 + 64 / 3200 + 0.020 + 0.010 * k, in_flight=k) == "used"
     busy = m.engine_cost("decode", "d", 4)
     assert busy.tokens_per_s == pytest.approx(3200.0) and busy.busy_s == pytest.approx(0.060, abs=0.003)
     assert busy.ttft_s(64) == pytest.approx(0.010 + 64 / 3200 + 0.060, abs=0.003)
     assert busy.prefill_s(64) == pytest.approx(0.010 + 64 / 3200)     # the stall is the prefill's own time
+    # the busy line's intercept (20 ms) is extrapolated below its samples: an idle engine is its line alone
+    assert m.engine_cost("decode", "d", 1).busy_s == pytest.approx(0.030, abs=0.003)
+    assert m.engine_cost("decode", "d", 0).busy_s == 0.0
     # faster than its line counts as 0 beyond it (the line of what load adds never goes below 0)
     assert m.observe_prefill("decode", "d", 64.0, 0.001, in_flight=1) == "used"
     m.forget("d")
