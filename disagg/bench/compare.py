@@ -2,7 +2,9 @@
 
 For each topology file in turn: ``disagg up FILE --detach`` (returns once every
 engine and the proxy are healthy), the sweep against the proxy, optionally a
-prefill-rate probe straight to each prefill host's engine, then ``disagg down
+prefill-rate probe straight to an engine of each host that prefills (prefill
+hosts, and decode hosts whose engines serve the ``auto`` routing's local
+prefills: both seed the proxy's routing), then ``disagg down
 FILE`` -- always, also when the bench fails or is interrupted. After each
 topology the results so far are written to ``results.json``; at the end the
 full report (JSON, Markdown, PNGs) is written to the output directory.
@@ -42,6 +44,7 @@ from disagg.deployment import build_deployment
 from disagg.engines.vllm import served_model_name
 from disagg.errors import DisaggError, LaunchError
 from disagg.measurements import probe_path, store_prefill
+from disagg.proxy.handoff import handoff_class
 from disagg.serving import ROUTING_POLICIES
 from disagg.topology import Topology, load_topology
 
@@ -74,7 +77,9 @@ class TopologyUnderTest:
     run_dir: str
     dtype: str                          # the topology's model.dtype (stored with the prefill rate)
     engine_urls: tuple[str, ...]
-    prefill_engines: tuple[tuple[str, str, str], ...]   # (host name, engine name, engine URL), one per host
+    #: (host name, engine name, engine URL), the first engine of each host that prefills: prefill and
+    #: both roles, and decode engines (the auto routing's local prefills run there), one per host
+    prefilling_engines: tuple[tuple[str, str, str], ...]
     split: bool = False                 # prefill and decode roles behind the builtin proxy
     source: Path | None = None          # the file this one was derived from (routing variants)
     routing: str | None = None          # the routing policy a variant sets
@@ -85,12 +90,15 @@ class TopologyUnderTest:
         dep = build_deployment(load_topology(file))
         topo = dep.topology
         prefill: dict[str, tuple[str, str, str]] = {}
+        # decode engines prefill the prompts routed local, where the handoff serves plain requests there
+        # (an SGLang decode engine takes only requests with a bootstrap room)
+        roles = ("prefill", "both", "decode") if handoff_class(topo.engine).serves_local else ("prefill", "both")
         for eng in dep.engines:
-            if eng.instance.role in ("prefill", "both") and eng.host.name not in prefill:
+            if eng.instance.role in roles and eng.host.name not in prefill:
                 prefill[eng.host.name] = (eng.host.name, eng.name, eng.url)
         return cls(file=file, label=topo.name, proxy_url=dep.proxy_url, model=served_model_name(topo),
                    run_dir=topo.run_dir, dtype=topo.model.dtype, engine_urls=tuple(e.url for e in dep.engines),
-                   prefill_engines=tuple(prefill.values()), split=is_split(topo))
+                   prefilling_engines=tuple(prefill.values()), split=is_split(topo))
 
 
 def is_split(topo: Topology) -> bool:
@@ -171,7 +179,7 @@ async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[S
     measured: dict[str, Any] = {}
     if probe_count > 0:
         longest = max(c.input_len for c in workload.classes)
-        for host, engine, url in t.prefill_engines:
+        for host, engine, url in t.prefilling_engines:
             rate = await probe_prefill_rate(url, t.model, longest, probe_count, seed=workload.seed,
                                             headers={"Authorization": f"Bearer {engine_key}"} if engine_key else None)
             source = (f"disagg bench compare: {probe_count} prompts of {longest} tokens, max_tokens 1, "

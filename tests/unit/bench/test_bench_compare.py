@@ -51,7 +51,40 @@ def test_topology_under_test(tmp_path: Path) -> None:
     path = _topology(tmp_path, "colo", "http://127.0.0.1:18000", "http://127.0.0.1:18001")
     t = TopologyUnderTest.load(path)
     assert t.label == "colo" and t.proxy_url == "http://127.0.0.1:18000" and t.model == "tiny"
-    assert t.prefill_engines == (("box", "both[0]", "http://127.0.0.1:18001"),)
+    assert t.prefilling_engines == (("box", "both[0]", "http://127.0.0.1:18001"),)
+
+
+TWO_HOSTS = """name: {name}
+run_dir: {run_dir}
+model: {model}
+engine: {engine}
+connector: {connector}
+link: {{type: loopback}}
+proxy: {{host: 127.0.0.1, port: 18000}}
+hosts:
+  p: {{address: 127.0.0.1, device: {device}}}
+  d: {{address: 127.0.0.2, device: {device}}}
+roles:
+  prefill:
+    - {{host: p, port: 18100, kv_port: 18998}}
+    - {{host: p, port: 18101, kv_port: 18999}}
+  decode:
+    - {{host: d, port: 18200, kv_port: 18997}}
+"""
+
+
+def test_a_split_topology_probes_one_engine_of_each_host_that_prefills(tmp_path: Path) -> None:
+    """vLLM decode engines prefill the prompts the auto routing keeps local, so their host's rate
+    seeds the proxy like the prefill host's; SGLang decode engines take no plain request."""
+    vllm = tmp_path / "vllm.yaml"
+    vllm.write_text(TWO_HOSTS.format(name="v", run_dir=tmp_path / "run", model="disagg:tiny", engine="vllm",
+                                 connector="socket", device="cpu"))
+    assert TopologyUnderTest.load(vllm).prefilling_engines == (
+        ("p", "prefill[0]", "http://127.0.0.1:18100"), ("d", "decode[0]", "http://127.0.0.2:18200"))
+    sglang = tmp_path / "sglang.yaml"
+    sglang.write_text(TWO_HOSTS.format(name="s", run_dir=tmp_path / "run", model="Qwen/Qwen2.5-0.5B-Instruct",
+                                   engine="sglang", connector="mooncake", device="cuda"))
+    assert TopologyUnderTest.load(sglang).prefilling_engines == (("p", "prefill[0]", "http://127.0.0.1:18100"),)
 
 
 async def _compare_in_thread(*args: Any, **kwargs: Any) -> dict[str, Any]:
