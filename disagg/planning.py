@@ -672,6 +672,8 @@ class RouteSeeds:
     sources: tuple[str, ...]
     #: the model's layers when the topology streams the KV while the prefill computes (None: it does not)
     streaming_layers: int | None = None
+    #: the roles ("prefill", "decode") whose seed rate ``disagg bench`` measured, not estimated
+    measured_rates: tuple[str, ...] = ()
 
 
 def route_seeds(topo: Topology) -> RouteSeeds:
@@ -688,7 +690,9 @@ def route_seeds(topo: Topology) -> RouteSeeds:
                       link_bytes_per_s=plan.link.cost().bytes_per_s, handoff_fixed_s=plan.link.fixed_s,
                       sources=(plan.link.label, plan.prefill.label, decode.label,
                                handoff_fixed_source(plan.streaming_layers is not None)),
-                      streaming_layers=plan.streaming_layers)
+                      streaming_layers=plan.streaming_layers,
+                      measured_rates=tuple(role for role, rate in (("prefill", plan.prefill), ("decode", decode))
+                                           if not rate.estimated))
 
 
 def idle_routing_line(plan: Plan) -> str | None:

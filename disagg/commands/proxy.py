@@ -12,6 +12,7 @@ from disagg.proxy.config import (
     API_KEY_ENV,
     DEFAULT_MAX_CONCURRENCY,
     ENGINE_KEY_ENV,
+    SEED_ROLES,
     ProxyConfig,
     ProxyTimeouts,
     RoutingConfig,
@@ -73,6 +74,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--route-prefill-rate", type=float, metavar="TOK/S", help="auto: prefill engines' seed rate")
     p.add_argument("--route-decode-rate", type=float, metavar="TOK/S",
                    help="auto: decode engines' seed prefill rate (default: the prefill rate)")
+    p.add_argument("--route-measured-rates", type=_roles, default=(), metavar="ROLE[,ROLE]",
+                   help="auto: the roles (prefill, decode) whose seed rate was measured on their hosts, "
+                        "not estimated (`disagg up` passes it)")
     p.add_argument("--route-link-rate", type=float, metavar="B/S", help="auto: seed link rate, bytes per second")
     p.add_argument("--route-handoff-fixed", type=float, metavar="S",
                    help="auto: seed fixed cost of one handoff (default: the largest measured per connector)")
@@ -117,7 +121,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
                            tokenizer=args.tokenizer, chars_per_token=args.route_chars_per_token,
                            explore_after_s=args.route_explore_after, explore_decisions=args.route_explore_decisions,
                            explore_within=args.route_explore_within,
-                           streaming_layers=args.route_streaming_layers),
+                           streaming_layers=args.route_streaming_layers,
+                           measured_rates=args.route_measured_rates),
                        log_level=args.log_level)
 
 
@@ -130,6 +135,15 @@ def parse_handoff_options(items: list[str]) -> tuple[tuple[str, str], ...]:
             raise ProxyError(f"--handoff-option {item!r}: expected KEY=VALUE")
         out.append((key.strip(), value.strip()))
     return tuple(out)
+
+
+def _roles(text: str) -> tuple[str, ...]:
+    """``"prefill,decode"`` -> ``("prefill", "decode")``: roles among :data:`SEED_ROLES`."""
+    roles = tuple(r.strip() for r in text.split(",") if r.strip())
+    unknown = [r for r in roles if r not in SEED_ROLES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown role(s) {', '.join(unknown)}; expected {', '.join(SEED_ROLES)}")
+    return roles
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:

@@ -101,7 +101,8 @@ def routing_config(dep: Deployment) -> RoutingConfig:
         whole=topo.engine == "vllm" and topo.connector in WHOLE_CONNECTORS,
         tokenizer=str(tokenizer) if tokenizer.is_file() else None,
         explore_after_s=topo.routing.explore_after_s, explore_decisions=topo.routing.explore_decisions,
-        explore_within=topo.routing.explore_within, streaming_layers=seeds.streaming_layers)
+        explore_within=topo.routing.explore_within, streaming_layers=seeds.streaming_layers,
+        measured_rates=seeds.measured_rates)
 
 
 def proxy_config(dep: Deployment) -> ProxyConfig:

@@ -26,6 +26,8 @@ ENGINE_KEY_ENV = "DISAGG_ENGINE_KEY"
 #: the handoff that streams the KV while the prefill computes (``SocketStreamHandoff.kind``), the one
 #: ``RoutingConfig.streaming_layers`` is for
 STREAMING_HANDOFF = "vllm-socket-stream"
+#: the roles whose engines have a seed prefill rate (``RoutingConfig.measured_rates`` names some of them)
+SEED_ROLES = ("prefill", "decode")
 
 #: client requests the proxy serves at once before it answers 429 (generation and
 #: pass-through; /health and /metrics never count): far above what one pair of
@@ -100,6 +102,9 @@ class RoutingConfig:
     predicted with only the part of the transfer the prefill does not hide
     (:func:`disagg.routecost.exposed_transfer_s`; 1 hides nothing) and splits teach the
     link nothing (:class:`disagg.proxy.router.Router`); None: the KV moves after the prefill.
+    ``measured_rates``: the roles whose seed rate was measured on their hosts; an engine not
+    measured live yet is priced at such a seed as it is, and only an estimated seed is scaled by
+    what live measurements say of the estimates (:meth:`disagg.proxy.measure.Measurements._line`).
     """
 
     policy: str = "split"
@@ -117,6 +122,8 @@ class RoutingConfig:
     explore_decisions: int = EXPLORE_AFTER_DECISIONS
     explore_within: float = EXPLORE_WITHIN
     streaming_layers: int | None = None
+    #: the roles ("prefill", "decode") whose seed rate was measured (``disagg bench``), not estimated
+    measured_rates: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -138,6 +145,9 @@ class RoutingConfig:
         if self.streaming_layers is not None and (type(self.streaming_layers) is not int or self.streaming_layers < 1):
             raise ProxyError(f"routing streaming_layers must be a whole number >= 1 (the model's layers), "
                              f"got {self.streaming_layers!r}")
+        if not (isinstance(self.measured_rates, tuple) and set(self.measured_rates) <= set(SEED_ROLES)):
+            raise ProxyError(f"routing measured_rates must name roles among {', '.join(SEED_ROLES)}, "
+                             f"got {self.measured_rates!r}")
         if self.policy == "auto":
             missing = [n for n in ("kv_bytes_per_token", "prefill_tokens_per_s", "link_bytes_per_s")
                        if getattr(self, n) is None]
@@ -162,6 +172,8 @@ class RoutingConfig:
                  "--route-explore-within", repr(self.explore_within)]
         if self.streaming_layers is not None:
             argv += ["--route-streaming-layers", str(self.streaming_layers)]
+        if self.measured_rates:
+            argv += ["--route-measured-rates", ",".join(self.measured_rates)]
         if self.whole:
             argv.append("--route-whole")
         if self.tokenizer:

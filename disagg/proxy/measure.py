@@ -298,6 +298,8 @@ class _Engine:
     fit: EwFit                         # prefill seconds against work tokens, engine alone
     busy: EwFit                        # what its load adds, against requests in flight
     seed_rate: float
+    #: the seed rate was measured on the engine's host (``disagg bench``), not estimated
+    seed_measured: bool = False
     pending: list[_Pending] = field(default_factory=list)
     #: perf_counter up to which the engine's work on ``pending`` has been counted
     progressed_at: float = 0.0
@@ -308,10 +310,12 @@ class Measurements:
 
     def __init__(self, *, prefill_tokens_per_s: float, decode_tokens_per_s: float, overhead_s: float,
                  handoff_fixed_s: float, link_bytes_per_s: float, decay: float = DECAY,
-                 streaming_layers: int | None = None) -> None:
+                 streaming_layers: int | None = None, measured_rates: frozenset[str] = frozenset()) -> None:
         """``streaming_layers``: the handoff streams the KV over that many layers while the prefill
-        computes (:class:`~disagg.routecost.LinkCost`); None: it moves after the prefill."""
+        computes (:class:`~disagg.routecost.LinkCost`); None: it moves after the prefill.
+        ``measured_rates``: the roles whose seed rate was measured on their hosts (:meth:`_line`)."""
         self._seed = {"prefill": prefill_tokens_per_s, "decode": decode_tokens_per_s}
+        self._measured_rates = measured_rates
         self.streaming_layers = streaming_layers
         self._overhead = overhead_s
         self._fixed = handoff_fixed_s
@@ -334,7 +338,8 @@ class Measurements:
         if eng is None:
             rate = self._seed.get(role, self._seed["prefill"])
             eng = self._engines[url] = _Engine(EwFit(self._overhead, rate, SEED_TOKENS, self._decay),
-                                               EwFit(0.0, math.inf, LOAD_SEED_IN_FLIGHT, self._decay), rate)
+                                               EwFit(0.0, math.inf, LOAD_SEED_IN_FLIGHT, self._decay), rate,
+                                               seed_measured=role in self._measured_rates)
         return eng
 
     def queued_tokens(self, role: str, url: str, now: float | None = None) -> float:
@@ -402,17 +407,22 @@ class Measurements:
 
         An engine with fewer than :data:`SEED_SAMPLES` samples of its own is judged by the
         engines that have them: their mean per-request overhead (HTTP, scheduling, a first step:
-        alike across the engines of one deployment), and its seed rate scaled by how far their
-        measured rates fell from their own seeds (the seeds' ratios between hosts are kept, their
-        scale is what was measured: a spec-sheet estimate may be far off for every host alike).
-        So one engine's measurement is never compared with another's optimistic seed.
+        alike across the engines of one deployment), and, when its seed rate is an estimate, that
+        seed scaled by how far the measured rates of engines seeded with estimates fell from
+        their seeds (the seeds' ratios between hosts are kept, their scale is what was measured:
+        a spec-sheet estimate may be far off for every host alike). So one engine's measurement
+        is never compared with another's optimistic seed. A seed measured on the engine's host
+        (``measured_rates``) is taken as it is, and no measurement scales an estimate by a
+        measured seed's ratio: scaling a measured 1,127 tokens/s by a decode engine's measured /
+        estimated 1,053 / 17,340 priced a prefill engine at 68 tokens/s on a 2-core CPU box.
         """
         overhead, rate = eng.fit.coefficients()
         if eng.fit.samples < SEED_SAMPLES:
-            known = [(e.fit.coefficients(), e.seed_rate) for e in self._measured()]
+            known = [(e.fit.coefficients(), e.seed_rate, e.seed_measured) for e in self._measured()]
             if known:
-                overhead = sum(c[0] for c, _ in known) / len(known)
-                rate = eng.seed_rate * sum(c[1] / seed for c, seed in known) / len(known)
+                overhead = sum(c[0] for c, _, _ in known) / len(known)
+                ratios = [c[1] / seed for c, seed, measured in known if not measured]
+                rate = eng.seed_rate if eng.seed_measured or not ratios else eng.seed_rate * sum(ratios) / len(ratios)
         return overhead, rate
 
     def engine_cost(self, role: str, url: str, outstanding: int, now: float | None = None) -> EngineCost:

@@ -126,7 +126,8 @@ class Router:
             overhead_s=config.overhead_s,
             handoff_fixed_s=(config.handoff_fixed_s if config.handoff_fixed_s is not None
                              else DEFAULT_HANDOFF_FIXED_S),
-            link_bytes_per_s=config.link_bytes_per_s or 1.0, streaming_layers=config.streaming_layers)
+            link_bytes_per_s=config.link_bytes_per_s or 1.0, streaming_layers=config.streaming_layers,
+            measured_rates=frozenset(config.measured_rates))
         #: the handoff streams the KV while the prefill computes: splits are no samples of the link
         self.streamed = config.streaming_layers is not None
         self.lengths = PromptLength(config.tokenizer, config.chars_per_token) if self.auto else None
@@ -257,8 +258,12 @@ class Router:
         tokens = prompt_tokens or route.tokens
         flight.tokens["prompt"] = tokens
         if flight.engine is backend:
-            self._sampled(_engine_fit(flight), self.measurements.observe_prefill(
-                "prefill", backend.url, tokens, seconds, flight.queued_ahead, flight.in_flight_at_send))
+            outcome = self.measurements.observe_prefill("prefill", backend.url, tokens, seconds, flight.queued_ahead,
+                                                        flight.in_flight_at_send)
+            self._sampled(_engine_fit(flight), outcome)
+            log.debug("route %s: prefill of %d tokens answered after %.1f ms (%.0f queued ahead, %d in flight): %s",
+                      route.request.request_id, tokens, seconds * 1e3, flight.queued_ahead,
+                      flight.in_flight_at_send, outcome)
 
     def first_token(self, route: PromptRoute, started: float, when: float) -> None:
         """A streamed single-prompt reply sent its first event at ``when`` (``started``: request arrival)."""

@@ -50,6 +50,32 @@ def test_auto_hands_the_plan_figures_to_the_proxy(connector: str) -> None:
     assert config_from_args(args).routing == r
 
 
+def test_the_proxy_is_told_which_seed_rates_were_measured(tmp_path: Path) -> None:
+    """A host's stored prefill rate is a measurement; a host without one is seeded with an
+    estimate: the proxy scales only estimates by what it measures (Measurements._line)."""
+    from disagg.engines.vllm import served_model_name
+    from disagg.measurements import store_prefill
+
+    topo = topology(f"run_dir: {tmp_path}\n")
+    assert route_seeds(topo).measured_rates == ()
+    store_prefill(tmp_path, served_model_name(topo), "local", 1127.0, "test")
+    topo = topology(f"run_dir: {tmp_path}\n")
+    seeds = route_seeds(topo)
+    assert seeds.measured_rates == ("prefill", "decode")        # local-cpu.yaml: one host plays both roles
+    config = proxy_config(build_deployment(topo))
+    assert config.routing.measured_rates == ("prefill", "decode")
+    argv = config.to_argv(with_api_key=False)
+    assert argv[argv.index("--route-measured-rates") + 1] == "prefill,decode"
+    assert config_from_args(build_parser().parse_args(argv)).routing == config.routing
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*argv, "--route-measured-rates", "prefill,both"])
+    from disagg.errors import ProxyError
+    from disagg.proxy.config import RoutingConfig
+
+    with pytest.raises(ProxyError, match="measured_rates"):
+        RoutingConfig(measured_rates=("both",))
+
+
 def test_split_and_local_carry_no_seeds_and_split_adds_no_options() -> None:
     split = proxy_config(build_deployment(topology("routing: {policy: split}\n")))
     assert split.routing.policy == "split" and "--routing-policy" not in split.to_argv()

@@ -232,6 +232,29 @@ def test_seeds_then_observations_per_engine_and_pair_and_forget() -> None:
     assert m.link_cost("p", "d").fixed_s == pytest.approx(0.03)
 
 
+def test_a_seed_measured_on_its_host_is_taken_as_it_is_and_scales_no_estimate() -> None:
+    """Only estimated seeds are scaled by what live measurements say of the estimates: a prefill
+    host's measured rate is not scaled by how far a decode host's estimate fell, and a measured
+    seed's ratio (about 1) says nothing of an estimate."""
+    m = Measurements(prefill_tokens_per_s=1000.0, decode_tokens_per_s=16000.0, overhead_s=0.0,
+                     handoff_fixed_s=0.03, link_bytes_per_s=1e9, measured_rates=frozenset({"prefill"}))
+    for i in range(12):                                  # the decode engine prefills 1,000 tokens/s, not 16,000
+        n = 64.0 + 448 * (i % 2)
+        m.observe_prefill("decode", "d", n, 0.020 + n / 1000)
+    assert m.engine_cost("decode", "d", 0).tokens_per_s == pytest.approx(1000.0, rel=0.01)
+    unseen = m.engine_cost("prefill", "p", 0)
+    assert unseen.tokens_per_s == pytest.approx(1000.0)                # as measured, not 1000 / 16
+    assert unseen.overhead_s == pytest.approx(0.020, abs=0.002)        # the measured engines' overhead
+    for i in range(12):                                  # the prefill engine, measured, keeps its seed's rate
+        n = 64.0 + 448 * (i % 2)
+        m.observe_prefill("prefill", "p", n, 0.020 + n / 1000)
+    # an estimated decode seed on a new engine: no engine seeded with an estimate but the first
+    # decode engine is measured, so its ratio scales it; with only measured seeds measured, it stays
+    assert m.engine_cost("decode", "d2", 0).tokens_per_s == pytest.approx(16000.0 / 16, rel=0.02)
+    m.forget("d")
+    assert m.engine_cost("decode", "d2", 0).tokens_per_s == pytest.approx(16000.0)
+
+
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model("tiny", tmp_path_factory.mktemp("m") / "tiny") / "tokenizer.json"
