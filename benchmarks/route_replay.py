@@ -26,7 +26,7 @@ from pathlib import Path
 
 from disagg.proxy.measure import Measurements
 
-DECIDED = re.compile(r"(\d\d:\d\d:\d\d,\d+) disagg-proxy DEBUG route (\S+): (\d+) tokens -> (\w+)")
+DECIDED = re.compile(r"(\d\d:\d\d:\d\d,\d+) disagg-proxy DEBUG route (\S+): (\d+) tokens(?:, [\d.]+ out)? -> (\w+)")
 FIRST = re.compile(r"(\d\d:\d\d:\d\d,\d+) disagg-proxy DEBUG route (\S+): (\w+), (\d+) tokens: "
                    r"first token after ([\d.]+) ms, predicted ([\d.]+) ms")
 

@@ -691,8 +691,23 @@ def route_seeds(topo: Topology) -> RouteSeeds:
                       sources=(plan.link.label, plan.prefill.label, decode.label,
                                handoff_fixed_source(plan.streaming_layers is not None)),
                       streaming_layers=plan.streaming_layers,
-                      measured_rates=tuple(role for role, rate in (("prefill", plan.prefill), ("decode", decode))
-                                           if not rate.estimated))
+                      measured_rates=tuple(role for role, rate in (("prefill", plan.prefill),
+                                                                   ("decode", plan.decode_prefill))
+                                           if rate is not None and not rate.estimated
+                                           and every_host_measured(topo, role)))
+
+
+def every_host_measured(topo: Topology, role: str) -> bool:
+    """Whether ``disagg bench`` stored a prefill rate, for the topology's ``model.dtype``, on
+    every host of ``role``. The proxy seeds every engine of a role with the first host's rate
+    (:func:`prefill_estimate`), and takes it as it is only where this holds; elsewhere the seed
+    counts as an estimate, scaled by what live measurements say of the estimates (the first
+    host's rate says nothing sure of another host's)."""
+    from disagg.engines.vllm import served_model_name
+
+    stored = load_prefill(topo.run_dir).get(served_model_name(topo), {})
+    return all(h in stored and stored[h].holds_for(topo.model.dtype)
+               for h in {topo.host_of(inst).name for inst in topo.role(role)})
 
 
 def idle_routing_line(plan: Plan) -> str | None:

@@ -99,8 +99,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     add_output_options(comp, "(default bench-report)")
     pf = comp.add_argument_group("prefill rate (stored for disagg plan)")
     pf.add_argument("--prefill-probe", type=int, default=3, metavar="N",
-                    help="probe N long prompts at concurrency 1 straight to an engine of each prefill and decode host "
-                         "(default 3, 0 = off); stored in each topology's run_dir")
+                    help="probe N long prompts at concurrency 1 straight to an engine of each host that prefills "
+                         "(prefill, colocated and decode engines; not SGLang's decode engines) (default 3, "
+                         "0 = off); stored in each topology's run_dir")
     comp.set_defaults(handler=cmd_compare)
 
 

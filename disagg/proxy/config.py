@@ -148,6 +148,9 @@ class RoutingConfig:
         if not (isinstance(self.measured_rates, tuple) and set(self.measured_rates) <= set(SEED_ROLES)):
             raise ProxyError(f"routing measured_rates must name roles among {', '.join(SEED_ROLES)}, "
                              f"got {self.measured_rates!r}")
+        if "decode" in self.measured_rates and self.decode_tokens_per_s is None:
+            raise ProxyError("routing measured_rates names decode but no decode rate is given "
+                             "(--route-decode-rate): the decode engines would take the prefill rate as measured")
         if self.policy == "auto":
             missing = [n for n in ("kv_bytes_per_token", "prefill_tokens_per_s", "link_bytes_per_s")
                        if getattr(self, n) is None]

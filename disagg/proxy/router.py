@@ -199,7 +199,7 @@ class Router:
             self._predicted[d.path].observe(d.predicted_s)
         if log.isEnabledFor(logging.DEBUG):
             alts = ", ".join(f"{o.path} {o.ttft_s * 1e3:.1f} ms (score {o.score_s * 1e3:.1f})" for o in d.options)
-            tpot = ", ".join(f"{c.engine.role} {c.engine.outstanding} in flight "
+            tpot = ", ".join(f"{c.engine.role} {c.engine.url} {c.engine.outstanding} in flight "
                              + (f"{c.cost.tpot_s * 1e3:.1f} ms" if c.cost.tpot_s is not None else "-")
                              + f" (line {c.cost.overhead_s * 1e3:.1f} ms + n / {c.cost.tokens_per_s:.0f}/s,"
                                f" queued {c.cost.queued_tokens:.0f}, busy {c.cost.busy_s * 1e3:.1f} ms)"

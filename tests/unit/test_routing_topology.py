@@ -74,6 +74,39 @@ def test_the_proxy_is_told_which_seed_rates_were_measured(tmp_path: Path) -> Non
 
     with pytest.raises(ProxyError, match="measured_rates"):
         RoutingConfig(measured_rates=("both",))
+    with pytest.raises(ProxyError, match="no decode rate"):
+        RoutingConfig(measured_rates=("decode",), prefill_tokens_per_s=1000.0)
+
+
+def test_a_role_counts_as_measured_only_when_every_host_of_it_was(tmp_path: Path) -> None:
+    """Every engine of a role is seeded with its first host's rate: it is taken as measured only
+    when each host of the role has a stored rate of its own."""
+    from disagg.engines.vllm import served_model_name
+    from disagg.measurements import store_prefill
+
+    text = f"""model: {{path: "disagg:tiny"}}
+engine: vllm
+connector: socket
+link: {{type: loopback}}
+run_dir: {tmp_path}
+hosts:
+  p: {{address: 127.0.0.1, device: cpu}}
+  d1: {{address: 127.0.0.2, device: cpu}}
+  d2: {{address: 127.0.0.3, device: cpu}}
+roles:
+  prefill:
+    - {{host: p, port: 8100, kv_port: 5601}}
+  decode:
+    - {{host: d1, port: 8200, kv_port: 5602}}
+    - {{host: d2, port: 8201, kv_port: 5603}}
+"""
+    topo = parse_topology(text, str(tmp_path / "t.yaml"))
+    model = served_model_name(topo)
+    for host in ("p", "d1"):
+        store_prefill(tmp_path, model, host, 1100.0, "test")
+    assert route_seeds(topo).measured_rates == ("prefill",)      # d2 has no rate of its own
+    store_prefill(tmp_path, model, "d2", 900.0, "test")
+    assert route_seeds(topo).measured_rates == ("prefill", "decode")
 
 
 def test_split_and_local_carry_no_seeds_and_split_adds_no_options() -> None:
