@@ -691,10 +691,7 @@ def route_seeds(topo: Topology) -> RouteSeeds:
                       sources=(plan.link.label, plan.prefill.label, decode.label,
                                handoff_fixed_source(plan.streaming_layers is not None)),
                       streaming_layers=plan.streaming_layers,
-                      measured_rates=tuple(role for role, rate in (("prefill", plan.prefill),
-                                                                   ("decode", plan.decode_prefill))
-                                           if rate is not None and not rate.estimated
-                                           and every_host_measured(topo, role)))
+                      measured_rates=tuple(role for role in ("prefill", "decode") if every_host_measured(topo, role)))
 
 
 def every_host_measured(topo: Topology, role: str) -> bool:

@@ -89,16 +89,16 @@ class TopologyUnderTest:
         """Parse and plan ``file`` (no I/O besides reading it)."""
         dep = build_deployment(load_topology(file))
         topo = dep.topology
-        prefill: dict[str, tuple[str, str, str]] = {}
+        prefilling: dict[str, tuple[str, str, str]] = {}
         # decode engines prefill the prompts routed local, where the handoff serves plain requests there
         # (an SGLang decode engine takes only requests with a bootstrap room)
         roles = ("prefill", "both", "decode") if handoff_class(topo.engine).serves_local else ("prefill", "both")
         for eng in dep.engines:
-            if eng.instance.role in roles and eng.host.name not in prefill:
-                prefill[eng.host.name] = (eng.host.name, eng.name, eng.url)
+            if eng.instance.role in roles and eng.host.name not in prefilling:
+                prefilling[eng.host.name] = (eng.host.name, eng.name, eng.url)
         return cls(file=file, label=topo.name, proxy_url=dep.proxy_url, model=served_model_name(topo),
                    run_dir=topo.run_dir, dtype=topo.model.dtype, engine_urls=tuple(e.url for e in dep.engines),
-                   prefilling_engines=tuple(prefill.values()), split=is_split(topo))
+                   prefilling_engines=tuple(prefilling.values()), split=is_split(topo))
 
 
 def is_split(topo: Topology) -> bool:
