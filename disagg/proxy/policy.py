@@ -19,20 +19,27 @@ Policies (``routing.policy`` in the topology, ``--routing-policy``):
   that decodes it: :func:`disagg.routecost.decode_s`, its expected output tokens at
   that engine's time per output token, and what it adds to the decodes running
   there). ``whole`` is an option only where the connector allows
-  it (``RoutingConfig.whole``), on a prefill engine with no prefill waiting, while
-  the decode side is the bottleneck, by either of two rules:
+  it (``RoutingConfig.whole``), while the decode side is the bottleneck, by either
+  of two rules:
 
-  - ``decode_backlog``: the prefill engine has nothing in flight and every decode
-    engine has prefills waiting;
+  - ``decode_backlog``: the prefill engine has nothing in flight (nothing running,
+    no prefill waiting) and every decode engine has prefills waiting;
   - ``decode_load``: one more decode would run slower on every decode engine than
     on the prefill engine, by more than :data:`~disagg.serving.WHOLE_TPOT_FACTOR`
     (``EngineCost.tpot_s``: each engine's time per output token as a line in its
-    requests in flight, measured from the streams the proxy relays). Past
-    saturation the decode engines' decodes are what limits goodput, and only
-    ``whole`` moves decode work to the prefill side: static split's decodes ran
-    at TPOT 92 ms on a one-core decode engine where two replicas ran at 50 ms
-    (docs/results.md). As the prefill engine takes decodes its own line rises
-    and the rule stops offering it, so the decodes balance between the sides.
+    requests in flight, measured from the streams the proxy relays), whatever the
+    prefill engine has queued: ``whole`` then competes on its score, which counts
+    that queue as a split through the same engine does. Past saturation the decode
+    engines' decodes are what limits goodput, and only ``whole`` moves decode work
+    to the prefill side: static split's decodes ran at TPOT 92 ms on a one-core
+    decode engine where two replicas ran at 50 ms (docs/results.md). As the prefill
+    engine takes decodes its own line rises and the rule stops offering it, so the
+    decodes balance between the sides. This rule once also required the prefill
+    engine to have no prefill waiting; past saturation it always had one (the
+    splits' prefills), so ``whole`` was next to never offered: at 3 requests/s
+    on a 2-core machine the decode engine ran 17-38 requests at a predicted 170-500
+    ms per output token while the prefill engine ran 3-6 at 90-120 ms, and one
+    repeat's goodput collapsed to 5 good requests of 120.
 
 Exploration (``auto`` only). A path the policy judges slow gets no prompts,
 so its estimate never updates: one bad sample could keep a split off for good.
@@ -131,11 +138,12 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
     every: list[tuple[OptionCost, Candidate[E], Candidate[E]]] = []
     whole_reason: dict[int, str] = {}        # per prefill candidate offered ``whole``: by which rule
     for p in prefills:
-        if whole and p.cost.waiting == 0:
-            if backlog and p.cost.running == 0:
-                whole_reason[id(p)] = "decode_backlog"
-            elif decodes_slower(p.cost, [d.cost for d in decodes], whole_tpot_factor):
-                whole_reason[id(p)] = "decode_load"
+        if not whole:
+            break
+        if backlog and p.cost.running == 0 and p.cost.waiting == 0:
+            whole_reason[id(p)] = "decode_backlog"
+        elif decodes_slower(p.cost, [d.cost for d in decodes], whole_tpot_factor):
+            whole_reason[id(p)] = "decode_load"
     # the decode work is priced for every option of the decision or for none: an engine without
     # a decode line would otherwise look free beside one that has it
     deciding = [*decodes, *(p for p in prefills if id(p) in whole_reason)]

@@ -240,10 +240,10 @@ def test_explorer_needs_both_the_time_and_the_decisions_then_is_fresh_again() ->
 
 
 def test_whole_when_decodes_run_slower_on_every_decode_engine_by_the_factor() -> None:
-    """The ``decode_load`` rule: a prefill engine with no prefill waiting is offered ``whole``
-    when one more decode would take more than the factor x its time per output token on every
-    decode engine; unmeasured lines, a prefill waiting, or one decode engine within the factor
-    keep it off."""
+    """The ``decode_load`` rule: a prefill engine is offered ``whole`` when one more decode would
+    take more than the factor x its time per output token on every decode engine; unmeasured
+    lines or one decode engine within the factor keep it off. Prefills queued on the prefill
+    engine do not: ``whole`` then competes on its score, which counts the queue."""
     p = EngineCost(tokens_per_s=2000.0, tpot_s=0.040)
     slow_d = EngineCost(tokens_per_s=2000.0, running=6, tpot_s=0.060)
     d = decide("auto", 100, kv(100), [Candidate("P", p)], [Candidate("D", slow_d)], lambda _p, _d: LINK,
@@ -255,7 +255,18 @@ def test_whole_when_decodes_run_slower_on_every_decode_engine_by_the_factor() ->
     assert choose(100, p, slow_d, LINK, whole=False) is not Option.WHOLE
     assert choose(100, replace(p, tpot_s=None), slow_d, LINK, whole=True) is not Option.WHOLE
     assert choose(100, p, replace(slow_d, tpot_s=None), LINK, whole=True) is not Option.WHOLE
-    assert choose(100, replace(p, waiting=1), slow_d, LINK, whole=True) is not Option.WHOLE
+    # a prefill queued on P (past saturation there always is one: the splits'): offered, the queue priced
+    queued_p = replace(p, queued_tokens=200.0, waiting=1)
+    d = decide("auto", 100, kv(100), [Candidate("P", queued_p)], [Candidate("D", slow_d)], lambda _p, _d: LINK,
+               whole=True, whole_tpot_factor=1.25)
+    assert (d.path, d.reason) == (Option.WHOLE, "decode_load")
+    assert d.predicted_s == pytest.approx(queued_p.ttft_s(100)) and d.predicted_s > p.ttft_s(100)
+    # ... and a queue that outweighs D's stall sends the prompt to D instead
+    assert choose(100, replace(p, queued_tokens=4000.0, waiting=3), slow_d, LINK, whole=True) is Option.LOCAL
+    # the backlog rule still wants an idle prefill engine
+    backed_up = replace(slow_d, tpot_s=None, queued_tokens=4000.0, waiting=2)
+    assert choose(100, replace(p, tpot_s=None, queued_tokens=200.0, waiting=1), backed_up, LINK,
+                  whole=True) is not Option.WHOLE
     # decodes on P itself do not bar it (the rule compares the lines, which count them)
     assert choose(100, replace(p, running=3), slow_d, LINK, whole=True) is Option.WHOLE
     two = decide("auto", 100, kv(100), [Candidate("P", p)], [Candidate("D1", slow_d), Candidate("D2", near_d)],
