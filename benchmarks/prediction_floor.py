@@ -13,6 +13,7 @@ error is noise a predictor of that kind cannot remove: the floor under the
 ``auto`` policy's 25 % target (docs/results.md).
 
     .venv/bin/python benchmarks/prediction_floor.py .disagg/runs/NAME/logs/proxy.log --classes 64,512
+    .venv/bin/python benchmarks/prediction_floor.py OUT/logs/NAME-auto-proxy.log   # kept by bench compare
 """
 
 from __future__ import annotations

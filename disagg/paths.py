@@ -12,6 +12,8 @@ from disagg.topology import DEFAULT_RUN_DIR, HostSpec, Topology
 
 #: the sub-directory of a run directory that holds the logs
 LOGS = "logs"
+#: the builtin proxy's log in a run's log directory (``up`` starts it afresh each time)
+PROXY_LOG = "proxy.log"
 
 
 def run_path(run_dir: str | Path, name: str) -> Path:

@@ -5,9 +5,12 @@ engine and the proxy are healthy), the sweep against the proxy, optionally a
 prefill-rate probe straight to an engine of each host that prefills (prefill
 hosts, and decode hosts whose engines serve the ``auto`` routing's local
 prefills: both seed the proxy's routing), then ``disagg down
-FILE`` -- always, also when the bench fails or is interrupted. After each
-topology the results so far are written to ``results.json``; at the end the
-full report (JSON, Markdown, PNGs) is written to the output directory.
+FILE`` -- always, also when the bench fails or is interrupted -- and a copy of the
+builtin proxy's log into ``logs/LABEL-proxy.log`` of the output directory (the next
+``up`` of the same run starts the log afresh; with ``proxy.log_level: debug`` it holds
+the routing decisions that ``benchmarks/prediction_floor.py`` and ``route_replay.py``
+read). After each topology the results so far are written to ``results.json``; at the
+end the full report (JSON, Markdown, PNGs) is written to the output directory.
 
 With ``routing`` (``--routing auto,split``), each split topology (prefill and
 decode roles behind the builtin proxy) runs once per routing policy, from a
@@ -24,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,6 +49,7 @@ from disagg.deployment import build_deployment
 from disagg.engines.vllm import served_model_name
 from disagg.errors import DisaggError, LaunchError
 from disagg.measurements import probe_path, store_prefill
+from disagg.paths import LOGS, PROXY_LOG, run_path
 from disagg.proxy.handoff import handoff_class
 from disagg.serving import ROUTING_POLICIES
 from disagg.topology import Topology, load_topology
@@ -75,6 +81,7 @@ class TopologyUnderTest:
     proxy_url: str
     model: str
     run_dir: str
+    log_dir: Path                       # the run's log directory on this machine (the proxy's log is there)
     dtype: str                          # the topology's model.dtype (stored with the prefill rate)
     engine_urls: tuple[str, ...]
     #: (host name, engine name, engine URL), the first engine of each host that prefills: prefill and
@@ -97,7 +104,8 @@ class TopologyUnderTest:
             if eng.instance.role in roles and eng.host.name not in prefilling:
                 prefilling[eng.host.name] = (eng.host.name, eng.name, eng.url)
         return cls(file=file, label=topo.name, proxy_url=dep.proxy_url, model=served_model_name(topo),
-                   run_dir=topo.run_dir, dtype=topo.model.dtype, engine_urls=tuple(e.url for e in dep.engines),
+                   run_dir=topo.run_dir, log_dir=run_path(topo.run_dir, topo.name) / LOGS, dtype=topo.model.dtype,
+                   engine_urls=tuple(e.url for e in dep.engines),
                    prefilling_engines=tuple(prefilling.values()), split=is_split(topo))
 
 
@@ -189,6 +197,28 @@ async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[S
     return result, measured
 
 
+def keep_proxy_log(t: TopologyUnderTest, label: str, out_dir: Path, since: float) -> Path | None:
+    """Copy ``t``'s proxy log to ``out_dir/logs/LABEL-proxy.log`` (the label's brackets and other
+    characters a shell would read made dashes); the copy's path, or None where this ``up`` left no
+    proxy log (another router; an ``up`` that failed before the proxy started, leaving an earlier
+    run's log, last written before ``since``, the time of the ``up``) or it cannot be copied.
+    Called by :func:`compare` after each ``down``."""
+    source = t.log_dir / PROXY_LOG
+    try:
+        # the file system stamps with a coarse clock: allow a second before ``since``
+        if not source.is_file() or source.stat().st_mtime < since - 1.0:
+            return None
+    except OSError:
+        return None
+    target = out_dir / LOGS / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', label).strip('-')}-{PROXY_LOG}"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+    except OSError:
+        return None
+    return target
+
+
 def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], out_dir: Path,
             slo: SLO = NO_SLO, lifecycle: Lifecycle = cli_lifecycle, progress: bool = True,
             probe_count: int = 3, percentiles: Sequence[float] = DEFAULT_PERCENTILES, warmup: int = 1,
@@ -207,6 +237,7 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
         n = labels[t.label] = labels.get(t.label, 0) + 1
         label = t.label if n == 1 else f"{t.label}-{n}"
         load_before_up = os.getloadavg()[0]
+        up_at = time.time()
         log(f"disagg bench compare: {label}: up {t.file} (load average {load_before_up:.2f})")
         try:
             lifecycle("up", t.file)
@@ -219,10 +250,15 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
                 lifecycle("down", t.file)
             except DisaggError as exc:
                 log(f"disagg bench compare: {label}: down failed: {exc}")
+            proxy_log = keep_proxy_log(t, label, out_dir, since=up_at)
+            if proxy_log is not None:
+                log(f"disagg bench compare: {label}: proxy log kept in {proxy_log}")
         if not all(run.exact_prompts for run in result.runs):
             log(f"disagg bench compare: {label}: no /tokenize answered; prompt lengths are estimates")
         doc[label] = {**result.to_dict(), "topology": str(t.file), "prefill_measured": measured,
                       "loadavg_before_up": load_before_up}
+        if proxy_log is not None:
+            doc[label]["proxy_log"] = str(proxy_log)
         if t.routing is not None:
             doc[label].update(source_topology=str(t.source), routing=t.routing)
         write_json(doc, out_dir / "results.json")

@@ -66,7 +66,7 @@ from disagg.launch.state import (
 from disagg.launch.supervisor import Supervisor
 from disagg.linkemu import EmulatedLink, remove_namespace
 from disagg.modelgen import ensure_model
-from disagg.paths import LOGS, host_log, host_run_dir, run_path
+from disagg.paths import LOGS, PROXY_LOG, host_log, host_run_dir, run_path
 from disagg.proxy.config import API_KEY_ENV, ENGINE_KEY_ENV, check_key
 from disagg.registry import engine_adapter
 from disagg.ssh import ssh_prefix
@@ -539,7 +539,7 @@ class Launcher:
     def _spawn_proxy(self, *, fresh_log: bool) -> ProcessRecord:
         """Start the proxy process; its record (not yet in the state)."""
         topo = self.topo
-        log_path = self.log_dir / "proxy.log"
+        log_path = self.log_dir / PROXY_LOG
         if fresh_log:
             log_path.unlink(missing_ok=True)
         pid, created = processes.start_local(self._proxy_argv(), self._proxy_env(), log_path)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,11 +133,17 @@ async def test_compare_runs_each_topology_between_up_and_down(tmp_path: Path, st
 async def test_compare_always_brings_the_topology_down(tmp_path: Path) -> None:
     # nothing listens on the proxy port: the bench fails after "up"; "down" must still run
     files = [_topology(tmp_path, "dead", "http://127.0.0.1:9", "http://127.0.0.1:10")]
+    # an earlier run's proxy log, which this `up` (a stand-in starting no proxy) did not replace
+    stale = tmp_path / "run" / "runs" / "dead" / "logs" / "proxy.log"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("an earlier run\n")
+    os.utime(stale, (time.time() - 60, time.time() - 60))
     calls: list[str] = []
     with pytest.raises(DisaggError, match=r"warm-up request to http://127\.0\.0\.1:9/v1/completions failed"):
         await _compare_in_thread(files, _workload(), [Step(rate=10.0)], tmp_path / "out",
                                  lifecycle=lambda a, f: calls.append(a), progress=False, log=lambda s: None)
     assert calls == ["up", "down"]
+    assert not (tmp_path / "out" / "logs").exists(), "an earlier run's proxy log is not kept as this one's"
 
 
 async def test_compare_downs_after_a_failed_up(tmp_path: Path) -> None:
@@ -257,9 +265,13 @@ async def test_compare_with_routing_variants_and_repeats(tmp_path: Path, standin
     pd = _split(tmp_path, "pd", proxy_url=proxy.url)
     ups: list[str] = []
 
+    logs = tmp_path / "run" / "runs" / "pd" / "logs"
+
     def lifecycle(action: str, file: Path) -> None:
         if action == "up":
             ups.append(file.name)
+            logs.mkdir(parents=True, exist_ok=True)
+            (logs / "proxy.log").write_text(f"routing of {file.stem}\n")    # `up` starts the log afresh
 
     doc = await _compare_in_thread([pd], _workload(), [Step(rate=200.0)], tmp_path / "out", lifecycle=lifecycle,
                                    progress=False, probe_count=0, log=lambda s: None, repeats=2,
@@ -271,6 +283,9 @@ async def test_compare_with_routing_variants_and_repeats(tmp_path: Path, standin
         assert result["routing"] == policy and result["source_topology"] == str(pd)
         assert result["topology"] == str(tmp_path / "out" / "topologies" / f"pd-{policy}.yaml")
         assert result["repeats"] == 2 and [r["repeat"] for r in result["runs"]] == [0, 1]
+        # each variant's proxy log is kept before the next `up` of the same run replaces it
+        kept = tmp_path / "out" / "logs" / f"pd-{policy}-proxy.log"
+        assert result["proxy_log"] == str(kept) and kept.read_text() == f"routing of pd-{policy}\n"
         assert all(sum(sum(v.values()) for v in r["routes"]["routes"].values()) == 6 for r in result["runs"])
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| pd[auto] | rate 200/s | all | 12/0 |" in md and "Route mix" in md
