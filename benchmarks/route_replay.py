@@ -11,7 +11,9 @@ predictor, run it again on the same log: a check in seconds, without engines.
 
 The replay sees one decode engine and local routes only (a split's prefill
 reply time is not logged), seeds the fit with ``--seed-rate`` tokens/s, and
-uses the decision time as the send time.
+uses the decision time as the send time. The decode engine's requests in flight
+come from each decision's line, as the proxy counted them: the busy line (what
+load adds) is replayed too.
 
     .venv/bin/python benchmarks/route_replay.py .disagg/runs/NAME/logs/proxy.log [--short-below 500]
 """
@@ -23,6 +25,8 @@ import re
 import statistics
 from datetime import datetime
 from pathlib import Path
+
+from prediction_floor import DECISION, ENGINE  # a sibling script: benchmarks/ is on sys.path
 
 from disagg.proxy.measure import Measurements
 
@@ -36,34 +40,48 @@ def seconds(stamp: str) -> float:
     return t.hour * 3600 + t.minute * 60 + t.second + t.microsecond / 1e6
 
 
-def events(log: Path) -> list[tuple[float, str, str, int, tuple[float, float] | None]]:
-    """(time, decide|first, request id, tokens, (observed s, logged prediction s) for first) for local routes."""
-    out: list[tuple[float, str, str, int, tuple[float, float] | None]] = []
+#: (time, decide|first, request id, tokens, the decode engine's requests in flight for decide,
+#: (observed s, logged prediction s) for first)
+Event = tuple[float, str, str, int, int, tuple[float, float] | None]
+
+
+def decode_in_flight(line: str) -> int:
+    """The decision's decode engine's requests in flight, from its decision line (0 where the
+    line does not print them: logs written before it did)."""
+    m = DECISION.search(line)
+    if m is None:
+        return 0
+    engines = {url or role: int(n) for role, url, n, _queued in ENGINE.findall(m.group(4))}
+    return engines.get(m.group(3), engines.get("decode", 0))
+
+
+def events(log: Path) -> list[Event]:
+    """The local routes' decisions and first tokens, in time order."""
+    out: list[Event] = []
     for line in log.read_text().splitlines():
         if (m := DECIDED.search(line)) and m[4] == "local":
-            out.append((seconds(m[1]), "decide", m[2], int(m[3]), None))
+            out.append((seconds(m[1]), "decide", m[2], int(m[3]), decode_in_flight(line), None))
         elif (m := FIRST.search(line)) and m[3] == "local":
-            out.append((seconds(m[1]), "first", m[2], int(m[4]), (float(m[5]) / 1e3, float(m[6]) / 1e3)))
+            out.append((seconds(m[1]), "first", m[2], int(m[4]), 0, (float(m[5]) / 1e3, float(m[6]) / 1e3)))
     out.sort(key=lambda e: e[0])
     return out
 
 
-def replay(evts: list[tuple[float, str, str, int, tuple[float, float] | None]],
-           seed_rate: float) -> list[tuple[int, float, float, float]]:
+def replay(evts: list[Event], seed_rate: float) -> list[tuple[int, float, float, float]]:
     """(tokens, observed, replayed prediction, logged prediction) per local prompt."""
     m = Measurements(prefill_tokens_per_s=seed_rate, decode_tokens_per_s=seed_rate, overhead_s=0.01,
                      handoff_fixed_s=0.016, link_bytes_per_s=1e9)
-    sent: dict[str, tuple[object, float, float]] = {}
+    sent: dict[str, tuple[object, float, float, int]] = {}
     out = []
-    for t, kind, rid, tokens, seen in evts:
+    for t, kind, rid, tokens, in_flight, seen in evts:
         if kind == "decide":
-            predicted = m.engine_cost("decode", "d", 0, now=t).ttft_s(tokens)
+            predicted = m.engine_cost("decode", "d", in_flight, now=t).ttft_s(tokens)
             queued = m.queued_tokens("decode", "d", t)
-            sent[rid] = (m.dispatch("decode", "d", tokens, now=t), queued, predicted)
+            sent[rid] = (m.dispatch("decode", "d", tokens, now=t), queued, predicted, in_flight)
         elif rid in sent and seen is not None:
-            pending, queued, predicted = sent.pop(rid)
+            pending, queued, predicted, in_flight = sent.pop(rid)
             m.settle("decode", "d", pending, now=t)  # type: ignore[arg-type]
-            m.observe_prefill("decode", "d", tokens, seen[0], queued)
+            m.observe_prefill("decode", "d", tokens, seen[0], queued, in_flight=in_flight)
             out.append((tokens, seen[0], predicted, seen[1]))
     return out
 
