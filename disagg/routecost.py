@@ -26,10 +26,12 @@ per second, ``overhead`` its per-request cost (HTTP, scheduling, the first
 decode step) so that ``ttft = overhead + (queued + n) / rate``.
 
 Besides its own TTFT, a prompt prefilled on an engine stalls the decodes
-running there for about its prefill time: :func:`option_costs` adds
-``stall_weight x running x prefill time`` to the score, for ``local`` with the
-decode engine's running decodes, for ``split`` and ``whole`` with the prefill
-engine's (requests it serves ``whole``: none unless the policy sent it some).
+running there for about its prefill time, and holds up the prompts that will
+queue behind it there: :func:`option_costs` adds ``(stall_weight x running +
+waiting) x prefill time`` to the score, for ``local`` with the decode engine's
+running decodes and waiting prefills, for ``split`` and ``whole`` with the
+prefill engine's (requests it serves ``whole``: none unless the policy sent it
+some).
 
 The fixed cost was measured per connector on the project's 2-core CPU machine
 by ``benchmarks/handoff_fixed_cost.py`` (2026-11-30, load average 4.5-5.2 from
@@ -262,7 +264,8 @@ def option_costs(tokens: float, kv_bytes: float, prefill: EngineCost, decode: En
     """Every option's predicted TTFT and score for one prompt and one (prefill, decode) pair.
 
     The score is the TTFT plus ``stall_weight`` x the stall the prompt's prefill imposes on
-    the decodes running on the engine that computes it (:func:`stall_s`), plus the decode
+    the decodes running on the engine that computes it (:func:`stall_s`), plus what it holds up
+    the prompts that will queue behind it there (:func:`held_up_s`), plus the decode
     work of the request's ``out_tokens`` on the engine that will decode it (:func:`decode_s`:
     the decode engine for split and local, the prefill engine for whole; counted only when
     every engine compared has a decode line, else no option carries it). ``whole`` adds the
@@ -271,13 +274,14 @@ def option_costs(tokens: float, kv_bytes: float, prefill: EngineCost, decode: En
     """
     split = split_ttft(tokens, kv_bytes, prefill, link, decode)
     local = local_ttft(tokens, decode)
-    on_prefill = stall_weight * stall_s(tokens, prefill)
+    on_prefill = stall_weight * stall_s(tokens, prefill) + held_up_s(tokens, prefill)
     on_d = decode_s(out_tokens, decode, stall_weight)
     on_p = decode_s(out_tokens, prefill, stall_weight) if whole else 0.0
     if on_d is None or on_p is None:
         on_d = on_p = 0.0
     out = [OptionCost(Option.SPLIT, split, split + on_prefill + on_d, on_d),
-           OptionCost(Option.LOCAL, local, local + stall_weight * stall_s(tokens, decode) + on_d, on_d)]
+           OptionCost(Option.LOCAL, local,
+                      local + stall_weight * stall_s(tokens, decode) + held_up_s(tokens, decode) + on_d, on_d)]
     if whole:
         w = whole_ttft(tokens, prefill)
         out.append(OptionCost(Option.WHOLE, w, w + on_prefill + on_p, on_p))
@@ -305,6 +309,18 @@ def stall_s(tokens: float, engine: EngineCost) -> float:
     its ``running`` decodes waits about that prefill's time once (vLLM steps prefill and decodes
     together)."""
     return engine.running * (tokens / engine.tokens_per_s)
+
+
+def held_up_s(tokens: float, engine: EngineCost) -> float:
+    """First-token time a prefill of ``tokens`` on ``engine`` costs the prompts that will be sent
+    there while it waits: about as many as are ``waiting`` there now (in a steady queue as many
+    arrive during one prompt's wait as were waiting ahead of it: Little's law), each held up
+    by its prefill time. Nothing on an idle engine; on one past its saturation it grows with
+    the queue, so the policy stops feeding a queue that only grows. Without it a prefill
+    engine's queue of splits grew to 3-4 s at 4 req/s on one core (a split predicted at 3.5 s
+    scored below a 0.5 s local prefill priced by its stall on the decode engine's 10 decodes),
+    and ``auto``'s goodput fell to 0.6 x the replica pool's."""
+    return engine.waiting * (tokens / engine.tokens_per_s)
 
 
 def cheapest(options: list[OptionCost]) -> OptionCost:

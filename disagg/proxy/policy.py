@@ -15,7 +15,8 @@ Policies (``routing.policy`` in the topology, ``--routing-policy``):
 - ``local``: every route goes to a decode engine, which prefills it;
 - ``auto``: the option with the lowest score (:func:`disagg.routecost.option_costs`:
   predicted TTFT, plus the stall a prefill imposes on the decodes running on the
-  engine that computes it, plus the decode work the request places on the engine
+  engine that computes it and what it holds up the prompts that will queue behind it
+  there (:func:`disagg.routecost.held_up_s`), plus the decode work the request places on the engine
   that decodes it: :func:`disagg.routecost.decode_s`, its expected output tokens at
   that engine's time per output token, and what it adds to the decodes running
   there). ``whole`` is an option only where the connector allows

@@ -19,6 +19,7 @@ from disagg.routecost import (
     exposed_transfer_s,
     first_step_s,
     handoff_fixed_s,
+    held_up_s,
     local_ttft,
     max_transfer_s,
     option_costs,
@@ -80,6 +81,31 @@ def test_stall_of_running_decodes_counts_against_local() -> None:
     assert local.score_s == pytest.approx(local.ttft_s + 4 * n / 2000)
     assert cheapest(busy).path is Option.SPLIT
     assert cheapest(option_costs(n, kv(n), p, busy_d, link, stall_weight=0.0)).path is Option.LOCAL
+
+
+def test_a_prefill_holds_up_as_many_later_prompts_as_are_waiting_there() -> None:
+    """Little's law: as many prompts arrive during one's wait as were waiting ahead of it, and each
+    is held up by its prefill. A prefill engine with a growing queue of splits (the decision
+    logged at 4 req/s: P 1,019 tokens/s with 1,736 tokens queued over 7 prompts, D 1,207
+    tokens/s decoding 10) stops taking more once that cost counts; an idle engine costs nothing."""
+    assert held_up_s(500, EngineCost(tokens_per_s=1000.0)) == 0.0
+    assert held_up_s(500, EngineCost(tokens_per_s=1000.0, waiting=3)) == pytest.approx(1.5)
+    link = LinkCost(fixed_s=0.05, bytes_per_s=1.25e8)
+    d = EngineCost(tokens_per_s=1207.0, overhead_s=0.004, running=10)
+    n = 537
+    queued_p = EngineCost(tokens_per_s=1019.0, overhead_s=0.055, queued_tokens=1736.0, waiting=7)
+    split, local = option_costs(n, kv(n), queued_p, d, link, stall_weight=1.0)
+    assert split.ttft_s > 2.0 > 0.5 > local.ttft_s
+    assert split.score_s == pytest.approx(split.ttft_s + 7 * n / 1019)
+    assert local.score_s == pytest.approx(local.ttft_s + 10 * n / 1207)
+    assert cheapest([split, local]).path is Option.LOCAL
+    # the same queue with nothing waiting behind it to hold up (a prediction of the queue alone)
+    # still splits: the stall on 10 decodes outweighs the queue's wait
+    unweighted = replace(queued_p, waiting=0)
+    assert cheapest(option_costs(n, kv(n), unweighted, d, link, stall_weight=1.0)).path is Option.SPLIT
+    # whole pays the same on the prefill engine
+    whole = option_costs(n, kv(n), queued_p, d, link, whole=True)[2]
+    assert whole.score_s == pytest.approx(whole.ttft_s + 7 * n / 1019)
 
 
 def test_ties_go_local_then_split_then_whole() -> None:
