@@ -51,6 +51,17 @@ def test_ttft_is_queue_wait_plus_prefill_plus_handoff() -> None:
     assert split_ttft(n, kv(n), p, link, shorter) == pytest.approx(arrived)
 
 
+def test_busy_time_and_queue_wait_price_the_same_delay_so_the_longer_counts() -> None:
+    """The busy line is learned where next to nothing was queued: it is the work ahead that the
+    queue estimate missed, so where a queue is estimated the two are not added."""
+    queued = EngineCost(tokens_per_s=1000.0, overhead_s=0.01, queued_tokens=500.0, busy_s=0.2)
+    assert queued.ttft_s(100) == pytest.approx(0.5 + 0.01 + 0.1)
+    assert replace(queued, busy_s=0.8).ttft_s(100) == pytest.approx(0.8 + 0.01 + 0.1)
+    assert replace(queued, queued_tokens=0.0).ttft_s(100) == pytest.approx(0.2 + 0.01 + 0.1)
+    # the stall a prefill imposes is its own time, whatever waits ahead of it
+    assert queued.prefill_s(100) == pytest.approx(0.01 + 0.1)
+
+
 def test_break_even_is_where_the_split_starts_answering_sooner() -> None:
     p, d = EngineCost(tokens_per_s=8000.0), EngineCost(tokens_per_s=1000.0)
     link = LinkCost(fixed_s=0.03, bytes_per_s=1e9)
