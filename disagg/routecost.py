@@ -282,14 +282,13 @@ def option_costs(tokens: float, kv_bytes: float, prefill: EngineCost, decode: En
     """
     split = split_ttft(tokens, kv_bytes, prefill, link, decode)
     local = local_ttft(tokens, decode)
-    on_prefill = stall_weight * stall_s(tokens, prefill) + held_up_s(tokens, prefill)
+    on_prefill = _imposed_s(tokens, prefill, stall_weight)
     on_d = decode_s(out_tokens, decode, stall_weight)
     on_p = decode_s(out_tokens, prefill, stall_weight) if whole else 0.0
     if on_d is None or on_p is None:
         on_d = on_p = 0.0
     out = [OptionCost(Option.SPLIT, split, split + on_prefill + on_d, on_d),
-           OptionCost(Option.LOCAL, local,
-                      local + stall_weight * stall_s(tokens, decode) + held_up_s(tokens, decode) + on_d, on_d)]
+           OptionCost(Option.LOCAL, local, local + _imposed_s(tokens, decode, stall_weight) + on_d, on_d)]
     if whole:
         w = whole_ttft(tokens, prefill)
         out.append(OptionCost(Option.WHOLE, w, w + on_prefill + on_p, on_p))
@@ -329,6 +328,12 @@ def held_up_s(tokens: float, engine: EngineCost) -> float:
     scored below a 0.5 s local prefill priced by its stall on the decode engine's 10 decodes),
     and ``auto``'s goodput fell to 0.6 x the replica pool's."""
     return engine.waiting * (tokens / engine.tokens_per_s)
+
+
+def _imposed_s(tokens: float, engine: EngineCost, stall_weight: float) -> float:
+    """What a prefill of ``tokens`` on ``engine`` costs others, in the score: its stall on the
+    decodes running there, weighted, and what it holds up the prompts that will queue there."""
+    return stall_weight * stall_s(tokens, engine) + held_up_s(tokens, engine)
 
 
 def cheapest(options: list[OptionCost]) -> OptionCost:

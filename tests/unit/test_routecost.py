@@ -110,10 +110,10 @@ def test_a_prefill_holds_up_as_many_later_prompts_as_are_waiting_there() -> None
     assert split.score_s == pytest.approx(split.ttft_s + 7 * n / 1019)
     assert local.score_s == pytest.approx(local.ttft_s + 10 * n / 1207)
     assert cheapest([split, local]).path is Option.LOCAL
-    # the same queue with nothing waiting behind it to hold up (a prediction of the queue alone)
-    # still splits: the stall on 10 decodes outweighs the queue's wait
-    unweighted = replace(queued_p, waiting=0)
-    assert cheapest(option_costs(n, kv(n), unweighted, d, link, stall_weight=1.0)).path is Option.SPLIT
+    # the same queued tokens with no prompt counted waiting (so none held up) still split: the
+    # stall on 10 decodes outweighs the queue's wait, which is how the queue kept growing
+    none_waiting = replace(queued_p, waiting=0)
+    assert cheapest(option_costs(n, kv(n), none_waiting, d, link, stall_weight=1.0)).path is Option.SPLIT
     # whole pays the same on the prefill engine
     whole = option_costs(n, kv(n), queued_p, d, link, whole=True)[2]
     assert whole.score_s == pytest.approx(whole.ttft_s + 7 * n / 1019)
