@@ -331,6 +331,12 @@ async def _open_reply(state: ProxyState, route: PromptRoute, stack: AsyncExitSta
     return DecodeReply(backend, resp)
 
 
+def _route_header(plan: RequestPlan) -> dict[str, str]:
+    """``X-Disagg-Route``, once every route is open: per prompt the path that serves it, or
+    ``fallback`` where the prefill side failed and a decode engine serves the prompt alone."""
+    return {ROUTE_HEADER: ", ".join("fallback" if r.served == "fallback" else r.path.value for r in plan.routes)}
+
+
 def _request_path(plan: RequestPlan) -> str:
     """The ``requests_total`` path label of a served request: how its routes were served
     (``fallback`` or ``local`` if any route was, else the routes' common label)."""
@@ -374,14 +380,13 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     req = _client_request(request, await request.read(), local)
     plan = plan_request(req, split=state.handoff is not None, local=local)
     state.router.route(plan)
-    routed = {ROUTE_HEADER: ", ".join(r.path.value for r in plan.routes)}
     label = "chat" if req.endpoint == CHAT else "completions"
     path = "error"
     try:
         timing = StreamTiming(started)
         if plan.batched:
             out = await serve_batch(request, plan, lambda route, stack: _open_reply(state, route, stack),
-                                    upstream, timing, extra=routed)
+                                    upstream, timing, extra=lambda: _route_header(plan))
             if out.status == 200 and not timing.broken:
                 path = _request_path(plan)
                 if req.stream:
@@ -391,6 +396,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             route = plan.routes[0]
             timing.on_first = lambda now: state.router.first_token(route, started, now)
             reply = await _open_reply(state, route, stack)
+            routed = _route_header(plan)
             resp = reply.response
             if resp.status != 200:
                 timing.on_first = None

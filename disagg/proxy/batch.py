@@ -169,9 +169,10 @@ async def _first_failure(runs: list[_RouteRun]) -> _Opened | None:
 
 async def serve_batch(request: web.Request, plan: RequestPlan, open_route: OpenRoute, upstream: Upstream,
                       timing: StreamTiming, max_parallel: int = MAX_PARALLEL_ROUTES,
-                      extra: Mapping[str, str] | None = None) -> web.StreamResponse:
+                      extra: Callable[[], Mapping[str, str]] | None = None) -> web.StreamResponse:
     """Serve every route of ``plan`` and answer the client as one vLLM server would
-    (``extra``: headers added to a successful reply, e.g. the routing's path header)."""
+    (``extra``: called once every route is open, the headers added to a successful reply, e.g.
+    the routing's path header)."""
     rid = plan.request.request_id
     queue: asyncio.Queue[_Item] | None = asyncio.Queue() if plan.request.stream else None
     limit = asyncio.Semaphore(max_parallel)
@@ -184,7 +185,8 @@ async def serve_batch(request: web.Request, plan: RequestPlan, open_route: OpenR
                                 headers=downstream_headers(failure.headers, rid))
         first = runs[0].opened.result()
         headers = downstream_headers(first.headers, rid)
-        headers.update(extra or {})
+        if extra is not None:
+            headers.update(extra())
         if queue is None:
             replies = [_json_object(run) for run in runs]
             merged = json.dumps(merge_replies(replies, rid)).encode()

@@ -155,24 +155,30 @@ class Router:
                 for b in pool.healthy()]
 
     def route(self, plan: RequestPlan) -> None:
-        """Set path, reason and engines of every route of ``plan`` that may split; count them all."""
+        """Set path, reason and engines of every route of ``plan`` that may split; count them all and
+        log each decision at debug level (an ``auto`` comparison with its options, any other in one line)."""
         for route in plan.routes:
+            compared = False
             if route.path is RoutePath.SPLIT and not route.reason and self.prefill is not None:
-                self._decide(route)
+                compared = self._decide(route)
             key = (route.path.value, route.reason or "policy")
+            if not compared and log.isEnabledFor(logging.DEBUG):
+                log.debug("route %s prompt %d -> %s (%s)", route.request.request_id, route.index, *key)
             counter = self._counters.get(key)
             if counter is None:
                 counter = self._counters[key] = self.metrics.route.labels(*key)
             counter.inc()
 
-    def _decide(self, route: PromptRoute) -> None:
+    def _decide(self, route: PromptRoute) -> bool:
+        """Decide a route that may split; True when it was an ``auto`` comparison (logged here with
+        its options), False for a static policy's route."""
         policy = self.config.policy
         if policy == "split" or not self.local:
             route.reason = "policy"
-            return
+            return False
         if policy == "local":
             route.path, route.reason = RoutePath.LOCAL, "policy"
-            return
+            return False
         assert self.lengths is not None
         chat = route.request.endpoint == CHAT
         tokens = self.lengths.tokens(route.request.body, chat)
@@ -207,6 +213,7 @@ class Router:
             log.debug("route %s: %d tokens, %.0f out -> %s (%s) P=%s D=%s; predicted %s; tpot and engines %s",
                       route.request.request_id, tokens, out_tokens, d.path, d.reason,
                       d.prefill.url if d.prefill else "-", d.decode.url if d.decode else "-", alts or "-", tpot)
+        return True
 
     # --- learning --------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ request to an idle prefill engine while the decode engine is backed up."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 from proxy_standin import read_events, wait_for
@@ -95,3 +96,40 @@ async def test_static_split_names_the_path_and_a_batch_names_each_prompt(standin
                          json={"model": "tiny", "prompt": "a", "n": 2}) as resp:
         assert resp.status == 200 and resp.headers["X-Disagg-Route"] == "local"
     assert route_count(server, "split", "policy") == 2 and route_count(server, "local", "n") == 1
+
+
+async def test_whole_falls_back_to_decode_when_the_prefill_engine_refuses(standin, proxy, http) -> None:
+    """A prompt routed ``whole`` whose prefill engine died between two health probes: the decode
+    engine serves it alone, and the header, the request's path and the fallback counter say so."""
+    p, d = await standin("P"), await standin("D")
+    d.hang = True   # the first (local) request backs decode up, as in the test above
+    server = await proxy(prefill=[p.url], decode=[d.url], routing=auto(whole=True))
+    long_prompt = PROMPT * 20
+    stuck = asyncio.create_task(http.post(server.url + "/v1/completions",
+                                          json={"model": "tiny", "prompt": long_prompt, "stream": True}))
+    await wait_for(lambda: d.running == 1)
+    d.hang = False  # later requests are answered
+    await p.stop()  # dies between two probes: still healthy to the router, refusing connections
+    async with http.post(server.url + "/v1/completions",
+                         json={"model": "tiny", "prompt": long_prompt, "stream": True}) as resp:
+        assert resp.status == 200 and resp.headers["X-Disagg-Route"] == "fallback"
+        events = await read_events(resp)
+    assert events[-1] == "[DONE]" and len(events) == d.tokens + 1
+    assert route_count(server, "whole", "decode_backlog") == 1
+    assert p.generations() == [] and len(d.generations()) == 2
+    reg = server.app_state.metrics.registry
+    assert reg.get_sample_value("disagg_proxy_requests_total", {"endpoint": "completions", "path": "fallback"}) == 1
+    assert reg.get_sample_value("disagg_proxy_fallbacks_total", {"reason": "no_healthy_prefill"}) == 1
+    stuck.cancel()
+    await asyncio.gather(stuck, return_exceptions=True)
+
+
+async def test_a_static_decision_is_logged_at_debug_level(standin, proxy, http, caplog) -> None:
+    p, d = await standin("P"), await standin("D")
+    server = await proxy(prefill=[p.url], decode=[d.url])
+    with caplog.at_level(logging.DEBUG, logger="disagg.proxy"):
+        async with http.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": ["a", "b"]},
+                             headers={"X-Request-Id": "req-7"}) as resp:
+            assert resp.status == 200
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("route req-7")]
+    assert lines == ["route req-7-0 prompt 0 -> split (policy)", "route req-7-1 prompt 1 -> split (policy)"]
