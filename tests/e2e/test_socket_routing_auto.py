@@ -9,6 +9,7 @@ once no other engine on the session's model runs (never more than two engines at
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.request
@@ -21,7 +22,15 @@ from tokenizers import Tokenizer
 from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt
 from tests.e2e.conformance import CASE_NAMES, Recorded, check_case
-from tests.e2e.engines import Running, bring_up_socket_pd, engine_processes, get_text, plain_answer, routed_stream
+from tests.e2e.engines import (
+    Running,
+    bring_up_socket_pd,
+    engine_processes,
+    get_text,
+    open_stream,
+    plain_answer,
+    routed_stream,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -108,3 +117,36 @@ def test_a_backed_up_decode_engine_sends_a_prompt_whole_to_the_idle_prefill_engi
             assert answers[i][1] == plain_answer(decode, bodies[i])
         return
     raise AssertionError(f"no prompt went whole; routes per round (long, short, short): {rounds}")
+
+
+def test_a_client_hanging_up_frees_both_engines_on_every_path(auto_pd: Running, tokenizer: Tokenizer) -> None:
+    """Cancellation under ``auto``: a short and a long prompt (usually one local, one split: the
+    path is what the policy chose, named in the header) each hung up on mid-stream. Within seconds
+    neither engine runs or queues anything, and the engine that was generating (the prefill
+    engine for ``whole``, else the decode engine) does not count the request as finished, as with
+    the static split (tests/e2e/test_pd.py)."""
+    prefill, decode = auto_pd.engines["prefill[0]"], auto_pd.engines["decode[0]"]
+
+    def finished(engine: str) -> float:
+        return sample_sum(get_text(engine + "/metrics"), "vllm:request_success_total")
+
+    def busy() -> float:
+        return sum(sample_sum(text, "vllm:num_requests_running") + sample_sum(text, "vllm:num_requests_waiting")
+                   for text in (get_text(e + "/metrics") for e in (prefill, decode)))
+
+    paths = []
+    for tokens in (40, 1500):
+        before = {e: finished(e) for e in (prefill, decode)}
+        conn, resp = open_stream(auto_pd.proxy_url, exact_prompt(tokenizer, tokens, f"hang-up-{tokens}"))
+        path = resp.getheader("X-Disagg-Route")
+        paths.append(path)
+        assert path in ("split", "local", "whole") and busy() >= 1
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        deadline = time.monotonic() + 30
+        while busy() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert busy() == 0, f"{tokens}-token prompt ({path}): an engine still runs it 30 s after the hang-up"
+        generating = prefill if path == "whole" else decode
+        assert finished(generating) == before[generating], f"{tokens}-token prompt ({path}) ran to its end"
+    print(f"paths (40, 1500 tokens): {paths}")
