@@ -334,7 +334,7 @@ async def _open_reply(state: ProxyState, route: PromptRoute, stack: AsyncExitSta
 def _route_header(plan: RequestPlan) -> dict[str, str]:
     """``X-Disagg-Route``, once every route is open: per prompt the path that serves it, or
     ``fallback`` where the prefill side failed and a decode engine serves the prompt alone."""
-    return {ROUTE_HEADER: ", ".join("fallback" if r.served == "fallback" else r.path.value for r in plan.routes)}
+    return {ROUTE_HEADER: ", ".join(r.taken for r in plan.routes)}
 
 
 def _request_path(plan: RequestPlan) -> str:

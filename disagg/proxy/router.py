@@ -274,7 +274,7 @@ class Router:
 
     def first_token(self, route: PromptRoute, started: float, when: float) -> None:
         """A streamed single-prompt reply sent its first event at ``when`` (``started``: request arrival)."""
-        path = route.path.value if route.served != "fallback" else "fallback"
+        path = route.taken
         observed = when - started
         self.metrics.route_observed.labels(path).observe(observed)
         if route.predicted_s is not None and observed > 0 and route.served != "fallback":

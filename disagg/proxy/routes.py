@@ -128,6 +128,12 @@ class PromptRoute:
     tokens: int = 0
     predicted_s: float | None = None
 
+    @property
+    def taken(self) -> str:
+        """The path that serves the prompt: ``path``, or ``fallback`` where the prefill side
+        failed and a decode engine serves it alone (the route header's and the observed TTFT's label)."""
+        return "fallback" if self.served == "fallback" else self.path.value
+
 
 @dataclass
 class RequestPlan:
