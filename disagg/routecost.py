@@ -33,7 +33,8 @@ queue behind it there: :func:`option_costs` adds ``(stall_weight x running +
 waiting) x prefill time`` to the score, for ``local`` with the decode engine's
 running decodes and waiting prefills, for ``split`` and ``whole`` with the
 prefill engine's (requests it serves ``whole``: none unless the policy sent it
-some).
+some). A split's transfer, likewise, slows the handoffs on the link with it:
+``split`` adds ``in_transit x kv_bytes / link rate`` (:func:`link_held_up_s`).
 
 The fixed cost was measured per connector on the project's 2-core CPU machine
 by ``benchmarks/handoff_fixed_cost.py`` (2026-11-30, load average 4.5-5.2 from
@@ -211,11 +212,15 @@ class LinkCost:
     """A prefill -> decode handoff: ``fixed_s + nbytes / bytes_per_s``, or with
     ``streaming_layers`` (the KV streamed layer by layer while the prefill computes, over a
     model of that many layers) ``fixed_s`` + the part of the transfer the prefill does not hide
-    (:func:`exposed_transfer_s`); None: sent after the prefill."""
+    (:func:`exposed_transfer_s`); None: sent after the prefill. ``in_transit``: the handoffs on
+    the link now."""
 
     fixed_s: float
     bytes_per_s: float
     streaming_layers: int | None = None
+    #: handoffs moving KV over this link now (their prefill answered, their first token not yet come;
+    #: a streamed one from when it was sent): what a transfer sent now holds up (:func:`link_held_up_s`)
+    in_transit: int = 0
 
     def transfer_s(self, nbytes: float) -> float:
         """Time the link takes to move ``nbytes`` of KV cache, on its own."""
@@ -273,7 +278,8 @@ def option_costs(tokens: float, kv_bytes: float, prefill: EngineCost, decode: En
 
     The score is the TTFT plus ``stall_weight`` x the stall the prompt's prefill imposes on
     the decodes running on the engine that computes it (:func:`stall_s`), plus what it holds up
-    the prompts that will queue behind it there (:func:`held_up_s`), plus the decode
+    the prompts that will queue behind it there (:func:`held_up_s`), for a split plus what its
+    transfer holds up the handoffs on the link (:func:`link_held_up_s`), plus the decode
     work of the request's ``out_tokens`` on the engine that will decode it (:func:`decode_s`:
     the decode engine for split and local, the prefill engine for whole; counted only when
     every engine compared has a decode line, else no option carries it). ``whole`` adds the
@@ -287,7 +293,7 @@ def option_costs(tokens: float, kv_bytes: float, prefill: EngineCost, decode: En
     on_p = decode_s(out_tokens, prefill, stall_weight) if whole else 0.0
     if on_d is None or on_p is None:
         on_d = on_p = 0.0
-    out = [OptionCost(Option.SPLIT, split, split + on_prefill + on_d, on_d),
+    out = [OptionCost(Option.SPLIT, split, split + on_prefill + link_held_up_s(kv_bytes, link) + on_d, on_d),
            OptionCost(Option.LOCAL, local, local + _imposed_s(tokens, decode, stall_weight) + on_d, on_d)]
     if whole:
         w = whole_ttft(tokens, prefill)
@@ -328,6 +334,21 @@ def held_up_s(tokens: float, engine: EngineCost) -> float:
     scored below a 0.5 s local prefill priced by its stall on the decode engine's 10 decodes),
     and ``auto``'s goodput fell to 0.6 x the replica pool's."""
     return engine.waiting * (tokens / engine.tokens_per_s)
+
+
+def link_held_up_s(kv_bytes: float, link: LinkCost) -> float:
+    """Handoff time a transfer of ``kv_bytes`` over ``link`` costs the other handoffs: the ones in
+    transit there now (``in_transit``; about as many as will come while it moves, by the same
+    Little's-law argument as :func:`held_up_s`) share the link with it, each slowed by about its
+    transfer time. Nothing on an idle link; on a saturated one it grows with the handoffs piled
+    up there, so the policy stops feeding a link queue that only grows. The transfer time is the
+    link's fitted line, which under load also holds the queueing it measured: that errs towards
+    relieving a loaded link. Without it NIXL on an emulated 1 Gb/s link at 8 req/s split 55 of
+    60 long prompts (handoffs 329 ms alone, ~1 s with 5 in transit), each predicted at about 2.1
+    s against a local prefill's 0.4 s, because the local prefill's stall on the decode engine's
+    20 decodes (4.6 s) outweighed the split's own wait: no split met a 2 s TTFT target, and
+    ``auto``'s goodput fell to 0.23 x static split's."""
+    return link.in_transit * link.transfer_s(kv_bytes)
 
 
 def _imposed_s(tokens: float, engine: EngineCost, stall_weight: float) -> float:

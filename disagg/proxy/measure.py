@@ -41,6 +41,10 @@
   (past saturation 27% too high at lighter moments, and the policy prefilled
   on the decode engine prompts that doubled its decodes' TPOT); one over the
   idle splits alone under-priced every split under load (by 49% at 2 req/s);
+- per prefill -> decode pair, the handoffs moving KV over its link now (a
+  split's prefill reply, or a streamed split's sending, to its first token or
+  its end): what a split's transfer holds up there
+  (:func:`disagg.routecost.link_held_up_s`);
 - per engine, the prefill tokens it has still to work through (sent, no
   first token yet, less what the time since then has covered at its fitted
   rate: :meth:`Measurements._progress`) and so the decodes it is running;
@@ -330,6 +334,8 @@ class Measurements:
         self._streamed_fixed: dict[tuple[str, str], EwFit] = {}
         #: output tokens per reply, an exponentially weighted mean (:meth:`observe_output`)
         self._output: float | None = None
+        #: per pair, the handoffs moving KV over its link now (:meth:`handoff_started`)
+        self._in_transit: dict[tuple[str, str], list[object]] = {}
 
     # --- state per engine --------------------------------------------------------
 
@@ -478,7 +484,29 @@ class Measurements:
         fixed, rate = self._link_fit(prefill_url, decode_url).coefficients()
         if self.streaming_layers is not None:
             fixed = self._streamed_fixed_fit(prefill_url, decode_url).predict(decode_in_flight)
-        return LinkCost(fixed_s=fixed, bytes_per_s=rate, streaming_layers=self.streaming_layers)
+        return LinkCost(fixed_s=fixed, bytes_per_s=rate, streaming_layers=self.streaming_layers,
+                        in_transit=len(self._in_transit.get((prefill_url, decode_url), ())))
+
+    def handoff_started(self, prefill_url: str, decode_url: str) -> object:
+        """A handoff began moving KV from the engine at ``prefill_url`` to ``decode_url`` (the
+        router calls it at a split's prefill reply, or as a streamed split is sent); it counts in
+        :attr:`LinkCost.in_transit <disagg.routecost.LinkCost.in_transit>` until the handle
+        returned is passed to :meth:`handoff_ended`."""
+        handle = object()
+        self._in_transit.setdefault((prefill_url, decode_url), []).append(handle)
+        return handle
+
+    def handoff_ended(self, prefill_url: str, decode_url: str, handle: object) -> None:
+        """The handoff of ``handle`` (:meth:`handoff_started`) is over: the decode engine's first
+        token came, or the route failed or was cancelled. Nothing when the pair was forgotten
+        meanwhile (an engine came back: its handoffs in transit went with the old process)."""
+        key = (prefill_url, decode_url)
+        moving = self._in_transit.get(key)
+        if moving is None or not any(h is handle for h in moving):
+            return
+        moving[:] = [h for h in moving if h is not handle]
+        if not moving:
+            del self._in_transit[key]
 
     def _streamed_fixed_fit(self, prefill_url: str, decode_url: str) -> EwFit:
         """The pair's streamed fixed cost against D's requests in flight, seeded flat at the seed."""
@@ -582,7 +610,7 @@ class Measurements:
         """
         self._engines.pop(url, None)
         self._decode.pop(url, None)
-        for pairs in (self._links, self._streamed_fixed):
+        for pairs in (self._links, self._streamed_fixed, self._in_transit):
             for key in [k for k in pairs if url in k]:
                 del pairs[key]
 

@@ -103,6 +103,8 @@ class _Flight:
     #: requests in flight on the engine that streams the answer, at its first token
     in_flight_at_first: int | None = None
     tokens: dict[str, int] = field(default_factory=dict)
+    #: split: its handoff in transit on the link, (prefill URL, decode URL, handle), until its first token
+    transit: tuple[str, str, object] | None = None
 
 
 class Router:
@@ -210,9 +212,14 @@ class Router:
                              + f" (line {c.cost.overhead_s * 1e3:.1f} ms + n / {c.cost.tokens_per_s:.0f}/s,"
                                f" queued {c.cost.queued_tokens:.0f}, busy {c.cost.busy_s * 1e3:.1f} ms)"
                              for c in (*prefills, *decodes))
-            log.debug("route %s: %d tokens, %.0f out -> %s (%s) P=%s D=%s; predicted %s; tpot and engines %s",
-                      route.request.request_id, tokens, out_tokens, d.path, d.reason,
-                      d.prefill.url if d.prefill else "-", d.decode.url if d.decode else "-", alts or "-", tpot)
+            m = self.measurements
+            links = ", ".join(f"{p.engine.url} -> {dd.engine.url} "
+                              f"{m.link_cost(p.engine.url, dd.engine.url).in_transit} in transit"
+                              for p in prefills for dd in decodes)
+            log.debug("route %s: %d tokens, %.0f out -> %s (%s) P=%s D=%s; predicted %s; tpot and engines %s;"
+                      " handoffs %s", route.request.request_id, tokens, out_tokens, d.path, d.reason,
+                      d.prefill.url if d.prefill else "-", d.decode.url if d.decode else "-", alts or "-", tpot,
+                      links or "-")
         return True
 
     # --- learning --------------------------------------------------------------------
@@ -240,7 +247,20 @@ class Router:
                                                            route.tokens * self.kv_bytes_per_token,
                                                            flight.queued_ahead, flight.in_flight_at_send)
             flight.streamed_decode_in_flight = route.decode.outstanding
+            self._depart(flight, engine.url, route.decode.url)     # its KV leaves as the prefill computes
         flight.pending = self.measurements.dispatch(role, engine.url, route.tokens, until, now=flight.sent)
+
+    def _depart(self, flight: _Flight, prefill_url: str, decode_url: str) -> None:
+        """The flight's handoff begins moving KV over the pair's link (counted in transit there)."""
+        self._land(flight)
+        flight.transit = (prefill_url, decode_url,
+                          self.measurements.handoff_started(prefill_url, decode_url))
+
+    def _land(self, flight: _Flight) -> None:
+        """The flight's handoff, if one is in transit, is over (first token, failure or cancel)."""
+        if flight.transit is not None:
+            self.measurements.handoff_ended(*flight.transit)
+            flight.transit = None
 
     def _settle(self, flight: _Flight, *, done: bool = True) -> None:
         """The flight's prefill leaves its engine's queue: ``done`` at its first token or reply,
@@ -260,6 +280,8 @@ class Router:
             return
         self._settle(flight)
         flight.prefill_done = time.perf_counter()
+        if route.decode is not None and not self.streamed:
+            self._depart(flight, backend.url, route.decode.url)   # the KV moves now, after the prefill
         if route.decode is not None:
             flight.decode_wait = self.measurements.wait_s("decode", route.decode.url, flight.prefill_done)
         tokens = prompt_tokens or route.tokens
@@ -285,6 +307,7 @@ class Router:
         if flight is None or route.served == "fallback":
             return
         self._settle(flight)
+        self._land(flight)
         answering = route.prefill if route.path is RoutePath.WHOLE else route.decode
         if answering is not None:
             flight.in_flight_at_first = answering.outstanding
@@ -344,6 +367,7 @@ class Router:
         flight = self._flights.pop(id(route), None)
         if flight is not None:
             self._settle(flight, done=False)   # still queued here: it never answered
+            self._land(flight)
 
 
 def expected_output_tokens(body: Mapping[str, Any], learned: float | None, chat: bool = False) -> float:

@@ -20,6 +20,7 @@ from disagg.routecost import (
     first_step_s,
     handoff_fixed_s,
     held_up_s,
+    link_held_up_s,
     local_ttft,
     max_transfer_s,
     option_costs,
@@ -117,6 +118,30 @@ def test_a_prefill_holds_up_as_many_later_prompts_as_are_waiting_there() -> None
     # whole pays the same on the prefill engine
     whole = option_costs(n, kv(n), queued_p, d, link, whole=True)[2]
     assert whole.score_s == pytest.approx(whole.ttft_s + 7 * n / 1019)
+
+
+def test_a_split_holds_up_the_handoffs_in_transit_on_its_link() -> None:
+    """Nothing on an idle link; ``in_transit`` x its transfer on a busy one, in the split's score
+    only (not in its TTFT: the link's fitted line holds the queueing it measured). Shaped on the
+    NIXL decisions logged at 8 req/s over an emulated 1 Gb/s link (P 1,858 tokens/s, D 2,621
+    tokens/s decoding about 20, a 516-token prompt of the KV-heavy model, handoffs ~0.6 s):
+    the split is the cheaper option on an idle link, and 5 handoffs in transit make it the
+    dearer one."""
+    n, nbytes = 516, 516 * 80e3
+    idle = LinkCost(fixed_s=0.05, bytes_per_s=7e7)
+    busy = replace(idle, in_transit=5)
+    assert link_held_up_s(nbytes, idle) == 0.0
+    assert link_held_up_s(nbytes, busy) == pytest.approx(5 * nbytes / 7e7)
+    p = EngineCost(tokens_per_s=1858.0, overhead_s=0.055, busy_s=0.25, running=1)
+    d = EngineCost(tokens_per_s=2621.0, overhead_s=0.029, busy_s=0.22, running=20)
+    split_idle, local_idle = option_costs(n, nbytes, p, d, idle, stall_weight=1.0)
+    split_busy, local_busy = option_costs(n, nbytes, p, d, busy, stall_weight=1.0)
+    assert split_busy.ttft_s == split_idle.ttft_s and local_busy == local_idle
+    assert split_busy.score_s - split_idle.score_s == pytest.approx(link_held_up_s(nbytes, busy))
+    assert cheapest([split_idle, local_idle]).path is Option.SPLIT
+    assert cheapest([split_busy, local_busy]).path is Option.LOCAL
+    # whole moves no KV: the link's load leaves it as it was
+    assert option_costs(n, nbytes, p, d, busy, whole=True)[2] == option_costs(n, nbytes, p, d, idle, whole=True)[2]
 
 
 def test_ties_go_local_then_split_then_whole() -> None:

@@ -612,6 +612,77 @@ def test_the_same_splits_without_streaming_sample_the_link() -> None:
     assert sample_sum(text, "disagg_route_samples_total", fit="link", outcome="used") == 2
 
 
+def test_handoffs_count_in_transit_from_the_prefill_reply_to_the_first_token_or_the_end() -> None:
+    """A sequential split's handoff is on the link from its prefill reply to its first token; one
+    that fails or is cancelled before its first token leaves at its end; a streamed split's from
+    when it is sent. An engine that comes back starts with none (what the policy makes of them:
+    tests/unit/proxy/test_policy.py and tests/unit/test_routecost.py)."""
+    metrics, prefill, decode, config = _auto_pools()
+    router = Router(replace(config, decode_tokens_per_s=200.0), prefill, decode, metrics, local=True)
+    m = router.measurements
+    p, d = prefill.backends[0], decode.backends[0]
+
+    def in_transit() -> int:
+        return m.link_cost(p.url, d.url).in_transit
+
+    def split(i: int) -> PromptRoute:
+        r = _route("y" * 400, i)
+        router.route(RequestPlan(r.request, [r]))
+        assert (r.path, r.prefill, r.decode) == (RoutePath.SPLIT, p, d)
+        router.sent(r, stream=True)
+        return r
+
+    first, second = split(0), split(1)
+    assert in_transit() == 0                         # prefills running: nothing on the link yet
+    router.prefill_done(first, p, 0.05, 100)
+    router.prefill_done(second, p, 0.05, 100)
+    assert in_transit() == 2
+    idle_link = replace(m.link_cost(p.url, d.url), in_transit=0)
+    router.first_token(first, 0.0, time.perf_counter())
+    assert in_transit() == 1
+    router.finished(first)
+    router.finished(second)                          # cancelled before its first token
+    assert in_transit() == 0
+    assert m.link_cost(p.url, d.url) == idle_link
+    # an engine that comes back: its handoffs in transit went with it; a late end changes nothing
+    third = split(3)
+    router.prefill_done(third, p, 0.05, 100)
+    assert in_transit() == 1
+    router._forget(d)
+    assert in_transit() == 0
+    fourth = split(4)
+    router.prefill_done(fourth, p, 0.05, 100)
+    router.finished(third)                           # the old process's handoff: not this one
+    assert in_transit() == 1
+    router.finished(fourth)
+    assert in_transit() == 0
+    # streamed: on the link from the send (the KV leaves as the prefill computes)
+    streamed = Router(replace(config, decode_tokens_per_s=200.0, streaming_layers=8), prefill, decode,
+                      ProxyMetrics(), local=True)
+    r = _route("y" * 400, 5)
+    streamed.route(RequestPlan(r.request, [r]))
+    streamed.sent(r, stream=True)
+    assert streamed.measurements.link_cost(p.url, d.url).in_transit == 1
+    streamed.prefill_done(r, p, 0.05, 100)
+    assert streamed.measurements.link_cost(p.url, d.url).in_transit == 1
+    streamed.first_token(r, 0.0, time.perf_counter())
+    assert streamed.measurements.link_cost(p.url, d.url).in_transit == 0
+
+
+def test_the_decision_line_names_the_handoffs_in_transit(caplog: pytest.LogCaptureFixture) -> None:
+    metrics, prefill, decode, config = _auto_pools()
+    router = Router(replace(config, decode_tokens_per_s=200.0), prefill, decode, metrics, local=True)
+    p, d = prefill.backends[0], decode.backends[0]
+    r = _route("y" * 400, 0)
+    router.route(RequestPlan(r.request, [r]))
+    router.sent(r, stream=True)
+    router.prefill_done(r, p, 0.05, 100)
+    caplog.set_level("DEBUG", logger="disagg.proxy")
+    probe = _route("y" * 400, 1)
+    router.route(RequestPlan(probe.request, [probe]))
+    assert f"; handoffs {p.url} -> {d.url} 1 in transit" in caplog.text
+
+
 def test_decode_line_per_engine_flat_until_loads_differ_borrowed_until_measured_and_forgotten() -> None:
     m = Measurements(prefill_tokens_per_s=2000.0, decode_tokens_per_s=2000.0, overhead_s=0.0,
                      handoff_fixed_s=0.03, link_bytes_per_s=1e9)

@@ -105,6 +105,24 @@ def test_whole_only_on_an_idle_prefill_engine_while_every_decode_engine_is_backe
     assert two.path is Option.LOCAL and two.decode == "D2"
 
 
+def test_handoffs_in_transit_on_the_link_turn_splits_local() -> None:
+    """A prompt that splits over an idle link goes local once enough handoffs are in transit
+    there (each is slowed by its transfer), and stays local with more: the flip is monotone."""
+    p = EngineCost(tokens_per_s=4000.0, overhead_s=0.05)
+    d = EngineCost(tokens_per_s=2000.0, overhead_s=0.03, running=3)
+    link = LinkCost(fixed_s=0.03, bytes_per_s=1.25e8)
+    n = 1000
+    paths = [choose(n, p, d, replace(link, in_transit=k), stall_weight=1.0) for k in range(8)]
+    assert paths[0] is Option.SPLIT and paths[-1] is Option.LOCAL
+    flip = paths.index(Option.LOCAL)
+    assert all(path is Option.LOCAL for path in paths[flip:])
+    # the flip is where the split's score, raised by k transfers, passes the local one's
+    transfer = kv(n) / 1.25e8
+    local_score = d.ttft_s(n) + 3 * n / 2000
+    split_score = p.ttft_s(n) + 0.03 + transfer
+    assert split_score + (flip - 1) * transfer <= local_score < split_score + flip * transfer
+
+
 def test_picks_the_cheapest_pair() -> None:
     slow_link, fast_link = LinkCost(0.03, 1e6), LinkCost(0.03, 1e10)
     links = {("P1", "D"): slow_link, ("P2", "D"): fast_link}
