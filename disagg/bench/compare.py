@@ -197,11 +197,17 @@ async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[S
     return result, measured
 
 
+def kept_proxy_log(out_dir: Path, label: str) -> Path:
+    """Where :func:`keep_proxy_log` keeps the proxy log of ``label``'s topology in the report
+    directory ``out_dir`` (the label's brackets and other characters a shell would read made dashes)."""
+    return out_dir / LOGS / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', label).strip('-')}-{PROXY_LOG}"
+
+
 def keep_proxy_log(t: TopologyUnderTest, label: str, out_dir: Path, since: float) -> Path | None:
-    """Copy ``t``'s proxy log to ``out_dir/logs/LABEL-proxy.log`` (the label's brackets and other
-    characters a shell would read made dashes); the copy's path, or None where this ``up`` left no
-    proxy log (another router; an ``up`` that failed before the proxy started, leaving an earlier
-    run's log, last written before ``since``, the time of the ``up``) or it cannot be copied.
+    """Copy ``t``'s proxy log to ``out_dir/logs/LABEL-proxy.log`` (:func:`kept_proxy_log`); the
+    copy's path, or None where this ``up`` left no proxy log (another router; an ``up`` that failed
+    before the proxy started, leaving an earlier run's log, last written before ``since``, the time
+    of the ``up``) or it cannot be copied.
     Called by :func:`compare` after each ``down``."""
     source = t.log_dir / PROXY_LOG
     try:
@@ -210,7 +216,7 @@ def keep_proxy_log(t: TopologyUnderTest, label: str, out_dir: Path, since: float
             return None
     except OSError:
         return None
-    target = out_dir / LOGS / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', label).strip('-')}-{PROXY_LOG}"
+    target = kept_proxy_log(out_dir, label)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
