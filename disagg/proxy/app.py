@@ -287,12 +287,15 @@ def _samples(body: Mapping[str, Any]) -> int:
     return n if isinstance(n, int) and n > 0 else 1
 
 
-async def _open_reply(state: ProxyState, route: PromptRoute, stack: AsyncExitStack) -> DecodeReply:
+async def _open_reply(state: ProxyState, route: PromptRoute, stack: AsyncExitStack, *,
+                      first_token_seen: bool) -> DecodeReply:
     """Decode's reply for one route, entered on ``stack``: through the handoff (``split``),
     from a prefill engine alone (``whole``), or from decode alone (``local``, and ``split``
-    or ``whole`` when the prefill side failed and fallback allows); sets ``route.served``."""
+    or ``whole`` when the prefill side failed and fallback allows); sets ``route.served``.
+    ``first_token_seen``: the router will be told of its first token (a streamed single-prompt
+    reply; a batch's prompts and a reply not streamed count until their predicted end)."""
     req = route.request
-    state.router.sent(route, req.stream)
+    state.router.sent(route, first_token_seen)
     if route.path is RoutePath.WHOLE and state.prefill is not None:
         try:
             backend, resp = await stack.enter_async_context(
@@ -385,7 +388,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     try:
         timing = StreamTiming(started)
         if plan.batched:
-            out = await serve_batch(request, plan, lambda route, stack: _open_reply(state, route, stack),
+            out = await serve_batch(request, plan,
+                                    lambda route, stack: _open_reply(state, route, stack, first_token_seen=False),
                                     upstream, timing, extra=lambda: _route_header(plan))
             if out.status == 200 and not timing.broken:
                 path = _request_path(plan)
@@ -395,7 +399,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         async with AsyncExitStack() as stack:
             route = plan.routes[0]
             timing.on_first = lambda now: state.router.first_token(route, started, now)
-            reply = await _open_reply(state, route, stack)
+            reply = await _open_reply(state, route, stack, first_token_seen=req.stream)
             routed = _route_header(plan)
             resp = reply.response
             if resp.status != 200:

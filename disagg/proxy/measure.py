@@ -297,6 +297,14 @@ class _Pending:
         self.left = self.tokens
 
 
+@dataclass(eq=False)   # identity: two handoffs with one deadline are two entries
+class _Transit:
+    """A handoff in transit on a pair's link (:meth:`Measurements.handoff_started`)."""
+
+    #: perf_counter after which it no longer counts (a reply not streamed: the handoff's predicted end)
+    until: float = math.inf
+
+
 @dataclass
 class _Engine:
     fit: EwFit                         # prefill seconds against work tokens, engine alone
@@ -335,7 +343,7 @@ class Measurements:
         #: output tokens per reply, an exponentially weighted mean (:meth:`observe_output`)
         self._output: float | None = None
         #: per pair, the handoffs moving KV over its link now (:meth:`handoff_started`)
-        self._in_transit: dict[tuple[str, str], list[object]] = {}
+        self._in_transit: dict[tuple[str, str], list[_Transit]] = {}
 
     # --- state per engine --------------------------------------------------------
 
@@ -477,26 +485,29 @@ class Measurements:
         router caps it with each request's ``max_tokens`` to price its decode work."""
         return self._output
 
-    def link_cost(self, prefill_url: str, decode_url: str, decode_in_flight: int = 0) -> LinkCost:
+    def link_cost(self, prefill_url: str, decode_url: str, decode_in_flight: int = 0,
+                  now: float | None = None) -> LinkCost:
         """The pair's handoff line (fixed seconds, bytes per second; streamed or not: a streamed
         handoff's fixed cost is its learned line at the decode engine's ``decode_in_flight``
-        requests, its rate the seed's)."""
+        requests, its rate the seed's) and its handoffs in transit at ``now`` (perf_counter)."""
         fixed, rate = self._link_fit(prefill_url, decode_url).coefficients()
         if self.streaming_layers is not None:
             fixed = self._streamed_fixed_fit(prefill_url, decode_url).predict(decode_in_flight)
         return LinkCost(fixed_s=fixed, bytes_per_s=rate, streaming_layers=self.streaming_layers,
-                        in_transit=len(self._in_transit.get((prefill_url, decode_url), ())))
+                        in_transit=self._transiting((prefill_url, decode_url), now))
 
-    def handoff_started(self, prefill_url: str, decode_url: str) -> object:
+    def handoff_started(self, prefill_url: str, decode_url: str, until: float = math.inf) -> _Transit:
         """A handoff began moving KV from the engine at ``prefill_url`` to ``decode_url`` (the
         router calls it at a split's prefill reply, or as a streamed split is sent); it counts in
         :attr:`LinkCost.in_transit <disagg.routecost.LinkCost.in_transit>` until the handle
-        returned is passed to :meth:`handoff_ended`."""
-        handle = object()
+        returned is passed to :meth:`handoff_ended`, or until ``until`` (perf_counter) passes: a
+        reply that is not streamed shows no first token, so the router passes the handoff's
+        predicted end (a non-streamed reply would otherwise count for its whole decode)."""
+        handle = _Transit(until)
         self._in_transit.setdefault((prefill_url, decode_url), []).append(handle)
         return handle
 
-    def handoff_ended(self, prefill_url: str, decode_url: str, handle: object) -> None:
+    def handoff_ended(self, prefill_url: str, decode_url: str, handle: _Transit) -> None:
         """The handoff of ``handle`` (:meth:`handoff_started`) is over: the decode engine's first
         token came, or the route failed or was cancelled. Nothing when the pair was forgotten
         meanwhile (an engine came back: its handoffs in transit went with the old process)."""
@@ -507,6 +518,17 @@ class Measurements:
         moving[:] = [h for h in moving if h is not handle]
         if not moving:
             del self._in_transit[key]
+
+    def _transiting(self, key: tuple[str, str], now: float | None) -> int:
+        """The pair's handoffs in transit at ``now`` (perf_counter; those past their ``until`` leave)."""
+        moving = self._in_transit.get(key)
+        if not moving:
+            return 0
+        when = time.perf_counter() if now is None else now
+        moving[:] = [h for h in moving if h.until > when]
+        if not moving:
+            del self._in_transit[key]
+        return len(moving)
 
     def _streamed_fixed_fit(self, prefill_url: str, decode_url: str) -> EwFit:
         """The pair's streamed fixed cost against D's requests in flight, seeded flat at the seed."""

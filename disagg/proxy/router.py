@@ -104,7 +104,8 @@ class _Flight:
     in_flight_at_first: int | None = None
     tokens: dict[str, int] = field(default_factory=dict)
     #: split: its handoff in transit on the link, (prefill URL, decode URL, handle), until its first token
-    transit: tuple[str, str, object] | None = None
+    transit: tuple[str, str, Any] | None = None
+    stream: bool = True                    # the reply is streamed (a first token will be seen)
 
 
 class Router:
@@ -225,10 +226,12 @@ class Router:
     # --- learning --------------------------------------------------------------------
 
     def sent(self, route: PromptRoute, stream: bool, now: float | None = None) -> None:
-        """``route`` goes out now (``now``: perf_counter): its prefill counts in the chosen engine's queue."""
+        """``route`` goes out now (``now``: perf_counter): its prefill counts in the chosen engine's queue,
+        a streamed split's handoff on its link. ``stream``: :meth:`first_token` will be called for it (a
+        streamed single-prompt reply); otherwise both count until their predicted end."""
         if not self.auto or not route.tokens:
             return
-        flight = self._flights[id(route)] = _Flight(sent=time.perf_counter() if now is None else now)
+        flight = self._flights[id(route)] = _Flight(sent=time.perf_counter() if now is None else now, stream=stream)
         if route.path is RoutePath.LOCAL:
             role, engine = "decode", route.decode
         else:                                   # split and whole prefill on a prefill engine
@@ -247,14 +250,17 @@ class Router:
                                                            route.tokens * self.kv_bytes_per_token,
                                                            flight.queued_ahead, flight.in_flight_at_send)
             flight.streamed_decode_in_flight = route.decode.outstanding
-            self._depart(flight, engine.url, route.decode.url)     # its KV leaves as the prefill computes
+            # its KV leaves as the prefill computes; not streamed: until its predicted first token
+            self._depart(flight, engine.url, route.decode.url,
+                         float("inf") if stream else flight.sent + (route.predicted_s or 0.0))
         flight.pending = self.measurements.dispatch(role, engine.url, route.tokens, until, now=flight.sent)
 
-    def _depart(self, flight: _Flight, prefill_url: str, decode_url: str) -> None:
-        """The flight's handoff begins moving KV over the pair's link (counted in transit there)."""
+    def _depart(self, flight: _Flight, prefill_url: str, decode_url: str, until: float) -> None:
+        """The flight's handoff begins moving KV over the pair's link (counted in transit there until
+        its first token, its end, or ``until``: perf_counter, for a reply whose first token is not seen)."""
         self._land(flight)
         flight.transit = (prefill_url, decode_url,
-                          self.measurements.handoff_started(prefill_url, decode_url))
+                          self.measurements.handoff_started(prefill_url, decode_url, until))
 
     def _land(self, flight: _Flight) -> None:
         """The flight's handoff, if one is in transit, is over (first token, failure or cancel)."""
@@ -280,8 +286,12 @@ class Router:
             return
         self._settle(flight)
         flight.prefill_done = time.perf_counter()
-        if route.decode is not None and not self.streamed:
-            self._depart(flight, backend.url, route.decode.url)   # the KV moves now, after the prefill
+        if route.decode is not None and not self.streamed:     # the KV moves now, after the prefill
+            until = float("inf")
+            if not flight.stream:         # no first token will be seen: until the handoff's predicted end
+                nbytes = (prompt_tokens or route.tokens) * self.kv_bytes_per_token
+                until = flight.prefill_done + self.measurements.link_cost(backend.url, route.decode.url).seconds(nbytes)
+            self._depart(flight, backend.url, route.decode.url, until)
         if route.decode is not None:
             flight.decode_wait = self.measurements.wait_s("decode", route.decode.url, flight.prefill_done)
         tokens = prompt_tokens or route.tokens

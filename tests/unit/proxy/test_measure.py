@@ -615,7 +615,8 @@ def test_the_same_splits_without_streaming_sample_the_link() -> None:
 def test_handoffs_count_in_transit_from_the_prefill_reply_to_the_first_token_or_the_end() -> None:
     """A sequential split's handoff is on the link from its prefill reply to its first token; one
     that fails or is cancelled before its first token leaves at its end; a streamed split's from
-    when it is sent. An engine that comes back starts with none (what the policy makes of them:
+    when it is sent; a reply not streamed (no first token seen) until its predicted end. An
+    engine that comes back starts with none (what the policy makes of them:
     tests/unit/proxy/test_policy.py and tests/unit/test_routecost.py)."""
     metrics, prefill, decode, config = _auto_pools()
     router = Router(replace(config, decode_tokens_per_s=200.0), prefill, decode, metrics, local=True)
@@ -656,6 +657,18 @@ def test_handoffs_count_in_transit_from_the_prefill_reply_to_the_first_token_or_
     assert in_transit() == 1
     router.finished(fourth)
     assert in_transit() == 0
+    # a reply not streamed shows no first token: it counts until its handoff's predicted end
+    quiet = _route("y" * 400, 6)
+    router.route(RequestPlan(quiet.request, [quiet]))
+    router.sent(quiet, stream=False)
+    router.prefill_done(quiet, p, 0.05, 100)
+    done_at = router._flights[id(quiet)].prefill_done
+    assert done_at is not None
+    end = done_at + m.link_cost(p.url, d.url).seconds(100 * 1024.0)
+    assert m.link_cost(p.url, d.url, now=end - 1e-6).in_transit == 1
+    assert m.link_cost(p.url, d.url, now=end + 1e-6).in_transit == 0
+    router.finished(quiet)                           # its end after that changes nothing
+    assert in_transit() == 0
     # streamed: on the link from the send (the KV leaves as the prefill computes)
     streamed = Router(replace(config, decode_tokens_per_s=200.0, streaming_layers=8), prefill, decode,
                       ProxyMetrics(), local=True)
@@ -667,6 +680,15 @@ def test_handoffs_count_in_transit_from_the_prefill_reply_to_the_first_token_or_
     assert streamed.measurements.link_cost(p.url, d.url).in_transit == 1
     streamed.first_token(r, 0.0, time.perf_counter())
     assert streamed.measurements.link_cost(p.url, d.url).in_transit == 0
+    # ... and, not streamed, until its predicted first token
+    r = _route("y" * 400, 7)
+    streamed.route(RequestPlan(r.request, [r]))
+    streamed.sent(r, stream=False)
+    flight = streamed._flights[id(r)]
+    assert r.predicted_s is not None
+    later = flight.sent + r.predicted_s
+    assert streamed.measurements.link_cost(p.url, d.url, now=later - 1e-6).in_transit == 1
+    assert streamed.measurements.link_cost(p.url, d.url, now=later + 1e-6).in_transit == 0
 
 
 def test_the_decision_line_names_the_handoffs_in_transit(caplog: pytest.LogCaptureFixture) -> None:
