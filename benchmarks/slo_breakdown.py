@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg.bench.compare import kept_proxy_log
-from disagg.bench.metrics import meets_slo, tpot
+from disagg.bench.metrics import missed_limits, tpot
 from disagg.bench.records import RequestRecord
 from disagg.bench.report import load_json
 from disagg.bench.slo import SLO
@@ -89,11 +89,9 @@ def breakdown(label: str, run: Mapping[str, Any], slo: SLO, decisions: Sequence[
         per_token = tpot(e2el, ttft, rec.output_tokens)
         if per_token is not None:
             tpots.append(per_token)
-        for name, value in (("ttft", ttft), ("tpot", per_token or 0.0), ("e2el", e2el)):
-            limit = getattr(slo, name)
-            if limit is not None and value > limit:
-                missed[name] += 1
-        good += meets_slo(slo, ttft, per_token, e2el)
+        crossed = missed_limits(slo, ttft, per_token, e2el)
+        missed.update(crossed)
+        good += not crossed
     start = datetime.fromisoformat(run["started_at"])
     end = start + timedelta(seconds=float(run["duration_s"]))
     mine = [d for d in decisions if start - EARLY <= d.at <= end]

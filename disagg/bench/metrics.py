@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from disagg.bench.records import RequestRecord
-from disagg.bench.slo import NO_SLO, SLO
+from disagg.bench.slo import NO_SLO, SLO, SLO_METRICS
 
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 
@@ -73,10 +73,16 @@ def failure_kind(error: str) -> str:
     return "other"
 
 
+def missed_limits(slo: SLO, ttft: float, tpot_s: float | None, e2el: float) -> list[str]:
+    """The limits set in ``slo`` (``ttft``, ``tpot``, ``e2el``, in that order) that one completed
+    request exceeds (TPOT None counts as 0, as vLLM)."""
+    values = {"ttft": ttft, "tpot": tpot_s or 0.0, "e2el": e2el}
+    return [name for name in SLO_METRICS if (limit := getattr(slo, name)) is not None and values[name] > limit]
+
+
 def meets_slo(slo: SLO, ttft: float, tpot_s: float | None, e2el: float) -> bool:
-    """Whether one completed request meets every limit set (TPOT None counts as 0, as vLLM)."""
-    checks = ((slo.ttft, ttft), (slo.tpot, tpot_s or 0.0), (slo.e2el, e2el))
-    return all(limit is None or value <= limit for limit, value in checks)
+    """Whether one completed request meets every limit set (:func:`missed_limits` finds none)."""
+    return not missed_limits(slo, ttft, tpot_s, e2el)
 
 
 @dataclass(frozen=True)

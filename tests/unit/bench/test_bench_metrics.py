@@ -12,6 +12,7 @@ from disagg.bench.metrics import (
     compute_metrics,
     meets_slo,
     metrics_by_class,
+    missed_limits,
     percentile,
     pooled_itls,
     tpot,
@@ -55,6 +56,14 @@ def test_meets_slo_treats_missing_tpot_as_zero() -> None:
     assert not meets_slo(slo, ttft=1.01, tpot_s=0.0, e2el=1.0)
     assert not meets_slo(slo, ttft=0.1, tpot_s=0.11, e2el=1.0)
     assert not meets_slo(SLO(e2el=2.0), ttft=0.1, tpot_s=0.1, e2el=2.5)
+
+
+def test_missed_limits_names_every_limit_crossed_in_order() -> None:
+    slo = SLO(ttft=1.0, tpot=0.1, e2el=5.0)
+    assert missed_limits(slo, ttft=1.0, tpot_s=0.1, e2el=5.0) == []
+    assert missed_limits(slo, ttft=1.5, tpot_s=0.2, e2el=6.0) == ["ttft", "tpot", "e2el"]
+    assert missed_limits(slo, ttft=0.5, tpot_s=None, e2el=6.0) == ["e2el"]
+    assert missed_limits(SLO(tpot=0.1), ttft=9.0, tpot_s=0.11, e2el=99.0) == ["tpot"]   # unset limits never miss
 
 
 def _records() -> list[RequestRecord]:
