@@ -219,7 +219,8 @@ class LinkCost:
     bytes_per_s: float
     streaming_layers: int | None = None
     #: handoffs moving KV over this link now (their prefill answered, their first token not yet come;
-    #: a streamed one from when it was sent): what a transfer sent now holds up (:func:`link_held_up_s`)
+    #: a streamed one from when it was sent; one whose first token is not seen, to its predicted end):
+    #: what a transfer sent now holds up (:func:`link_held_up_s`)
     in_transit: int = 0
 
     def transfer_s(self, nbytes: float) -> float:

@@ -43,7 +43,8 @@
   idle splits alone under-priced every split under load (by 49% at 2 req/s);
 - per prefill -> decode pair, the handoffs moving KV over its link now (a
   split's prefill reply, or a streamed split's sending, to its first token or
-  its end): what a split's transfer holds up there
+  its end; a reply whose first token the proxy does not see, to its predicted
+  end): what a split's transfer holds up there
   (:func:`disagg.routecost.link_held_up_s`);
 - per engine, the prefill tokens it has still to work through (sent, no
   first token yet, less what the time since then has covered at its fitted

@@ -286,15 +286,15 @@ class Router:
             return
         self._settle(flight)
         flight.prefill_done = time.perf_counter()
-        if route.decode is not None and not self.streamed:     # the KV moves now, after the prefill
-            until = float("inf")
-            if not flight.stream:         # no first token will be seen: until the handoff's predicted end
-                nbytes = (prompt_tokens or route.tokens) * self.kv_bytes_per_token
-                until = flight.prefill_done + self.measurements.link_cost(backend.url, route.decode.url).seconds(nbytes)
-            self._depart(flight, backend.url, route.decode.url, until)
-        if route.decode is not None:
-            flight.decode_wait = self.measurements.wait_s("decode", route.decode.url, flight.prefill_done)
         tokens = prompt_tokens or route.tokens
+        if route.decode is not None:
+            if not self.streamed:         # the KV moves now, after the prefill
+                until = float("inf")
+                if not flight.stream:     # no first token will be seen: until the handoff's predicted end
+                    link = self.measurements.link_cost(backend.url, route.decode.url)
+                    until = flight.prefill_done + link.seconds(tokens * self.kv_bytes_per_token)
+                self._depart(flight, backend.url, route.decode.url, until)
+            flight.decode_wait = self.measurements.wait_s("decode", route.decode.url, flight.prefill_done)
         flight.tokens["prompt"] = tokens
         if flight.engine is backend:
             outcome = self.measurements.observe_prefill("prefill", backend.url, tokens, seconds, flight.queued_ahead,
