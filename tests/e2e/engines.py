@@ -155,11 +155,15 @@ def post_json(url: str, body: dict, timeout: float = 300, key: str | None = None
         return json.load(resp)
 
 
-def open_stream(proxy_url: str, prompt: str, *, timeout: float = 120,
-                events: int = 3) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    """POST a streamed completion of ``prompt`` that would run 8000 tokens (``ignore_eos``) to the
-    proxy and read its first ``events`` lines, so decode is generating; the open connection and
-    response, for the test to hang up or read on."""
+def open_stream(proxy_url: str, prompt: str, *, timeout: float = 120
+                ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """POST a streamed completion of ``prompt`` that would run to the model's context (8000 tokens
+    asked, ``ignore_eos``) to the proxy and read up to its first token event, so the engine is
+    generating; the open connection and response, for the test to hang up or read on.
+
+    A test that hangs up should do so at once: on these CPUs the tiny model generates thousands
+    of tokens in a few seconds while its API server, sharing the engine's core, answers /metrics
+    slowly, so reading an engine's gauges first can outlast the whole request."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8000, "ignore_eos": True, "temperature": 0,
             "stream": True}
     url = urllib.parse.urlsplit(proxy_url)
@@ -167,9 +171,13 @@ def open_stream(proxy_url: str, prompt: str, *, timeout: float = 120,
     conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()[:500]
-    for _ in range(events):
-        assert resp.fp.readline()
-    return conn, resp
+    for _ in range(8):   # a chunk-size line, the event, a blank line (chunked transfer encoding)
+        line = resp.fp.readline()
+        assert line, "the stream ended before its first event"
+        if line.startswith(b"data: "):
+            assert b'"text"' in line, line[:500]
+            return conn, resp
+    raise AssertionError("no event among the stream's first lines")
 
 
 def plain_answer(engine: str, body: dict, timeout: float = 300) -> str:

@@ -81,16 +81,15 @@ def test_handoff_equals_colocated_and_kv_moved(pd: Running, reference: dict[str,
 def test_client_disconnect_aborts_decode(pd: Running, tokenizer: Tokenizer) -> None:
     """A client that hangs up mid-stream frees the engines: the decode engine aborts the request.
 
-    The request asks for 8000 tokens (the model's whole context; half a minute or more on these
+    The request asks for 8000 tokens (the model's whole context; seconds to half a minute on these
     CPUs); if the hang-up did not reach the engine, it would run them all and count the request
     as finished by length. Instead nothing runs any more within seconds
     and no request finished (vLLM does not count aborts as finished requests).
     """
-    conn, _ = open_stream(pd.proxy_url, exact_prompt(tokenizer, 40, "disconnect"))
     decode = pd.engines["decode[0]"]
     before = get_text(decode + "/metrics")
-    assert metric_value(before, "vllm:num_requests_running") == 1
-    started = time.monotonic()
+    conn, _ = open_stream(pd.proxy_url, exact_prompt(tokenizer, 40, "disconnect"))
+    started = time.monotonic()   # at once: the request can end while a busy engine answers /metrics
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     deadline = started + 30
@@ -110,6 +109,7 @@ def test_client_disconnect_aborts_decode(pd: Running, tokenizer: Tokenizer) -> N
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
         assert metric_value(after, gauge) == 0, f"{gauge} not 0 {stopped:.1f} s after the hang-up"
     assert finished(after) == finished(before), f"the request ran to its end: {generated:.0f} tokens"
+    assert 1 <= generated < 8000, generated
     assert metric_value(get_text(pd.engines["prefill[0]"] + "/metrics"), "vllm:num_requests_running") == 0
 
 
