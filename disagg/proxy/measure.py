@@ -299,8 +299,10 @@ class _Pending:
 
 
 @dataclass(eq=False)   # identity: two handoffs with one deadline are two entries
-class _Transit:
-    """A handoff in transit on a pair's link (:meth:`Measurements.handoff_started`)."""
+class Transit:
+    """A handoff in transit on a pair's link: the handle :meth:`Measurements.handoff_started`
+    returns, which the router (:class:`disagg.proxy.router.Router`) keeps with the request's
+    flight and hands back to :meth:`Measurements.handoff_ended`."""
 
     #: perf_counter after which it no longer counts (a reply not streamed: the handoff's predicted end)
     until: float = math.inf
@@ -344,7 +346,7 @@ class Measurements:
         #: output tokens per reply, an exponentially weighted mean (:meth:`observe_output`)
         self._output: float | None = None
         #: per pair, the handoffs moving KV over its link now (:meth:`handoff_started`)
-        self._in_transit: dict[tuple[str, str], list[_Transit]] = {}
+        self._in_transit: dict[tuple[str, str], list[Transit]] = {}
 
     # --- state per engine --------------------------------------------------------
 
@@ -497,18 +499,18 @@ class Measurements:
         return LinkCost(fixed_s=fixed, bytes_per_s=rate, streaming_layers=self.streaming_layers,
                         in_transit=self._transiting((prefill_url, decode_url), now))
 
-    def handoff_started(self, prefill_url: str, decode_url: str, until: float = math.inf) -> _Transit:
+    def handoff_started(self, prefill_url: str, decode_url: str, until: float = math.inf) -> Transit:
         """A handoff began moving KV from the engine at ``prefill_url`` to ``decode_url`` (the
         router calls it at a split's prefill reply, or as a streamed split is sent); it counts in
         :attr:`LinkCost.in_transit <disagg.routecost.LinkCost.in_transit>` until the handle
         returned is passed to :meth:`handoff_ended`, or until ``until`` (perf_counter) passes: a
         reply that is not streamed shows no first token, so the router passes the handoff's
         predicted end (a non-streamed reply would otherwise count for its whole decode)."""
-        handle = _Transit(until)
+        handle = Transit(until)
         self._in_transit.setdefault((prefill_url, decode_url), []).append(handle)
         return handle
 
-    def handoff_ended(self, prefill_url: str, decode_url: str, handle: _Transit) -> None:
+    def handoff_ended(self, prefill_url: str, decode_url: str, handle: Transit) -> None:
         """The handoff of ``handle`` (:meth:`handoff_started`) is over: the decode engine's first
         token came, or the route failed or was cancelled. Nothing when the pair was forgotten
         meanwhile (an engine came back: its handoffs in transit went with the old process)."""

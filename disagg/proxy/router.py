@@ -57,7 +57,7 @@ from typing import Any
 
 from disagg.proxy.backends import Backend, BackendPool
 from disagg.proxy.config import RoutingConfig
-from disagg.proxy.measure import QUEUED_SHARE, Measurements
+from disagg.proxy.measure import QUEUED_SHARE, Measurements, Transit
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.proxy.promptlen import PromptLength
@@ -104,7 +104,7 @@ class _Flight:
     in_flight_at_first: int | None = None
     tokens: dict[str, int] = field(default_factory=dict)
     #: split: its handoff in transit on the link, (prefill URL, decode URL, handle), until its first token
-    transit: tuple[str, str, Any] | None = None
+    transit: tuple[str, str, Transit] | None = None
     stream: bool = True                    # the reply is streamed (a first token will be seen)
 
 
