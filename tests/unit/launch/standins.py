@@ -25,10 +25,12 @@ from disagg.topology import Topology, load_topology
 ENGINE_TREE = r"""
 import os, signal, subprocess, sys, time
 sleep = [sys.executable, '-c', 'import time; time.sleep(600)']
-stubborn = [sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']
+stubborn = [sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); '
+            'print("ignoring", flush=True); time.sleep(600)']
 nested = [sys.executable, '-c', 'import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(600)', *sleep]
-kids = [subprocess.Popen(sleep), subprocess.Popen(stubborn), subprocess.Popen(sleep, process_group=0),
-        subprocess.Popen(nested)]
+kids = [subprocess.Popen(sleep), subprocess.Popen(stubborn, stdout=subprocess.PIPE),
+        subprocess.Popen(sleep, process_group=0), subprocess.Popen(nested)]
+kids[1].stdout.readline()   # 'tree up' only once the stubborn child ignores SIGTERM
 print('tree up', *[k.pid for k in kids], flush=True)
 time.sleep(600)
 """
@@ -58,6 +60,13 @@ class Started:
 
     def __init__(self) -> None:
         self.pids: list[int] = []
+        self.logs: list[Path] = []
+
+    def up(self, count: int) -> bool:
+        """At least ``count`` trees started, each whole and saying ``tree up`` in its log (so its
+        stubborn child already ignores SIGTERM)."""
+        return len(self.pids) >= count and all(log.exists() and "tree up" in log.read_text() for log in self.logs) \
+            and len(running(self.processes())) >= count * TREE_SIZE
 
     def processes(self) -> list[psutil.Process]:
         """Each started root with its descendants, while they exist."""

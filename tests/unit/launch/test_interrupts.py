@@ -30,7 +30,7 @@ from disagg.launch.launcher import Launcher
 from disagg.launch.state import ProcessRecord, RunState, lock_holder, save_state
 from disagg.topology import load_topology
 from tests.e2e.engines import free_ports
-from tests.unit.launch.standins import ENGINE_TREE, TREE_SIZE, Started, kill_all, running, start_tree
+from tests.unit.launch.standins import ENGINE_TREE, Started, kill_all, running, start_tree
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -59,6 +59,7 @@ def trees(monkeypatch: pytest.MonkeyPatch) -> Iterator[Started]:
     def start_standin(argv, env, log):
         pid, created = real([sys.executable, "-c", ENGINE_TREE], {}, log)
         started.pids.append(pid)
+        started.logs.append(Path(log))
         return pid, created
 
     monkeypatch.setattr(processes, "start_local", start_standin)
@@ -84,7 +85,7 @@ def _sigint_when(ready: Callable[[], bool]) -> dict[str, float]:
 
 
 def _trees_up(trees: Started, count: int) -> Callable[[], bool]:
-    return lambda: len(trees.pids) >= count and len(running(trees.processes())) >= count * TREE_SIZE
+    return lambda: trees.up(count)
 
 
 def _up(path: Path, tmp_path: Path) -> int:
@@ -157,15 +158,29 @@ def test_a_second_signal_while_stopping_kills_at_once(tmp_path: Path, trees: Sta
     monkeypatch.setattr(launcher_mod, "ABORT_GRACE_S", 60.0)
     sent = _sigint_when(_trees_up(trees, 2))
     main_thread = threading.main_thread().ident
+    returned = threading.Event()
+    guard = threading.Lock()     # the second signal is sent only while `up` has not returned
+    second_sent: list[float] = []
 
     def second() -> None:
         while "sent" not in sent:
             time.sleep(0.02)
-        time.sleep(1.0)
-        signal.pthread_kill(main_thread, signal.SIGINT)  # type: ignore[arg-type]
+        if returned.wait(1.0):
+            return
+        with guard:
+            if not returned.is_set():
+                second_sent.append(time.monotonic())
+                signal.pthread_kill(main_thread, signal.SIGINT)  # type: ignore[arg-type]
 
-    threading.Thread(target=second, daemon=True).start()
-    assert _up(_topology(tmp_path, grace=60), tmp_path) == 130
+    thread = threading.Thread(target=second, daemon=True)
+    thread.start()
+    code = _up(_topology(tmp_path, grace=60), tmp_path)
+    with guard:
+        returned.set()
+    thread.join()
+    assert code == 130
+    # each tree's stubborn child ignores SIGTERM: only the second signal can have ended the stop
+    assert second_sent, "the stop ended before the second signal: nothing ignored SIGTERM"
     assert time.monotonic() - sent["sent"] < 5.0
     assert running(trees.processes()) == []
 
