@@ -24,6 +24,9 @@ import psutil
 
 from disagg.errors import StateError
 from disagg.launch.state import RunState, load_state
+from tests.ports import free_ports
+
+__all__ = ["free_ports"]  # the e2e modules' one import for ports (tests/ports.py picks them)
 
 ROOT = Path(__file__).resolve().parents[2]
 # Every engine in the tests: one pinned core, small KV cache, no torch.compile.
@@ -36,19 +39,6 @@ ENGINE_ENV = {"DISAGG_ENGINE_KEY": ENGINE_KEY}
 #: topology lines for tests of the KV handoff itself: every prompt that can split does
 #: (the default ``auto`` routing prefills most prompts on the decode engine on one machine)
 SPLIT_EVERY_PROMPT = "routing: {policy: split}\n"
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports that are free on 127.0.0.1 right now (distinct)."""
-    socks, ports = [], []
-    for _ in range(count):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 def disagg(*args: str, timeout: float = 900, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

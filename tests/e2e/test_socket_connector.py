@@ -25,6 +25,7 @@ import pytest
 
 from disagg.modelgen import build_model
 from tests.e2e.vllm_pair import Engine, metric, start_engine, wait_healthy
+from tests.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -56,9 +57,7 @@ def pair(engine_lock: None, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     model = root / "tiny"
     build_model("tiny", model)
     secret = secrets.token_hex(32)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        kv_port = s.getsockname()[1]
+    kv_port = free_port()
     env = {"DISAGG_KV_SECRET": secret}
     engines: list[Engine] = []
     try:

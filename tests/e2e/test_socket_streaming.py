@@ -18,7 +18,6 @@ import asyncio
 import os
 import secrets
 import signal
-import socket
 import time
 from collections.abc import Iterator
 
@@ -28,6 +27,7 @@ import pytest
 from disagg.modelgen import build_model
 from tests.e2e.test_socket_connector import LONG, SHORT, complete, kv_config, wait_for
 from tests.e2e.vllm_pair import Engine, metric, start_engine, wait_healthy
+from tests.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -57,9 +57,7 @@ def pair(engine_lock: None, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     model = root / "tiny"
     build_model("tiny", model)
     secret = secrets.token_hex(32)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        kv_port = s.getsockname()[1]
+    kv_port = free_port()
     env = {"DISAGG_KV_SECRET": secret}
     engines: list[Engine] = []
     try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,15 +23,9 @@ from disagg_connectors.cpu_amx_attention import ENV as CPU_ATTENTION_AMX_ENV
 from disagg_connectors.cpu_amx_attention import OFF as CPU_ATTENTION_AMX_OFF
 
 from disagg.prometheus_text import sample_sum
+from tests.ports import free_port
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

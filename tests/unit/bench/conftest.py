@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +32,7 @@ from disagg.bench.runner import BenchResult, RunResult, Step
 from disagg.bench.slo import SLO
 from disagg.bench.workload import Workload, parse_classes
 from disagg.proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from tests.ports import free_port
 
 
 @dataclass
@@ -131,13 +131,6 @@ def _app(state: StandIn) -> web.Application:
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
     return app
-
-
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

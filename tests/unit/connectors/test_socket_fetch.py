@@ -25,6 +25,7 @@ from disagg_connectors.socket_connector.server import KVServer
 from disagg_connectors.socket_connector.wire import recv_frame, send_frame
 from disagg_connectors.socket_connector.wire import wait_readable as wire_readable
 
+from tests.ports import free_port
 from tests.unit.connectors.kvdata import NUM_BLOCKS, SECRET, eventually, kv_caches, reaped
 
 
@@ -96,9 +97,7 @@ def test_release_only_frees_the_lease(served) -> None:
 
 
 def test_connection_refused_is_a_clean_error() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     store = make_store(kv_caches(0, fill=False), NUM_BLOCKS)
     with pytest.raises(FetchError, match=f"127.0.0.1:{port}") as info:
         fetch(FetchPlan("127.0.0.1", port, "r", [1], [1]), SECRET, store, FetchOptions(connect_timeout_s=1))

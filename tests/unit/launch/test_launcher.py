@@ -19,21 +19,12 @@ from disagg.launch.processes import start_local, stop_local
 from disagg.launch.state import ProcessRecord, RunState, find_states, load_state, save_state
 from disagg.proxy.config import API_KEY_ENV, ENGINE_KEY_ENV
 from disagg.topology import load_topology
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+from tests.ports import free_ports
 
 
 def _topology(tmp_path: Path, port: int) -> Path:
     """Prefill on ``port``; every other port free right now."""
-    decode, proxy, kv_p, kv_d = _free_ports(4)
+    decode, proxy, kv_p, kv_d = free_ports(4)
     path = tmp_path / "t.yaml"
     path.write_text(textwrap.dedent(f"""\
         model: disagg:tiny

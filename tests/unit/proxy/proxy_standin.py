@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -312,13 +311,6 @@ class StandInEngine:
             key = "delta" if delta else "message"
             return {"index": index, key: {"role": "assistant", "content": text}, "finish_reason": None}
         return {"index": index, "text": text, "finish_reason": None}
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on (for a backend that is down)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 FAST = ProxyTimeouts(connect=1.0, request=5.0, health_interval=0.1, health_timeout=1.0, drain=1.0)

@@ -8,7 +8,9 @@ import signal
 import sys
 from pathlib import Path
 
-from proxy_standin import free_port, read_events
+from proxy_standin import read_events
+
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -8,7 +8,9 @@ import json
 
 import aiohttp
 import pytest
-from proxy_standin import free_port, read_events, wait_for
+from proxy_standin import read_events, wait_for
+
+from tests.ports import free_port
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 

@@ -14,12 +14,13 @@ import pytest
 import zmq
 import zmq.asyncio
 from aiohttp import web
-from proxy_standin import FAST, free_port, read_events
+from proxy_standin import FAST, read_events
 
 from disagg.errors import ProxyError
 from disagg.proxy import ProxyTimeouts
 from disagg.proxy.handoff import handoff_class
 from disagg.proxy.lmcache_handoff import LmcacheHandoff, parse_bind, parse_receivers
+from tests.ports import free_port
 
 LIMIT_S = 8.0
 

@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 from nixl_push_standin import PushStandIn, answer_text
-from proxy_standin import FAST, both_closed, free_port, healthy_pools, read_events, sample, wait_for
+from proxy_standin import FAST, both_closed, healthy_pools, read_events, sample, wait_for
 
 from disagg.proxy import ProxyServer, ProxyTimeouts
 from disagg.proxy.handoff import COMPLETIONS, VllmHandoff, handoff_class
 from disagg.proxy.nixl_push_handoff import NixlPushHandoff, PushPeer, push_request_id
 from disagg.proxy.routes import GenerationRequest, PromptRoute, RoutePath
 from disagg.proxy.upstream import Upstream, make_session
+from tests.ports import free_port
 
 #: no test may take longer than this (nothing hangs)
 LIMIT_S = 8.0

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from proxy_standin import FAST, both_closed, free_port, healthy_pools, read_events, sample, wait_for
+from proxy_standin import FAST, both_closed, healthy_pools, read_events, sample, wait_for
 from socket_stream_standin import PEER_WAIT_S, StreamStandIn
 
 from disagg.errors import ProxyError
@@ -29,6 +29,7 @@ from disagg.proxy.socket_stream_handoff import (
     parse_kv_peers,
 )
 from disagg.proxy.upstream import Upstream, make_session
+from tests.ports import free_port
 
 #: no test may take longer than this (nothing hangs)
 LIMIT_S = 8.0
