@@ -24,6 +24,8 @@ class EngineLaunch:
     health_path: str
     #: config files written into the run directory on its host before start (name, contents)
     files: tuple[tuple[str, str], ...] = ()
+    #: log lines after which it never becomes ready (``EngineAdapter.stuck_start_lines``)
+    stuck_start_lines: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -85,5 +87,5 @@ def build_deployment(topo: Topology) -> Deployment:
         files = adapter.files(topo, inst, host)
         engines.append(EngineLaunch(instance=inst, host=host, argv=tuple(argv),
                                     env=tuple(sorted(env.items())), health_path=adapter.health_path,
-                                    files=tuple(sorted(files.items()))))
+                                    files=tuple(sorted(files.items())), stuck_start_lines=adapter.stuck_start_lines))
     return Deployment(topology=topo, engines=tuple(engines))

@@ -21,6 +21,9 @@ class EngineAdapter(ABC):
     name: str
     #: path polled until it answers 200 when the engine is ready
     health_path: str = "/health"
+    #: log lines (substrings) after which a starting engine never becomes ready though its
+    #: process lives on; the launcher stops waiting at the first one and reports it
+    stuck_start_lines: tuple[str, ...] = ()
 
     @abstractmethod
     def argv(self, topo: Topology, inst: InstanceSpec, host: HostSpec, python: str) -> list[str]:

@@ -40,6 +40,10 @@ class VllmEngine(EngineAdapter):
     """``python -m vllm.entrypoints.openai.api_server`` per role instance."""
 
     name = "vllm"
+    #: vLLM's NIXL handshake listener is a thread of the engine core: when its port (the
+    #: instance's ``kv_port``) is taken, the thread dies with this line and the engine waits for it
+    #: forever, its API server up and never healthy
+    stuck_start_lines = ("ZMQError: Address already in use",)
 
     def key_env(self, topo: Topology) -> str | None:
         """The variable that carries the run's engine key into the engine, or None when the

@@ -79,6 +79,10 @@ ABORT_GRACE_S = 2.0
 #: how long to wait for the exit status of a local leader seen dead: a multi-threaded process
 #: killed by a signal is a zombie a while before waitpid reports it (2.4 s measured for 3 GB, 49 threads)
 REAP_WAIT_S = 10.0
+#: the most of a starting engine's log read per poll in search of a stuck-start line
+STUCK_SCAN_BYTES = 1 << 20
+#: how the lines the launcher itself writes into a process's log begin (a restart's heading)
+OWN_LOG_LINE = "--- disagg up: "
 #: variables passed to remote engines over ssh's stdin, never on a command line
 SECRET_ENVS = frozenset({SECRET_ENV, VLLM_KEY_ENV})
 
@@ -125,6 +129,7 @@ class _Pending:
     record: ProcessRecord
     started: float
     healthy_at: float | None = None
+    scanned: int = 0  # bytes of its log searched for a stuck-start line (Launcher.stuck_line)
 
 
 class Launcher:
@@ -290,6 +295,38 @@ class Launcher:
         """The last lines of a process's log."""
         return processes.log_tail(rec, ssh_timeout=self.topo.timeouts.ssh_check)
 
+    def log_size(self, rec: ProcessRecord) -> int:
+        """Bytes in a local process's log now (0 for a remote one or a log not yet written): where
+        :meth:`stuck_line` starts after a restart appends to the log."""
+        if rec.ssh:
+            return 0
+        try:
+            return os.path.getsize(rec.log)
+        except OSError:
+            return 0
+
+    def stuck_line(self, rec: ProcessRecord, scanned: int) -> tuple[str | None, int]:
+        """The first line of a starting local engine's log past byte ``scanned`` that holds one of
+        its adapter's ``stuck_start_lines`` (None if none), and the byte to scan from next.
+
+        Called by :meth:`_wait_healthy` and the supervisor while an engine starts, so that an
+        engine that will never be healthy is reported at once instead of after
+        ``timeouts.startup``. Remote logs are not read (an SSH round trip per poll)."""
+        markers = () if rec.kind != "engine" else self._engine(rec.name).stuck_start_lines
+        if rec.ssh or not markers:
+            return None, scanned
+        try:
+            with open(rec.log, "rb") as fh:
+                fh.seek(scanned)
+                chunk = fh.read(STUCK_SCAN_BYTES)
+        except OSError:
+            return None, scanned
+        end = chunk.rfind(b"\n") + 1  # whole lines only; a partial last line is read again
+        for line in chunk[:end].decode(errors="replace").splitlines():
+            if not line.startswith(OWN_LOG_LINE) and any(m in line for m in markers):
+                return line.strip(), scanned + end
+        return None, scanned + (end if end or len(chunk) < STUCK_SCAN_BYTES else len(chunk))
+
     def ready(self, rec: ProcessRecord) -> bool:
         """An engine answers its health path with 200; the proxy answers at all (its /health
         is 503 while an engine it needs is away)."""
@@ -300,7 +337,7 @@ class Launcher:
     def restart(self, rec: ProcessRecord) -> None:
         """Start the process of ``rec`` again (same command line, environment and secrets, log
         appended) and record its new pid."""
-        self._append_to_log(rec, f"--- disagg up: restart {rec.restarts} at {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        self._append_to_log(rec, f"{OWN_LOG_LINE}restart {rec.restarts} at {time.strftime('%Y-%m-%d %H:%M:%S')}"
                                  f" after {rec.last_exit or 'an exit'} ---")
         if rec.kind == "proxy":
             new = self._spawn_proxy(fresh_log=False)
@@ -496,6 +533,11 @@ class Launcher:
                 if http_status(rec.url + health[rec.name], timeout=2.0) == 200:
                     p.healthy_at = time.monotonic()
                     self.echo(f"{rec.name}: healthy after {p.healthy_at - p.started:.0f} s")
+                    continue
+                stuck, p.scanned = self.stuck_line(rec, p.scanned)
+                if stuck is not None:
+                    raise EngineStartError(rec.name, rec.address, rec.port,
+                                           f"will not become healthy: its log says {stuck!r}", self.log_tail(rec))
             now = time.monotonic()
             if now > deadline:
                 rec = next(p.record for p in pending if p.healthy_at is None)

@@ -93,6 +93,7 @@ class _Watched:
     budget: RestartBudget
     due: float = 0.0        # backoff: when to start it again
     since: float = 0.0      # starting: when it was started
+    scanned: int = 0        # starting: bytes of its log searched for a stuck-start line
 
 
 def essential(rec: ProcessRecord) -> bool:
@@ -178,6 +179,7 @@ class Supervisor:
         rec = w.record
         w.budget.record(self.clock())
         rec.restarts += 1
+        w.scanned = self.launcher.log_size(rec)  # the lines of its earlier runs are not this start's
         try:
             self.launcher.restart(rec)
         except LaunchError as exc:
@@ -196,6 +198,10 @@ class Supervisor:
             rec.status = "running"
             self.launcher.echo(f"{rec.name}: healthy again after {self.clock() - w.since:.0f} s "
                                f"(restart {rec.restarts}, pid {rec.pid})")
+            return True
+        stuck, w.scanned = self.launcher.stuck_line(rec, w.scanned)
+        if stuck is not None:
+            self._exited(w, f"will not become healthy after its restart: its log says {stuck!r}")
             return True
         startup = self.launcher.topo.timeouts.startup
         if self.clock() - w.since > startup:

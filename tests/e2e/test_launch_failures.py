@@ -1,7 +1,8 @@
 """`disagg up` when things go wrong, with real engines: an engine that cannot start
 (a clear error naming the instance, host, port and the tail of its log); Ctrl-C while
 the engines load (everything stops within 5 s); an API server SIGKILLed after `up`
-itself crashed (`down` still stops the EngineCore it left behind); a decode API server SIGKILLed
+itself crashed (`down` still stops the EngineCore it left behind); a NIXL port taken while the
+engines load (reported from the engine's log at once); a decode API server SIGKILLed
 mid-stream under the detached supervisor (restarted). Nothing is left running."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +24,7 @@ from tokenizers import Tokenizer
 from disagg.errors import StateError
 from disagg.launch.state import ProcessRecord, load_state
 from disagg.prompts import exact_prompt
+from disagg.topology import load_topology
 from tests.e2e.engines import (
     ENGINE_ARGS,
     ENGINE_ENV,
@@ -133,6 +136,43 @@ def test_ctrl_c_while_real_engines_load_stops_everything_within_5_s(
         assert all(port_is_free(p) for p in ports)
         assert "interrupted: stopping everything that was started" in (tmp_path / "up.log").read_text()
         assert not (run_dir / "runs" / "loading" / "state.json").exists()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        disagg("down", str(topo), "--run-dir", str(run_dir), "--grace", "0", timeout=120)
+
+
+def test_a_kv_port_taken_while_the_engines_load_fails_the_start_at_once(
+        engine_lock: None, tmp_path: Path, tiny_model: Path) -> None:
+    """The decode engine's NIXL handshake port is taken after `up` checked it and before the engine
+    binds it (what a port picked from the ephemeral range and taken by another process's socket
+    does): vLLM's listener thread dies and the engine would wait forever; `up` reports it from the
+    engine's log within a minute, not after timeouts.startup (900 s), and stops everything."""
+    topo, ports = _two_engines(tmp_path, tiny_model, "taken")
+    kv_port = next(i.kv_port for i in load_topology(topo).instances if i.role == "decode")
+    assert kv_port
+    run_dir = tmp_path / "run"
+    with open(tmp_path / "up.log", "wb") as log:
+        up = subprocess.Popen([sys.executable, "-m", "disagg", "up", str(topo), "--detach", "--run-dir", str(run_dir)],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **ENGINE_ENV})
+    try:
+        with socket.socket() as taker:
+            leaders = _engines_with_children(run_dir / "runs" / "taken" / "state.json", up)
+            taker.bind(("127.0.0.1", kv_port))
+            taker.listen()
+            taken = time.monotonic()
+            code = up.wait(timeout=600)
+            out = (tmp_path / "up.log").read_text()
+            print(f"kv_port taken: `disagg up` exited {time.monotonic() - taken:.0f} s later")
+            assert code == 2, out
+            assert time.monotonic() - taken < 300, out
+            assert (f"disagg: error: decode[0] on 127.0.0.1:{ports[1]} will not become healthy: its log says "
+                    f'"zmq.error.ZMQError: Address already in use (addr=\'tcp://127.0.0.1:{kv_port}\')"') in out
+            assert "startup failed: stopping everything that was started" in out
+        assert not [p for pid in leaders.values() for p in _session(pid)]
+        assert all(port_is_free(p) for p in ports)
+        assert not (run_dir / "runs" / "taken" / "state.json").exists()
     finally:
         if up.poll() is None:
             up.kill()

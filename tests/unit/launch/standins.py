@@ -61,6 +61,9 @@ class Started:
     def __init__(self) -> None:
         self.pids: list[int] = []
         self.logs: list[Path] = []
+        #: names of the logs (``decode-0.log``) whose next start is stuck: it prints a stuck-start
+        #: line (``EngineAdapter.stuck_start_lines``) and never serves
+        self.stuck: set[str] = set()
 
     def up(self, count: int) -> bool:
         """At least ``count`` trees started, each whole and saying ``tree up`` in its log (so its

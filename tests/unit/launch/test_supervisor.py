@@ -23,12 +23,13 @@ import pytest
 
 from disagg.cli import main
 from disagg.deployment import build_deployment
+from disagg.errors import EngineStartError
 from disagg.launch import processes
 from disagg.launch.launcher import Launcher
 from disagg.launch.state import ProcessRecord, load_state
 from disagg.launch.supervisor import RestartBudget, exit_reason
 from disagg.topology import RestartSpec, load_topology
-from tests.e2e.engines import free_ports
+from tests.ports import free_ports
 from tests.unit.launch.standins import Started, kill_all, running
 
 #: a stand-in engine or proxy: answers every GET with 200 on argv[1], one child in its group
@@ -41,6 +42,9 @@ class Ok(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 print('stand-in up', child.pid, flush=True)
+if sys.argv[2:] == ['stuck']:  # what vLLM prints when its NIXL handshake port is taken, then waits forever
+    print("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:1')", flush=True)
+    child.wait()
 http.server.ThreadingHTTPServer(('127.0.0.1', int(sys.argv[1])), Ok).serve_forever()
 """
 
@@ -87,7 +91,9 @@ def standins(monkeypatch: pytest.MonkeyPatch) -> Iterator[Started]:
 
     def start_standin(argv, env, log):  # type: ignore[no-untyped-def]
         port = argv[list(argv).index("--port") + 1]
-        pid, created = real([sys.executable, "-c", HTTP_STANDIN, port], {}, log)
+        stuck = ["stuck"] if Path(log).name in started.stuck else []
+        started.stuck.discard(Path(log).name)
+        pid, created = real([sys.executable, "-c", HTTP_STANDIN, port, *stuck], {}, log)
         started.pids.append(pid)
         return pid, created
 
@@ -166,6 +172,38 @@ def test_a_sigkilled_decode_is_restarted_and_nothing_of_the_old_one_is_left(
                    for line in lines)
         assert "decode[0]: stopped the 1 processes of its group it left behind" in lines
         assert any(line.startswith("decode[0]: healthy again after ") for line in lines)
+    finally:
+        launcher.stop(grace=1.0)
+    assert running(standins.processes()) == []
+
+
+def test_an_engine_whose_log_says_it_is_stuck_fails_the_start_at_once(tmp_path: Path, standins: Started) -> None:
+    standins.stuck.add("decode-0.log")
+    launcher = _launcher(tmp_path, "{backoff: 100ms}")   # timeouts.startup: 30 s
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartError) as info:
+        launcher.up()
+    assert time.monotonic() - t0 < 15
+    assert info.value.name == "decode[0]"
+    assert info.value.reason == ("will not become healthy: its log says "
+                                 "\"zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:1')\"")
+    assert "stand-in up" in info.value.log_tail
+    assert running(standins.processes()) == []
+
+
+def test_a_restart_whose_log_says_it_is_stuck_is_stopped_and_restarted(tmp_path: Path, standins: Started) -> None:
+    launcher = _launcher(tmp_path, "{backoff: 100ms}")
+    launcher.up()
+    try:
+        decode = _record(launcher, "decode[0]")
+        first = decode.pid
+        standins.stuck.add("decode-0.log")   # its first restart is stuck, its second serves
+        os.kill(first, signal.SIGKILL)
+        _supervise_until(launcher, lambda: decode.restarts == 2 and decode.status == "running", timeout=20)
+        lines = launcher.lines  # type: ignore[attr-defined]
+        stuck = [line for line in lines if "will not become healthy after its restart" in line]
+        assert len(stuck) == 1 and "Address already in use" in stuck[0], lines
+        assert _group(first) == []
     finally:
         launcher.stop(grace=1.0)
     assert running(standins.processes()) == []
