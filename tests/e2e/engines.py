@@ -24,6 +24,7 @@ import psutil
 
 from disagg.errors import StateError
 from disagg.launch.state import RunState, load_state
+from disagg.prometheus_text import sample_sum
 from tests.ports import free_ports
 
 __all__ = ["free_ports"]  # the e2e modules' one import for ports (tests/ports.py picks them)
@@ -208,6 +209,27 @@ def routed_stream(proxy: str, body: dict, timeout: float = 600) -> tuple[str, st
 def get_text(url: str, timeout: float = 30) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return resp.read().decode()
+
+
+def settled_metrics(engine: str, timeout: float = 30) -> str:
+    """An engine's /metrics once it runs and queues nothing and its finished-request and
+    generated-token counters have stopped moving (two reads 0.3 s apart agree).
+
+    vLLM counts a finished request after its last output went out, so a client that just got its
+    answer can read the counters before they include it (seen in CI: a hang-up test's 'before',
+    read right after the previous test's last answer, was one finished request short). A test
+    that compares an engine's counters across a request reads its 'before' here."""
+    deadline = time.monotonic() + timeout
+    last: tuple[float, float, float] | None = None
+    while True:
+        text = get_text(engine + "/metrics")
+        now = (sample_sum(text, "vllm:num_requests_running") + sample_sum(text, "vllm:num_requests_waiting"),
+               sample_sum(text, "vllm:request_success_total"), sample_sum(text, "vllm:generation_tokens_total"))
+        if now[0] == 0 and now == last:
+            return text
+        assert time.monotonic() < deadline, f"{engine} did not settle within {timeout:.0f} s: {now}"
+        last = now
+        time.sleep(0.3)
 
 
 def wait_proxy_healthy(url: str, timeout: float = 60) -> None:

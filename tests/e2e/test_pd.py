@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from disagg.prometheus_text import sample_label as metric_label
 from disagg.prometheus_text import sample_sum as metric_value
 from disagg.prompts import exact_prompt
-from tests.e2e.engines import Running, busy_ports, get_text, open_stream, post_json
+from tests.e2e.engines import Running, busy_ports, get_text, open_stream, post_json, settled_metrics
 
 pytestmark = pytest.mark.e2e
 KV_BYTES_PER_TOKEN = 1024  # the embedded tiny model, bf16
@@ -84,10 +84,10 @@ def test_client_disconnect_aborts_decode(pd: Running, tokenizer: Tokenizer) -> N
     The request asks for 8000 tokens (the model's whole context; seconds to half a minute on these
     CPUs); if the hang-up did not reach the engine, it would run them all and count the request
     as finished by length. Instead nothing runs any more within seconds
-    and no request finished (vLLM does not count aborts as finished requests).
+    and no request finished by length (what running to its end counts).
     """
     decode = pd.engines["decode[0]"]
-    before = get_text(decode + "/metrics")
+    before = settled_metrics(decode)   # every earlier request counted
     conn, _ = open_stream(pd.proxy_url, exact_prompt(tokenizer, 40, "disconnect"))
     started = time.monotonic()   # at once: the request can end while a busy engine answers /metrics
     conn.sock.shutdown(socket.SHUT_RDWR)
@@ -100,8 +100,8 @@ def test_client_disconnect_aborts_decode(pd: Running, tokenizer: Tokenizer) -> N
         time.sleep(0.1)
     stopped = time.monotonic() - started
 
-    def finished(text: str) -> float:
-        return metric_value(text, "vllm:request_success_total")
+    def finished(text: str) -> float:   # by length: how an 8,000-token ignore_eos request ends but for an abort
+        return metric_value(text, "vllm:request_success_total", finished_reason="length")
 
     generated = (metric_value(after, "vllm:generation_tokens_total")
                  - metric_value(before, "vllm:generation_tokens_total"))
