@@ -9,7 +9,13 @@ one prefill: the proxy splits it. The margin is set by how many answers are deco
 prefill scores ``(1 + BUSY) x`` its prefill time, a split about one prefill plus the transfer
 (0.28 ms of link per token), so the split wins on any core that prefills this model slower than
 0.28 / BUSY ms per token (one AVX2 core took about 2 ms, one AMX core 0.24 ms; with one busy
-decode the AMX machine's choice fell within a few percent of even and went either way). A very
+decode the AMX machine's choice fell within a few percent of even and went either way). The long
+prompt is long (:data:`LONG`) so that the margin also covers the error of what the proxy
+learned from a few warm-up prompts on a loaded machine, above all a split's fixed cost, which
+does not grow with the prompt while the stall does: with 768 tokens the margin was about 0.8 s
+on the AMX machine and CI once saw ``local`` chosen (the warm-up's first tokens there came up to
+30 x their prediction; the decision lines were cut from that message, so the failure message now
+carries every decision); with 2,048 tokens it is about 1.7 s, and grows with slower cores. A very
 short prompt would stall those decodes for less than a handoff's fixed cost: it does not split.
 The decode engine prefills it, or, once the proxy has seen the decode engine's time per output
 token rise with its load (the long prompt's answer is such a sample), the idle prefill engine
@@ -50,6 +56,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.netns,
 
 #: long answers decoding on the decode engine while the long and the short prompt are decided
 BUSY = 4
+#: the long prompt's tokens
+LONG = 2048
 
 _REASONS = ("predicted", "explore", "no_prefill", "no_decode", "decode_backlog", "decode_load", "policy")
 
@@ -74,8 +82,8 @@ def _health_lines(run: Running) -> list[str]:
 
 def _route_lines(run: Running) -> list[str]:
     """The proxy's debug lines on its routing decisions and what their first tokens took (the
-    predicted options and the measurements behind them), for a failure's message."""
-    return [ln for ln in _proxy_log(run).splitlines() if "route " in ln][-16:] + _health_lines(run)
+    predicted options and the measurements behind them, from the warm-up on), for a failure's message."""
+    return [ln for ln in _proxy_log(run).splitlines() if "route " in ln][-60:] + _health_lines(run)
 
 
 def _decided(run: Running, body: dict) -> tuple[str, str, dict[str, float]]:
@@ -182,7 +190,7 @@ roles:
                 busy.append(_LongDecode(proxy, {**body(8, f"busy{i}", max_tokens=4000), "ignore_eos": True}))
                 assert busy[-1].route in ("local", "split"), busy[-1].route
                 assert busy[-1].first.wait(120), "a long decode never started"
-            long_route, long_text, long_counted = _decided(run, body(768, "long"))
+            long_route, long_text, long_counted = _decided(run, body(LONG, "long"))
             short_route, short_text, short_counted = _decided(run, body(2, "short"))
             after = get_text(proxy + "/metrics")
         finally:
@@ -197,7 +205,7 @@ roles:
                                                 ("whole", {"whole/decode_backlog": 1})), _route_lines(run)
         assert sample_sum(after, "disagg_route_predicted_ttft_seconds_count", path="split") >= 1
         # whichever path, the answer is the decode engine's own
-        assert long_text == plain_answer(decode, body(768, "long"))
+        assert long_text == plain_answer(decode, body(LONG, "long"))
         assert short_text == plain_answer(decode, body(2, "short"))
     finally:
         done = run.down()
