@@ -1,8 +1,10 @@
 """Our TCP KV connector for vLLM (``kv_connector_module_path`` target).
 
-The transport (wire.py, auth.py, layout.py, leases.py, server.py, client.py,
-config.py) does not import vLLM; connector.py and its halves do, lazily
-through ``SocketKVConnector`` below.
+wire.py, auth.py, layout.py, wireformat.py, leases.py, counters.py and
+config.py do not import vLLM; server.py, client.py and streams.py reach it
+only through metadata.py (whose classes subclass vLLM's
+``KVConnectorMetadata``), and connector.py and its halves import it
+directly, lazily through ``SocketKVConnector`` below.
 """
 
 from __future__ import annotations

@@ -57,10 +57,17 @@ FP8_MESSAGE_BYTES = 4 << 20
 
 
 def default_blocks_per_message(layout: KVLayout) -> int:
-    """Blocks per fetch message for a store's wire layout, when ``blocks_per_message`` is unset."""
+    """Blocks per fetch message for a store's wire layout, when ``blocks_per_message`` is unset.
+
+    An fp8 message holds one layer's blocks (:meth:`Fp8Store.message_layers`, a staged store's),
+    so its size is set by the largest layer's block, not by a block across all layers: counted
+    across the 32 layers of a Llama-3.1-8B cache, messages came to 3 blocks of one layer (100 KB),
+    and each message's fixed costs (a device sync, kernel launches, the block index) made staging
+    a 2,048-token KV on an H200 take 410 ms where its raw bytes took 13."""
     if layout.wire == "raw":
         return BLOCKS_PER_MESSAGE
-    return max(1, min(BLOCKS_PER_MESSAGE, FP8_MESSAGE_BYTES // max(1, layout.block_bytes)))
+    largest = max((layer.block_bytes for layer in layout.layers), default=1)
+    return max(1, min(BLOCKS_PER_MESSAGE, FP8_MESSAGE_BYTES // max(1, largest)))
 
 
 def groups_of(elems: int) -> int:
@@ -80,7 +87,17 @@ def encode(x: torch.Tensor, out: torch.Tensor) -> None:
     Few passes over memory, in ``x``'s own dtype (the prefill engine's core does this while the
     link waits): one pass for the groups' largest magnitudes, one multiply, one conversion
     straight into ``out``. The scale on the wire is the exact inverse of the factor used, so the
-    decoder undoes the multiply up to its own dtype's rounding."""
+    decoder undoes the multiply up to its own dtype's rounding.
+
+    ``out`` on another device than ``x`` (an accelerator cache staged into host memory): the
+    segments are built on ``x``'s device and cross in one plain copy per outer row. Converting
+    across the devices and dtypes in one copy (bf16 on the GPU into an fp8 view of host memory)
+    took twice as long on an H200 (benchmarks/wire_conversion_cost.py, docs/socket-connector.md)."""
+    if out.device != x.device:
+        built = torch.empty(out.shape, dtype=torch.uint8, device=x.device)
+        encode(x, built)
+        _copy_rows(built, out)
+        return
     outer, n, elems = x.shape
     g = groups_of(elems)
     xg = x.reshape(outer, n, g, elems // g)
@@ -126,7 +143,10 @@ def decode(wire: torch.Tensor, elems: int, dtype: torch.dtype, device: torch.dev
     :func:`encode` wrote it) holds."""
     outer, n, _ = wire.shape
     g = groups_of(elems)
-    wire = wire.to(device)
+    if wire.device != torch.device(device):    # host staging -> accelerator: plain rows, converted there
+        moved = torch.empty(wire.shape, dtype=torch.uint8, device=device)
+        _copy_rows(wire, moved)
+        wire = moved
     scale = wire[:, :, : g * FP8_SCALE_BYTES].contiguous().view(torch.float32).reshape(outer, n, g, 1)
     codes = wire[:, :, g * FP8_SCALE_BYTES :].reshape(outer, n, g, elems // g)
     if dtype == torch.bfloat16 and codes.device.type == "cpu":
@@ -134,6 +154,14 @@ def decode(wire: torch.Tensor, elems: int, dtype: torch.dtype, device: torch.dev
     values = codes.view(_FP8).float()          # float32: a scale beyond fp16's range still applies
     values.mul_(scale)
     return values.to(dtype).reshape(outer, n, elems)
+
+
+def _copy_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy an ``(outer, n, bytes)`` uint8 tensor between devices one outer row at a time: each row
+    of a staging buffer's slice is contiguous (the slice as a whole is not), so each goes as one
+    DMA transfer rather than through a temporary on the host."""
+    for o in range(src.shape[0]):
+        dst[o].copy_(src[o])
 
 
 class Fp8Store(StagedStore):

@@ -194,8 +194,9 @@ def test_fp8_messages_stay_near_4_mib_so_conversion_overlaps_the_wire() -> None:
         return KVLayout((LayerLayout("l0", 1, 32, seg_bytes), LayerLayout("l1", 1, 32, seg_bytes)), wire=wire)
 
     assert default_blocks_per_message(layout(1 << 20, "raw")) == 64
-    assert default_blocks_per_message(layout(1 << 20, "fp8")) == 2           # 2 MiB a block: 4 MiB a message
-    assert default_blocks_per_message(layout(3 << 20, "fp8")) == 1           # never below one block
+    # a message is one layer's blocks: 1 MiB a block there, 4 MiB a message, however many layers
+    assert default_blocks_per_message(layout(1 << 20, "fp8")) == 4
+    assert default_blocks_per_message(layout(5 << 20, "fp8")) == 1           # never below one block
     assert default_blocks_per_message(layout(1 << 10, "fp8")) == 64          # nor above the raw default
     assert SocketSettings.load({}, {"DISAGG_KV_SECRET": "ab" * 32}).blocks_per_message is None
 
