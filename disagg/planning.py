@@ -73,12 +73,18 @@ NO_PAY_RATIO = 1.0
 #: (P quantizes as it serves, D dequantizes as it receives, each on the engine's one core beside
 #: its own loop, one layer at a time so that the conversions overlap the wire): fitted to
 #: benchmarks/connector_throughput.py's socket-fp8 rows (tiny-kvheavy, 512-8,000 tokens, emulated
-#: 1 and 2.5 Gb/s, 2026-12-01) as handoff = wire bytes / min(link, this x the wire ratio); it
-#: predicts five of those six transfers within 10% (the sixth, 512 tokens at 2.5 Gb/s, 36% under:
-#: its samples spread 66-101 ms), where the link alone under-predicted the 2.5 Gb/s ones by up to 3x
-FP8_CPU_CONVERT_BYTES_PER_S = 300e6
-FP8_CPU_CONVERT_SOURCE = ("about 300 MB/s of KV cache, measured in one-core CPU engines by "
-                          "benchmarks/connector_throughput.py on 2026-12-01")
+#: 1 and 2.5 Gb/s, 2026-12-04) as handoff = wire bytes / min(link, this x the wire ratio); it
+#: predicts all six of those transfers within 11%. (Fitted to the run of 2026-12-01, whose fp8
+#: messages were a single block of one layer, it was 300 MB/s.)
+FP8_CPU_CONVERT_BYTES_PER_S = 500e6
+FP8_CPU_CONVERT_SOURCE = ("about 500 MB/s of KV cache, measured in one-core CPU engines by "
+                          "benchmarks/connector_throughput.py on 2026-12-04")
+#: the same for GPU engines, where the device converts: the slower side (P quantizing into host
+#: staging) of benchmarks/wire_conversion_cost.py on one H200 (2026-12-04, Llama-3.1-8B-shaped bf16
+#: cache, 2,048 and 8,000 tokens: 268 MB in 23 ms, 1,049 MB in 92 ms); other GPUs and PCIe links differ
+FP8_GPU_CONVERT_BYTES_PER_S = 11e9
+FP8_GPU_CONVERT_SOURCE = ("about 11 GB/s of KV cache, measured on one H200 by "
+                          "benchmarks/wire_conversion_cost.py on 2026-12-04")
 #: network round trips per handoff besides the bulk transfer (request the
 #: blocks, the transfer's first byte, completion notice)
 HANDOFF_ROUND_TRIPS = 3
@@ -365,20 +371,17 @@ def conversion_limit(link: LinkEstimate, wire_format: str, kv_dtype: str, cpu_en
                      notes: list[str]) -> LinkEstimate:
     """``link`` with the wire format's conversion rate as a second limit (a note says which).
 
-    Only fp8 on CPU engines is modelled, with :data:`FP8_CPU_CONVERT_BYTES_PER_S`; on GPU
-    engines the conversion runs on the device and has not been measured (a note says so).
+    fp8 converts at :data:`FP8_CPU_CONVERT_BYTES_PER_S` of cache on CPU engines (their one core)
+    and :data:`FP8_GPU_CONVERT_BYTES_PER_S` on GPU engines (the device; measured on one H200).
     """
     if wire_format == "raw":
         return link
-    if not cpu_engines:
-        notes.append(f"wire_format {wire_format}: the conversions' cost on GPU engines is not modelled "
-                     "(not measured yet); the handoff is priced by the link alone")
-        return link
-    to_wire = wire_ratio_of(wire_format, kv_dtype)
-    limit = FP8_CPU_CONVERT_BYTES_PER_S * to_wire
+    rate, source = ((FP8_CPU_CONVERT_BYTES_PER_S, FP8_CPU_CONVERT_SOURCE) if cpu_engines
+                    else (FP8_GPU_CONVERT_BYTES_PER_S, FP8_GPU_CONVERT_SOURCE))
+    limit = rate * wire_ratio_of(wire_format, kv_dtype)
     if limit < link.usable_bps / 8:
-        notes.append(f"wire_format {wire_format} on CPU engines: the conversions, not the link, set the handoff's "
-                     f"rate ({fmt_rate(limit * 8)} on the wire; {FP8_CPU_CONVERT_SOURCE})")
+        notes.append(f"wire_format {wire_format} on {'CPU' if cpu_engines else 'GPU'} engines: the conversions, "
+                     f"not the link, set the handoff's rate ({fmt_rate(limit * 8)} on the wire; {source})")
     return replace(link, convert_wire_bps=limit)
 
 

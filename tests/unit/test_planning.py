@@ -12,6 +12,7 @@ from disagg.kvmath import BUILTIN_MODELS
 from disagg.measurements import LinkMeasurement, store_link, store_prefill
 from disagg.planning import (
     FP8_CPU_CONVERT_BYTES_PER_S,
+    FP8_GPU_CONVERT_BYTES_PER_S,
     HANDOFF_ROUND_TRIPS,
     MARGINAL,
     NO_PAY,
@@ -203,9 +204,10 @@ def test_fp8_plans_from_the_topology_and_as_a_what_if() -> None:
 
 
 def test_fp8_on_cpu_engines_is_priced_at_the_slower_of_link_and_conversion() -> None:
-    """On CPU engines the fp8 conversions (about 300 MB/s of cache) are the limit above ~1.2 Gb/s:
+    """On CPU engines the fp8 conversions (about 500 MB/s of cache) are the limit above ~2.2 Gb/s:
     at 2.5 Gb/s the handoff moves the wire bytes at the conversions' rate, at 100 Mb/s at the
-    link's; raw and GPU engines are priced by the link alone."""
+    link's; raw by the link alone; on GPU engines the device's conversions (about 11 GB/s of cache,
+    one H200) limit only links faster than about 45 Gb/s."""
     text = Path("topologies/local-emulated-1g.yaml").read_text().replace(
         "connector: nixl", "connector: {type: socket, streaming: false}")
     ratio = 1 + 4 / 128
@@ -224,9 +226,15 @@ def test_fp8_on_cpu_engines_is_priced_at_the_slower_of_link_and_conversion() -> 
         # the topology's own format (raw): the link with decode's first step read of the KV folded in
         assert route_seeds(topo).link_bytes_per_s == pytest.approx(raw.link.cost().bytes_per_s)
         assert raw.link.cost().bytes_per_s == pytest.approx(1 / (1 / link_bps + 1 / raw.link.first_step_wire_bps))
-    gpu = parse_topology(text.replace("device: cpu", "device: cuda, gpu: rtx-4090"), "g.yaml")
-    plan = plan_topology(gpu, [2048], 0, use_probe=False, wire_format="fp8")
-    assert plan.link.convert_wire_bps is None and any("not modelled" in n for n in plan.notes)
+    # GPU engines convert on the device, measured far faster: the limit only on a very fast link
+    for rate, limited in (("1gbit", False), ("100gbit", True)):
+        gpu = parse_topology(text.replace("device: cpu", "device: cuda, gpu: rtx-4090")
+                             .replace("rate: 1gbit", f"rate: {rate}"), "g.yaml")
+        plan = plan_topology(gpu, [2048], 0, use_probe=False, wire_format="fp8")
+        assert plan.link.convert_wire_bps == pytest.approx(FP8_GPU_CONVERT_BYTES_PER_S * ratio / 2)
+        expect = FP8_GPU_CONVERT_BYTES_PER_S * ratio / 2 if limited else gpu.link.rate_bps * 0.94 / 8
+        assert plan.link.bytes_per_s == pytest.approx(expect)
+        assert any("GPU engines: the conversions, not the link" in n for n in plan.notes) is limited
 
 
 # --- a streamed handoff (the socket connector's streaming) ---------------------------------------
