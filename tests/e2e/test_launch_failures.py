@@ -15,6 +15,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -24,7 +26,6 @@ from tokenizers import Tokenizer
 from disagg.errors import StateError
 from disagg.launch.state import ProcessRecord, load_state
 from disagg.prompts import exact_prompt
-from disagg.topology import load_topology
 from tests.e2e.engines import (
     ENGINE_ARGS,
     ENGINE_ENV,
@@ -87,13 +88,42 @@ def _session(leader: int) -> list[psutil.Process]:
     return found
 
 
-def _two_engines(tmp_path: Path, tiny_model: Path, name: str) -> tuple[Path, list[int]]:
+@dataclass(frozen=True)
+class _Deployment:
+    """A 1P1D topology written for one test: its file, and the ports it names."""
+
+    topo: Path
+    run_dir: Path
+    ports: list[int]          # prefill, decode, proxy: free again once everything stopped
+    decode_kv_port: int
+
+    def state_path(self) -> Path:
+        return self.run_dir / "runs" / self.topo.stem / "state.json"
+
+
+def _two_engines(tmp_path: Path, tiny_model: Path, name: str) -> _Deployment:
     # free side-channel ports too: engines left behind by a failure never block the next deployment's
     proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
     topo = write_topology(tmp_path / f"{name}.yaml", tiny_model, proxy_port=proxy_port,
                           roles=f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
                                 f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
-    return topo, [p_port, d_port, proxy_port]
+    return _Deployment(topo, tmp_path / "run", [p_port, d_port, proxy_port], d_kv)
+
+
+@contextlib.contextmanager
+def _up_in_background(dep: _Deployment, log: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`disagg up` of ``dep`` as a child process writing to ``log``; on leaving, it is killed if still
+    running and `disagg down --grace 0` stops whatever it left."""
+    with open(log, "wb") as out:
+        up = subprocess.Popen([sys.executable, "-m", "disagg", "up", str(dep.topo), "--run-dir", str(dep.run_dir),
+                               *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **ENGINE_ENV})
+    try:
+        yield up
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        disagg("down", str(dep.topo), "--run-dir", str(dep.run_dir), "--grace", "0", timeout=120)
 
 
 def _engines_with_children(state_path: Path, up: subprocess.Popen[bytes], timeout: float = 240) -> dict[str, int]:
@@ -115,14 +145,9 @@ def _engines_with_children(state_path: Path, up: subprocess.Popen[bytes], timeou
 def test_ctrl_c_while_real_engines_load_stops_everything_within_5_s(
         engine_lock: None, tmp_path: Path, tiny_model: Path, detach: bool) -> None:
     """With --detach the Ctrl-C reaches the `up` that waits for the supervisor, which passes it on."""
-    topo, ports = _two_engines(tmp_path, tiny_model, "loading")
-    run_dir = tmp_path / "run"
-    with open(tmp_path / "up.log", "wb") as log:
-        up = subprocess.Popen([sys.executable, "-m", "disagg", "up", str(topo), "--run-dir", str(run_dir),
-                               *(["--detach"] if detach else [])],
-                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **ENGINE_ENV})
-    try:
-        leaders = _engines_with_children(run_dir / "runs" / "loading" / "state.json", up)
+    dep = _two_engines(tmp_path, tiny_model, "loading")
+    with _up_in_background(dep, tmp_path / "up.log", *(["--detach"] if detach else [])) as up:
+        leaders = _engines_with_children(dep.state_path(), up)
         tree = [p for pid in leaders.values() for p in _session(pid)]
         assert len(tree) >= 4, "each engine should have its API server and EngineCore running"
         sent = time.monotonic()
@@ -133,14 +158,9 @@ def test_ctrl_c_while_real_engines_load_stops_everything_within_5_s(
         assert elapsed < 5.0, (tmp_path / "up.log").read_text()
         assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not [p for pid in leaders.values() for p in _session(pid)]
-        assert all(port_is_free(p) for p in ports)
+        assert all(port_is_free(p) for p in dep.ports)
         assert "interrupted: stopping everything that was started" in (tmp_path / "up.log").read_text()
-        assert not (run_dir / "runs" / "loading" / "state.json").exists()
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        disagg("down", str(topo), "--run-dir", str(run_dir), "--grace", "0", timeout=120)
+        assert not dep.state_path().exists()
 
 
 def test_a_kv_port_taken_while_the_engines_load_fails_the_start_at_once(
@@ -149,17 +169,11 @@ def test_a_kv_port_taken_while_the_engines_load_fails_the_start_at_once(
     binds it (what a port picked from the ephemeral range and taken by another process's socket
     does): vLLM's listener thread dies and the engine would wait forever; `up` reports it from the
     engine's log within a minute, not after timeouts.startup (900 s), and stops everything."""
-    topo, ports = _two_engines(tmp_path, tiny_model, "taken")
-    kv_port = next(i.kv_port for i in load_topology(topo).instances if i.role == "decode")
-    assert kv_port
-    run_dir = tmp_path / "run"
-    with open(tmp_path / "up.log", "wb") as log:
-        up = subprocess.Popen([sys.executable, "-m", "disagg", "up", str(topo), "--detach", "--run-dir", str(run_dir)],
-                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **ENGINE_ENV})
-    try:
+    dep = _two_engines(tmp_path, tiny_model, "taken")
+    with _up_in_background(dep, tmp_path / "up.log", "--detach") as up:
         with socket.socket() as taker:
-            leaders = _engines_with_children(run_dir / "runs" / "taken" / "state.json", up)
-            taker.bind(("127.0.0.1", kv_port))
+            leaders = _engines_with_children(dep.state_path(), up)
+            taker.bind(("127.0.0.1", dep.decode_kv_port))
             taker.listen()
             taken = time.monotonic()
             code = up.wait(timeout=600)
@@ -167,17 +181,13 @@ def test_a_kv_port_taken_while_the_engines_load_fails_the_start_at_once(
             print(f"kv_port taken: `disagg up` exited {time.monotonic() - taken:.0f} s later")
             assert code == 2, out
             assert time.monotonic() - taken < 300, out
-            assert (f"disagg: error: decode[0] on 127.0.0.1:{ports[1]} will not become healthy: its log says "
-                    f'"zmq.error.ZMQError: Address already in use (addr=\'tcp://127.0.0.1:{kv_port}\')"') in out
+            assert (f"disagg: error: decode[0] on 127.0.0.1:{dep.ports[1]} will not become healthy: its log says "
+                    f'"zmq.error.ZMQError: Address already in use (addr=\'tcp://127.0.0.1:{dep.decode_kv_port}\')"'
+                    ) in out
             assert "startup failed: stopping everything that was started" in out
         assert not [p for pid in leaders.values() for p in _session(pid)]
-        assert all(port_is_free(p) for p in ports)
-        assert not (run_dir / "runs" / "taken" / "state.json").exists()
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        disagg("down", str(topo), "--run-dir", str(run_dir), "--grace", "0", timeout=120)
+        assert all(port_is_free(p) for p in dep.ports)
+        assert not dep.state_path().exists()
 
 
 def test_down_leaves_nothing_after_the_api_server_and_up_are_sigkilled(
@@ -185,13 +195,9 @@ def test_down_leaves_nothing_after_the_api_server_and_up_are_sigkilled(
     """The issue's case with real engines: the decode API server is SIGKILLed (as the OOM killer does) and
     `disagg up` itself (the detached supervisor) crashed; vLLM's EngineCore stays in the dead leader's
     group until `down` sweeps it."""
-    topo, ports = _two_engines(tmp_path, tiny_model, "orphans")
-    run_dir = tmp_path / "run"
-    with open(tmp_path / "up.log", "wb") as log:
-        up = subprocess.Popen([sys.executable, "-m", "disagg", "up", str(topo), "--detach", "--run-dir", str(run_dir)],
-                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **ENGINE_ENV})
-    try:
-        state_path = run_dir / "runs" / "orphans" / "state.json"
+    dep = _two_engines(tmp_path, tiny_model, "orphans")
+    with _up_in_background(dep, tmp_path / "up.log", "--detach") as up:
+        state_path = dep.state_path()
         leaders = _engines_with_children(state_path, up)
         supervisor = load_state(state_path).up_pid
         assert supervisor != up.pid  # --detach: a supervisor process of its own does the work
@@ -204,7 +210,7 @@ def test_down_leaves_nothing_after_the_api_server_and_up_are_sigkilled(
         time.sleep(1.0)
         assert left_behind and all(p.is_running() for p in left_behind), "EngineCore should outlive its leader"
         tree = [p for pid in leaders.values() for p in _session(pid)]
-        done = disagg("down", str(topo), "--run-dir", str(run_dir), timeout=120)
+        done = disagg("down", str(dep.topo), "--run-dir", str(dep.run_dir), timeout=120)
         print(done.stdout)
         assert done.returncode == 0, done.stdout + done.stderr
         assert f"decode[0]: its leader (pid {decode}) had exited; stopped the" in done.stdout
@@ -212,13 +218,8 @@ def test_down_leaves_nothing_after_the_api_server_and_up_are_sigkilled(
         time.sleep(0.5)
         assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not [p for pid in leaders.values() for p in _session(pid)]
-        assert all(port_is_free(p) for p in ports)
-        assert not (run_dir / "runs" / "orphans" / "state.json").exists()
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        disagg("down", str(topo), "--run-dir", str(run_dir), "--grace", "0", timeout=120)
+        assert all(port_is_free(p) for p in dep.ports)
+        assert not state_path.exists()
 
 
 def _wait_restarted(state_path: Path, name: str, old_pid: int, timeout: float = 300) -> ProcessRecord:
@@ -237,9 +238,8 @@ def test_the_detached_supervisor_restarts_a_sigkilled_decode(
     """Decode's API server SIGKILLed mid-stream under `up --detach`: the streaming client gets vLLM's
     error event within 5 s, nothing of the old decode is left, the supervisor starts it again (shown
     by `disagg status`), later requests are served, and `down` stops the supervisor and everything."""
-    topo, ports = _two_engines(tmp_path, tiny_model, "restart")
-    run_dir = tmp_path / "run"
-    state_path = run_dir / "runs" / "restart" / "state.json"
+    dep = _two_engines(tmp_path, tiny_model, "restart")
+    topo, run_dir, state_path = dep.topo, dep.run_dir, dep.state_path()
     running = bring_up(topo, run_dir)
     started = running.process_tree()    # if the run loses its state file, these are still stopped below
     try:
@@ -285,4 +285,4 @@ def test_the_detached_supervisor_restarts_a_sigkilled_decode(
     assert done.returncode == 0, done.stdout + done.stderr
     assert "still owns this run; asking it to stop" in done.stdout
     assert not alive, f"left running after `disagg down`: {alive}"
-    assert all(port_is_free(p) for p in ports)
+    assert all(port_is_free(p) for p in dep.ports)
