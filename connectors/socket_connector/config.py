@@ -13,8 +13,9 @@ Keys of ``kv_connector_extra_config`` (all optional):
   finished request's blocks for the decode side (default 30).
 - ``streams``: parallel TCP connections per fetch (default 2).
 - ``blocks_per_message``: blocks per message of a fetch (default 64; with
-  ``wire_format: fp8`` as many as fit in 4 MiB on the wire, at least one, so
-  that converting one message overlaps sending another).
+  ``wire_format: fp8`` as many of the largest layer's blocks as fit in 4 MiB
+  on the wire, at least one and at most 64, so that converting one message
+  overlaps sending another).
 - ``io_timeout_s``, ``connect_timeout_s``: socket timeouts (30 s, 5 s).
 - ``registration_wait_s``: how long the listener waits for a lease it does
   not know yet before refusing the fetch (5 s).

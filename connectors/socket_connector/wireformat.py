@@ -60,7 +60,9 @@ def default_blocks_per_message(layout: KVLayout) -> int:
     """Blocks per fetch message for a store's wire layout, when ``blocks_per_message`` is unset.
 
     An fp8 message holds one layer's blocks (:meth:`Fp8Store.message_layers`, a staged store's),
-    so its size is set by the largest layer's block, not by a block across all layers: counted
+    so it is up to :data:`FP8_MESSAGE_BYTES` of the largest layer's blocks, at most
+    :data:`~.config.BLOCKS_PER_MESSAGE` of them (2.2 MB for Llama-3.1-8B), and never less than one
+    block; it was sized by a block across all layers instead: counted
     across the 32 layers of a Llama-3.1-8B cache, messages came to 3 blocks of one layer (100 KB),
     and each message's fixed costs (a device sync, kernel launches, the block index) made staging
     a 2,048-token KV on an H200 take 410 ms where its raw bytes took 13."""
@@ -143,8 +145,9 @@ def decode(wire: torch.Tensor, elems: int, dtype: torch.dtype, device: torch.dev
     :func:`encode` wrote it) holds."""
     outer, n, _ = wire.shape
     g = groups_of(elems)
-    if wire.device != torch.device(device):    # host staging -> accelerator: plain rows, converted there
-        moved = torch.empty(wire.shape, dtype=torch.uint8, device=device)
+    target = torch.empty(0, device=device).device     # "cuda" names the current device, as cuda:N
+    if wire.device != target:                 # host staging -> accelerator: plain bytes, converted there
+        moved = torch.empty(wire.shape, dtype=torch.uint8, device=target)
         _copy_rows(wire, moved)
         wire = moved
     scale = wire[:, :, : g * FP8_SCALE_BYTES].contiguous().view(torch.float32).reshape(outer, n, g, 1)
@@ -157,9 +160,12 @@ def decode(wire: torch.Tensor, elems: int, dtype: torch.dtype, device: torch.dev
 
 
 def _copy_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy an ``(outer, n, bytes)`` uint8 tensor between devices one outer row at a time: each row
-    of a staging buffer's slice is contiguous (the slice as a whole is not), so each goes as one
-    DMA transfer rather than through a temporary on the host."""
+    """Copy an ``(outer, n, bytes)`` uint8 tensor between devices as plain bytes: in one transfer when
+    both are dense (the stores' staging tensors are), else one per outer row (each row of a slice
+    of an ``(outer, cap, bytes)`` buffer is dense), never through a temporary on the host."""
+    if src.is_contiguous() and dst.is_contiguous():
+        dst.copy_(src)
+        return
     for o in range(src.shape[0]):
         dst[o].copy_(src[o])
 

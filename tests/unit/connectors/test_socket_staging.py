@@ -41,3 +41,19 @@ def test_the_stats_line_reports_the_latest_staging() -> None:
     stats = SocketKVConnectorStats(data={"staging_bytes": [2**20, 3 * 2**20]})
     assert stats.reduce()["MB staged"] == 3.0
     assert SocketKVConnectorStats().reduce()["MB staged"] == 0
+
+
+def test_a_thread_stages_one_layer_at_a_time_not_every_layer() -> None:
+    """Staged stores move one layer per message: a thread's buffer holds that layer's blocks, carved
+    from one allocation that later layers reuse, and the bytes come out as the cache holds them."""
+    caches = kv_caches(1)
+    store = make_store(caches, NUM_BLOCKS, "fp8")
+    layer_bytes = store.layout.layers[0].block_bytes
+    seen: list[int] = []
+    for layer in range(len(store.layout.layers)):
+        with store.reading([1, 2, 3], [layer]) as views:
+            assert sum(len(v) for v in views) == 3 * layer_bytes
+            seen.append(store.staged_bytes)
+    assert seen == [3 * layer_bytes] * len(store.layout.layers)
+    assert 3 * layer_bytes < 3 * store.layout.block_bytes      # not every layer's blocks at once
+

@@ -198,6 +198,9 @@ def test_fp8_messages_stay_near_4_mib_so_conversion_overlaps_the_wire() -> None:
     assert default_blocks_per_message(layout(1 << 20, "fp8")) == 4
     assert default_blocks_per_message(layout(5 << 20, "fp8")) == 1           # never below one block
     assert default_blocks_per_message(layout(1 << 10, "fp8")) == 64          # nor above the raw default
+    # layers of different sizes: the largest layer's message stays within 4 MiB
+    uneven = KVLayout((LayerLayout("l0", 1, 32, 1 << 18), LayerLayout("l1", 2, 32, 1 << 19)), wire="fp8")
+    assert default_blocks_per_message(uneven) == 4                           # l1: 1 MiB a block
     assert SocketSettings.load({}, {"DISAGG_KV_SECRET": "ab" * 32}).blocks_per_message is None
 
 
