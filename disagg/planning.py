@@ -367,21 +367,24 @@ def wire_ratio_of(wire_format: str, kv_dtype: str) -> float:
         raise PlanError(f"KV cache {kv_dtype}: {exc}") from None
 
 
-def conversion_limit(link: LinkEstimate, wire_format: str, kv_dtype: str, cpu_engines: bool,
+def conversion_limit(link: LinkEstimate, wire_format: str, kv_dtype: str, cpu_converts: bool,
                      notes: list[str]) -> LinkEstimate:
     """``link`` with the wire format's conversion rate as a second limit (a note says which).
 
     fp8 converts at :data:`FP8_CPU_CONVERT_BYTES_PER_S` of cache on CPU engines (their one core)
     and :data:`FP8_GPU_CONVERT_BYTES_PER_S` on GPU engines (the device; measured on one H200).
+    ``cpu_converts``: either engine of the pair runs on a CPU: the slower side's conversions set
+    the rate (a CPU prefill engine feeding a GPU decode engine quantizes on its core).
     """
     if wire_format == "raw":
         return link
-    rate, source = ((FP8_CPU_CONVERT_BYTES_PER_S, FP8_CPU_CONVERT_SOURCE) if cpu_engines
+    rate, source = ((FP8_CPU_CONVERT_BYTES_PER_S, FP8_CPU_CONVERT_SOURCE) if cpu_converts
                     else (FP8_GPU_CONVERT_BYTES_PER_S, FP8_GPU_CONVERT_SOURCE))
     limit = rate * wire_ratio_of(wire_format, kv_dtype)
     if limit < link.usable_bps / 8:
-        notes.append(f"wire_format {wire_format} on {'CPU' if cpu_engines else 'GPU'} engines: the conversions, "
-                     f"not the link, set the handoff's rate ({fmt_rate(limit * 8)} on the wire; {source})")
+        where = "a CPU engine" if cpu_converts else "GPU engines"
+        notes.append(f"wire_format {wire_format} on {where}: the conversions, not the link, set the handoff's "
+                     f"rate ({fmt_rate(limit * 8)} on the wire; {source})")
     return replace(link, convert_wire_bps=limit)
 
 
@@ -639,8 +642,8 @@ def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: i
         notes.append(f"wire_format {wire} is the socket connector's; connector {topo.connector} sends the "
                      "cache's own bytes")
     else:
-        on_cpu = all(topo.host_of(inst).device == "cpu" for inst in (prefill_inst, decode_inst))
-        link = conversion_limit(link, wire, dtype, on_cpu, notes)
+        cpu_side = any(topo.host_of(inst).device == "cpu" for inst in (prefill_inst, decode_inst))
+        link = conversion_limit(link, wire, dtype, cpu_side, notes)
     if streamed and topo.connector != "socket":
         raise PlanError(f"{topo.file}: a streamed handoff is the socket connector's (connector.streaming); "
                         f"connector {topo.connector} sends the KV after the prefill")

@@ -235,6 +235,14 @@ def test_fp8_on_cpu_engines_is_priced_at_the_slower_of_link_and_conversion() -> 
         expect = FP8_GPU_CONVERT_BYTES_PER_S * ratio / 2 if limited else gpu.link.rate_bps * 0.94 / 8
         assert plan.link.bytes_per_s == pytest.approx(expect)
         assert any("GPU engines: the conversions, not the link" in n for n in plan.notes) is limited
+    # a CPU engine on either side converts at its core's rate: the slower side sets it
+    mixed = parse_topology(text.replace("box-d: {address: 198.18.10.2, device: cpu}",
+                                        "box-d: {address: 198.18.10.2, device: cuda, gpu: rtx-4090}")
+                           .replace("rate: 1gbit", "rate: 2.5gbit"), "m.yaml")
+    assert {mixed.host_of(i).device for i in mixed.instances} == {"cpu", "cuda"}
+    plan = plan_topology(mixed, [2048], 0, use_probe=False, wire_format="fp8")
+    assert plan.link.bytes_per_s == pytest.approx(FP8_CPU_CONVERT_BYTES_PER_S * ratio / 2)
+    assert any("on a CPU engine: the conversions, not the link" in n for n in plan.notes)
 
 
 # --- a streamed handoff (the socket connector's streaming) ---------------------------------------
