@@ -45,7 +45,7 @@ def caches(tokens: int, device: str) -> tuple[dict[str, torch.Tensor], int]:
 
 def sync(device: str) -> None:
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def timed(fn, device: str, repeats: int) -> float:
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="512,2048,8000")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "host"
+    name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "host"
     print(f"# device {args.device} ({name}), torch {torch.__version__}, Llama-3.1-8B KV shape, bf16 cache, "
           f"median of {args.repeats}")
     links = " | ".join(f"wire @{g:g} Gb/s ms" for g in LINKS_GBIT)
