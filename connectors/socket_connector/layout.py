@@ -250,9 +250,8 @@ class StagingBuffers:
     Each thread holds one flat buffer, grown on demand to what one read or write needs, and
     :meth:`get` carves from it one dense ``(outer, blocks, seg_bytes)`` uint8 tensor per layer that
     read or write moves. Those stores move one layer per message (:meth:`StagedStore.message_layers`),
-    so a thread holds about one layer's message, not every layer's: a buffer per layer, sized for
-    the message's blocks, held 32 x that for a Llama-3.1-8B cache (69 MB of pinned memory per
-    thread once fp8 messages became up to 4 MiB of one layer)."""
+    so a thread holds one layer's message, not every layer's (a buffer per layer held 32 x that
+    for a Llama-3.1-8B cache: 69 MB of pinned memory per thread with 4 MiB fp8 messages)."""
 
     def __init__(self, layers: Sequence[LayerLayout], pin: bool):
         self._shapes = [(layer.outer, layer.seg_bytes) for layer in layers]

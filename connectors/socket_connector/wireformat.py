@@ -60,12 +60,11 @@ def default_blocks_per_message(layout: KVLayout) -> int:
     """Blocks per fetch message for a store's wire layout, when ``blocks_per_message`` is unset.
 
     An fp8 message holds one layer's blocks (:meth:`Fp8Store.message_layers`, a staged store's),
-    so it is up to :data:`FP8_MESSAGE_BYTES` of the largest layer's blocks, at most
-    :data:`~.config.BLOCKS_PER_MESSAGE` of them (2.2 MB for Llama-3.1-8B), and never less than one
-    block; it was sized by a block across all layers instead: counted
-    across the 32 layers of a Llama-3.1-8B cache, messages came to 3 blocks of one layer (100 KB),
-    and each message's fixed costs (a device sync, kernel launches, the block index) made staging
-    a 2,048-token KV on an H200 take 410 ms where its raw bytes took 13."""
+    so it is up to :data:`FP8_MESSAGE_BYTES` of the largest layer's blocks, at least one and at
+    most :data:`~.config.BLOCKS_PER_MESSAGE` (2.2 MB for Llama-3.1-8B). Sized by a block across
+    all layers instead, a Llama-3.1-8B message was 3 blocks of one layer (100 KB), and each
+    message's fixed costs (a device sync, kernel launches, the block index) made staging a
+    2,048-token KV on an H200 take 410 ms where its raw bytes took 13."""
     if layout.wire == "raw":
         return BLOCKS_PER_MESSAGE
     largest = max((layer.block_bytes for layer in layout.layers), default=1)
@@ -92,13 +91,13 @@ def encode(x: torch.Tensor, out: torch.Tensor) -> None:
     decoder undoes the multiply up to its own dtype's rounding.
 
     ``out`` on another device than ``x`` (an accelerator cache staged into host memory): the
-    segments are built on ``x``'s device and cross in one plain copy per outer row. Converting
-    across the devices and dtypes in one copy (bf16 on the GPU into an fp8 view of host memory)
-    took twice as long on an H200 (benchmarks/wire_conversion_cost.py, docs/socket-connector.md)."""
+    segments are built on ``x``'s device and cross as plain bytes. Converting across the devices
+    and dtypes in one copy (bf16 on the GPU into an fp8 view of host memory) took twice as long on
+    an H200 (benchmarks/wire_conversion_cost.py, docs/socket-connector.md)."""
     if out.device != x.device:
         built = torch.empty(out.shape, dtype=torch.uint8, device=x.device)
         encode(x, built)
-        _copy_rows(built, out)
+        out.copy_(built)
         return
     outer, n, elems = x.shape
     g = groups_of(elems)
@@ -145,11 +144,7 @@ def decode(wire: torch.Tensor, elems: int, dtype: torch.dtype, device: torch.dev
     :func:`encode` wrote it) holds."""
     outer, n, _ = wire.shape
     g = groups_of(elems)
-    target = torch.empty(0, device=device).device     # "cuda" names the current device, as cuda:N
-    if wire.device != target:                 # host staging -> accelerator: plain bytes, converted there
-        moved = torch.empty(wire.shape, dtype=torch.uint8, device=target)
-        _copy_rows(wire, moved)
-        wire = moved
+    wire = wire.to(device)                    # host staging -> accelerator: plain bytes, converted there
     scale = wire[:, :, : g * FP8_SCALE_BYTES].contiguous().view(torch.float32).reshape(outer, n, g, 1)
     codes = wire[:, :, g * FP8_SCALE_BYTES :].reshape(outer, n, g, elems // g)
     if dtype == torch.bfloat16 and codes.device.type == "cpu":
@@ -157,17 +152,6 @@ def decode(wire: torch.Tensor, elems: int, dtype: torch.dtype, device: torch.dev
     values = codes.view(_FP8).float()          # float32: a scale beyond fp16's range still applies
     values.mul_(scale)
     return values.to(dtype).reshape(outer, n, elems)
-
-
-def _copy_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy an ``(outer, n, bytes)`` uint8 tensor between devices as plain bytes: in one transfer when
-    both are dense (the stores' staging tensors are), else one per outer row (each row of a slice
-    of an ``(outer, cap, bytes)`` buffer is dense), never through a temporary on the host."""
-    if src.is_contiguous() and dst.is_contiguous():
-        dst.copy_(src)
-        return
-    for o in range(src.shape[0]):
-        dst[o].copy_(src[o])
 
 
 class Fp8Store(StagedStore):
