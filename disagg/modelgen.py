@@ -69,11 +69,15 @@ EMBEDDED_MODELS: dict[str, TinyModelConfig] = {
 }
 
 
-def _train_tokenizer(vocab_target: int) -> Tokenizer:
+def train_tokenizer(vocab_target: int, corpus: str | None = None) -> Tokenizer:
+    """A byte-level BPE with the embedded models' special tokens, trained on ``corpus`` (default: the
+    corpus shipped in ``disagg/data/corpus.txt``). Called by :func:`build_model`, and by
+    ``benchmarks/trained_model.py`` for a model trained on a larger text."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    corpus = resources.files("disagg").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    if corpus is None:
+        corpus = resources.files("disagg").joinpath("data/corpus.txt").read_text(encoding="utf-8")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -142,6 +146,29 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def padded_vocab(tokenizer: Tokenizer) -> int:
+    """The embedding's rows for ``tokenizer``: its vocabulary padded to a multiple of 64."""
+    return -(-tokenizer.get_vocab_size() // 64) * 64
+
+
+def write_tokenizer(out: Path, tokenizer: Tokenizer, max_positions: int) -> tuple[int, int]:
+    """Write the tokenizer files of a model directory (fast tokenizer, chat template, special
+    tokens); return the (bos, eos) token ids for its config."""
+    (out / "tokenizer.json").write_text(tokenizer.to_str(), encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>",
+        "model_max_length": max_positions,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+    })
+    _write_json(out / "special_tokens_map.json", {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>"})
+    bos, eos = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
+    if bos is None or eos is None:
+        raise ModelError("the tokenizer has no <s> or </s> token")
+    return bos, eos
+
+
 def build_model(name: str, out_dir: str | Path) -> Path:
     """Write embedded model ``name`` to ``out_dir`` (created); return the directory.
 
@@ -156,19 +183,9 @@ def build_model(name: str, out_dir: str | Path) -> Path:
     except OSError as exc:
         raise ModelError(f"cannot create model directory {out}: {exc.strerror or exc}") from exc
 
-    tokenizer = _train_tokenizer(cfg.vocab_target)
-    token_count = tokenizer.get_vocab_size()
-    vocab = -(-token_count // 64) * 64  # pad the embedding to a multiple of 64
-    bos, eos = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
-    (out / "tokenizer.json").write_text(tokenizer.to_str(), encoding="utf-8")
-    _write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>",
-        "model_max_length": cfg.max_positions,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-    })
-    _write_json(out / "special_tokens_map.json", {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>"})
+    tokenizer = train_tokenizer(cfg.vocab_target)
+    vocab = padded_vocab(tokenizer)
+    bos, eos = write_tokenizer(out, tokenizer, cfg.max_positions)
     _write_json(out / "config.json", {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": cfg.hidden, "intermediate_size": cfg.intermediate,
