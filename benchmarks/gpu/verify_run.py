@@ -78,25 +78,45 @@ def compare(ref: str, got: str) -> int:
     return 1 if bad else 0
 
 
+def accuracy_summary(ref_tokens: list[list[str]], got_tokens: list[list[str]],
+                     ref_logprobs: list[list[float | None]], got_logprobs: list[list[float | None]]) -> dict:
+    """What a lossy run changed against a reference, completion by completion: how many greedy
+    completions are equal, how many share their first token, the tokens in common before the first
+    difference, and the log-prob drift of the tokens both chose while they agree (after a difference
+    the contexts differ). Called by :func:`accuracy` and by ``benchmarks/fp8_accuracy.py``."""
+    same = first = 0
+    common: list[int] = []
+    drifts: list[float] = []
+    first_drifts: list[float] = []
+    for ta, tb, la, lb in zip(ref_tokens, got_tokens, ref_logprobs, got_logprobs, strict=True):
+        k = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb)))
+        same += ta == tb
+        first += k > 0
+        common.append(k)
+        pairs = [abs(x - y) for x, y in zip(la[:k], lb[:k], strict=True) if x is not None and y is not None]
+        drifts += pairs
+        if k and la[0] is not None and lb[0] is not None:
+            first_drifts.append(abs(la[0] - lb[0]))
+    return {"completions": len(common), "equal": same, "first_token_equal": first,
+            "mean_tokens_in_common": sum(common) / len(common) if common else 0.0,
+            "drift_mean": sum(drifts) / len(drifts) if drifts else 0.0, "drift_max": max(drifts, default=0.0),
+            "drift_tokens": len(drifts),
+            "first_drift_mean": sum(first_drifts) / len(first_drifts) if first_drifts else 0.0,
+            "first_drift_max": max(first_drifts, default=0.0)}
+
+
 def accuracy(ref: str, got: str) -> int:
     """Greedy-match rate, tokens in common before the first difference, and the log-prob drift of
-    the tokens both runs chose (while they agree: after a difference the contexts differ). A report:
-    exit 0, unless the files are not comparable."""
+    the tokens both runs chose (while they agree). A report: exit 0, unless the files are not
+    comparable."""
     a, b = _load(ref), _load(got)
     if "tokens" not in a or "tokens" not in b:
         print("accuracy needs files written by this version of `generate` (tokens and log-probs)")
         return 2
-    same, common, drifts = 0, [], []
-    for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"], strict=True):
-        k = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb)))
-        same += ta == tb
-        common.append(k)
-        drifts += [abs(x - y) for x, y in zip(la[:k], lb[:k], strict=True) if x is not None and y is not None]
-    n = len(common)
-    mean = sum(drifts) / len(drifts) if drifts else 0.0
-    print(f"greedy match {same}/{n}; tokens in common before the first difference: mean {sum(common) / n:.1f} "
-          f"of {MAX_TOKENS}; log-prob drift of agreeing tokens: mean {mean:.4f}, max "
-          f"{max(drifts, default=0.0):.4f} nats over {len(drifts)} tokens")
+    s = accuracy_summary(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"])
+    print(f"greedy match {s['equal']}/{s['completions']}; tokens in common before the first difference: "
+          f"mean {s['mean_tokens_in_common']:.1f} of {MAX_TOKENS}; log-prob drift of agreeing tokens: mean "
+          f"{s['drift_mean']:.4f}, max {s['drift_max']:.4f} nats over {s['drift_tokens']} tokens")
     return 0
 
 
