@@ -90,16 +90,16 @@ class Running1P1D:
 @contextmanager
 def local_1p1d(name: str, *, connector: str, model: str = "tiny", routing: str = "split",
                engine_args: str = '["-O0"]', decode_env: dict[str, str] | None = None) -> Iterator[Running1P1D]:
-    """Hold the engine lock, write a 1P1D topology on this machine (the embedded ``model``, prefill
-    pinned to core 0, decode to core 1, free ports), ``disagg up --detach`` it, yield it, and
-    ``disagg down`` it whatever happens. Raises SystemExit(1) with the launcher's output when the up
-    fails. ``engine_args``: a YAML/JSON list for both engines; ``decode_env``: the decode engine's
-    extra environment."""
+    """Hold the engine lock, write a 1P1D topology on this machine (``model``: an embedded model's
+    name or a model directory's path; prefill pinned to core 0, decode to core 1, free ports),
+    ``disagg up --detach`` it, yield it, and ``disagg down`` it whatever happens. Raises
+    SystemExit(1) with the launcher's output when the up fails. ``engine_args``: a YAML/JSON list
+    for both engines; ``decode_env``: the decode engine's extra environment."""
     work = Path(tempfile.mkdtemp(prefix=f"disagg-{name}-"))
     proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
     topo_file = work / f"{name}-{connector}.yaml"
     topo_file.write_text(f"""\
-model: {{path: "disagg:{model}", max_model_len: 4096, served_name: m}}
+model: {{path: {json.dumps(model if "/" in model else f"disagg:{model}")}, max_model_len: 4096, served_name: m}}
 engine: vllm
 connector: {connector}
 link: {{type: loopback}}
