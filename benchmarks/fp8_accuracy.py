@@ -33,34 +33,27 @@ import argparse
 import json
 import random
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))           # benchmarks/, for _common
+sys.path.insert(0, str(Path(__file__).resolve().parent))           # benchmarks/: _common, trained_model
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))   # verify_run's accuracy_summary
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))       # the repo root, for tests.e2e
 from _common import Running1P1D, local_1p1d
 from tokenizers import Tokenizer
 from verify_run import accuracy_summary
 
+from disagg.modelgen import EMBEDDED_MODELS, train_tokenizer
 from disagg.prometheus_text import sample_sum
+from tests.e2e.engines import get_text, post_json
 
 MAX_TOKENS = 32
 PROMPT_TOKENS = (128, 448)
 EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
 
 
-def _post(url: str, body: dict[str, Any], key: str | None = None) -> dict[str, Any]:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), headers=headers)
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return json.loads(resp.read())
-
-
-def _external_tokens(engine: str, key: str) -> float:
-    req = urllib.request.Request(engine + "/metrics", headers={"Authorization": f"Bearer {key}"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return sample_sum(resp.read().decode(), EXTERNAL[0], **EXTERNAL[1])
+def _external_tokens(engine: str) -> float:
+    return sample_sum(get_text(engine + "/metrics"), EXTERNAL[0], **EXTERNAL[1])
 
 
 def prompts(text: str, tokenizer: Tokenizer, count: int, seed: int) -> list[str]:
@@ -77,29 +70,30 @@ def prompts(text: str, tokenizer: Tokenizer, count: int, seed: int) -> list[str]
 
 
 def corpus_prompts(model: str, per_kind: int) -> dict[str, list[str]]:
-    """The prompts for ``model``: held-out and seen windows of its training corpus when it is a
-    directory written by trained_model.py, else windows of the held-out text alone."""
-    here = Path(__file__).resolve().parent
-    sys.path.insert(0, str(here))
-    from trained_model import corpus
+    """The prompts for ``model`` (a model directory, or an embedded model's name): held-out and seen
+    windows of trained_model.py's corpus, in ``model``'s tokens."""
+    from trained_model import corpus  # brings torch and transformers: imported only when needed
 
     train, held = corpus(None)
-    tok_dir = Path(model) if "/" in model else None
-    if tok_dir is None:
-        from disagg.modelgen import train_tokenizer
-        tokenizer = train_tokenizer(1024)
-    else:
-        tokenizer = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    if "/" in model:
+        tokenizer = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+    else:                               # what build_model trains for it
+        tokenizer = train_tokenizer(EMBEDDED_MODELS[model].vocab_target)
     return {"held-out": prompts(held, tokenizer, per_kind, 1), "seen": prompts(train, tokenizer, per_kind, 2)}
 
 
+#: greedy completions' tokens and their log-probs, prompt by prompt
 Answers = tuple[list[list[str]], list[list[float | None]]]
 
 
-def answer(url: str, text: str, key: str | None = None) -> dict[str, Any]:
+def add_answer(out: Answers, url: str, text: str, key: str | None = None) -> None:
+    """Append to ``out`` the greedy completion of ``text`` from ``url`` (the proxy, or one engine
+    with its ``key``)."""
     body = {"model": "m", "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
             "ignore_eos": True}
-    return _post(url, body, key)["choices"][0]["logprobs"]
+    logprobs = post_json(url + "/v1/completions", body, key=key)["choices"][0]["logprobs"]
+    out[0].append(logprobs["tokens"])
+    out[1].append(logprobs["token_logprobs"])
 
 
 def split_answers(run: Running1P1D, texts: list[str]) -> tuple[Answers, Answers, int]:
@@ -110,13 +104,10 @@ def split_answers(run: Running1P1D, texts: list[str]) -> tuple[Answers, Answers,
     ref: Answers = ([], [])
     not_moved = 0
     for text in texts:
-        before = _external_tokens(decode, run.engine_key)
-        mine = answer(run.proxy_url, text)
-        not_moved += _external_tokens(decode, run.engine_key) - before <= 0
-        theirs = answer(prefill, text, run.engine_key)
-        for out, one in ((got, mine), (ref, theirs)):
-            out[0].append(one["tokens"])
-            out[1].append(one["token_logprobs"])
+        before = _external_tokens(decode)
+        add_answer(got, run.proxy_url, text)
+        not_moved += _external_tokens(decode) - before <= 0
+        add_answer(ref, prefill, text, run.engine_key)
     return got, ref, not_moved
 
 
@@ -163,9 +154,7 @@ def main() -> int:
                 for kind, texts in kinds.items():
                     one: Answers = ([], [])
                     for text in texts:
-                        mine = answer(run.engine_urls["prefill[0]"], text, run.engine_key)
-                        one[0].append(mine["tokens"])
-                        one[1].append(mine["token_logprobs"])
+                        add_answer(one, run.engine_urls["prefill[0]"], text, run.engine_key)
                     rows.append(row(model, "vLLM fp8 KV cache, one engine", kind, one, refs[kind], "-"))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
