@@ -16,16 +16,18 @@ from disagg.proxy.metrics import ProxyMetrics
 log = logging.getLogger("disagg.proxy")
 
 NOT_PROBED = "not probed yet"
-#: consecutive timed-out probes that take a backend with requests in flight out of service
-#: (an idle one goes at the first): a one-core engine busy with a long prefill, or with serving a
-#: large KV cache over a slow link, can miss one probe's deadline while it is working normally
-BUSY_TIMEOUT_STRIKES = 2
+#: consecutive uncertain probe failures (timed out, or the connection dropped without an answer)
+#: that take a backend out of service, idle or busy: a one-core engine busy with a long prefill,
+#: or with serving a large KV cache over a slow link, and an idle one on a loaded machine, can
+#: miss one probe's deadline while working normally. A refused connection or an error status is
+#: certain and takes it out at once.
+TIMEOUT_STRIKES = 2
 
 
 class Backend:
     """One engine server: its URL, health and outstanding requests."""
 
-    __slots__ = ("healthy", "last_error", "outstanding", "returns", "role", "served", "timeouts", "url")
+    __slots__ = ("healthy", "last_error", "outstanding", "returns", "role", "served", "strikes", "url")
 
     def __init__(self, role: str, url: str) -> None:
         self.role = role
@@ -36,8 +38,9 @@ class Backend:
         self.served = False           # it was in service at least once
         #: times it came back into service after being taken out (a restart, an outage)
         self.returns = 0
-        #: health probes in a row that timed out (reset by any answer)
-        self.timeouts = 0
+        #: health probes in a row that failed without certainty (timed out, connection dropped);
+        #: reset by any answer and by a refused connection
+        self.strikes = 0
 
     def __repr__(self) -> str:
         state = "healthy" if self.healthy else f"unhealthy: {self.last_error}"
@@ -136,14 +139,19 @@ class BackendPool:
 class HealthProber:
     """Probes ``GET /health`` of every backend of every pool.
 
-    Started by the app's cleanup context; :meth:`probe_all` runs once before
-    the proxy serves, then :meth:`run` repeats it every ``interval`` seconds
-    until cancelled. A backend is healthy exactly while its last probe
-    answered 200 within ``timeout``, with one exception: a probe that times out
-    while the backend has requests in flight takes it out only at the
-    :data:`BUSY_TIMEOUT_STRIKES`-th timeout in a row (a busy engine may be slow
-    to answer; a refused connection or an error status still takes it out at once,
-    and an idle backend that does not answer in time goes at the first).
+    Started by the app's cleanup context (``disagg.proxy.app``); :meth:`probe_all` runs once
+    before the proxy serves, then :meth:`run` repeats it every ``interval`` seconds until
+    cancelled. This is readiness only: it decides which engines get requests; restarting an
+    engine that stopped answering is the launcher's supervisor's (``timeouts.liveness``).
+
+    A probe answered 200 within ``timeout`` puts a backend (back) into service. What takes it
+    out depends on how certain the failure is:
+
+    - an answer other than 200, or a refused connection (nothing listens on the port): at once;
+    - a probe that times out, or whose connection drops without an answer: only at the
+      :data:`TIMEOUT_STRIKES`-th such failure in a row, idle or busy (a loaded engine may be
+      late to answer once; one late probe took an idle engine, and with it every engine of a
+      role, out of service and turned requests into 503s).
     """
 
     def __init__(self, pools: Sequence[BackendPool], session: aiohttp.ClientSession,
@@ -158,22 +166,21 @@ class HealthProber:
         try:
             async with self._session.get(backend.url + "/health", timeout=self._timeout) as resp:
                 await resp.read()
-                backend.timeouts = 0
+                backend.strikes = 0
                 if resp.status == 200:
                     pool.mark_up(backend)
                 else:
                     pool.mark_down(backend, f"GET /health answered {resp.status}")
-        except TimeoutError as exc:
-            backend.timeouts += 1
-            if backend.healthy and backend.outstanding and backend.timeouts < BUSY_TIMEOUT_STRIKES:
-                log.info("%s %s: GET /health timed out with %d request(s) in flight (%d of %d before it is "
-                         "taken out)", pool.role, backend.url, backend.outstanding, backend.timeouts,
-                         BUSY_TIMEOUT_STRIKES)
+        except aiohttp.ClientConnectorError as exc:   # refused, unreachable: certain
+            backend.strikes = 0
+            pool.mark_down(backend, _failed(exc))
+        except CLIENT_ERRORS as exc:                    # timed out, dropped: maybe only late
+            backend.strikes += 1
+            if backend.healthy and backend.strikes < TIMEOUT_STRIKES:
+                log.info("%s %s: %s (%d of %d in a row before it is taken out; %d request(s) in flight)",
+                         pool.role, backend.url, _failed(exc), backend.strikes, TIMEOUT_STRIKES, backend.outstanding)
                 return
-            pool.mark_down(backend, f"GET /health failed: {exc.__class__.__name__}: {exc}".rstrip(": "))
-        except CLIENT_ERRORS as exc:
-            backend.timeouts = 0
-            pool.mark_down(backend, f"GET /health failed: {exc.__class__.__name__}: {exc}".rstrip(": "))
+            pool.mark_down(backend, _failed(exc))
 
     async def probe_all(self) -> None:
         """Probe every backend once, concurrently."""
@@ -184,3 +191,8 @@ class HealthProber:
         while True:
             await asyncio.sleep(self._interval)
             await self.probe_all()
+
+
+def _failed(exc: BaseException) -> str:
+    """A failed probe's reason, as ``Backend.last_error`` keeps it."""
+    return f"GET /health failed: {exc.__class__.__name__}: {exc}".rstrip(": ")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
-from proxy_standin import wait_for
+from proxy_standin import FAST, wait_for
 
 from disagg.proxy.backends import BackendPool, HealthProber
 from disagg.proxy.metrics import ProxyMetrics
@@ -140,8 +141,8 @@ async def test_a_backend_back_in_service_is_announced_to_measurement_owners(stan
 
 
 async def test_a_busy_backend_survives_one_timed_out_probe_but_not_two(standin, http) -> None:
-    """A one-core engine busy prefilling may miss one probe's deadline: with requests in
-    flight it is taken out at the second timeout in a row, an idle one at the first."""
+    """A one-core engine busy prefilling may miss one probe's deadline: it is taken out at the
+    second timeout in a row, and an answer in between forgives the first."""
     a = await standin("A")
     metrics = ProxyMetrics()
     p = BackendPool("prefill", [a.url], metrics)
@@ -152,20 +153,68 @@ async def test_a_busy_backend_survives_one_timed_out_probe_but_not_two(standin, 
     a.health_delay = 1.5
     with p.lease(b):
         await prober.probe(p, b)
-        assert b.healthy and b.timeouts == 1          # strike one: still in service
+        assert b.healthy and b.strikes == 1           # strike one: still in service
         a.health_delay = 0.0
         await prober.probe(p, b)
-        assert b.healthy and b.timeouts == 0          # an answer forgives it
+        assert b.healthy and b.strikes == 0           # an answer forgives it
         a.health_delay = 1.5
         await prober.probe(p, b)
         await prober.probe(p, b)
         assert not b.healthy and "TimeoutError" in (b.last_error or "")   # two in a row: out
     a.health_delay = 0.0
     await prober.probe(p, b)
-    assert b.healthy
-    a.health_delay = 1.5                              # idle: the first timeout takes it out
+    assert b.healthy and b.strikes == 0
+
+
+async def test_an_idle_backend_also_survives_one_timed_out_probe_but_not_two(standin, http) -> None:
+    """Idle engines get the same two strikes: one late probe of every engine at once must not
+    take the whole role out of service (requests would get 503 while every engine works)."""
+    engines = [await standin(name) for name in ("A", "B")]
+    p = BackendPool("decode", [e.url for e in engines], ProxyMetrics())
+    prober = HealthProber([p], http, interval=60.0, timeout=0.3)
+    await prober.probe_all()
+    assert len(p.healthy()) == 2
+    for engine in engines:
+        engine.health_delay = 1.0
+    await prober.probe_all()                           # every probe late once, nothing in flight
+    assert [(b.healthy, b.strikes, b.outstanding) for b in p.backends] == [(True, 1, 0), (True, 1, 0)]
+    assert p.pick() is not None                        # still served
+    await prober.probe_all()                           # the second in a row: out
+    assert [b.healthy for b in p.backends] == [False, False] and p.pick() is None
+    assert all("TimeoutError" in (b.last_error or "") for b in p.backends)
+
+
+async def test_a_refused_connection_takes_a_backend_out_at_the_first_probe(standin, http) -> None:
+    a = await standin("A")
+    p = BackendPool("decode", [a.url], ProxyMetrics())
+    [b] = p.backends
+    prober = HealthProber([p], http, interval=60.0, timeout=0.5)
     await prober.probe(p, b)
-    assert not b.healthy
+    assert b.healthy
+    await a.stop()                                     # nothing listens: certain, no second chance
+    await prober.probe(p, b)
+    assert not b.healthy and b.strikes == 0 and "ClientConnectorError" in (b.last_error or "")
+
+
+async def test_one_late_probe_of_the_only_decode_does_not_turn_requests_into_503(standin, proxy, http) -> None:
+    """Through a running proxy (probes every 0.1 s, 0.3 s deadline): the only decode engine
+    misses one probe's deadline while idle; requests sent meanwhile are all served."""
+    d = await standin("D")
+    server = await proxy(decode=[d.url], timeouts=replace(FAST, health_timeout=0.3))
+    backend = server.app_state.decode.backends[0]
+    await wait_for(lambda: backend.healthy)
+    d.health_delay = 0.6
+    await wait_for(lambda: backend.strikes == 1)
+    d.health_delay = 0.0                               # the next probe (0.1 s later) answers in time
+    statuses = []
+    for _ in range(5):
+        async with http.post(server.url + "/v1/completions", json={"prompt": "x"}) as resp:
+            statuses.append(resp.status)
+    await wait_for(lambda: backend.strikes == 0)
+    assert statuses == [200] * 5
+    assert backend.healthy and backend.returns == 0    # never taken out
+    assert server.app_state.metrics.registry.get_sample_value(
+        "disagg_proxy_backend_healthy", {"role": "decode", "url": d.url}) == 1
 
 
 async def test_a_busy_backend_with_an_error_status_goes_at_once(standin, http) -> None:
