@@ -23,8 +23,11 @@ from typing import Any, TypeGuard
 TRANSFER_NAME = "socket"
 #: Longest host name accepted (DNS limit).
 MAX_HOST_CHARS = 253
-#: Longest request or engine id accepted (vLLM's are under 100 characters).
-MAX_ID_CHARS = 512
+#: Longest request id either engine accepts (:func:`is_request_id`). vLLM's ids are the proxy's
+#: X-Request-Id (at most 128 characters) with vLLM's prefix (``cmpl-``, ``chatcmpl-``) and suffixes.
+MAX_REQUEST_ID_CHARS = 512
+#: Longest engine id accepted in ``remote_engine_id``.
+MAX_ENGINE_ID_CHARS = 512
 #: Largest ``tp_size`` accepted.
 MAX_TP_SIZE = 64
 #: Longest lease accepted, in seconds (also the largest ``kv_lease_duration``).
@@ -95,6 +98,18 @@ def is_int(value: Any) -> TypeGuard[int]:
 
 def _clean_str(value: Any, max_chars: int) -> TypeGuard[str]:
     return isinstance(value, str) and 0 < len(value) <= max_chars and value.isprintable()
+
+
+def is_request_id(value: object) -> TypeGuard[str]:
+    """A request id both engines accept: 1..:data:`MAX_REQUEST_ID_CHARS` printable ASCII characters,
+    no space, no other whitespace or control character. Never raises.
+
+    The one check on both sides of a transfer: the prefill scheduler (``SocketScheduler``) takes no
+    lease for a request whose id fails it, the decode scheduler declines ``remote_request_id`` that
+    fails it (:func:`check_remote_prefill`), and the listener (``KVServer``) refuses a fetch or release
+    naming one. So the prefill side never holds blocks for an id the decode side would refuse."""
+    return (isinstance(value, str) and 0 < len(value) <= MAX_REQUEST_ID_CHARS and value.isascii()
+            and value.isprintable() and " " not in value)
 
 
 def _host_key(host: str) -> str:
@@ -233,12 +248,12 @@ def check_remote_prefill(params: Any, *, num_prompt_tokens: int, block_size: int
     if isinstance(key, Declined):
         return key
     request_id = params.get("remote_request_id", key)  # a streamed transfer names the request by its key
-    if not _clean_str(request_id, MAX_ID_CHARS):
-        return Declined("remote_request_id", f"must be a printable string of 1..{MAX_ID_CHARS} characters, "
-                                             f"got {quote(request_id)}")
+    if not is_request_id(request_id):
+        return Declined("remote_request_id", f"must be 1..{MAX_REQUEST_ID_CHARS} printable ASCII characters "
+                                             f"without spaces, got {quote(request_id)}")
     engine_id = params.get("remote_engine_id")
-    if engine_id is not None and not _clean_str(engine_id, MAX_ID_CHARS):
-        return Declined("remote_engine_id", f"must be null or a printable string of 1..{MAX_ID_CHARS} "
+    if engine_id is not None and not _clean_str(engine_id, MAX_ENGINE_ID_CHARS):
+        return Declined("remote_engine_id", f"must be null or a printable string of 1..{MAX_ENGINE_ID_CHARS} "
                                             f"characters, got {quote(engine_id)}")
     host = params.get("remote_host")
     if not _clean_str(host, MAX_HOST_CHARS) or any(c.isspace() for c in host):

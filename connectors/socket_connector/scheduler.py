@@ -23,7 +23,10 @@ scheduler hook kills vLLM's engine core. So every field is validated
 warning naming the request and the field, and then served as if it had none
 (decode computes the prompt itself, prefill keeps no lease). The hooks also
 catch anything unexpected and decline the same way: none raises on client
-input.
+input. The prefill side also takes no lease (and streams nothing) for a
+request whose own id the decode side would refuse (``params.is_request_id``,
+the one check both sides apply): blocks are never held for a fetch that
+cannot come.
 """
 
 from __future__ import annotations
@@ -40,11 +43,14 @@ from .metadata import (
     StreamStep,
 )
 from .params import (
+    MAX_REQUEST_ID_CHARS,
     TRANSFER_NAME,
     Declined,
     RemotePrefill,
     check_remote_decode,
     check_remote_prefill,
+    is_request_id,
+    quote,
     stream_key_of,
 )
 
@@ -79,18 +85,40 @@ class SocketScheduler:
         #: decode side: requests whose KV is being streamed in (cut when they are aborted)
         self._streaming_in: set[str] = set()
         self._recv_cancels: set[str] = set()
+        #: prefill side: requests given no lease because the decode side would refuse their id
+        #: (the scheduler process has no stats of its own; the warning is logged per request)
+        self.refused_request_ids = 0
 
     # -- validation ---------------------------------------------------------
     def _decline(self, request: Request, declined: Declined, consequence: str) -> None:
         """Log one line and make the request's params inert, so no later hook acts on them (or logs again)."""
         logger.warning("socket KV connector: request %s: declining kv_transfer_params: %s %s; %s",
                        request.request_id, declined.field, declined.reason, consequence)
+        self._make_inert(request)
+
+    @staticmethod
+    def _make_inert(request: Request) -> None:
+        """Turn the request's transfer flags off, so no later hook acts on its params."""
         params = request.kv_transfer_params
         try:
             params["do_remote_prefill"] = False
             params["do_remote_decode"] = False
         except Exception:  # not a mutable mapping (vLLM gives a dict): drop them altogether
             request.kv_transfer_params = None
+
+    def _id_refused(self, request: Request) -> bool:
+        """Prefill side, before anything leases or streams a remote-decode request's blocks: True
+        (after one warning, counted in :attr:`refused_request_ids`, and with the params made inert)
+        when its id is one the decode side refuses (:func:`.params.is_request_id`). Called by
+        :meth:`_open_stream` (the request's first schedule) and :meth:`_request_finished`."""
+        if is_request_id(request.request_id):
+            return False
+        self.refused_request_ids += 1
+        logger.warning("socket KV connector: request %s: its id is not 1..%d printable ASCII characters without "
+                       "spaces, which the decode side refuses; keeping no lease for it (its decode engine "
+                       "computes the prompt)", quote(request.request_id), MAX_REQUEST_ID_CHARS)
+        self._make_inert(request)
+        return True
 
     def _remote_prefill(self, request: Request) -> RemotePrefill | None:
         """Decode side: the request's validated remote prefill, or None (none asked, or declined now)."""
@@ -191,6 +219,8 @@ class SocketScheduler:
         wanted = check_remote_decode(params)
         if wanted is not True:
             return  # declined (logged when it finishes) or not a remote decode
+        if self._id_refused(request):
+            return
         key = stream_key_of(params)
         if isinstance(key, Declined):
             self._decline(request, key, "serving it without a lease")
@@ -281,6 +311,10 @@ class SocketScheduler:
         if not self.is_producer or self.settings.port is None:
             logger.warning("socket KV connector: request %s asks for remote decode but this engine "
                            "has no listener port (kv_role must be kv_producer)", request.request_id)
+            return False, None
+        if self._id_refused(request):
+            if stream is not None:
+                self._stream_closes[stream[0]] = "request id refused"
             return False, None
         out = {
             "do_remote_prefill": True,

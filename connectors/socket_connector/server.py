@@ -49,7 +49,7 @@ from .config import BLOCKS_PER_MESSAGE
 from .counters import TransferCounters
 from .layout import BlockStore, LayoutError
 from .leases import LeaseTable
-from .params import is_stream_key
+from .params import is_request_id, is_stream_key
 from .streams import Stream, StreamClosed, StreamTable
 from .wire import (
     FrameError,
@@ -68,8 +68,6 @@ logger = logging.getLogger(__name__)
 MAX_BLOCKS_PER_MESSAGE = 1024
 #: While a stream waits for the forward pass, how often it looks whether the decode side left.
 STREAM_POLL_S = 0.25
-#: Longest request id accepted in a fetch or release.
-MAX_REQUEST_ID_CHARS = 512
 #: At most one "over the cap" / "thread start failed" log line per this many seconds.
 _LOG_EVERY_S = 10.0
 #: accept() errors that say "not now" (out of descriptors or memory, a peer gone): wait and go on.
@@ -293,7 +291,8 @@ class KVServer:
 
     @staticmethod
     def _valid_request_id(rid: object) -> TypeGuard[str]:
-        return isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_CHARS
+        """The request id of a fetch or release: :func:`.params.is_request_id`, the prefill scheduler's check."""
+        return is_request_id(rid)
 
     def _stream_key(self, conn: socket.socket, peer: str, key: object, where: str = ""
                     ) -> tuple[StreamTable, str] | None:

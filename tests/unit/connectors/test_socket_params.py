@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 from disagg_connectors.socket_connector.params import (
-    MAX_ID_CHARS,
+    MAX_REQUEST_ID_CHARS,
     AllowedPeers,
     Declined,
     RemotePrefill,
     check_remote_decode,
     check_remote_prefill,
+    is_request_id,
     parse_peer,
 )
 
@@ -79,8 +80,11 @@ BAD = [
     ("host-missing", good(remote_host=None), "remote_host"),
     ("request-id-missing", good(remote_request_id=None), "remote_request_id"),
     ("request-id-empty", good(remote_request_id=""), "remote_request_id"),
-    ("request-id-huge", good(remote_request_id="r" * (MAX_ID_CHARS + 1)), "remote_request_id"),
+    ("request-id-huge", good(remote_request_id="r" * (MAX_REQUEST_ID_CHARS + 1)), "remote_request_id"),
     ("request-id-newline", good(remote_request_id="r\nFAKE LOG LINE"), "remote_request_id"),
+    ("request-id-space", good(remote_request_id="cmpl-a b-0"), "remote_request_id"),
+    ("request-id-tab", good(remote_request_id="cmpl-a\tb-0"), "remote_request_id"),
+    ("request-id-non-ascii", good(remote_request_id="cmpl-\u00e9t\u00e9-0"), "remote_request_id"),
     ("request-id-int", good(remote_request_id=12), "remote_request_id"),
     ("engine-id-dict", good(remote_engine_id={"a": 1}), "remote_engine_id"),
     ("tp-zero", good(tp_size=0), "tp_size"),
@@ -114,6 +118,27 @@ def test_crafted_params_are_declined_naming_the_field(params, field: str) -> Non
     assert isinstance(res, Declined), res
     assert res.field == field, res
     assert len(res.reason) < 400 and "\n" not in res.reason  # one short line, not the whole value
+
+
+@pytest.mark.parametrize("rid", [
+    "cmpl-" + "x" * 128 + "-0-1a2b3c4d",                     # the proxy's longest id with vLLM's affixes
+    "chatcmpl-3f2a-0",
+    "r" * MAX_REQUEST_ID_CHARS,                              # the limit itself
+    "!~",
+])
+def test_request_ids_both_sides_accept(rid: str) -> None:
+    assert is_request_id(rid)
+    assert not isinstance(check(good(remote_request_id=rid)), Declined)
+
+
+@pytest.mark.parametrize("rid", [
+    "", "r" * (MAX_REQUEST_ID_CHARS + 1), "a b", "a\tb", "a\nb", "a\x00b", "a\x7fb", "caf\u00e9", "\u2028",
+    12, None, b"cmpl-1", ["cmpl-1"],
+])
+def test_request_ids_both_sides_refuse(rid: object) -> None:
+    assert not is_request_id(rid)
+    declined = check(good(remote_request_id=rid))
+    assert isinstance(declined, Declined) and declined.field == "remote_request_id"
 
 
 def test_without_peers_only_loopback_is_allowed() -> None:

@@ -12,7 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 from disagg_connectors.socket_connector.config import SocketSettings
+from disagg_connectors.socket_connector.leases import LeaseTable
+from disagg_connectors.socket_connector.params import (
+    MAX_REQUEST_ID_CHARS,
+    AllowedPeers,
+    Declined,
+    check_remote_prefill,
+)
 from disagg_connectors.socket_connector.scheduler import SocketScheduler
+from disagg_connectors.socket_connector.server import KVServer
 from vllm.v1.request import RequestStatus
 
 ENV = {"DISAGG_KV_SECRET": "k" * 64}
@@ -229,3 +237,62 @@ def test_a_load_promised_then_failing_is_reported_failed_not_left_waiting() -> N
     s.update_state_after_alloc(req, SimpleNamespace(get_unhashed_block_ids=broken), 40)
     spec = s.build_connector_meta().reqs_to_recv["req-1"]
     assert spec.awaiting is True and spec.failure  # the worker reports it failed; vLLM recomputes
+
+
+# -- request ids: the prefill side leases only what the decode side would fetch -----
+
+#: ids vLLM could hand the prefill engine (a client's X-Request-Id with vLLM's affixes) that the decode
+#: side refuses; and their boundary twins it accepts
+REFUSED_IDS = ["cmpl-" + "r" * MAX_REQUEST_ID_CHARS, "cmpl-a b-0", "cmpl-a\tb-0", "cmpl-\u00e9t\u00e9-0",
+               "cmpl-\x1b[2J-0"]
+ACCEPTED_IDS = ["r" * MAX_REQUEST_ID_CHARS, "cmpl-" + "x" * 128 + "-0-1a2b3c4d"]
+
+
+def decode_refuses(rid: str) -> bool:
+    """Whether the decode side turns down a prefill reply naming ``rid``: its scheduler's check of
+    ``remote_request_id`` and its listener's check of a fetch's request id."""
+    params = {"do_remote_prefill": True, "remote_block_ids": [7], "remote_request_id": rid,
+              "remote_host": "198.18.0.1", "remote_port": 5601, "remote_num_tokens": 16}
+    declined = isinstance(check_remote_prefill(params, num_prompt_tokens=16, block_size=16,
+                                               peers=AllowedPeers.parse([PEER])), Declined)
+    assert declined is not KVServer._valid_request_id(rid)  # both decode-side checks agree
+    return declined
+
+
+@pytest.mark.parametrize("rid", REFUSED_IDS + ACCEPTED_IDS)
+def test_prefill_takes_no_lease_for_an_id_the_decode_side_refuses(warnings, rid: str) -> None:
+    s = scheduler(producer=True)
+    req = request({"do_remote_decode": True}, prompt_len=16, status=RequestStatus.FINISHED_LENGTH_CAPPED,
+                  computed=16)
+    req.request_id = rid
+    s.update_state_after_alloc(req, blocks([]), 0)      # its first schedule: checked before any lease or stream
+    delay, params = s.request_finished(req, [7])
+    leases = LeaseTable()
+    for lease_rid, send in s.build_connector_meta().reqs_to_send.items():  # what the worker would lease
+        leases.register(lease_rid, send.block_ids, send.ttl_s)
+    if decode_refuses(rid):
+        assert (delay, params) == (False, None)         # vLLM frees the blocks now
+        assert len(leases) == 0
+        assert s.refused_request_ids == 1
+        assert len(warnings) == 1 and "keeping no lease" in warnings[0].getMessage()
+        assert len(warnings[0].getMessage()) < 400      # the id is quoted short, not logged whole
+    else:
+        assert delay is True and params is not None and params["remote_request_id"] == rid
+        assert len(leases) == 1 and s.refused_request_ids == 0 and warnings == []
+
+
+def test_a_streamed_request_with_a_refused_id_is_neither_streamed_nor_leased(warnings) -> None:
+    s = scheduler(producer=True)
+    req = request({"do_remote_decode": True, "stream_key": "s" * 32}, prompt_len=16)
+    req.request_id = "cmpl-a b-0"
+    s.update_state_after_alloc(req, blocks([]), 0)
+    out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, num_computed_tokens=0)],
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                          num_scheduled_tokens={req.request_id: 16}, total_num_scheduled_tokens=16,
+                          kv_connector_block_state=SimpleNamespace(get_block_ids=lambda r: ([7],)),
+                          preempted_req_ids=None)
+    assert s.build_connector_meta(out).streams == {}
+    req.status, req.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 16
+    assert s.request_finished(req, [7]) == (False, None)
+    assert s.build_connector_meta().reqs_to_send == {}
+    assert s.refused_request_ids == 1 and len(warnings) == 1
