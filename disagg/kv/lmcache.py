@@ -19,8 +19,9 @@ config loader by ``scripts/check_engine_configs.py``):
 
 Ports: decode instance ``kv_port`` .. ``kv_port + 2*TP - 1`` (init ports,
 then alloc ports, one per TP rank); the proxy receives the prefill's
-notifications on ``proxy.port + 1`` (:func:`notify_port`). All are checked
-against every other port of the topology (:func:`check_ports`).
+notifications on ``proxy.port + 1`` (:func:`notify_port`) at the address the
+prefill hosts reach it on (:func:`notify_host`), and listens there only. All
+are checked against every other port of the topology (:func:`check_ports`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from disagg.emulation import decode_host
 from disagg.errors import DeploymentError
 from disagg.kv.base import VllmKVAdapter, kv_role
 from disagg.kv.ucx import ucx_env
@@ -85,7 +87,16 @@ def notify_port(topo: Topology) -> int:
 
 
 def notify_host(topo: Topology) -> str:
-    """The proxy address prefill instances send notifications to."""
+    """The proxy's address as the prefill instances reach it: where their LMCache senders send
+    notifications (``pd_proxy_host``) and the one address the proxy's notice socket binds
+    (:func:`proxy_options`), whatever address the proxy serves clients on.
+
+    ``proxy.host`` when it names one address; with a wildcard ``proxy.host`` on a topology of
+    local hosts, 127.0.0.1. Behind an emulated link the prefill engine runs in a network
+    namespace of its own and reaches the proxy, in the root namespace, only at the decode
+    host's end of the link, so that address (the root namespace holds it)."""
+    if topo.link.type == "emulated":
+        return decode_host(topo).address
     host = topo.proxy.host
     if host not in WILDCARD_ADDRESSES:
         return host
@@ -99,7 +110,9 @@ def notify_host(topo: Topology) -> str:
 def check_ports(topo: Topology) -> None:
     """Raise :class:`DeploymentError` if an LMCache port clashes with any other port of the topology."""
     taken = {(address, port): where for address, port, where in iter_ports(topo)}
-    extra: list[tuple[str, int, str]] = [(topo.proxy.host, notify_port(topo), "proxy notification port")]
+    # the notice socket binds notify_host(topo), which a wildcard proxy.host (what is checked then) covers
+    notify_at = decode_host(topo).address if topo.link.type == "emulated" else topo.proxy.host
+    extra: list[tuple[str, int, str]] = [(notify_at, notify_port(topo), "proxy notification port")]
     for inst in topo.role("decode"):
         rp = receiver_ports(topo, inst)
         extra += [(rp.host, p, f"roles.{inst.name} LMCache receiver port") for p in rp.init[1:] + rp.alloc]
@@ -184,7 +197,9 @@ class LmcacheVllmAdapter(VllmKVAdapter):
 
 
 def proxy_options(topo: Topology) -> tuple[tuple[str, str], ...]:
-    """The proxy's ``--handoff-option`` values for an LMCache topology."""
+    """The proxy's ``--handoff-option`` values for an LMCache topology (called by
+    :func:`disagg.launch.frontend.handoff_options`): the receivers, and ``notify``, the notice
+    socket's bind address, which is where the prefill instances send (:func:`notify_host`),
+    never a wildcard."""
     receivers = json.dumps([receiver_ports(topo, i).option() for i in topo.role("decode")], separators=(",", ":"))
-    bind = topo.proxy.host
-    return (("receivers", receivers), ("notify", f"{bind}:{notify_port(topo)}"))
+    return (("receivers", receivers), ("notify", f"{notify_host(topo)}:{notify_port(topo)}"))
