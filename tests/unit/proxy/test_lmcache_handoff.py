@@ -19,7 +19,7 @@ from proxy_standin import FAST, read_events
 from disagg.errors import ProxyError
 from disagg.proxy import ProxyTimeouts
 from disagg.proxy.handoff import handoff_class
-from disagg.proxy.lmcache_handoff import LmcacheHandoff, parse_bind, parse_receivers
+from disagg.proxy.lmcache_handoff import CLIENT_ID_CHARS, ID_RANDOM_HEX, LmcacheHandoff, parse_bind, parse_receivers
 from tests.ports import free_port
 
 LIMIT_S = 8.0
@@ -160,6 +160,39 @@ async def test_missing_notice_falls_back_to_decode_alone(pair, http) -> None:
     metrics = server.app_state.metrics.render().decode()
     assert 'reason="no_kv_notice"' in metrics
     assert d.received == [{"prompt": "x"}]
+    assert server.app_state.handoff.notices.awaited == 0         # the prompt's wait is over: nothing kept
+
+
+async def test_a_long_client_request_id_is_cut_in_lmcaches_id(pair, http) -> None:
+    p, _d, server = await pair()
+    client_id = "c" * 5000
+    async with asyncio.timeout(LIMIT_S):
+        async with http.post(server.url + "/v1/completions", json={"prompt": "x"},
+                             headers={"X-Request-Id": client_id}) as resp:
+            assert (await resp.json())["served_by"] == "decode"
+    req_id = p.received[0]["kv_transfer_params"]["disagg_spec"]["req_id"]
+    prefix = f"disagg-{client_id[:CLIENT_ID_CHARS]}-"
+    assert req_id.startswith(prefix) and len(req_id) == len(prefix) + ID_RANDOM_HEX
+    assert 'disagg_proxy_fallbacks_total{reason="no_kv_notice"}' not in server.app_state.metrics.render().decode()
+
+
+async def test_a_notice_nobody_awaits_is_counted_in_the_metrics(pair) -> None:
+    p, _d, server = await pair()
+    await asyncio.to_thread(_push_once, p.notify, msgspec.msgpack.encode(ProxyNotif(req_id="disagg-spoofed")))
+    line = 'disagg_proxy_lmcache_notices_dropped_total{reason="unawaited"} 1.0'
+    async with asyncio.timeout(LIMIT_S):
+        while line not in server.app_state.metrics.render().decode():
+            await asyncio.sleep(0.01)
+    assert server.app_state.handoff.notices.awaited == 0
+
+
+def _push_once(endpoint: str, msg: bytes) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(endpoint)
+    sock.send(msg)
+    sock.close(linger=int(LIMIT_S * 1000))
+    ctx.term()
 
 
 async def test_notify_port_in_use_fails_at_start(proxy) -> None:
