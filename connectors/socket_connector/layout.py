@@ -319,6 +319,11 @@ class StagedStore(BlockStore):
         """The blocks ``host`` holds, as ``like``'s dtype on ``like``'s device."""
         return host.to(like.device, non_blocking=False)
 
+    def _verify(self, host: torch.Tensor, like: torch.Tensor) -> None:
+        """Raise (a :class:`~.wire.WireError`) when the received bytes in ``host`` must not reach
+        ``like``'s cache; :meth:`writing` asks this of every layer of a message before it writes any.
+        Plain copies accept any bytes; :class:`~.wireformat.Fp8Store` checks its scales."""
+
     @contextmanager
     def reading(self, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> Iterator[list[memoryview]]:
         self.layout.check_blocks(block_ids)
@@ -336,6 +341,8 @@ class StagedStore(BlockStore):
         which = _layer_indices(self.layout, layers)
         host = self._staging.get(len(block_ids), which)
         yield self._staging.views(host)
+        for h, i in zip(host, which, strict=True):   # a refused message writes nothing
+            self._verify(h, self._dev[i])
         for h, i in zip(host, which, strict=True):
             d = self._dev[i]
             idx = torch.tensor(list(block_ids), dtype=torch.long, device=d.device)

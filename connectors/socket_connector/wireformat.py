@@ -18,6 +18,8 @@ its groups' float32 scales followed by its fp8 elements, and the stream order is
 layout.py's: per chunk, per layer, per outer index, each block in list order.
 The wire layout (:attr:`Fp8Store.layout`) therefore is the raw one with each
 segment's byte size replaced, and ``["wire", "fp8"]`` added to its fingerprint.
+The decode side refuses a message with a NaN or infinite scale before writing
+any of it (:func:`check_scales`): the transfer fails and the prompt is recomputed.
 
 Accuracy: e4m3 keeps 3 mantissa bits, so an element's error is at most 1/16 of
 its own magnitude (half a unit in the last place) down to 2^-6 / 440 of its
@@ -39,9 +41,10 @@ import torch
 
 from .config import BLOCKS_PER_MESSAGE, FP8_GROUP, FP8_SCALE_BYTES, WIRE_FORMATS
 from .layout import KVLayout, LayerLayout, LayoutError, StagedStore
+from .wire import WireError
 
-__all__ = ["WIRE_FORMATS", "Fp8Store", "decode", "default_blocks_per_message", "e4m3_to_bf16_scaled", "encode",
-           "fp8_segment_bytes", "groups_of"]
+__all__ = ["WIRE_FORMATS", "Fp8Store", "check_scales", "decode", "default_blocks_per_message",
+           "e4m3_to_bf16_scaled", "encode", "fp8_segment_bytes", "groups_of"]
 #: the largest finite float8 e4m3 (fn) value
 FP8_MAX = 448.0
 #: what a group's largest magnitude is scaled to: below FP8_MAX by more than the rounding of the
@@ -139,9 +142,27 @@ def e4m3_to_bf16_scaled(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     return values
 
 
+def check_scales(wire: torch.Tensor, elems: int) -> None:
+    """Raise :class:`~.wire.WireError` when any scale in ``wire`` (uint8 ``(outer, n, segment
+    bytes)``, as :func:`encode` wrote it) is NaN or infinite: :func:`encode` only writes finite
+    ones, and a non-finite scale would put NaN or inf into the decode engine's cache.
+
+    Called by :meth:`Fp8Store._verify` on every received message before any of it is written:
+    the fetch or stream then fails like one cut short (``client.PeerConnections`` turns the
+    error into a ``FetchError``, the worker counts it in ``num_failed_transfers`` and vLLM
+    recomputes the prompt)."""
+    g = groups_of(elems)
+    scale = wire[:, :, : g * FP8_SCALE_BYTES].contiguous().view(torch.float32)
+    finite = torch.isfinite(scale)
+    if not bool(finite.all()):
+        bad = int(finite.numel() - int(finite.sum()))
+        raise WireError(f"fp8 message with {bad} of {finite.numel()} scales NaN or infinite: refused, "
+                        "nothing of it written")
+
+
 def decode(wire: torch.Tensor, elems: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The ``(outer, n, elems)`` tensor of ``dtype`` on ``device`` that ``wire`` (uint8, as
-    :func:`encode` wrote it) holds."""
+    :func:`encode` wrote it) holds. Takes the scales as they come: :func:`check_scales` them first."""
     outer, n, _ = wire.shape
     g = groups_of(elems)
     wire = wire.to(device)                    # host staging -> accelerator: plain bytes, converted there
@@ -186,3 +207,6 @@ class Fp8Store(StagedStore):
 
     def _unpack(self, host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return decode(host, like.shape[2], like.dtype, like.device)
+
+    def _verify(self, host: torch.Tensor, like: torch.Tensor) -> None:
+        check_scales(host, like.shape[2])

@@ -3,6 +3,8 @@ listener, and a pair that disagrees on the format refusing to transfer."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from disagg_connectors.socket_connector.client import FetchError, FetchOptions, FetchPlan, fetch
@@ -11,9 +13,11 @@ from disagg_connectors.socket_connector.counters import TransferCounters
 from disagg_connectors.socket_connector.layout import LayoutError, make_store
 from disagg_connectors.socket_connector.leases import LeaseTable
 from disagg_connectors.socket_connector.server import KVServer
+from disagg_connectors.socket_connector.wire import WireError
 from disagg_connectors.socket_connector.wireformat import (
     FP8_TARGET,
     Fp8Store,
+    check_scales,
     decode,
     encode,
     fp8_segment_bytes,
@@ -220,3 +224,101 @@ def test_a_converting_store_moves_a_message_layer_by_layer_with_the_same_wire_by
         with fp8.reading(blocks, layers) as views:
             parts.append(b"".join(bytes(v) for v in views))
     assert b"".join(parts) == expected
+
+
+# -- the decode side refuses scales encode() never writes -------------------------
+
+BAD_SCALES = [pytest.param(float("nan"), id="nan"), pytest.param(float("inf"), id="inf"),
+              pytest.param(float("-inf"), id="-inf")]
+
+
+def _poison(host: torch.Tensor, value: float) -> None:
+    """Set the first scale of every segment of a staged fp8 message (uint8 ``(outer, n, bytes)``) to ``value``."""
+    host[:, :, :FP8_SCALE_BYTES].view(torch.float32).fill_(value)
+
+
+@pytest.mark.parametrize("bad", BAD_SCALES)
+def test_a_message_with_a_non_finite_scale_is_refused_and_writes_nothing(bad: float) -> None:
+    src, dst = kv_caches(11), kv_caches(12)
+    before = {name: t.clone() for name, t in dst.items()}
+    p, d = make_store(src, NUM_BLOCKS, "fp8"), make_store(dst, NUM_BLOCKS, "fp8")
+    remote, local = [9, 3], [0, 7]
+    with p.reading(remote) as out_views:
+        payload = b"".join(bytes(v) for v in out_views)
+    with pytest.raises(WireError, match="NaN or infinite"), d.writing(local) as in_views:
+        at = 0
+        for v in in_views:
+            v[:] = payload[at : at + v.nbytes]
+            at += v.nbytes
+        bad_scale = torch.tensor([bad], dtype=torch.float32).view(torch.uint8).numpy().tobytes()
+        in_views[-1][:FP8_SCALE_BYTES] = bad_scale   # the last layer's first scale: earlier layers are sound
+    for name in dst:  # not one layer written, although all but the last were sound
+        assert torch.equal(dst[name], before[name]), name
+    with d.writing(local) as in_views:  # control: the same message unpoisoned is written
+        at = 0
+        for v in in_views:
+            v[:] = payload[at : at + v.nbytes]
+            at += v.nbytes
+    assert not all(torch.equal(dst[name], before[name]) for name in dst)
+
+
+@pytest.mark.parametrize("bad", BAD_SCALES)
+def test_check_scales_names_what_it_refuses(bad: float) -> None:
+    wire = torch.zeros(2, 3, fp8_segment_bytes(ELEMS), dtype=torch.uint8)
+    wire[:, :, :FP8_SCALE_BYTES].view(torch.float32).fill_(1.0)
+    check_scales(wire, ELEMS)                                      # finite: accepted
+    wire[1, 2, FP8_SCALE_BYTES : 2 * FP8_SCALE_BYTES].view(torch.float32).fill_(bad)   # one group of one block
+    with pytest.raises(WireError, match=f"1 of {2 * 3 * groups_of(ELEMS)} scales"):
+        check_scales(wire, ELEMS)
+
+
+@pytest.mark.parametrize("bad", BAD_SCALES)
+def test_a_fetch_carrying_non_finite_scales_fails_counted_and_writes_nothing(
+        bad: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the workers: the fetch is reported failed (vLLM recomputes), counted in
+    num_failed_transfers, the decode cache is untouched and the prefill side's lease is still released."""
+    from disagg_connectors.socket_connector.metadata import RecvSpec, SendSpec, SocketConnectorMetadata
+    from disagg_connectors.socket_connector.worker import SocketWorker
+
+    env = {"DISAGG_KV_SECRET": "f" * 64}
+    p = SocketWorker(SocketSettings.load({"host": "127.0.0.1", "port": 0, "registration_wait_s": 0.2,
+                                          "wire_format": "fp8"}, env, need_port=True), "engine-p", True, 0, 1,
+                     NUM_BLOCKS)
+    d = SocketWorker(SocketSettings.load({"io_timeout_s": 2, "wire_format": "fp8", "streams": 2}, env),
+                     "engine-d", False, 0, 1, NUM_BLOCKS)
+    p_caches, d_caches = kv_caches(5), kv_caches(6)
+    before = {name: t.clone() for name, t in d_caches.items()}
+    try:
+        p.register_kv_caches(p_caches)
+        d.register_kv_caches(d_caches)
+        assert isinstance(p.store, Fp8Store) and p.server is not None
+        sound_pack = p.store._pack
+
+        def poisoned(blocks: torch.Tensor, host: torch.Tensor) -> None:
+            sound_pack(blocks, host)
+            _poison(host, bad)
+
+        monkeypatch.setattr(p.store, "_pack", poisoned)
+        p.start_load_kv(SocketConnectorMetadata(reqs_to_send={"p1": SendSpec([2, 3, 4], 30)}))
+        spec = RecvSpec(local_block_ids=[7, 8, 9], remote_block_ids=[2, 3, 4], remote_request_id="p1",
+                        remote_host="127.0.0.1", remote_port=p.server.port, remote_tp_size=1, awaiting=True,
+                        remote_engine_id="engine-p")
+        d.start_load_kv(SocketConnectorMetadata(reqs_to_recv={"d1": spec}))
+        failed: set[str] = set()
+        deadline = time.monotonic() + 10
+        while "d1" not in failed and time.monotonic() < deadline:   # polled as vLLM does each step
+            failed |= d.get_transfer_results(idle_step=True).failed_recving
+        assert failed == {"d1"}
+        drained = d.counters.drain()
+        assert drained is not None and drained["num_failed_transfers"] == [1]
+        assert not drained["bytes_transferred"]
+        for name in d_caches:
+            assert torch.equal(d_caches[name], before[name]), name
+        sent: set[str] = set()
+        deadline = time.monotonic() + 10
+        while "p1" not in sent and time.monotonic() < deadline:    # released, not left to expire
+            sent |= p.get_transfer_results(idle_step=True).finished_sending
+        assert sent == {"p1"}
+    finally:
+        p.shutdown()
+        d.shutdown()
