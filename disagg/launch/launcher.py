@@ -22,6 +22,13 @@ engine at once (SIGTERM to each process group and session, the grace period,
 SIGKILL), whatever state each leader is in. What cannot be stopped (its host
 does not answer over SSH) is named in the error, and the state file is kept
 listing only those.
+
+Writes of the launcher's own (its output lines, which the detached supervisor
+sends to ``supervisor.log``; the state file; the restart headings in engine
+logs) are best-effort once the run is up (:class:`BestEffort`): a full disk
+never stops supervision or a stop, and every stop signals every process.
+Start-up alone still fails when it cannot write the state file, since
+``disagg down`` needs it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import enum
 import os
 import secrets
 import shlex
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -87,6 +95,72 @@ OWN_LOG_LINE = "--- disagg up: "
 SECRET_ENVS = frozenset({SECRET_ENV, VLLM_KEY_ENV})
 
 
+#: what a failed write raises: OSError (a full disk: ENOSPC; a file system gone read-only),
+#: ValueError (a stream already closed)
+WRITE_ERRORS: tuple[type[Exception], ...] = (OSError, ValueError)
+#: what :class:`BestEffort` calls the output lines in its reports
+OUTPUT = "its output"
+
+
+def _to_stderr(line: str) -> bool:
+    """Write ``line`` to stderr; False when that failed too."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: inside another write to stderr (a signal)
+        return False
+    return True
+
+
+class BestEffort:
+    """Writes that must not stop supervision or a stop: the output lines (``echo``) and files
+    (:meth:`attempt`) of :class:`Launcher` (its supervisor's too) and of :func:`stop_run`.
+
+    A write that raises one of :data:`WRITE_ERRORS` is dropped. Each kind of write (``what``)
+    that fails is reported once, on stderr, or, when stderr fails too (the detached supervisor's
+    is the same full disk), ahead of the next output line that can be written; it is reported
+    again only after a write of that kind has worked in between.
+    """
+
+    def __init__(self, echo: Callable[[str], None]) -> None:
+        self._echo = echo
+        self.failing: dict[str, str] = {}   # what -> why, for the kinds of write failing now
+        self._held: list[str] = []          # reports that could not be written yet
+
+    def say(self, line: str) -> None:
+        """Write one output line (after any report held back); never raises a write error."""
+        try:
+            while self._held:
+                self._echo(self._held[0])
+                self._held.pop(0)
+            self._echo(line)
+        except WRITE_ERRORS as exc:
+            self.failed(OUTPUT, exc)
+            return
+        self.failing.pop(OUTPUT, None)
+
+    def attempt(self, what: str, write: Callable[[], object]) -> bool:
+        """Run ``write`` (it writes ``what``); False, reported once, when it raised a write error."""
+        try:
+            write()
+        except WRITE_ERRORS as exc:
+            self.failed(what, exc)
+            return False
+        if self.failing.pop(what, None) is not None:
+            self.say(f"note: {what} is written again")
+        return True
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        """A write of ``what`` failed: report it, unless that is already done for this run of failures."""
+        if what in self.failing:
+            return
+        why = self.failing[what] = (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)) \
+            or exc.__class__.__name__
+        report = (f"warning: could not write {what}: {why}; carrying on without it (said once, until a "
+                  "write of it works again)")
+        if not _to_stderr(report):
+            self._held.append(report)
+
+
 def per_run_env(topo: Topology) -> dict[str, str]:
     """Per-run environment for every engine: a fresh shared secret for the socket connector."""
     if topo.connector == "socket" and not topo.colocated:
@@ -139,7 +213,11 @@ class Launcher:
                  poll_interval: float = 1.0) -> None:
         self.dep = dep
         self.topo = dep.topology
+        #: where output lines go; callers write through :meth:`say` (best-effort), never directly
         self.echo = echo or (lambda line: print(line, flush=True))
+        self.out = BestEffort(lambda line: self.echo(line))
+        #: the last :meth:`save` failed: the state file lags behind (the supervisor retries each poll)
+        self.unsaved = False
         self.poll_interval = poll_interval
         self.state = LauncherState.NEW
         self.run = RunState(topology=str(Path(self.topo.file).resolve()), name=self.topo.name,
@@ -193,11 +271,11 @@ class Launcher:
             with self._wait_point():
                 self._wait_healthy(pending, t0)
             self._start_proxy()
-            self.echo(f"ready: {self.dep.proxy_url} (OpenAI-compatible; {len(self.dep.engines)} engines, "
+            self.say(f"ready: {self.dep.proxy_url} (OpenAI-compatible; {len(self.dep.engines)} engines, "
                       f"up in {time.monotonic() - t0:.0f} s; logs in {self.log_dir})")
         except BaseException as exc:
             self.state = LauncherState.STOPPING
-            self.echo("interrupted: stopping everything that was started" if isinstance(exc, KeyboardInterrupt)
+            self.say("interrupted: stopping everything that was started" if isinstance(exc, KeyboardInterrupt)
                       else "startup failed: stopping everything that was started")
             self.stop(grace=min(self.topo.timeouts.shutdown_grace, ABORT_GRACE_S))
             raise
@@ -214,6 +292,11 @@ class Launcher:
         self._signals += 1
         if self._interruptible:
             self._check_interrupt()
+
+    def say(self, line: str) -> None:
+        """One line of output through ``echo``, best-effort (:class:`BestEffort`): what the launcher,
+        its supervisor and its stop print."""
+        self.out.say(line)
 
     def hurry(self) -> bool:
         """True once a signal arrived after the stop began: SIGKILL what is left now."""
@@ -242,7 +325,7 @@ class Launcher:
         self._signals_at_stop = min(self._signals, 1)  # the Ctrl-C that asked for this stop does not hurry it
         try:
             stop_run(self.run, grace=self.topo.timeouts.shutdown_grace if grace is None else grace,
-                     ssh_timeout=self.topo.timeouts.ssh_check, echo=self.echo, hurry=self.hurry)
+                     ssh_timeout=self.topo.timeouts.ssh_check, echo=self.say, hurry=self.hurry)
         finally:
             self.state = LauncherState.STOPPED
             self.release()
@@ -255,10 +338,10 @@ class Launcher:
             outcome = processes.stop_process(dead, min(self.topo.timeouts.shutdown_grace, ABORT_GRACE_S),
                                              ssh_timeout=self.topo.timeouts.ssh_check)
         except LaunchError as exc:
-            self.echo(f"{dead.name}: could not stop what it left behind: {exc}")
+            self.say(f"{dead.name}: could not stop what it left behind: {exc}")
             return
         if outcome is not None and outcome.others and not outcome.leader_running:
-            self.echo(f"{dead.name}: stopped the {outcome.others} processes of its group it left behind")
+            self.say(f"{dead.name}: stopped the {outcome.others} processes of its group it left behind")
 
     def alive(self, rec: ProcessRecord) -> bool:
         """False once the recorded leader has exited (a local child is reaped, its status kept
@@ -346,24 +429,30 @@ class Launcher:
         rec.pid, rec.create_time, rec.start_ticks = new.pid, new.create_time, new.start_ticks
         self._exit_codes.pop(rec.pid, None)  # a pid number handed out again: not the old exit
         self.save()
-        self.echo(f"{rec.name}: started again (restart {rec.restarts}, pid {rec.pid})")
+        self.say(f"{rec.name}: started again (restart {rec.restarts}, pid {rec.pid})")
 
-    def save(self) -> None:
-        """Rewrite the run-state file."""
-        save_state(self.run)
+    def save(self) -> bool:
+        """Rewrite the run-state file, best-effort (the supervisor's changes, a restart's new pid).
+
+        False when the write failed (reported once, see :class:`BestEffort`); the file then keeps
+        its previous content and :attr:`unsaved` stays True until a save works: the supervisor
+        tries again at each poll."""
+        path = run_path(self.run.run_dir, self.run.name) / STATE_FILE
+        self.unsaved = not self.out.attempt(f"the state file {path}", lambda: save_state(self.run))
+        return not self.unsaved
 
     def _engine(self, name: str) -> EngineLaunch:
         return next(e for e in self.dep.engines if e.name == name)
 
-    @staticmethod
-    def _append_to_log(rec: ProcessRecord, line: str) -> None:
+    def _append_to_log(self, rec: ProcessRecord, line: str) -> None:
+        """A line of the launcher's own in a local process's log (best-effort)."""
         if rec.ssh:
             return  # the remote log gets the new process's output; the local supervisor log has the line
-        try:
+
+        def write() -> None:
             with open(rec.log, "a", encoding="utf-8") as fh:
                 fh.write(line + "\n")
-        except OSError:
-            pass
+        self.out.attempt(f"the log {rec.log}", write)
 
     # -- interrupts and the lock -------------------------------------------------
     def _check_interrupt(self) -> None:
@@ -417,9 +506,9 @@ class Launcher:
                               f"(state {path})")
         for namespace in old.namespaces:
             remove_namespace(namespace)
-            self.echo(f"link: removed network namespace {namespace} of an earlier run")
+            self.say(f"link: removed network namespace {namespace} of an earlier run")
         remove_state(old)
-        self.echo(f"removed the stale state of an earlier run (every process had exited): {path}")
+        self.say(f"removed the stale state of an earlier run (every process had exited): {path}")
 
     def _check_ports(self) -> None:
         by_host: dict[str, list[tuple[int, str]]] = {}
@@ -450,7 +539,7 @@ class Launcher:
         self.run.namespaces.append(self.link.a.namespace)
         save_state(self.run)
         self.link.open()
-        self.echo(f"link: {self.link.a.namespace} ({self.link.a.address}) <-> root namespace "
+        self.say(f"link: {self.link.a.namespace} ({self.link.a.address}) <-> root namespace "
                   f"({self.link.b.address}), shaped at {self.topo.link.rate_text} with tc tbf")
 
     def _write_files(self, eng: EngineLaunch) -> None:
@@ -467,7 +556,7 @@ class Launcher:
             Path(directory).mkdir(parents=True, exist_ok=True)
             for name, text in eng.files:
                 (Path(directory) / name).write_text(text)
-        self.echo(f"{eng.name}: wrote {', '.join(n for n, _ in eng.files)} in {eng.host.name}:{directory}")
+        self.say(f"{eng.name}: wrote {', '.join(n for n, _ in eng.files)} in {eng.host.name}:{directory}")
 
     def _engine_key_env(self) -> dict[str, str]:
         return {self.key_env: self.engine_key} if self.key_env and self.engine_key else {}
@@ -475,10 +564,10 @@ class Launcher:
     def _say_engine_key(self) -> None:
         """One line naming where the key goes (variables only, never the value)."""
         if self.key_env and self.engine_key:
-            self.echo(f"engine key ({self._key_origin}): in {self.key_env} of every engine and {ENGINE_KEY_ENV} of the "
+            self.say(f"engine key ({self._key_origin}): in {self.key_env} of every engine and {ENGINE_KEY_ENV} of the "
                       "proxy; engines answer only requests that carry it (GET /health, /metrics stay open)")
         else:
-            self.echo(f"engine key: none (engine {self.topo.engine}, proxy.kind {self.topo.proxy.kind}); "
+            self.say(f"engine key: none (engine {self.topo.engine}, proxy.kind {self.topo.proxy.kind}); "
                       "the engines answer anyone who reaches their ports")
 
     def _start_engine(self, eng: EngineLaunch) -> _Pending:
@@ -488,7 +577,7 @@ class Launcher:
         self.run.processes.append(record)
         save_state(self.run)
         where = f"{eng.host.name} ({eng.host.ssh})" if eng.host.is_remote else eng.host.name
-        self.echo(f"{eng.name}: starting on {where} at {eng.url} (pid {record.pid}, log {record.log})")
+        self.say(f"{eng.name}: starting on {where} at {eng.url} (pid {record.pid}, log {record.log})")
         return _Pending(record=record, started=time.monotonic())
 
     def _spawn_engine(self, eng: EngineLaunch, *, fresh_log: bool) -> ProcessRecord:
@@ -532,7 +621,7 @@ class Launcher:
                     raise EngineStartError(rec.name, rec.address, rec.port, why, self.log_tail(rec))
                 if http_status(rec.url + health[rec.name], timeout=2.0) == 200:
                     p.healthy_at = time.monotonic()
-                    self.echo(f"{rec.name}: healthy after {p.healthy_at - p.started:.0f} s")
+                    self.say(f"{rec.name}: healthy after {p.healthy_at - p.started:.0f} s")
                     continue
                 stuck, p.scanned = self.stuck_line(rec, p.scanned)
                 if stuck is not None:
@@ -546,7 +635,7 @@ class Launcher:
                                        "(timeouts.startup)", self.log_tail(rec))
             names = ", ".join(p.record.name for p in pending if p.healthy_at is None)
             if names and now - last_note >= 15:
-                self.echo(f"... loading: {names} ({now - t0:.0f} s)")
+                self.say(f"... loading: {names} ({now - t0:.0f} s)")
                 last_note = now
             time.sleep(self.poll_interval)
 
@@ -576,7 +665,7 @@ class Launcher:
                                            f"did not report healthy within {limit:g} s (timeouts.proxy_startup)",
                                            self.log_tail(record))
                 time.sleep(0.2)
-        self.echo(f"proxy: healthy at {self.dep.proxy_url}")
+        self.say(f"proxy: healthy at {self.dep.proxy_url}")
 
     def _spawn_proxy(self, *, fresh_log: bool) -> ProcessRecord:
         """Start the proxy process; its record (not yet in the state)."""
@@ -616,9 +705,15 @@ def stop_run(run: RunState, *, grace: float, ssh_timeout: float, echo: Callable[
     Processes that could not be stopped (their host did not answer over
     SSH, or they survived SIGKILL) are named in a LaunchError; the state file
     is then kept, listing only them, so ``disagg down`` can retry.
+
+    Called by ``Launcher.stop`` and ``disagg down``. Every process is signalled whatever
+    happens to the output: ``echo`` and the state file's rewrite or removal are best-effort
+    (:class:`BestEffort`; ``down``'s stdout may be a file on the disk that filled up).
     """
+    out = BestEffort(echo)
     ordered = sorted(run.processes, key=lambda r: STOP_ORDER.get(r.name.split("[")[0], 9))
     failures: list[tuple[ProcessRecord, BaseException]] = []
+    fatal: BaseException | None = None   # not an Exception: raised once every wave was signalled
     waves = [[r for r in ordered if r.kind == "proxy"], [r for r in ordered if r.kind != "proxy"]]
     for wave in (w for w in waves if w):
         with ThreadPoolExecutor(max_workers=len(wave), thread_name_prefix="disagg-stop") as pool:
@@ -627,20 +722,25 @@ def stop_run(run: RunState, *, grace: float, ssh_timeout: float, echo: Callable[
         for rec, future in futures:
             exc = future.exception()
             if exc is None:
-                echo(_stopped_line(rec, future.result()))
+                out.say(_stopped_line(rec, future.result()))
             elif isinstance(exc, Exception):
                 failures.append((rec, exc))
             else:
-                raise exc
+                fatal = fatal or exc
+    if fatal is not None:
+        raise fatal   # the state file still lists every process
+    path = run_path(run.run_dir, run.name) / STATE_FILE
     if failures:
         run.processes = [rec for rec, _ in failures]
-        save_state(run)
-        raise LaunchError("could not stop everything; the state file is kept, listing only these, so "
-                          "`disagg down` can retry:\n" + "\n".join(_failure_line(r, e) for r, e in failures))
+        kept = ("the state file is kept, listing only these" if out.attempt(f"the state file {path}",
+                                                                             lambda: save_state(run))
+                else "the state file could not be rewritten and still lists every process")
+        raise LaunchError(f"could not stop everything; {kept}, so `disagg down` can retry:\n"
+                          + "\n".join(_failure_line(r, e) for r, e in failures))
     for namespace in run.namespaces:
         remove_namespace(namespace)
-        echo(f"link: removed network namespace {namespace}")
-    remove_state(run)
+        out.say(f"link: removed network namespace {namespace}")
+    out.attempt(f"the state file {path} (its removal)", lambda: remove_state(run))
 
 
 def resolve_state(run_dir: str, topology_name: str | None) -> RunState:

@@ -14,6 +14,7 @@ is held or the state file lists live processes.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -86,13 +87,23 @@ def _known(kind: type, data: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_state(state: RunState) -> Path:
-    """Write the state file atomically; returns its path."""
+    """Write the state file atomically; returns its path.
+
+    Raises OSError when it cannot be written (a full disk: ENOSPC); the file then keeps its
+    previous content, and the partly written temporary file is removed. ``disagg up`` lets that
+    fail its start (``down`` needs the file); its supervisor and every stop carry on without it
+    (``Launcher.save``, ``launcher.stop_run``)."""
     directory = run_path(state.run_dir, state.name)
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / STATE_FILE
     tmp = target.with_suffix(".tmp")
-    tmp.write_text(state.to_json(), encoding="utf-8")
-    os.replace(tmp, target)
+    try:
+        tmp.write_text(state.to_json(), encoding="utf-8")
+        os.replace(tmp, target)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
     return target
 
 

@@ -14,7 +14,9 @@ poll it looks at every recorded process:
   without health counts as another failure.
 
 The state file is rewritten at each change (``status``, ``restarts``,
-``last_exit``, the new pid), which is what ``disagg status`` shows. While a
+``last_exit``, the new pid), which is what ``disagg status`` shows; the write
+is best-effort (``Launcher.save``: a full disk does not end supervision) and
+retried at each poll until it works. While a
 prefill engine is away the proxy serves by local prefill; while every decode
 engine is away it answers 503 with ``Retry-After``. The run is lost, and
 :meth:`Supervisor.run` returns 1, only when the proxy or every decode engine
@@ -111,7 +113,9 @@ class Supervisor:
         self.watched = [_Watched(rec, RestartBudget(self.spec)) for rec in launcher.run.processes]
 
     def run(self, should_stop: Callable[[], bool]) -> int:
-        """Poll until ``should_stop()`` (0) or until the service is lost for good (1)."""
+        """Poll until ``should_stop()`` (0) or until the service is lost for good (1).
+
+        Called by ``Launcher.supervise`` (foreground ``disagg up``, or the detached supervisor)."""
         while not should_stop():
             if self.poll() is not None:
                 return 1
@@ -131,11 +135,11 @@ class Supervisor:
                 changed = True
             elif rec.status == "starting":
                 changed |= self._check_start(w)
-        if changed:
-            self.launcher.save()
+        if changed or self.launcher.unsaved:
+            self.launcher.save()   # best-effort: a full disk leaves the file behind, not supervision
         lost = self.lost()
         if lost is not None:
-            self.launcher.echo(f"error: the service is lost ({lost}); stopping")
+            self.launcher.say(f"error: the service is lost ({lost}); stopping")
         return lost
 
     def lost(self) -> str | None:
@@ -156,22 +160,22 @@ class Supervisor:
         rec.last_exit = why or exit_reason(code)
         tail = self.launcher.log_tail(rec)
         rec.exit_log = "\n".join(tail.splitlines()[-EXIT_LOG_LINES:])[-EXIT_LOG_CHARS:]
-        self.launcher.echo(f"error: {rec.name} on {rec.address}:{rec.port} {rec.last_exit}; "
-                           f"last lines of {rec.log}:\n" + tail)
+        self.launcher.say(f"error: {rec.name} on {rec.address}:{rec.port} {rec.last_exit}; "
+                          f"last lines of {rec.log}:\n" + tail)
         self.launcher.sweep(rec)
         now = self.clock()
         delay = w.budget.delay(now) if w.budget.wants_restart(code) else None
         if delay is None:
             rec.status = "failed"
             if not w.budget.wants_restart(code):
-                self.launcher.echo(f"{rec.name}: not restarted (restart.policy {self.spec.policy})")
+                self.launcher.say(f"{rec.name}: not restarted (restart.policy {self.spec.policy})")
             else:
-                self.launcher.echo(f"{rec.name}: failed for good: restarted {self.spec.max} times within "
+                self.launcher.say(f"{rec.name}: failed for good: restarted {self.spec.max} times within "
                                    f"{self.spec.window:g} s (restart.max, restart.window); not restarted again")
             return
         rec.status = "backoff"
         w.due = now + delay
-        self.launcher.echo(f"{rec.name}: restarting in {delay:g} s "
+        self.launcher.say(f"{rec.name}: restarting in {delay:g} s "
                            f"(restart {len(w.budget.restarts) + 1} of at most {self.spec.max} "
                            f"within {self.spec.window:g} s)")
 
@@ -185,6 +189,9 @@ class Supervisor:
         except LaunchError as exc:
             self._exited(w, f"could not be started again: {exc}")
             return
+        except OSError as exc:   # its log could not be opened (a full disk), the program is gone, ...
+            self._exited(w, f"could not be started again: {exc.strerror or exc}")
+            return
         rec.status = "starting"
         w.since = self.clock()
 
@@ -196,7 +203,7 @@ class Supervisor:
             return True
         if self.launcher.ready(rec):
             rec.status = "running"
-            self.launcher.echo(f"{rec.name}: healthy again after {self.clock() - w.since:.0f} s "
+            self.launcher.say(f"{rec.name}: healthy again after {self.clock() - w.since:.0f} s "
                                f"(restart {rec.restarts}, pid {rec.pid})")
             return True
         stuck, w.scanned = self.launcher.stuck_line(rec, w.scanned)

@@ -10,6 +10,7 @@ spawns its EngineCore. Detached supervision with real engines is tested in
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -17,6 +18,7 @@ import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -24,8 +26,9 @@ import pytest
 from disagg.cli import main
 from disagg.deployment import build_deployment
 from disagg.errors import EngineStartError
+from disagg.launch import launcher as launcher_module
 from disagg.launch import processes
-from disagg.launch.launcher import Launcher
+from disagg.launch.launcher import BestEffort, Launcher, stop_run
 from disagg.launch.state import ProcessRecord, load_state
 from disagg.launch.supervisor import RestartBudget, exit_reason
 from disagg.topology import RestartSpec, load_topology
@@ -102,7 +105,7 @@ def standins(monkeypatch: pytest.MonkeyPatch) -> Iterator[Started]:
     kill_all(started.processes())
 
 
-def _launcher(tmp_path: Path, restart: str) -> Launcher:
+def _launcher(tmp_path: Path, restart: str, timeouts: str = "{startup: 30, shutdown_grace: 2}") -> Launcher:
     p, d, proxy, kv_p, kv_d = free_ports(5)
     path = tmp_path / "t.yaml"
     path.write_text(textwrap.dedent(f"""\
@@ -112,7 +115,7 @@ def _launcher(tmp_path: Path, restart: str) -> Launcher:
           prefill: [{{port: {p}, kv_port: {kv_p}}}]
           decode: [{{port: {d}, kv_port: {kv_d}}}]
         proxy: {{port: {proxy}}}
-        timeouts: {{startup: 30, shutdown_grace: 2}}
+        timeouts: {timeouts}
         restart: {restart}
         """))
     launcher = Launcher(build_deployment(load_topology(path, run_dir=str(tmp_path / "run"))), poll_interval=0.05)
@@ -294,3 +297,159 @@ def test_status_shows_restarts_and_the_last_exit(tmp_path: Path, standins: Start
         assert f"supervisor  pid {os.getpid()}" in out  # this test's launcher holds the run's lock
     finally:
         launcher.stop(grace=1.0)
+
+
+# -- a full disk: best-effort writes -------------------------------------------------
+class FullDisk:
+    """ENOSPC for every write the launcher makes of its own while ``full``: its output lines
+    (``echo``: the detached supervisor's go to supervisor.log), stderr, the state file
+    (``Path.write_text`` under the run directory) and the lines it appends to engine logs
+    (``open`` for writing in ``disagg.launch.launcher``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, launcher: Launcher) -> None:
+        self.full = False
+        self.run_dir = Path(launcher.run.run_dir)
+        self.lines: list[str] = launcher.lines  # type: ignore[attr-defined]
+        self.stderr: list[str] = []
+        launcher.echo = self.echo  # type: ignore[method-assign]
+        write_text, real_open = Path.write_text, open
+
+        def fake_write_text(path: Path, *args: Any, **kwargs: Any) -> int:
+            self.check(path)
+            return write_text(path, *args, **kwargs)
+
+        def fake_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            if set(mode) & set("wax+"):
+                self.check(Path(file))
+            return real_open(file, mode, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "write_text", fake_write_text)
+        monkeypatch.setattr(launcher_module, "open", fake_open, raising=False)
+        monkeypatch.setattr(sys, "stderr", self)
+
+    def check(self, path: Path) -> None:
+        if self.full and path.resolve().is_relative_to(self.run_dir):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    def echo(self, line: str) -> None:
+        if self.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.lines.append(line)
+
+    def write(self, text: str) -> int:   # sys.stderr
+        if self.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.stderr.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_stops_neither_supervision_nor_the_stop(tmp_path: Path, standins: Started,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher = _launcher(tmp_path, "{backoff: 100ms}")
+    launcher.up()
+    disk = FullDisk(monkeypatch, launcher)
+    state_file = Path(launcher.run.run_dir) / "runs" / launcher.topo.name / "state.json"
+    try:
+        decode = _record(launcher, "decode[0]")
+        old, said = decode.pid, len(disk.lines)
+        disk.full = True
+        os.kill(old, signal.SIGKILL)
+        _supervise_until(launcher, lambda: decode.status == "running" and decode.pid != old)
+        assert decode.restarts == 1 and _group(old) == []   # supervision went on: swept, restarted, healthy
+        assert _state_record(launcher, "decode[0]").pid == old   # the state file could not follow ...
+        assert launcher.unsaved and not state_file.with_suffix(".tmp").exists()
+        assert disk.lines[said:] == [] and disk.stderr == []  # ... and nothing could be said
+
+        disk.full = False                                    # space again: the next poll catches up
+        _supervise_until(launcher, lambda: not launcher.unsaved, timeout=5)
+        saved = _state_record(launcher, "decode[0]")
+        assert (saved.pid, saved.status, saved.restarts) == (decode.pid, "running", 1)
+        reports = [line for line in disk.lines[said:] if line.startswith("warning: could not write ")]
+        assert len(reports) == 3, reports                    # each kind of write once, however often it failed
+        assert all("No space left on device; carrying on without it" in r for r in reports)
+        assert reports[0].startswith("warning: could not write its output: ")
+        assert reports[1].startswith(f"warning: could not write the state file {state_file}: ")
+        assert reports[2].startswith(f"warning: could not write the log {decode.log}: ")
+        assert f"note: the state file {state_file} is written again" in disk.lines
+
+        disk.full = True                                     # full again for the stop
+        launcher.stop(grace=1.0)
+    finally:
+        disk.full = False
+        launcher.stop(grace=1.0)
+    assert running(standins.processes()) == []               # every stand-in, the proxy and both engines
+    assert not state_file.exists()
+
+
+def test_a_stop_whose_output_fails_still_stops_every_process(tmp_path: Path, standins: Started) -> None:
+    """What `disagg down` does (its stdout a file on the disk that filled up): before, the
+    ENOSPC of the line about the proxy ended the stop, and the engines kept running."""
+    launcher = _launcher(tmp_path, "{backoff: 100ms}")
+    launcher.up()
+    assert standins.pids and len(running(standins.processes())) == 6   # 3 stand-ins with a child each
+    tried: list[str] = []
+
+    def full(line: str) -> None:
+        tried.append(line)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    try:
+        stop_run(launcher.run, grace=1.0, ssh_timeout=5.0, echo=full)
+    finally:
+        launcher.release()   # what is left, if anything, the fixture kills after the check below
+    assert running(standins.processes()) == []
+    assert tried[0].startswith("proxy: stopped") and len([t for t in tried if ": stopped" in t]) == 3
+
+
+def test_best_effort_reports_each_failing_write_once_until_it_works_again(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out: list[str] = []
+    full = [True]
+
+    def echo(line: str) -> None:
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        out.append(line)
+
+    effort = BestEffort(echo)
+
+    def failing() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    for _ in range(3):
+        effort.say("a line")
+        assert effort.attempt("the state file", failing) is False
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["warning: could not write its output: No space left on device; carrying on without it "
+                   "(said once, until a write of it works again)",
+                   "warning: could not write the state file: No space left on device; carrying on without it "
+                   "(said once, until a write of it works again)"]
+    full[0] = False
+    assert effort.attempt("the state file", lambda: None) is True
+    assert out == ["note: the state file is written again"]
+    assert effort.attempt("the state file", failing) is False      # failing anew: said anew
+    assert "could not write the state file" in capsys.readouterr().err
+
+
+def test_best_effort_holds_a_report_stderr_cannot_take_until_a_line_can_be_written(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    class Full:
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sys, "stderr", Full())
+    out: list[str] = []
+    effort = BestEffort(out.append)
+    effort.attempt("the log x.log", lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    effort.attempt("the log x.log", lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    assert out == []
+    effort.say("next")
+    assert out == ["warning: could not write the log x.log: No space left on device; carrying on without it "
+                   "(said once, until a write of it works again)", "next"]
