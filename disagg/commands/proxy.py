@@ -10,7 +10,9 @@ import os
 from disagg.errors import ProxyError
 from disagg.proxy.config import (
     API_KEY_ENV,
+    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONCURRENCY,
+    DEFAULT_MAX_PROMPTS,
     ENGINE_KEY_ENV,
     SEED_ROLES,
     ProxyConfig,
@@ -47,7 +49,11 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                    help="when prefill fails: 'local' lets decode serve alone, 'never' answers 503")
     p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY, metavar="N",
                    help=f"requests served at once; more are answered 429 with Retry-After "
-                        f"(default: {DEFAULT_MAX_CONCURRENCY})")
+                        f"(default: {DEFAULT_MAX_CONCURRENCY}); each prompt of a split batch counts")
+    p.add_argument("--max-prompts", type=int, default=DEFAULT_MAX_PROMPTS, metavar="N",
+                   help=f"prompts in one request; more are answered 400 (default: {DEFAULT_MAX_PROMPTS})")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="B",
+                   help=f"largest request body; larger is answered 413 (default: {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--connect-timeout", type=float, default=d.connect, metavar="S")
     p.add_argument("--request-timeout", type=float, default=d.request, metavar="S",
                    help="longest wait for an engine's reply or the next chunk of its stream")
@@ -55,6 +61,12 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--health-timeout", type=float, default=d.health_timeout, metavar="S")
     p.add_argument("--drain-timeout", type=float, default=d.drain, metavar="S",
                    help="on SIGTERM, how long in-flight requests may finish")
+    p.add_argument("--client-header-timeout", type=float, default=d.client_header, metavar="S",
+                   help="a client connection's request headers must arrive within S (also: idle keep-alive)")
+    p.add_argument("--client-body-timeout", type=float, default=d.client_body, metavar="S",
+                   help="a request's whole body must arrive within S of its headers (else 408)")
+    p.add_argument("--send-timeout", type=float, default=d.send, metavar="S",
+                   help="a client that reads nothing of its stream for S is let go, its engine requests aborted")
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.add_argument("--log-level", choices=PROXY_LOG_LEVELS, default="info",
                    help="debug: also a line per routing decision (every option's predicted TTFT) and per "
@@ -106,11 +118,13 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     """The :class:`ProxyConfig` the parsed arguments describe."""
     timeouts = ProxyTimeouts(connect=args.connect_timeout, request=args.request_timeout,
                              health_interval=args.health_interval, health_timeout=args.health_timeout,
-                             drain=args.drain_timeout)
+                             drain=args.drain_timeout, client_header=args.client_header_timeout,
+                             client_body=args.client_body_timeout, send=args.send_timeout)
     return ProxyConfig(decode=tuple(args.decode), prefill=tuple(args.prefill), host=args.host, port=args.port,
                        handoff=args.handoff, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                        engine_key=args.engine_key or os.environ.get(ENGINE_KEY_ENV) or None,
-                       fallback=args.fallback, max_concurrency=args.max_concurrency, timeouts=timeouts,
+                       fallback=args.fallback, max_concurrency=args.max_concurrency, max_prompts=args.max_prompts,
+                       max_body_bytes=args.max_body_bytes, timeouts=timeouts,
                        handoff_options=parse_handoff_options(args.handoff_option),
                        routing=RoutingConfig(
                            policy=args.routing_policy, kv_bytes_per_token=args.route_kv_bytes_per_token,

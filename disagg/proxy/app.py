@@ -9,8 +9,9 @@ Routes (vLLM's shapes and status codes):
   a ``local`` one (and every request in colocated mode, no ``--prefill``) whole
   to a decode server; a batch's routes are joined by :mod:`disagg.proxy.batch`.
 - ``GET /v1/models``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``
-  and any other ``/v1/...``: forwarded to a decode instance, less any client
-  ``kv_transfer_params``.
+  and the other vLLM routes :mod:`disagg.proxy.engine_routes` lists as forwarded:
+  sent to a decode instance, less any client ``kv_transfer_params``. Every other
+  path is a 404 from the proxy, and so is any path with dot segments.
 - ``OPTIONS``: answered here (CORS preflight), never forwarded.
 - ``GET /health``: 200 while at least one prefill and one decode instance are
   healthy (colocated: one server); ``GET /metrics``: the proxy's own metrics.
@@ -24,7 +25,6 @@ import json
 import logging
 import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
@@ -32,15 +32,17 @@ from typing import Any
 
 from aiohttp import web
 
+from disagg.proxy.admission import REQUEST_ID_REPLACED, Slots, read_body, request_id_of
 from disagg.proxy.backends import BackendPool, HealthProber
-from disagg.proxy.batch import serve_batch
+from disagg.proxy.batch import batch_parallelism, serve_batch
 from disagg.proxy.config import ProxyConfig
+from disagg.proxy.engine_routes import forwarded_routes, path_problem
 from disagg.proxy.errors import (
     BadRequest,
     NoHealthyBackend,
+    NotFound,
     PrefillUnavailable,
     ProxyHTTPError,
-    TooManyRequests,
     Unauthorized,
     error_response,
 )
@@ -57,6 +59,7 @@ from disagg.proxy.routes import (
     RequestPlan,
     RoutePath,
     plan_request,
+    prompt_count,
     strip_kv_params,
 )
 from disagg.proxy.upstream import Upstream, make_session
@@ -65,12 +68,6 @@ log = logging.getLogger("disagg.proxy")
 
 #: paths that need the API key (as vLLM: /health, /metrics, /version stay open)
 GUARDED_PREFIXES = ("/v1",)
-
-#: paths the concurrency cap never refuses (the proxy's own probes)
-UNCAPPED_PATHS = frozenset({"/health", "/metrics"})
-
-#: largest client request body (long prompts, base64 images)
-MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 @dataclass
@@ -86,8 +83,11 @@ class ProxyState:
     upstream: Upstream | None = None
     handoff: Handoff | None = None
     api_key_hash: bytes | None = field(default=None, repr=False)
-    #: client requests being served (the concurrency cap counts these)
-    active: int = 0
+    #: the concurrency cap, in engine requests
+    slots: Slots = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.slots = Slots(self.config.max_concurrency, self.metrics)
 
     def client(self) -> Upstream:
         """The upstream client (only while the app runs)."""
@@ -112,17 +112,15 @@ def build_app(config: ProxyConfig) -> web.Application:
         router=Router(config.routing, prefill, decode, metrics,
                       local=handoff_cls is None or handoff_cls.serves_local),
         api_key_hash=hashlib.sha256(config.api_key.encode()).digest() if config.api_key else None)
-    app = web.Application(middlewares=[_front_door], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[_front_door], client_max_size=config.max_body_bytes)
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_post(COMPLETIONS, _generate)
     app.router.add_post(CHAT, _generate)
-    app.router.add_get("/version", _forward)
-    app.router.add_post("/tokenize", _forward)
-    app.router.add_post("/detokenize", _forward)
-    app.router.add_route("*", "/v1/{tail:.*}", _forward)
+    for method, path in forwarded_routes():
+        app.router.add_route(method, path, _forward)
     return app
 
 
@@ -190,29 +188,28 @@ def _preflight(request: web.Request, headers: dict[str, str]) -> web.Response:
 @web.middleware
 async def _front_door(request: web.Request,
                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Request id, OPTIONS, API key, the concurrency cap, and every error as an OpenAI error body."""
-    request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+    """The path check, request id, OPTIONS, API key, the body read within its timeout, and every
+    error as an OpenAI error body. The handlers take their concurrency slots once the body is in."""
+    request_id, replaced = request_id_of(request)
     request[REQUEST_ID_KEY] = request_id
     headers = {REQUEST_ID: request_id}
+    if replaced is not None:
+        headers[REQUEST_ID_REPLACED] = f"the client's X-Request-Id is {replaced}; engines saw this one"
     try:
+        if problem := path_problem(request.raw_path):
+            request.app[STATE].metrics.rejected.labels("path").inc()
+            raise NotFound(f"Not Found: {problem}")
         if request.method == "OPTIONS":
             return _preflight(request, headers)
         state = request.app[STATE]
         if not _authorized(state, request):
             raise Unauthorized("invalid or missing API key (send Authorization: Bearer KEY)")
-        if request.path in UNCAPPED_PATHS:
-            return await handler(request)
-        if state.active >= state.config.max_concurrency:
-            state.metrics.rejected.labels("concurrency").inc()
-            raise TooManyRequests(f"the proxy is serving {state.active} requests, its limit "
-                                  f"(max_concurrency); retry after {TooManyRequests.retry_after_s} s")
-        state.active += 1
-        state.metrics.active.inc()
-        try:
-            return await handler(request)
-        finally:
-            state.active -= 1
-            state.metrics.active.dec()
+        if request.body_exists:
+            await read_body(request, state.config.timeouts.client_body)
+        out = await handler(request)
+        if replaced is not None:
+            out.headers[REQUEST_ID_REPLACED] = headers[REQUEST_ID_REPLACED]
+        return out
     except ProxyHTTPError as exc:
         return exc.response(headers)
     except EngineErrorReply as exc:
@@ -251,11 +248,12 @@ async def _forward(request: web.Request) -> web.StreamResponse:
     upstream = state.client()
     rid: str = request[REQUEST_ID_KEY]
     data = _without_kv_params(await request.read(), rid) if request.body_exists else None
-    async with upstream.request(state.decode, request.method, request.path_qs, data=data,
-                                headers=upstream_headers(request.headers, rid)) as (backend, resp):
-        if is_event_stream(resp):
-            return await relay_stream(request, upstream, backend, resp, rid, StreamTiming(time.perf_counter()))
-        return await relay_whole(upstream, backend, resp, rid)
+    with state.slots.take():
+        async with upstream.request(state.decode, request.method, request.raw_path, data=data,
+                                    headers=upstream_headers(request.headers, rid)) as (backend, resp):
+            if is_event_stream(resp):
+                return await relay_stream(request, upstream, backend, resp, rid, StreamTiming(time.perf_counter()))
+            return await relay_whole(upstream, backend, resp, rid)
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:
@@ -364,24 +362,37 @@ def _client_request(request: web.Request, raw: bytes, decode_answers_errors: boo
     if parsed is None:
         if not decode_answers_errors:
             raise BadRequest("request body is not a JSON object")
-        return GenerationRequest(endpoint=request.path, body={}, raw=raw, headers=headers, request_id=rid,
+        return GenerationRequest(endpoint=request.path, body={}, encoded=raw, headers=headers, request_id=rid,
                                  parsed=False)
     body, stripped = strip_kv_params(parsed)
     if stripped:
         log.info("request %s: removed client-supplied kv_transfer_params", rid)
         raw = json.dumps(body).encode()
-    return GenerationRequest(endpoint=request.path, body=body, raw=raw, headers=headers, request_id=rid)
+    return GenerationRequest(endpoint=request.path, body=body, encoded=raw, headers=headers, request_id=rid)
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
     """Completions and chat: one route per prompt (prefill -> decode, or decode alone), replies joined."""
     started = time.perf_counter()
     state = request.app[STATE]
-    metrics, upstream = state.metrics, state.client()
-    rid: str = request[REQUEST_ID_KEY]
+    metrics = state.metrics
     local = state.handoff is None or state.handoff.serves_local
     req = _client_request(request, await request.read(), local)
+    if (count := prompt_count(req.body)) > state.config.max_prompts:
+        metrics.rejected.labels("max_prompts").inc()
+        raise BadRequest(f"this request has {count} prompts; this server serves at most "
+                         f"{state.config.max_prompts} prompts in one request (max_prompts)", param="prompt")
     plan = plan_request(req, split=state.handoff is not None, local=local)
+    parallel = batch_parallelism(plan, state.config.max_concurrency)
+    with state.slots.take(parallel):
+        return await _serve_plan(request, state, plan, parallel, started)
+
+
+async def _serve_plan(request: web.Request, state: ProxyState, plan: RequestPlan, parallel: int,
+                      started: float) -> web.StreamResponse:
+    """Serve ``plan`` (its slots taken): routing, then one reply or a batch's joined replies."""
+    metrics, upstream, req = state.metrics, state.client(), plan.request
+    rid = req.request_id
     state.router.route(plan)
     label = "chat" if req.endpoint == CHAT else "completions"
     path = "error"
@@ -390,7 +401,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         if plan.batched:
             out = await serve_batch(request, plan,
                                     lambda route, stack: _open_reply(state, route, stack, first_token_seen=False),
-                                    upstream, timing, extra=lambda: _route_header(plan))
+                                    upstream, timing, max_parallel=parallel, extra=lambda: _route_header(plan))
             if out.status == 200 and not timing.broken:
                 path = _request_path(plan)
                 if req.stream:

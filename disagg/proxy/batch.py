@@ -21,7 +21,19 @@ The client gets exactly what one vLLM server returns for the batch
   event, then ``[DONE]``, and the other routes are cancelled.
 
 A client that leaves cancels the handler; every route task is cancelled and
-closes its engine requests (which aborts them in the engines).
+closes its engine requests (which aborts them in the engines). A client that
+stays but stops reading is let go after ``timeouts.send`` seconds without
+progress (:func:`disagg.proxy.admission.send_within`), the same way. Until
+then the merger holds at most :data:`QUEUED_EVENTS_PER_ROUTE` events per route
+running: a route whose events wait stops reading its engine's stream, so
+the engine's own TCP buffers, not the proxy's memory, take the backlog.
+
+How many routes run at once (:func:`batch_parallelism`): at most
+:data:`MAX_PARALLEL_ROUTES`, at most ``max_concurrency`` (each counts as one
+engine request against it), and few enough that their request bodies in flight
+stay within :data:`BODY_BYTES_IN_FLIGHT` (a batch with a 2 MB shared field runs
+3 at a time): the memory they hold, and the event loop's time spent serialising
+them in one turn, stay bounded.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from disagg.proxy.admission import send_within
 from disagg.proxy.backends import Backend
 from disagg.proxy.errors import CLIENT_ERRORS, UpstreamBadReply, sse_error_event
 from disagg.proxy.handoff import DecodeReply
@@ -59,6 +72,21 @@ log = logging.getLogger("disagg.proxy")
 
 #: routes of one client request served at once
 MAX_PARALLEL_ROUTES = 32
+#: request bytes of one batch's routes in flight at once (each route's body holds the shared fields)
+BODY_BYTES_IN_FLIGHT = 8 * 1024 * 1024
+#: events of a streamed batch waiting for the client, per route running
+QUEUED_EVENTS_PER_ROUTE = 16
+
+
+def batch_parallelism(plan: RequestPlan, max_concurrency: int) -> int:
+    """How many of ``plan``'s routes run at once (1 for a single route): the slots it takes
+    against the proxy's concurrency cap."""
+    if not plan.batched:
+        return 1
+    shared = plan.routes[0].request.shared
+    body_bytes = len(shared.encoded) if shared is not None else len(plan.request.raw)
+    return max(1, min(len(plan.routes), MAX_PARALLEL_ROUTES, max_concurrency,
+                      BODY_BYTES_IN_FLIGHT // max(1, body_bytes)))
 
 OpenRoute = Callable[[PromptRoute, AsyncExitStack], Awaitable[DecodeReply]]
 
@@ -97,6 +125,8 @@ class _RouteRun:
                     body = await self._upstream.read(reply.backend, resp)
                     await reply.settle()
                     self.opened.set_result(_Opened(resp.status, resp.headers, body))
+                    if self._queue is not None:  # streaming may have begun: the error goes in-stream
+                        await self._queue.put((self.route.index, _error_event(resp.status, body)))
                     return
                 if not is_event_stream(resp):
                     raise UpstreamBadReply(reply.backend.url, "answered a streamed request without a stream")
@@ -110,13 +140,13 @@ class _RouteRun:
         except Exception as exc:
             if not self.opened.done():
                 self.opened.set_exception(exc)
-            elif self._queue is not None:
+                return
+            if self._queue is not None:
                 log.warning("request %s: %s", self.route.request.request_id, exc)
-                self._queue.put_nowait((self.route.index, sse_error_event(502, f"batch prompt failed: {exc}")))
-        finally:
-            if self._queue is not None and self.opened.done() and not self.opened.cancelled() \
-                    and self.opened.exception() is None:
-                self._queue.put_nowait((self.route.index, None))
+                await self._queue.put((self.route.index, sse_error_event(502, f"batch prompt failed: {exc}")))
+                return
+        if self._queue is not None:
+            await self._queue.put((self.route.index, None))
 
     async def _pump(self, backend: Backend, content: Any) -> None:
         """Every event of this route's stream into the queue (parsed JSON, or raw data)."""
@@ -128,8 +158,8 @@ class _RouteRun:
             except CLIENT_ERRORS as exc:
                 err = self._upstream.failed(backend, exc)
                 log.warning("decode stream broke: %s", err.message)
-                self._queue.put_nowait((self.route.index, sse_error_event(err.status, f"decode stream broke: "
-                                                                                      f"{err.message}")))
+                await self._queue.put((self.route.index, sse_error_event(err.status, f"decode stream broke: "
+                                                                                     f"{err.message}")))
                 return
             if not chunk:
                 return
@@ -144,11 +174,11 @@ class _RouteRun:
                     value = event.json()
                 except ValueError:
                     value = event.data
-                self._queue.put_nowait((self.route.index, value))
+                await self._queue.put((self.route.index, value))
 
 
 async def _first_failure(runs: list[_RouteRun]) -> _Opened | None:
-    """Wait until every route has answered; the lowest-numbered failure, if any (the rest cancelled).
+    """Wait until every route of ``runs`` has answered; the lowest-numbered failure, if any.
 
     Raises the exception of the lowest-numbered route that raised one (a
     proxy error the front door turns into the client's error).
@@ -174,12 +204,15 @@ async def serve_batch(request: web.Request, plan: RequestPlan, open_route: OpenR
     (``extra``: called once every route is open, the headers added to a successful reply, e.g.
     the routing's path header)."""
     rid = plan.request.request_id
-    queue: asyncio.Queue[_Item] | None = asyncio.Queue() if plan.request.stream else None
+    queue: asyncio.Queue[_Item] | None = \
+        asyncio.Queue(QUEUED_EVENTS_PER_ROUTE * max_parallel) if plan.request.stream else None
     limit = asyncio.Semaphore(max_parallel)
     runs = [_RouteRun(route, open_route, upstream, limit, queue) for route in plan.routes]
     tasks = [asyncio.create_task(run.run(), name=f"disagg-route-{rid}-{run.route.index}") for run in runs]
     try:
-        failure = await _first_failure(runs)
+        # a stream starts once the first routes have answered (the others wait for a free route, and
+        # their events for the client); a reply read whole waits for every route
+        failure = await _first_failure(runs[:max_parallel] if queue is not None else runs)
         if failure is not None:
             return web.Response(status=failure.status, body=failure.body,
                                 headers=downstream_headers(failure.headers, rid))
@@ -191,13 +224,24 @@ async def serve_batch(request: web.Request, plan: RequestPlan, open_route: OpenR
             replies = [_json_object(run) for run in runs]
             merged = json.dumps(merge_replies(replies, rid)).encode()
             return web.Response(status=200, body=merged, headers=headers)
-        return await _stream(request, queue, len(runs), headers, rid, timing)
+        return await _stream(request, queue, len(runs), headers, rid, timing, upstream.timeouts.send)
     finally:
         for task in tasks:
             task.cancel()
         for task in tasks:
             with suppress(BaseException):
                 await task
+
+
+def _error_event(status: int, body: bytes) -> bytes:
+    """An engine's error reply as the in-stream error event vLLM writes, then ``[DONE]``."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        value = None
+    if isinstance(value, dict) and isinstance(value.get("error"), dict):
+        return b"data: " + json.dumps(value).encode() + b"\n\n" + DONE_EVENT
+    return sse_error_event(status, body.decode("utf-8", "replace")[:1000] or f"HTTP {status}")
 
 
 def _json_object(run: _RouteRun) -> dict[str, Any]:
@@ -213,10 +257,15 @@ def _json_object(run: _RouteRun) -> dict[str, Any]:
 
 
 async def _stream(request: web.Request, queue: asyncio.Queue[_Item], routes: int, headers: CIMultiDict[str],
-                  rid: str, timing: StreamTiming) -> web.StreamResponse:
-    """Relay the routes' events as they come, re-indexed; one usage chunk and one ``[DONE]`` at the end."""
+                  rid: str, timing: StreamTiming, send_timeout: float) -> web.StreamResponse:
+    """Relay the routes' events as they come, re-indexed; one usage chunk and one ``[DONE]`` at the end
+    (each write within ``send_timeout``, else the client is let go)."""
     out = web.StreamResponse(status=200, headers=headers)
     await out.prepare(request)
+
+    async def write(data: bytes) -> None:
+        await send_within(request, out.write(data), send_timeout)
+
     reply_id = batch_id(rid)
     usage: dict[int, dict[str, Any]] = {}
     ended = 0
@@ -227,26 +276,26 @@ async def _stream(request: web.Request, queue: asyncio.Queue[_Item], routes: int
             continue
         if isinstance(value, bytes) and value.startswith(b"data: "):  # a route's final error event
             timing.broken = True
-            await out.write(value)
-            await out.write_eof()
+            await write(value)
+            await send_within(request, out.write_eof(), send_timeout)
             return out
         if isinstance(value, dict) and is_usage_chunk(value):
             usage[index] = value
             continue
         if isinstance(value, dict) and is_error_event(value):
             timing.broken = True
-            await out.write(encode_json_event(value) + DONE_EVENT)
-            await out.write_eof()
+            await write(encode_json_event(value) + DONE_EVENT)
+            await send_within(request, out.write_eof(), send_timeout)
             return out
         data = encode_json_event(reindex(value, index, reply_id)) if isinstance(value, dict) else encode_event(value)
-        await out.write(data)
+        await write(data)
         now = time.perf_counter()
         if timing.first is None:
             timing.first = now
         timing.token_events += 1
         timing.last = now
     if usage:
-        await out.write(encode_json_event(merge_usage_chunks([usage[i] for i in sorted(usage)], rid)))
-    await out.write(DONE_EVENT)
-    await out.write_eof()
+        await write(encode_json_event(merge_usage_chunks([usage[i] for i in sorted(usage)], rid)))
+    await write(DONE_EVENT)
+    await send_within(request, out.write_eof(), send_timeout)
     return out

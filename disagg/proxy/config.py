@@ -33,6 +33,11 @@ SEED_ROLES = ("prefill", "decode")
 #: pass-through; /health and /metrics never count): far above what one pair of
 #: engines runs at once (vLLM's --max-num-seqs), so only a flood is refused
 DEFAULT_MAX_CONCURRENCY = 1024
+#: prompts in one request (a ``/v1/completions`` list); more get a 400 (each prompt of a split
+#: batch is an engine request of its own)
+DEFAULT_MAX_PROMPTS = 1024
+#: largest client request body, bytes (long prompts, base64 images); larger gets 413
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -44,9 +49,14 @@ class ProxyTimeouts:
     health_interval: float = 2.0    # between two probe rounds of every backend
     health_timeout: float = 5.0     # one GET /health probe
     drain: float = 15.0             # SIGTERM: how long in-flight requests may finish
+    #: a client's side, as nginx's client_header_timeout, client_body_timeout and send_timeout:
+    client_header: float = 60.0     # a connection's request line and headers (also an idle keep-alive)
+    client_body: float = 60.0       # the whole request body, once the headers are in
+    send: float = 60.0              # one write to a client that stopped reading (a stream)
 
     def __post_init__(self) -> None:
-        for name in ("connect", "request", "health_interval", "health_timeout", "drain"):
+        for name in ("connect", "request", "health_interval", "health_timeout", "drain", "client_header",
+                     "client_body", "send"):
             value = getattr(self, name)
             if not value > 0:
                 raise ProxyError(f"proxy timeout {name} must be > 0 seconds, got {value!r}")
@@ -204,6 +214,10 @@ class ProxyConfig:
     fallback: str = "local"
     #: requests served at once; one more is answered 429 with Retry-After
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    #: prompts in one request; more are answered 400
+    max_prompts: int = DEFAULT_MAX_PROMPTS
+    #: largest request body in bytes; larger is answered 413
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     timeouts: ProxyTimeouts = field(default_factory=ProxyTimeouts)
     #: engine-specific handoff settings (``--handoff-option KEY=VALUE``), e.g.
     #: SGLang's ``bootstrap_ports``; each handoff reads the keys it needs
@@ -226,9 +240,10 @@ class ProxyConfig:
             raise ProxyError(f"log_level must be one of {', '.join(PROXY_LOG_LEVELS)}, got {self.log_level!r}")
         if self.fallback not in FALLBACKS:
             raise ProxyError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
-        if isinstance(self.max_concurrency, bool) or not isinstance(self.max_concurrency, int) \
-                or self.max_concurrency < 1:
-            raise ProxyError(f"max_concurrency must be a whole number >= 1, got {self.max_concurrency!r}")
+        for name in ("max_concurrency", "max_prompts", "max_body_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ProxyError(f"{name} must be a whole number >= 1, got {value!r}")
         if not 0 <= self.port <= 65535:
             raise ProxyError(f"proxy port {self.port} is not in 0..65535")
         if self.api_key is not None and not self.api_key:
@@ -263,10 +278,12 @@ class ProxyConfig:
         if self.prefill:
             argv += ["--prefill", *self.prefill]
         argv += ["--decode", *self.decode, "--handoff", self.handoff, "--fallback", self.fallback,
-                 "--max-concurrency", str(self.max_concurrency),
+                 "--max-concurrency", str(self.max_concurrency), "--max-prompts", str(self.max_prompts),
+                 "--max-body-bytes", str(self.max_body_bytes),
                  "--connect-timeout", str(t.connect), "--request-timeout", str(t.request),
                  "--health-interval", str(t.health_interval), "--health-timeout", str(t.health_timeout),
-                 "--drain-timeout", str(t.drain)]
+                 "--drain-timeout", str(t.drain), "--client-header-timeout", str(t.client_header),
+                 "--client-body-timeout", str(t.client_body), "--send-timeout", str(t.send)]
         if self.api_key and with_api_key:
             argv += ["--api-key", self.api_key]
         if self.engine_key and with_api_key:

@@ -6,8 +6,10 @@ client exceptions become proxy errors.
     ProxyError (disagg.errors)          bad proxy configuration (the CLI prints it; nothing starts)
 
     ProxyHTTPError                      an error one client request ends with; carries its status
-        ├── BadRequest                  400: unreadable client request
+        ├── BadRequest                  400: unreadable client request, too many prompts
         ├── Unauthorized                401: missing or wrong API key
+        ├── NotFound                    404: a path the proxy does not serve
+        ├── RequestTimeout              408: the body did not arrive in time
         ├── RetryLater                  an error that passes (Retry-After)
         │   ├── TooManyRequests         429: over the concurrency cap
         │   └── NoHealthyBackend        503: no healthy instance of a role
@@ -37,6 +39,7 @@ _ERROR_TYPES: dict[int, str] = {
     401: "AuthenticationError",
     429: "RateLimitError",
     404: "NotFoundError",
+    408: "RequestTimeoutError",
     500: "InternalServerError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
@@ -54,9 +57,10 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+def error_response(status: int, message: str, headers: dict[str, str] | None = None,
+                   param: str | None = None) -> web.Response:
     """A JSON response carrying :func:`error_body`."""
-    return web.Response(status=status, body=json.dumps(error_body(status, message)).encode(),
+    return web.Response(status=status, body=json.dumps(error_body(status, message, param)).encode(),
                         content_type="application/json", headers=headers)
 
 
@@ -71,17 +75,30 @@ class ProxyHTTPError(Exception):
 
     status: int = 500
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.param = param
 
     def response(self, headers: dict[str, str] | None = None) -> web.Response:
         """This error as an OpenAI error response."""
-        return error_response(self.status, self.message, headers)
+        return error_response(self.status, self.message, headers, self.param)
 
 
 class BadRequest(ProxyHTTPError):
     status = 400
+
+
+class NotFound(ProxyHTTPError):
+    """A path the proxy does not serve (or refuses to read: dot segments)."""
+
+    status = 404
+
+
+class RequestTimeout(ProxyHTTPError):
+    """The client did not send its whole body within ``timeouts.client_body``."""
+
+    status = 408
 
 
 class Unauthorized(ProxyHTTPError):
@@ -96,7 +113,7 @@ class RetryLater(ProxyHTTPError):
 
     def response(self, headers: dict[str, str] | None = None) -> web.Response:
         return error_response(self.status, self.message, {**(headers or {}),
-                                                          "Retry-After": str(self.retry_after_s)})
+                                                          "Retry-After": str(self.retry_after_s)}, self.param)
 
 
 class TooManyRequests(RetryLater):

@@ -12,6 +12,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from disagg.proxy.admission import send_within
 from disagg.proxy.backends import Backend
 from disagg.proxy.errors import CLIENT_ERRORS, sse_error_event
 from disagg.proxy.headers import downstream_headers
@@ -97,11 +98,17 @@ async def relay_stream(request: web.Request, upstream: Upstream, backend: Backen
 
     If the engine fails after the stream started, the client gets vLLM's
     in-stream error event and ``[DONE]``. A client that goes away raises out
-    of here (``ConnectionResetError`` or cancellation), and the caller's
-    context closes the engine request.
+    of here (``ConnectionResetError`` or cancellation), and so does one that
+    reads nothing for ``timeouts.send`` seconds (:func:`~disagg.proxy.admission.send_within`);
+    the caller's context then closes the engine request.
     """
     out = web.StreamResponse(status=resp.status, headers=_headers(resp, request_id, extra))
     await out.prepare(request)
+    send_timeout = upstream.timeouts.send
+
+    async def write(data: bytes) -> None:
+        await send_within(request, out.write(data), send_timeout)
+
     content = resp.content
     parser: SSEParser | None = SSEParser()
     stripper = SuffixStrip(strip) if strip else None
@@ -113,19 +120,19 @@ async def relay_stream(request: web.Request, upstream: Upstream, backend: Backen
             log.warning("decode stream broke: %s", err.message)
             timing.broken = True
             if stripper is not None:
-                await out.write(stripper.flush())
-            await out.write(sse_error_event(err.status, f"decode stream broke: {err.message}"))
+                await write(stripper.flush())
+            await write(sse_error_event(err.status, f"decode stream broke: {err.message}"))
             break
         if not chunk:
             if stripper is not None:
-                await out.write(stripper.flush())
+                await write(stripper.flush())
             break
         if stripper is not None:
             chunk = stripper.feed(chunk)
             if not chunk:
                 continue
         now = time.perf_counter()
-        await out.write(chunk)
+        await write(chunk)
         if timing.first is None:
             timing.mark_first(now)
         if parser is None:
@@ -139,7 +146,7 @@ async def relay_stream(request: web.Request, upstream: Upstream, backend: Backen
         if events:
             timing.token_events += events
             timing.last = now
-    await out.write_eof()
+    await send_within(request, out.write_eof(), send_timeout)
     return out
 
 

@@ -26,6 +26,9 @@ What goes ``local`` (with the reason, a metric label):
 - ``prompt_logprobs``: vLLM does not compute prompt logprobs for tokens whose KV
   was transferred; so also ``echo`` with ``logprobs`` (which needs them).
 - ``max_tokens_0``: nothing to decode.
+- ``invalid_field``: a field the proxy reads (``stream``, ``n``, ``max_tokens``, ...)
+  has a value vLLM refuses (:mod:`disagg.proxy.fields`): the decode engine answers
+  its own 400.
 - ``prompt_shape``: a ``prompt`` the proxy does not recognise (not a string,
   token ids, or a list of either); the decode engine answers with its own error
   or result, exactly as a single server.
@@ -55,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from multidict import CIMultiDict
 
+from disagg.proxy.fields import invalid_field, lax_bool, read_field
 from disagg.proxy.headers import REQUEST_ID
 
 if TYPE_CHECKING:
@@ -68,31 +72,63 @@ KV_PARAMS = "kv_transfer_params"
 
 
 @dataclass(frozen=True)
+class SharedFields:
+    """A batch's fields other than ``prompt``, serialised once: each prompt's sub-request body
+    is spliced from these bytes when it is sent (:attr:`GenerationRequest.raw`), so a large
+    shared field (a 1 MB ``user``) is never copied once per prompt up front."""
+
+    encoded: bytes          # the JSON object without "prompt", as json.dumps writes it
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> SharedFields:
+        return cls(json.dumps({k: v for k, v in body.items() if k != "prompt"}).encode())
+
+    def with_prompt(self, prompt: Any) -> bytes:
+        """The sub-request body: ``{"prompt": PROMPT, <the shared fields>}``."""
+        head = b'{"prompt": ' + json.dumps(prompt).encode()
+        return head + b"}" if self.encoded == b"{}" else head + b", " + self.encoded[1:]
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One generation request as an engine should receive it (never mutated).
 
     For a client's whole request ``body``/``raw`` are what the client sent,
     less any ``kv_transfer_params``; for a sub-request of a batch, the same
-    with one prompt.
+    with one prompt (its bytes built from ``shared`` each time :attr:`raw` is read).
     """
 
     endpoint: str                       # COMPLETIONS or CHAT
     body: Mapping[str, Any]             # the parsed JSON object (empty when ``parsed`` is false)
-    raw: bytes                          # ``body`` as bytes (the client's own bytes when unchanged)
+    encoded: bytes | None               # ``body`` as bytes (the client's own bytes when unchanged)
     headers: Mapping[str, str]          # end-to-end headers for engines (X-Request-Id set)
     request_id: str
-    #: False when ``raw`` is not a JSON object: it then goes to an engine as it is
+    #: False when ``encoded`` is not a JSON object: it then goes to an engine as it is
     parsed: bool = True
+    #: a batch's sub-request: the other fields, serialised once for every prompt
+    shared: SharedFields | None = field(default=None, repr=False)
+
+    @property
+    def raw(self) -> bytes:
+        """The body's bytes as an engine receives them."""
+        if self.encoded is not None:
+            return self.encoded
+        if self.shared is not None:
+            return self.shared.with_prompt(self.body["prompt"])
+        return json.dumps(self.body).encode()
 
     @property
     def stream(self) -> bool:
-        return bool(self.body.get("stream"))
+        """Whether the reply streams, as vLLM reads ``stream`` (``"false"`` is False)."""
+        return lax_bool(self.body.get("stream"))
 
-    def with_body(self, body: Mapping[str, Any], request_id: str) -> GenerationRequest:
-        """A copy carrying ``body`` (serialised anew) under ``request_id``."""
+    def sub_request(self, index: int, prompt: Any, shared: SharedFields) -> GenerationRequest:
+        """Prompt ``index`` of this batch as a request of its own (``X-Request-Id`` ``<id>-<index>``)."""
+        request_id = f"{self.request_id}-{index}"
         headers = CIMultiDict(self.headers)
         headers[REQUEST_ID] = request_id
-        return replace(self, body=body, raw=json.dumps(body).encode(), headers=headers, request_id=request_id)
+        return replace(self, body={**self.body, "prompt": prompt}, encoded=None, shared=shared, headers=headers,
+                       request_id=request_id)
 
 
 class RoutePath(enum.StrEnum):
@@ -171,6 +207,13 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
+def prompt_count(body: Mapping[str, Any]) -> int:
+    """How many prompts a request carries: a completions ``prompt`` list of strings or of token-id
+    lists counts each item, anything else is one (the proxy's ``max_prompts`` bounds this)."""
+    prompt = body.get("prompt")
+    return len(prompt) if isinstance(prompt, list) and prompt and not _is_token_ids(prompt) else 1
+
+
 def batch_prompts(body: Mapping[str, Any]) -> list[Any] | None:
     """The prompts of a completions batch (two or more), or None for one prompt.
 
@@ -189,13 +232,15 @@ def batch_prompts(body: Mapping[str, Any]) -> list[Any] | None:
 
 def local_reason(endpoint: str, body: Mapping[str, Any]) -> str | None:
     """Why a request cannot be served exactly through the KV handoff (see the module doc), or None."""
-    if body.get("n") not in (None, 1) or body.get("use_beam_search"):  # also "2", which vLLM coerces
+    if invalid_field(body) is not None:
+        return "invalid_field"
+    if read_field(body, "n") not in (None, 1) or read_field(body, "use_beam_search"):
         return "n"
     if body.get("prompt_logprobs") is not None:
         return "prompt_logprobs"
-    if endpoint == COMPLETIONS and body.get("echo") and body.get("logprobs") is not None:
+    if endpoint == COMPLETIONS and read_field(body, "echo") and body.get("logprobs") is not None:
         return "prompt_logprobs"
-    if body.get("max_tokens") == 0 or body.get("max_completion_tokens") == 0:
+    if read_field(body, "max_tokens") == 0 or read_field(body, "max_completion_tokens") == 0:
         return "max_tokens_0"
     if endpoint == COMPLETIONS and body.get("prompt_embeds") is not None:
         return "prompt_embeds"
@@ -228,6 +273,6 @@ def plan_request(req: GenerationRequest, *, split: bool, local: bool = True) -> 
         return RequestPlan(req, [PromptRoute(0, req, RoutePath.LOCAL, reason)])
     if prompts is None:
         return RequestPlan(req, [PromptRoute(0, req, RoutePath.SPLIT)])
-    routes = [PromptRoute(i, req.with_body({**req.body, "prompt": p}, f"{req.request_id}-{i}"), RoutePath.SPLIT)
-              for i, p in enumerate(prompts)]
+    shared = SharedFields.of(req.body)
+    routes = [PromptRoute(i, req.sub_request(i, p, shared), RoutePath.SPLIT) for i, p in enumerate(prompts)]
     return RequestPlan(req, routes)

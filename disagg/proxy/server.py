@@ -38,7 +38,10 @@ class ProxyServer:
     def __init__(self, config: ProxyConfig, *, access_log: bool = False) -> None:
         self.config = config
         self.app = build_app(config)
+        # aiohttp's keep-alive timer runs from a connection's start (and from the end of each
+        # reply) until a whole request head has arrived: nginx's client_header_timeout
         self._runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=config.timeouts.drain,
+                                     keepalive_timeout=config.timeouts.client_header,
                                      access_log=logging.getLogger("aiohttp.access") if access_log else None)
         self._state = ServerState.NEW
         self.port: int | None = None

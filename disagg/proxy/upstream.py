@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
+from yarl import URL
 
 from disagg.proxy.backends import Backend, BackendPool
 from disagg.proxy.config import ProxyTimeouts
@@ -69,11 +70,13 @@ class Upstream:
                    headers: Mapping[str, str]) -> aiohttp.ClientResponse:
         """Send one request; returns the response with its headers read.
 
-        The caller owns the response: read it, then ``release()``, or ``close()``
-        it to abort the engine's work.
+        ``path`` is sent as it is (already percent-encoded, query included), never resolved
+        again: the client's paths reach here only through
+        :func:`disagg.proxy.engine_routes.path_problem`. The caller owns the response: read it,
+        then ``release()``, or ``close()`` it to abort the engine's work.
         """
         try:
-            return await self.session.request(method, backend.url + path, data=data,
+            return await self.session.request(method, URL(backend.url + path, encoded=True), data=data,
                                               headers=self.engine_headers(headers), allow_redirects=False)
         except CLIENT_ERRORS as exc:
             raise self.failed(backend, exc) from exc

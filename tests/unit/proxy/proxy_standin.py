@@ -181,6 +181,7 @@ class StandInEngine:
     no_kv_params: bool = False              # prefill answers without kv_transfer_params
     gate: asyncio.Event | None = None       # stream: wait for it after the first event
     prompt_text: bool = False               # tokens carry the (string) prompt: ``<prompt>:tok0 ``
+    keep_bodies: bool = True                # False: record requests without their bodies (large batches)
     fail_on_prompt: str | None = None       # answer 400 to a request whose prompt is this string
     received: list[Received] = field(default_factory=list)
     running: int = 0                        # generation requests in progress
@@ -192,7 +193,7 @@ class StandInEngine:
         return [r for r in self.received if r.path.startswith("/v1/") and "completions" in r.path]
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 1024 * 1024)   # as vLLM: large bodies are read
         app.router.add_get("/health", self._health)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
@@ -201,6 +202,7 @@ class StandInEngine:
         app.router.add_post("/tokenize", self._echo)
         app.router.add_post("/detokenize", self._echo)
         app.router.add_route("*", "/v1/{tail:.*}", self._echo)
+        app.router.add_route("*", "/{tail:.*}", self._echo)  # any other path: recorded, so a test sees it arrive
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -218,7 +220,8 @@ class StandInEngine:
             body = json.loads(raw) if raw else None
         except (ValueError, RecursionError):
             body = None
-        self.received.append(Received(request.method, request.path_qs, CIMultiDict(request.headers), body))
+        self.received.append(Received(request.method, request.path_qs, CIMultiDict(request.headers),
+                                      body if self.keep_bodies else None))
         return body
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -68,9 +68,9 @@ async def test_other_routes_go_to_decode(standin, proxy, http) -> None:
         assert (await resp.json())["echo"] == {"prompt": "hi"}
     async with http.post(server.url + "/detokenize", json={"tokens": [1, 2]}) as resp:
         assert (await resp.json())["echo"] == {"tokens": [1, 2]}
-    async with http.post(server.url + "/v1/embeddings?x=1", json={"input": "hi"}) as resp:
+    async with http.post(server.url + "/v1/messages/count_tokens?x=1", json={"input": "hi"}) as resp:
         reply = await resp.json()
-        assert reply == {"echo": {"input": "hi"}, "path": "/v1/embeddings?x=1", "server": "D"}
+        assert reply == {"echo": {"input": "hi"}, "path": "/v1/messages/count_tokens?x=1", "server": "D"}
         assert resp.headers["X-Stand-In"] == "D"
     assert p.received == []
 

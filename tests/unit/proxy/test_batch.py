@@ -175,6 +175,7 @@ async def test_relay_counts_events_split_across_reads(http) -> None:
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
+    from disagg.proxy.config import ProxyTimeouts
     from disagg.proxy.relay import StreamTiming, relay_stream
 
     events = b"".join(b'data: {"choices":[{"index":0,"text":"t%d"}]}\n\n' % i for i in range(5))
@@ -193,10 +194,13 @@ async def test_relay_counts_events_split_across_reads(http) -> None:
         headers: ClassVar[dict[str, str]] = {}
         content = Pieces()
 
+    class Client:
+        timeouts = ProxyTimeouts()
+
     timing = StreamTiming(0.0)
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        return await relay_stream(request, None, None, Resp(), "rid", timing)  # type: ignore[arg-type]
+        return await relay_stream(request, Client(), None, Resp(), "rid", timing)  # type: ignore[arg-type]
 
     app = web.Application()
     app.router.add_get("/", handler)

@@ -165,7 +165,7 @@ async def test_missing_notice_falls_back_to_decode_alone(pair, http) -> None:
 
 async def test_a_long_client_request_id_is_cut_in_lmcaches_id(pair, http) -> None:
     p, _d, server = await pair()
-    client_id = "c" * 5000
+    client_id = "c" * 128  # the longest the proxy passes on
     async with asyncio.timeout(LIMIT_S):
         async with http.post(server.url + "/v1/completions", json={"prompt": "x"},
                              headers={"X-Request-Id": client_id}) as resp:

@@ -212,7 +212,7 @@ async def test_serve_records_engines_params_and_when_prefill_answered(pushes) ->
         handoff.observer = lambda route, backend, s, n: seen.append((route, backend.url, s, n))
         routes = []
         for _ in range(2):
-            req = GenerationRequest(endpoint=COMPLETIONS, body=BODY, raw=json.dumps(BODY).encode(),
+            req = GenerationRequest(endpoint=COMPLETIONS, body=BODY, encoded=json.dumps(BODY).encode(),
                                     headers={"X-Request-Id": "r"}, request_id="r")
             route = PromptRoute(index=0, request=req, path=RoutePath.SPLIT, prefill=prefill.backends[1])
             async with asyncio.timeout(LIMIT_S), handoff.serve(route) as reply:

@@ -182,7 +182,7 @@ async def test_serve_records_engines_and_params_and_tells_the_observer(streams) 
         handoff = SocketStreamHandoff(Upstream(session, FAST, metrics), prefill, decode, metrics,
                                       options=dict(peers_option(p1, p2)))
         handoff.observer = lambda route, backend, s, n: seen.append((route, backend.url, s, n))
-        req = GenerationRequest(endpoint=COMPLETIONS, body=BODY, raw=json.dumps(BODY).encode(),
+        req = GenerationRequest(endpoint=COMPLETIONS, body=BODY, encoded=json.dumps(BODY).encode(),
                                 headers={"X-Request-Id": "r"}, request_id="r")
         route = PromptRoute(index=0, request=req, path=RoutePath.SPLIT, prefill=prefill.backends[1])
         async with asyncio.timeout(LIMIT_S), handoff.serve(route) as reply:
