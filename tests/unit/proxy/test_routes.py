@@ -42,6 +42,12 @@ def test_unrecognised_prompt_shapes(prompt: object) -> None:
     ({"n": 2}, "n"), ({"n": "2"}, "n"), ({"use_beam_search": True}, "n"), ({"prompt_logprobs": 0}, "prompt_logprobs"),
     ({"echo": True, "logprobs": 0}, "prompt_logprobs"), ({"max_tokens": 0}, "max_tokens_0"),
     ({"prompt_embeds": "AAAA"}, "prompt_embeds"), ({"n": 1, "echo": True}, None), ({"logprobs": 2}, None),
+    # fields the proxy reads, with values vLLM refuses (pydantic, lax): decode answers its own 400
+    ({"stream": "abc"}, "invalid_field"), ({"n": "two"}, "invalid_field"), ({"max_tokens": [1]}, "invalid_field"),
+    ({"echo": 2}, "invalid_field"),
+    # ... and values vLLM coerces, read as it reads them
+    ({"stream": "false"}, None), ({"max_tokens": "0"}, "max_tokens_0"), ({"n": "1"}, None),
+    ({"use_beam_search": "yes"}, "n"),
 ])
 def test_local_reasons(body: dict, reason: str | None) -> None:
     assert local_reason(COMPLETIONS, body) == reason
@@ -72,6 +78,21 @@ def test_batch_becomes_one_route_per_prompt_with_its_own_request_id() -> None:
     assert [r.request.request_id for r in plan.routes] == ["r-0", "r-1", "r-2"]
     assert [r.request.headers["X-Request-Id"] for r in plan.routes] == ["r-0", "r-1", "r-2"]
     assert json.loads(plan.routes[1].request.raw) == {"model": "m", "prompt": "b", "max_tokens": 4}
+
+
+def test_a_batch_reads_stream_as_vllm_does() -> None:
+    assert not plan_request(request({"prompt": ["a", "b"], "stream": "false"}), split=True).request.stream
+    assert plan_request(request({"prompt": ["a", "b"], "stream": "true"}), split=True).request.stream
+
+
+def test_sub_request_bodies_share_the_fields_serialised_once() -> None:
+    body = {"model": "m", "prompt": [[1, 2], [3]], "user": "u" * 1000, "stream": True}
+    plan = plan_request(request(body), split=True)
+    shared = {id(r.request.shared) for r in plan.routes}
+    assert len(shared) == 1 and None not in {r.request.shared for r in plan.routes}
+    assert [json.loads(r.request.raw) for r in plan.routes] == [{**body, "prompt": [1, 2]}, {**body, "prompt": [3]}]
+    lone = plan_request(request({"prompt": ["a", "b"]}), split=True)
+    assert json.loads(lone.routes[1].request.raw) == {"prompt": "b"}
 
 
 def test_single_prompt_keeps_the_clients_bytes() -> None:
