@@ -197,6 +197,9 @@ class Timeouts:
     proxy_startup: float = 60.0         # proxy start until its /health answers
     ssh_command: float = 60.0           # one ssh command that starts a remote engine, writes its files, checks ports
     ssh_check: float = 20.0             # one quick ssh command: is a remote process alive, SIGKILL it, tail its log
+    #: a running engine (or the proxy) whose health check has failed for this long, every probe in a
+    #: row (at least 2; one every health_interval, each of health_timeout), is killed and restarted
+    liveness: float = 30.0
 
 
 #: where state and logs go when the topology does not say (``run_dir``; a remote host's ``workdir``)
@@ -615,7 +618,8 @@ def _timeouts(node: Node | None) -> Timeouts:
         return Timeouts()
     f = Fields(node, "a mapping of timeouts in seconds")
     d = Timeouts()
-    ssh = {key: _duration(child) for key in ("ssh_command", "ssh_check") if (child := f.take(key)) is not None}
+    durations = {key: _duration(child) for key in ("ssh_command", "ssh_check", "liveness")
+                 if (child := f.take(key)) is not None}
     t = Timeouts(startup=f.float("startup", d.startup) or d.startup,
                  health_interval=f.float("health_interval", d.health_interval) or d.health_interval,
                  shutdown_grace=f.float("shutdown_grace", d.shutdown_grace) or d.shutdown_grace,
@@ -624,7 +628,8 @@ def _timeouts(node: Node | None) -> Timeouts:
                  health_timeout=f.float("health_timeout", d.health_timeout) or d.health_timeout,
                  drain=f.float("drain", d.drain) or d.drain,
                  proxy_startup=f.float("proxy_startup", d.proxy_startup) or d.proxy_startup,
-                 ssh_command=ssh.get("ssh_command", d.ssh_command), ssh_check=ssh.get("ssh_check", d.ssh_check))
+                 ssh_command=durations.get("ssh_command", d.ssh_command),
+                 ssh_check=durations.get("ssh_check", d.ssh_check), liveness=durations.get("liveness", d.liveness))
     f.done()
     return t
 

@@ -331,17 +331,22 @@ class Launcher:
             self.release()
 
     # -- what the supervisor uses ----------------------------------------------------
-    def sweep(self, dead: ProcessRecord) -> None:
+    def sweep(self, dead: ProcessRecord, *, kill: bool = False) -> bool:
         """Stop what an exited leader left in its group (a SIGKILLed API server's EngineCore and workers),
-        or the whole process when it still runs (a restart that never became healthy)."""
+        or the whole process when it still runs (a restart that never became healthy); ``kill``:
+        SIGKILL at once, no grace (a process that stopped answering, see the supervisor's liveness).
+
+        Called by the supervisor. False when it could not be stopped (its host does not answer
+        over ssh, or something survived SIGKILL)."""
+        grace = 0.0 if kill else min(self.topo.timeouts.shutdown_grace, ABORT_GRACE_S)
         try:
-            outcome = processes.stop_process(dead, min(self.topo.timeouts.shutdown_grace, ABORT_GRACE_S),
-                                             ssh_timeout=self.topo.timeouts.ssh_check)
+            outcome = processes.stop_process(dead, grace, ssh_timeout=self.topo.timeouts.ssh_check)
         except LaunchError as exc:
-            self.say(f"{dead.name}: could not stop what it left behind: {exc}")
-            return
+            self.say(f"{dead.name}: could not stop {'it' if kill else 'what it left behind'}: {exc}")
+            return False
         if outcome is not None and outcome.others and not outcome.leader_running:
             self.say(f"{dead.name}: stopped the {outcome.others} processes of its group it left behind")
+        return True
 
     def alive(self, rec: ProcessRecord) -> bool:
         """False once the recorded leader has exited (a local child is reaped, its status kept
@@ -410,12 +415,22 @@ class Launcher:
                 return line.strip(), scanned + end
         return None, scanned + (end if end or len(chunk) < STUCK_SCAN_BYTES else len(chunk))
 
-    def ready(self, rec: ProcessRecord) -> bool:
+    def ready(self, rec: ProcessRecord, timeout: float = 2.0) -> bool:
         """An engine answers its health path with 200; the proxy answers at all (its /health
         is 503 while an engine it needs is away)."""
-        if rec.kind == "proxy":
-            return http_status(rec.url + "/health", timeout=2.0) is not None
-        return http_status(rec.url + self._engine(rec.name).health_path, timeout=2.0) == 200
+        return self.unanswered(rec, timeout) is None
+
+    def unanswered(self, rec: ProcessRecord, timeout: float) -> str | None:
+        """Why ``rec`` fails its health check within ``timeout`` s (None: it passes, see :meth:`ready`).
+
+        The supervisor's liveness probe calls it from a thread of its own."""
+        path = "/health" if rec.kind == "proxy" else self._engine(rec.name).health_path
+        code = http_status(rec.url + path, timeout=timeout)
+        if code is None:
+            return f"GET {path}: no answer within {timeout:g} s"
+        if rec.kind != "proxy" and code != 200:
+            return f"GET {path} answered {code}"
+        return None
 
     def restart(self, rec: ProcessRecord) -> None:
         """Start the process of ``rec`` again (same command line, environment and secrets, log

@@ -11,7 +11,17 @@ poll it looks at every recorded process:
 - ``backoff`` and the wait is over: started again (``Launcher.restart``),
   now ``starting``;
 - ``starting``: ``running`` once healthy; an exit or ``timeouts.startup``
-  without health counts as another failure.
+  without health counts as another failure;
+- ``running`` and alive: **liveness**, as Kubernetes' liveness probe. Its
+  health check (an engine's health path answering 200; the proxy answering at
+  all) is probed every ``timeouts.health_interval`` seconds, each probe
+  limited to ``timeouts.health_timeout``, in a thread of its own so that a hung
+  process never holds up the poll. Once every probe in a row has failed for
+  ``timeouts.liveness`` seconds (at least :data:`LIVENESS_MIN_FAILURES` of
+  them), the process lives but serves nothing (SIGSTOPped, deadlocked): its
+  process group is SIGKILLed and it is handled as an exit (restart policy,
+  backoff, cap). Whether requests go to an engine meanwhile is the proxy's own
+  readiness probe's business.
 
 The state file is rewritten at each change (``status``, ``restarts``,
 ``last_exit``, the new pid), which is what ``disagg status`` shows; the write
@@ -26,6 +36,7 @@ has failed for good.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -43,6 +54,9 @@ if TYPE_CHECKING:
 #: how much of the log at an exit the state file keeps for `disagg status`
 EXIT_LOG_LINES = 10
 EXIT_LOG_CHARS = 4000
+#: the fewest failed liveness probes in a row that get a running process killed, however short
+#: ``timeouts.liveness`` is: one late answer is never enough
+LIVENESS_MIN_FAILURES = 2
 
 
 def exit_reason(code: int | None) -> str:
@@ -87,6 +101,30 @@ class RestartBudget:
         self.restarts.append(now)
 
 
+class _Probe:
+    """One liveness probe in flight, in a daemon thread of its own: a hung process holds it
+    for up to ``timeouts.health_timeout`` while the supervisor goes on polling, and it never
+    keeps ``disagg up`` from exiting."""
+
+    def __init__(self, check: Callable[[], str | None], started: float) -> None:
+        self.started = started
+        self.failure: str | None = None   # why it failed (None: passed); valid once done
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(check,), name="disagg-liveness", daemon=True).start()
+
+    def _run(self, check: Callable[[], str | None]) -> None:
+        try:
+            self.failure = check()
+        except Exception as exc:  # a probe that cannot be made counts as failed, it never kills the thread silently
+            self.failure = f"probe failed: {exc.__class__.__name__}: {exc}"
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
 @dataclass
 class _Watched:
     """The supervisor's view of one recorded process."""
@@ -96,6 +134,14 @@ class _Watched:
     due: float = 0.0        # backoff: when to start it again
     since: float = 0.0      # starting: when it was started
     scanned: int = 0        # starting: bytes of its log searched for a stuck-start line
+    probe: _Probe | None = None           # running: the liveness probe in flight
+    probed: float | None = None           # running: when the last liveness probe started
+    failing_since: float | None = None    # running: when the first of the failed probes in a row started
+    failures: int = 0                     # running: failed liveness probes in a row
+
+    def forget_probes(self) -> None:
+        """A new process, or supervision paused: earlier probes say nothing about what comes next."""
+        self.probe, self.probed, self.failing_since, self.failures = None, None, None, 0
 
 
 def essential(rec: ProcessRecord) -> bool:
@@ -116,11 +162,15 @@ class Supervisor:
         """Poll until ``should_stop()`` (0) or until the service is lost for good (1).
 
         Called by ``Launcher.supervise`` (foreground ``disagg up``, or the detached supervisor)."""
-        while not should_stop():
-            if self.poll() is not None:
-                return 1
-            time.sleep(self.launcher.poll_interval)
-        return 0
+        try:
+            while not should_stop():
+                if self.poll() is not None:
+                    return 1
+                time.sleep(self.launcher.poll_interval)
+            return 0
+        finally:
+            for w in self.watched:
+                w.forget_probes()   # probes in flight end by their timeout; their answers are not awaited
 
     def poll(self) -> str | None:
         """One look at every process; a message once the service is lost for good, else None."""
@@ -130,6 +180,8 @@ class Supervisor:
             if rec.status == "running" and not self.launcher.alive(rec):
                 self._exited(w)
                 changed = True
+            elif rec.status == "running":
+                changed |= self._check_live(w)
             elif rec.status == "backoff" and self.clock() >= w.due:
                 self._restart(w)
                 changed = True
@@ -153,16 +205,62 @@ class Supervisor:
         return None
 
     # -- transitions ---------------------------------------------------------------
-    def _exited(self, w: _Watched, why: str = "") -> None:
-        """``w`` exited (or failed to start): report, sweep, then back off or give up."""
+    def _check_live(self, w: _Watched) -> bool:
+        """``running`` and alive: collect a finished liveness probe, start the next one when due;
+        True when it was found hung and killed (see the module docstring)."""
+        rec, now = w.record, self.clock()
+        timeouts = self.launcher.topo.timeouts
+        probe = w.probe
+        if probe is not None and probe.done:
+            w.probe = None
+            if probe.failure is None:
+                if w.failures >= LIVENESS_MIN_FAILURES:
+                    self.launcher.say(f"{rec.name}: passes its health check again after {w.failures} failed "
+                                      f"probes in a row ({now - (w.failing_since or now):.0f} s)")
+                w.failing_since, w.failures = None, 0
+            else:
+                if w.failing_since is None:
+                    w.failing_since = probe.started
+                w.failures += 1
+                silent = now - w.failing_since
+                if w.failures == LIVENESS_MIN_FAILURES:   # one late answer is not worth a line
+                    self.launcher.say(f"{rec.name}: failed its health check {w.failures} times in a row "
+                                      f"({probe.failure}); killed and restarted if that goes on for "
+                                      f"{timeouts.liveness:g} s (timeouts.liveness)")
+                if w.failures >= LIVENESS_MIN_FAILURES and silent >= timeouts.liveness:
+                    return self._hung(w, silent, probe.failure)
+        if w.probe is None and (w.probed is None or now - w.probed >= timeouts.health_interval):
+            w.probed = now
+            w.probe = _Probe(lambda: self.launcher.unanswered(rec, timeouts.health_timeout), now)
+        return False
+
+    def _hung(self, w: _Watched, silent: float, failure: str) -> bool:
+        """``w`` lives but has failed its health check for ``timeouts.liveness``: SIGKILL its
+        process group, then the restart policy decides as after an exit. True when killed."""
         rec = w.record
+        if not self.launcher.sweep(rec, kill=True):
+            self.launcher.say(f"{rec.name}: not restarted while it may still run; trying again after another "
+                              f"{self.launcher.topo.timeouts.liveness:g} s without an answer")
+            w.forget_probes()
+            return False
+        self._exited(w, f"failed its health check for {silent:.0f} s ({w.failures} probes in a row, the last: "
+                        f"{failure}) though its process ran (hung or stopped): killed with SIGKILL "
+                        "(timeouts.liveness)", swept=True)
+        return True
+
+    def _exited(self, w: _Watched, why: str = "", *, swept: bool = False) -> None:
+        """``w`` exited (or failed to start, or was killed as hung: ``swept``): report, sweep, then
+        back off or give up."""
+        rec = w.record
+        w.forget_probes()
         code = None if why else self.launcher.exit_code(rec)  # with a reason given it may still run
         rec.last_exit = why or exit_reason(code)
         tail = self.launcher.log_tail(rec)
         rec.exit_log = "\n".join(tail.splitlines()[-EXIT_LOG_LINES:])[-EXIT_LOG_CHARS:]
         self.launcher.say(f"error: {rec.name} on {rec.address}:{rec.port} {rec.last_exit}; "
                           f"last lines of {rec.log}:\n" + tail)
-        self.launcher.sweep(rec)
+        if not swept:
+            self.launcher.sweep(rec)
         now = self.clock()
         delay = w.budget.delay(now) if w.budget.wants_restart(code) else None
         if delay is None:
@@ -203,6 +301,7 @@ class Supervisor:
             return True
         if self.launcher.ready(rec):
             rec.status = "running"
+            w.forget_probes()
             self.launcher.say(f"{rec.name}: healthy again after {self.clock() - w.since:.0f} s "
                                f"(restart {rec.restarts}, pid {rec.pid})")
             return True

@@ -25,7 +25,7 @@ import pytest
 
 from disagg.cli import main
 from disagg.deployment import build_deployment
-from disagg.errors import EngineStartError
+from disagg.errors import EngineStartError, TopologyError
 from disagg.launch import launcher as launcher_module
 from disagg.launch import processes
 from disagg.launch.launcher import BestEffort, Launcher, stop_run
@@ -297,6 +297,120 @@ def test_status_shows_restarts_and_the_last_exit(tmp_path: Path, standins: Start
         assert f"supervisor  pid {os.getpid()}" in out  # this test's launcher holds the run's lock
     finally:
         launcher.stop(grace=1.0)
+
+
+# -- liveness: a process that lives but no longer answers ------------------------------
+#: short liveness settings for the stand-ins: a probe every 0.2 s, 0.5 s each, killed after 2 s
+FAST_LIVENESS = "{startup: 30, shutdown_grace: 2, health_interval: 0.2, health_timeout: 0.5, liveness: 2}"
+
+
+def test_timeouts_liveness_is_a_duration_of_30_s_by_default(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    base = "model: {path: /models/m}\nhosts: {local: {address: 127.0.0.1}}\nroles: {both: [{port: 8100}]}\n"
+    path.write_text(base)
+    assert load_topology(path).timeouts.liveness == 30.0
+    for given, seconds in (("45", 45.0), ("2m", 120.0), ("500ms", 0.5)):
+        path.write_text(base + f"timeouts: {{liveness: {given}}}\n")
+        assert load_topology(path).timeouts.liveness == seconds
+    for bad in ("0", "-1", "soon", "true"):
+        path.write_text(base + f"timeouts: {{liveness: {bad}}}\n")
+        with pytest.raises(TopologyError, match=r"timeouts\.liveness: expected a duration"):
+            load_topology(path)
+
+
+def _until_hung_one_is_back(launcher: Launcher, rec: ProcessRecord, timeout: float) -> tuple[float, float]:
+    """SIGSTOP ``rec``'s leader (hung: alive, /health unanswered), supervise until it has been
+    killed and its restart is healthy; (seconds until the kill, seconds until healthy again)."""
+    old = rec.pid
+    stopped = time.monotonic()
+    os.kill(old, signal.SIGSTOP)
+    killed: list[float] = []
+
+    def back() -> bool:
+        if not killed and rec.pid != old:
+            killed.append(time.monotonic() - stopped)   # restarted: the old one was killed before
+        elif not killed and rec.status == "backoff":
+            killed.append(time.monotonic() - stopped)
+        return rec.status == "running" and rec.pid != old
+
+    _supervise_until(launcher, back, timeout=timeout)
+    return killed[0], time.monotonic() - stopped
+
+
+def test_a_hung_decode_is_killed_and_restarted_after_timeouts_liveness(tmp_path: Path, standins: Started) -> None:
+    launcher = _launcher(tmp_path, "{backoff: 100ms}", FAST_LIVENESS)
+    launcher.up()
+    try:
+        decode, prefill, proxy = (_record(launcher, n) for n in ("decode[0]", "prefill[0]", "proxy"))
+        old = decode.pid
+        killed, back = _until_hung_one_is_back(launcher, decode, timeout=20)
+        print(f"\nSIGSTOPped stand-in decode (liveness 2 s, probes 0.2 s / 0.5 s): killed after {killed:.2f} s, "
+              f"healthy again after {back:.2f} s")
+        assert 2.0 <= killed < 2.0 + 3.0            # not before timeouts.liveness; soon after it
+        assert _group(old) == []                    # the stopped leader and its child: SIGKILLed
+        assert decode.restarts == 1 and "(hung or stopped): killed with SIGKILL (timeouts.liveness)" in decode.last_exit
+        assert "GET /health: no answer within 0.5 s" in decode.last_exit
+        assert _state_record(launcher, "decode[0]").last_exit == decode.last_exit
+        assert prefill.restarts == 0 and proxy.restarts == 0   # the healthy ones are left alone
+        lines = launcher.lines  # type: ignore[attr-defined]
+        assert any(line.startswith("decode[0]: failed its health check 2 times in a row (GET /health: no answer")
+                   for line in lines), lines
+        assert any(line.startswith("decode[0]: healthy again after ") for line in lines)
+    finally:
+        launcher.stop(grace=1.0)
+    assert running(standins.processes()) == []
+
+
+def test_a_hung_proxy_is_restarted_too(tmp_path: Path, standins: Started) -> None:
+    launcher = _launcher(tmp_path, "{backoff: 100ms}", FAST_LIVENESS)
+    launcher.up()
+    try:
+        proxy = _record(launcher, "proxy")
+        _until_hung_one_is_back(launcher, proxy, timeout=20)
+        assert proxy.restarts == 1 and "timeouts.liveness" in proxy.last_exit
+    finally:
+        launcher.stop(grace=1.0)
+    assert running(standins.processes()) == []
+
+
+def test_a_pause_shorter_than_timeouts_liveness_is_no_reason_to_restart(tmp_path: Path, standins: Started) -> None:
+    """An engine that misses a few probes (a long prefill on a loaded machine) and answers
+    again within ``timeouts.liveness`` keeps running."""
+    launcher = _launcher(tmp_path, "{backoff: 100ms}", FAST_LIVENESS)
+    launcher.up()
+    try:
+        decode = _record(launcher, "decode[0]")
+        pid = decode.pid
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        launcher.supervise(lambda: time.monotonic() - t0 > 1.2)   # about 2 failed probes
+        os.kill(pid, signal.SIGCONT)
+        t1 = time.monotonic()
+        launcher.supervise(lambda: time.monotonic() - t1 > 4.0)   # past liveness, answering again
+        assert (decode.pid, decode.status, decode.restarts) == (pid, "running", 0)
+    finally:
+        launcher.stop(grace=1.0)
+    assert running(standins.processes()) == []
+
+
+def test_with_the_default_settings_a_hung_decode_is_restarted_after_30_to_40_s(
+        tmp_path: Path, standins: Started) -> None:
+    """The defaults (a probe every 2 s, 5 s each, timeouts.liveness 30 s) as shipped: killed
+    no sooner than 30 s after it stopped answering, back within 40 s."""
+    launcher = _launcher(tmp_path, "{}")
+    launcher.poll_interval = 1.0   # disagg up's own
+    t = launcher.topo.timeouts
+    assert (t.health_interval, t.health_timeout, t.liveness) == (2.0, 5.0, 30.0)
+    launcher.up()
+    try:
+        decode = _record(launcher, "decode[0]")
+        killed, back = _until_hung_one_is_back(launcher, decode, timeout=60)
+        print(f"\nSIGSTOPped stand-in decode (defaults): killed after {killed:.1f} s, healthy again after {back:.1f} s")
+        assert 30.0 <= killed and back < 40.0
+        assert _record(launcher, "prefill[0]").restarts == 0
+    finally:
+        launcher.stop(grace=1.0)
+    assert running(standins.processes()) == []
 
 
 # -- a full disk: best-effort writes -------------------------------------------------
