@@ -11,6 +11,7 @@ critical path, so the prefill engine frees its blocks at once.
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import threading
 import time
@@ -24,6 +25,7 @@ from .config import BLOCKS_PER_MESSAGE
 from .layout import BlockStore
 from .server import chunks
 from .wire import (
+    PeerClosed,
     WireError,
     recv_frame,
     recv_into_views,
@@ -37,6 +39,10 @@ logger = logging.getLogger(__name__)
 #: An idle pooled connection older than this is closed instead of reused
 #: (the prefill side drops connections idle for twice as long).
 MAX_IDLE_S = 60.0
+#: pauses before dialling again when the listener closes a new connection before its greeting
+#: (``connect``): about 0.14 s in all, so a burst of this engine's own connections over the
+#: listener's per-address budget waits for the slots instead of failing
+GREETING_RETRY_S = (0.01, 0.03, 0.1)
 
 
 class FetchError(ConnectionError):
@@ -95,17 +101,32 @@ def connect(host: str, port: int, secret: bytes, store: BlockStore, opts: FetchO
             engine_id: str | None = None) -> tuple[socket.socket, str]:
     """Open, authenticate, identity- and layout-check one connection; raises FetchError.
 
-    Returns the socket and the engine id the prefill side announced.
+    Returns the socket and the engine id the prefill side announced. A connection the listener
+    closes before its greeting (its pre-authentication budget for this address was full: a burst
+    of this engine's own connections, or strangers) is dialled again after each pause of
+    :data:`GREETING_RETRY_S` (with jitter), then given up.
     """
     where = f"{host}:{port}"
+    for pause in (*GREETING_RETRY_S, None):
+        try:
+            sock = socket.create_connection((host, port), timeout=opts.connect_timeout_s)
+        except OSError as exc:
+            raise FetchError(f"cannot connect to prefill KV listener {where}: {exc}") from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Bound to the address dialled: a listener elsewhere relaying the real one's challenge gets nothing.
+            client_handshake(sock, secret, listener_id(host, port), min(opts.handshake_timeout_s, opts.io_timeout_s))
+            break
+        except PeerClosed as exc:  # nothing received: closed at accept
+            sock.close()
+            if pause is None:
+                raise FetchError(f"handshake with {where} failed: {exc} before its greeting, "
+                                 f"{len(GREETING_RETRY_S) + 1} times (its pre-authentication budget is full)") from exc
+            time.sleep(pause * (0.5 + random.random()))
+        except (WireError, OSError) as exc:
+            sock.close()
+            raise FetchError(f"handshake with {where} failed: {exc}") from exc
     try:
-        sock = socket.create_connection((host, port), timeout=opts.connect_timeout_s)
-    except OSError as exc:
-        raise FetchError(f"cannot connect to prefill KV listener {where}: {exc}") from exc
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # Bound to the address dialled: a listener elsewhere relaying the real one's challenge gets nothing.
-        client_handshake(sock, secret, listener_id(host, port), min(opts.handshake_timeout_s, opts.io_timeout_s))
         set_io_timeout(sock, opts.io_timeout_s)
         hello = recv_frame(sock)
         theirs = hello.get("layout")

@@ -44,7 +44,20 @@ Keys of ``kv_connector_extra_config`` (all optional):
   hosts are allowed, on any port: a pair started by hand on one machine
   works, and a request naming any other host is declined (computed locally).
 - ``max_pending_handshakes``: connections the prefill listener holds before
-  they authenticate (default 16); more are closed at once.
+  they authenticate, from all peers together (default 64); more are closed
+  as soon as they are accepted.
+- ``max_pending_handshakes_per_source``: the same from one source address
+  (an IPv4 address, or an IPv6 address's /64; default 4): idle strangers on
+  one address cannot take the slots the decode engines' addresses need. A
+  decode engine whose connection is closed that way retries it (client.py).
+- ``allowed_peers``: the addresses the prefill listener accepts connections
+  from, as a list of IP addresses or host names (or one comma-separated
+  string); host names are resolved once, when the listener starts. A
+  connection from any other address is closed as soon as it is accepted,
+  before any thread or handshake (counted in ``num_refused_peers``). Unset or
+  empty: any address may try to authenticate. ``disagg`` fills it in for
+  prefill instances with the decode hosts' addresses when they are IP
+  addresses.
 - ``handshake_timeout_s``: the whole authentication exchange must finish in
   this long or ``io_timeout_s``, whichever is shorter (default 5), however
   the peer spreads its bytes.
@@ -56,6 +69,7 @@ Keys of ``kv_connector_extra_config`` (all optional):
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -87,6 +101,51 @@ def wire_ratio(wire: str, element_bytes: int) -> float:
     return (1 + FP8_SCALE_BYTES / FP8_GROUP) / element_bytes
 
 DEFAULT_SECRET_ENV = "DISAGG_KV_SECRET"
+#: connections the prefill listener lets authenticate at once: from all peers, and from one source
+#: address (``max_pending_handshakes``, ``max_pending_handshakes_per_source``)
+MAX_PENDING_HANDSHAKES = 64
+MAX_PENDING_HANDSHAKES_PER_SOURCE = 4
+#: most ``allowed_peers`` entries accepted
+MAX_ALLOWED_PEERS = 256
+_HOST_LABEL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
+
+
+def parse_allowed_peers(raw: Any) -> tuple[str, ...]:
+    """``allowed_peers`` as IP addresses and host names (syntax only: names are resolved by the
+    listener when it starts, ``server.resolve_peers``); raises ConfigError naming a bad entry."""
+    if raw is None or raw == "" or raw == []:
+        return ()
+    if isinstance(raw, str):
+        items: list[Any] = [item.strip() for item in raw.split(",") if item.strip()]
+    elif isinstance(raw, (list, tuple)):
+        items = list(raw)
+    else:
+        raise ConfigError(f"kv_connector_extra_config.allowed_peers: expected a list of addresses or host names, "
+                          f"got {type(raw).__name__}")
+    if len(items) > MAX_ALLOWED_PEERS:
+        raise ConfigError(f"kv_connector_extra_config.allowed_peers: {len(items)} entries, at most "
+                          f"{MAX_ALLOWED_PEERS}")
+    out: list[str] = []
+    for item in items:
+        if not _is_address_or_host(item):
+            raise ConfigError(f"kv_connector_extra_config.allowed_peers: {item!r:.80} is not an IP address or "
+                              "host name")
+        if item not in out:
+            out.append(item)
+    return tuple(out)
+
+
+def _is_address_or_host(item: object) -> bool:
+    if not isinstance(item, str) or not item or len(item) > 253:
+        return False
+    try:
+        ipaddress.ip_address(item)
+        return True
+    except ValueError:
+        pass
+    labels = item.lower().removesuffix(".").split(".")
+    return all(0 < len(label) <= 63 and _HOST_LABEL_CHARS.issuperset(label) and not label.startswith("-")
+               and not label.endswith("-") for label in labels)
 
 
 class ConfigError(ValueError):
@@ -112,7 +171,9 @@ class SocketSettings:
     gil_switch_interval_ms: float = 0.5
     idle_wait_ms: float = 2.0
     peers: AllowedPeers = field(default_factory=AllowedPeers)
-    max_pending_handshakes: int = 16
+    max_pending_handshakes: int = MAX_PENDING_HANDSHAKES
+    max_pending_handshakes_per_source: int = MAX_PENDING_HANDSHAKES_PER_SOURCE
+    allowed_peers: tuple[str, ...] = ()
     handshake_timeout_s: float = 5.0
     wire_format: str = "raw"
 
@@ -185,7 +246,10 @@ class SocketSettings:
             gil_switch_interval_ms=num("gil_switch_interval_ms", 0.5),
             idle_wait_ms=num("idle_wait_ms", 2.0),
             peers=peers,
-            max_pending_handshakes=num("max_pending_handshakes", 16, int, 1),
+            max_pending_handshakes=num("max_pending_handshakes", MAX_PENDING_HANDSHAKES, int, 1),
+            max_pending_handshakes_per_source=num("max_pending_handshakes_per_source",
+                                                  MAX_PENDING_HANDSHAKES_PER_SOURCE, int, 1),
+            allowed_peers=parse_allowed_peers(extra.get("allowed_peers")),
             handshake_timeout_s=num("handshake_timeout_s", 5.0, minimum=0.1),
             wire_format=wire_format,
         )

@@ -12,6 +12,7 @@ STAT_KEYS = (
     "bytes_served",  # bytes per served fetch stream (prefill side)
     "num_kv_expired_reqs",  # 1 per lease that expired (prefill side)
     "num_refused",  # 1 per refused connection or fetch (prefill side)
+    "num_refused_peers",  # 1 per connection closed at accept: not from an allowed_peers address (prefill side)
     "staging_bytes",  # host staging buffers allocated now, each time it changes (both sides)
 )
 

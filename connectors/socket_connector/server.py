@@ -25,18 +25,24 @@ theirs open between requests (``client.PeerConnections``), and one idle for
 its own thread, so a decode engine's parallel streams are served in parallel.
 
 Against peers that are not decode engines (anyone who can reach the port):
-at most ``max_pending_handshakes`` connections may be authenticating at once
-(more are closed as soon as they are accepted); the whole authentication
-must end within ``handshake_timeout_s``; a failed thread start closes that
-connection and the listener goes on; every size a peer sends is checked
-before it is used (frame lengths, request ids, block lists: integers,
-distinct, no longer than the lease, ``blocks_per_message`` clamped), and a
-bad one is refused with a log line naming the peer.
+with ``allowed_peers`` set, a connection from any other address is closed as
+soon as it is accepted (no thread, no handshake; counted in
+``num_refused_peers``, logged at most once per 10 s); at most
+``max_pending_handshakes_per_source`` connections from one source address (an
+IPv4 address, an IPv6 /64) and ``max_pending_handshakes`` from all together
+may be authenticating at once (more are closed as soon as they are accepted,
+so strangers on one address cannot lock out a decode engine on another); the
+whole authentication must end within ``handshake_timeout_s``; a failed thread
+start closes that connection and the listener goes on; every size a peer
+sends is checked before it is used (frame lengths, request ids, block lists:
+integers, distinct, no longer than the lease, ``blocks_per_message``
+clamped), and a bad one is refused with a log line naming the peer.
 """
 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import socket
 import threading
@@ -45,7 +51,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
 from .auth import HANDSHAKE_TIMEOUT_S, AuthError, listener_id, server_handshake
-from .config import BLOCKS_PER_MESSAGE
+from .config import BLOCKS_PER_MESSAGE, MAX_PENDING_HANDSHAKES, MAX_PENDING_HANDSHAKES_PER_SOURCE
 from .counters import TransferCounters
 from .layout import BlockStore, LayoutError
 from .leases import LeaseTable
@@ -73,6 +79,52 @@ _LOG_EVERY_S = 10.0
 #: accept() errors that say "not now" (out of descriptors or memory, a peer gone): wait and go on.
 _ACCEPT_RETRY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO,
                  errno.EPERM, errno.EINTR}
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``text`` as an IP address (an IPv4-mapped IPv6 address as the IPv4 one), or None."""
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def peer_ip(host: str) -> str:
+    """An accepted peer's address in the form :func:`resolve_peers` gives (scope id dropped)."""
+    ip = _ip(host.split("%", 1)[0])
+    return str(ip) if ip is not None else host
+
+
+def source_of(host: str) -> str:
+    """The pre-authentication budget's key for a peer address: the IPv4 address, or the /64 of an
+    IPv6 address (one machine commonly holds a whole /64)."""
+    ip = _ip(host.split("%", 1)[0])
+    if ip is None:
+        return host
+    if ip.version == 6:
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+def resolve_peers(entries: Sequence[str]) -> frozenset[str]:
+    """The addresses ``allowed_peers`` names (:func:`peer_ip` form): IP addresses as they are, host
+    names resolved now (``KVServer.start`` calls this once). Raises OSError naming an entry that
+    does not resolve."""
+    out: set[str] = set()
+    for entry in entries:
+        ip = _ip(entry.split("%", 1)[0])
+        if ip is not None:
+            out.add(str(ip))
+            continue
+        try:
+            infos = socket.getaddrinfo(entry, None, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise OSError(f"socket KV connector: allowed_peers entry {entry!r} does not resolve: {exc}") from exc
+        out.update(peer_ip(str(info[4][0])) for info in infos)
+    return frozenset(out)
 
 
 def start_thread(target: Callable[..., None], args: tuple[object, ...], name: str) -> None:
@@ -107,7 +159,9 @@ class KVServer:
         registration_wait_s: float = 5.0,
         idle_timeout_s: float = 120.0,
         counters: TransferCounters | None = None,
-        max_pending_handshakes: int = 16,
+        max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
+        max_pending_per_source: int = MAX_PENDING_HANDSHAKES_PER_SOURCE,
+        allowed_peers: Sequence[str] = (),
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         streams: StreamTable | None = None,
         stream_wait_s: float = 20.0,
@@ -122,11 +176,16 @@ class KVServer:
         self.idle_timeout_s = idle_timeout_s
         self.counters = counters or TransferCounters()
         self.max_pending_handshakes = max(1, max_pending_handshakes)
+        self.max_pending_per_source = max(1, max_pending_per_source)
+        #: ``allowed_peers`` as given; resolved by start() into _allowed (None: any address may try)
+        self.allowed_peers = tuple(allowed_peers)
+        self._allowed: frozenset[str] | None = None
         self.handshake_timeout_s = handshake_timeout_s
         #: streamed transfers (op ``stream``); None: this listener serves fetches only
         self.streams = streams
         self.stream_wait_s = stream_wait_s
         self._pending = 0  # connections accepted and not yet authenticated (or refused)
+        self._pending_by_source: dict[str, int] = {}  # the same per source_of(address); no zero entries
         self._pending_lock = threading.Lock()
         self._suppressed: dict[str, tuple[float, int]] = {}  # log key -> (last logged, suppressed since)
         self._sock: socket.socket | None = None
@@ -134,7 +193,10 @@ class KVServer:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Bind ``host:port`` and start accepting; raises OSError naming the address."""
+        """Resolve ``allowed_peers``, bind ``host:port`` and start accepting; raises OSError naming
+        the address, or an ``allowed_peers`` entry that does not resolve."""
+        if self.allowed_peers:
+            self._allowed = resolve_peers(self.allowed_peers)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -149,7 +211,8 @@ class KVServer:
         self._sock = sock
         self._thread = threading.Thread(target=self._accept_loop, name=f"kv-socket-listen-{self.port}", daemon=True)
         self._thread.start()
-        logger.info("socket KV connector listening on %s:%d (rank %d)", self.host, self.port, self.rank)
+        logger.info("socket KV connector listening on %s:%d (rank %d; connections from %s)", self.host, self.port,
+                    self.rank, "any address" if self._allowed is None else ", ".join(sorted(self._allowed)))
 
     def close(self) -> None:
         """Stop accepting (idempotent); connection threads end with their clients."""
@@ -178,9 +241,33 @@ class KVServer:
         suffix = f" ({left_out} more like it not logged)" if left_out else ""
         logger.warning(msg + suffix, *args)
 
-    def _end_pending(self) -> None:
+    def pending_from(self, host: str) -> int:
+        """Connections from ``host``'s source (:func:`source_of`) that have not finished authenticating."""
+        with self._pending_lock:
+            return self._pending_by_source.get(source_of(host), 0)
+
+    def _admit(self, source: str) -> str | None:
+        """Take a pre-authentication slot for a connection from ``source``; None when taken, else
+        the cap that is full (the accept loop closes the connection)."""
+        with self._pending_lock:
+            mine = self._pending_by_source.get(source, 0)
+            if mine >= self.max_pending_per_source:
+                return "max_pending_handshakes_per_source"
+            if self._pending >= self.max_pending_handshakes:
+                return "max_pending_handshakes"
+            self._pending += 1
+            self._pending_by_source[source] = mine + 1
+            return None
+
+    def _end_pending(self, source: str) -> None:
+        """Give back the slot :meth:`_admit` took (the handshake ended, or its thread never started)."""
         with self._pending_lock:
             self._pending -= 1
+            left = self._pending_by_source.get(source, 0) - 1
+            if left > 0:
+                self._pending_by_source[source] = left
+            else:
+                self._pending_by_source.pop(source, None)
 
     def _accept_loop(self) -> None:
         sock = self._sock
@@ -198,21 +285,27 @@ class KVServer:
                 self._stop.wait(0.05)
                 continue
             peer = f"{addr[0]}:{addr[1]}"
-            with self._pending_lock:
-                admitted = self._pending < self.max_pending_handshakes
-                if admitted:
-                    self._pending += 1
-            if not admitted:
+            # counted and logged before the close, so whoever sees the close sees the count
+            if self._allowed is not None and peer_ip(str(addr[0])) not in self._allowed:
+                self.counters.add("num_refused_peers")
+                self._log_limited("stranger", "socket KV connector closed a connection from %s: not an "
+                                  "allowed_peers address", peer)
                 conn.close()
+                continue
+            source = source_of(str(addr[0]))
+            full = self._admit(source)
+            if full is not None:
                 self.counters.add("num_refused")
-                self._log_limited("cap", "socket KV connector closed a connection from %s: %d connections "
-                                  "already authenticating (max_pending_handshakes)", peer,
-                                  self.max_pending_handshakes)
+                self._log_limited(full, "socket KV connector closed a connection from %s: %d connections "
+                                  "already authenticating (%s)", peer,
+                                  self.max_pending_per_source if full.endswith("per_source")
+                                  else self.max_pending_handshakes, full)
+                conn.close()
                 continue
             try:
-                start_thread(self._serve, (conn, addr), "kv-socket-conn")
+                start_thread(self._serve, (conn, addr, source), "kv-socket-conn")
             except RuntimeError as exc:  # can't start new thread: out of memory or a thread limit
-                self._end_pending()
+                self._end_pending(source)
                 conn.close()
                 self._log_limited("thread", "socket KV connector closed a connection from %s: cannot start "
                                   "a thread for it: %s", peer, exc)
@@ -225,7 +318,9 @@ class KVServer:
         except OSError:
             pass
 
-    def _serve(self, conn: socket.socket, addr: tuple[Any, ...]) -> None:
+    def _serve(self, conn: socket.socket, addr: tuple[Any, ...], source: str) -> None:
+        """One connection's thread (started by the accept loop holding a slot of ``source``'s
+        pre-authentication budget, given back when the handshake ends)."""
         peer = f"{addr[0]}:{addr[1]}"
         with conn:
             try:
@@ -240,7 +335,7 @@ class KVServer:
                 logger.warning("socket KV connector: handshake with %s failed: %s", peer, exc)
                 return
             finally:
-                self._end_pending()
+                self._end_pending(source)
             try:
                 set_io_timeout(conn, self.io_timeout_s)
                 send_frame(

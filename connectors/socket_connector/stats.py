@@ -67,6 +67,7 @@ class SocketKVConnectorStats(KVConnectorStats):
             "Num failed transfers": len(self.data["num_failed_transfers"]),
             "Num KV expired reqs": len(self.data["num_kv_expired_reqs"]),
             "Num refused": len(self.data["num_refused"]),
+            "Num refused peers": len(self.data["num_refused_peers"]),
             "MB staged": round(self.data["staging_bytes"][-1] / 2**20, 3) if self.data["staging_bytes"] else 0,
         }
 
@@ -122,6 +123,10 @@ class SocketPromMetrics(KVConnectorPromMetrics):
             ),
             "num_refused": counter(
                 "vllm:socket_kv_refused", "Refused connections or fetches: bad secret, unknown request (prefill side)."
+            ),
+            "num_refused_peers": counter(
+                "vllm:socket_kv_refused_peers",
+                "Connections closed at accept: not from an allowed_peers address (prefill side).",
             ),
         }
 

@@ -104,6 +104,8 @@ class SocketWorker:
                 engine_id=self.engine_id, rank=self.tp_rank, io_timeout_s=self.settings.io_timeout_s,
                 registration_wait_s=self.settings.registration_wait_s, counters=self.counters,
                 max_pending_handshakes=self.settings.max_pending_handshakes,
+                max_pending_per_source=self.settings.max_pending_handshakes_per_source,
+                allowed_peers=self.settings.allowed_peers,
                 handshake_timeout_s=self.settings.handshake_timeout_s,
                 streams=self.streams, stream_wait_s=self.settings.stream_wait_s,
             )

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from disagg_connectors.socket_connector.config import ConfigError, SocketSettings
+from disagg_connectors.socket_connector.config import (
+    MAX_PENDING_HANDSHAKES,
+    MAX_PENDING_HANDSHAKES_PER_SOURCE,
+    ConfigError,
+    SocketSettings,
+)
 
 ENV = {"DISAGG_KV_SECRET": "s" * 64}
 
@@ -51,11 +56,34 @@ def test_bad_peers_name_the_key(peers: object) -> None:
 
 
 def test_listener_limits_and_lease_bound() -> None:
-    s = SocketSettings.load({"max_pending_handshakes": 4, "handshake_timeout_s": 2}, ENV)
-    assert (s.max_pending_handshakes, s.handshake_timeout_s) == (4, 2.0)
+    s = SocketSettings.load({"max_pending_handshakes": 4, "max_pending_handshakes_per_source": 2,
+                             "handshake_timeout_s": 2}, ENV)
+    assert (s.max_pending_handshakes, s.max_pending_handshakes_per_source, s.handshake_timeout_s) == (4, 2, 2.0)
     d = SocketSettings.load({}, ENV)
-    assert (d.max_pending_handshakes, d.handshake_timeout_s) == (16, 5.0)
-    for key, value in (("max_pending_handshakes", 0), ("handshake_timeout_s", 0), ("kv_lease_duration", 7200),
+    assert (d.max_pending_handshakes, d.max_pending_handshakes_per_source, d.handshake_timeout_s) == (
+        MAX_PENDING_HANDSHAKES, MAX_PENDING_HANDSHAKES_PER_SOURCE, 5.0) == (64, 4, 5.0)
+    assert d.allowed_peers == ()
+    for key, value in (("max_pending_handshakes", 0), ("max_pending_handshakes_per_source", 0),
+                       ("handshake_timeout_s", 0), ("kv_lease_duration", 7200),
                        ("kv_lease_duration", float("nan"))):
         with pytest.raises(ConfigError, match=f"kv_connector_extra_config.{key}"):
             SocketSettings.load({key: value}, ENV)
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    (["198.18.0.2", "fd00::7", "decode-1.lan", "localhost."], ("198.18.0.2", "fd00::7", "decode-1.lan", "localhost.")),
+    ("127.0.0.1, 127.0.0.2", ("127.0.0.1", "127.0.0.2")),
+    (["127.0.0.1", "127.0.0.1"], ("127.0.0.1",)),
+    (None, ()), ("", ()), ([], ()),
+])
+def test_allowed_peers_are_addresses_or_host_names(raw: object, expected: tuple[str, ...]) -> None:
+    assert SocketSettings.load({"allowed_peers": raw}, ENV).allowed_peers == expected
+
+
+@pytest.mark.parametrize("raw", [
+    ["198.18.0.2:5601"], ["[fd00::7]"], ["10.0.0.0/8"], ["a b"], ["-bad.lan"], ["x" * 64 + ".lan"], [""], [5601],
+    {"host": "a"}, 7, ["decode\n1"], ["10.0.0.1"] * 300,
+])
+def test_bad_allowed_peers_name_the_key(raw: object) -> None:
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.allowed_peers"):
+        SocketSettings.load({"allowed_peers": raw}, ENV)

@@ -356,3 +356,158 @@ def test_an_oversized_blocks_per_message_is_clamped_not_obeyed(make_server) -> N
     for name in caches:
         assert torch.equal(dst[name][1:3], caches[name][1:3])
     assert MAX_BLOCKS_PER_MESSAGE < 10**12
+
+
+# -- the pre-authentication budget is per source address; allowed_peers ----------------
+
+def dial(srv: KVServer, source: str) -> socket.socket:
+    """A TCP connection to the listener from ``source`` (any 127.0.0.0/8 address: Linux routes them all to lo)."""
+    return socket.create_connection(("127.0.0.1", srv.port), timeout=5, source_address=(source, 0))
+
+
+def what_comes_before_eof(sock: socket.socket, timeout_s: float = 2) -> bytes | None:
+    """The bytes the listener sends before closing ``sock``, or None if it keeps it open past ``timeout_s``."""
+    sock.settimeout(timeout_s)
+    got = b""
+    try:
+        while chunk := sock.recv(4096):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return None
+    return got
+
+
+def authenticates(srv: KVServer, source: str) -> bool:
+    """One bare handshake from ``source`` (no retry), answered with the listener's hello."""
+    try:
+        with dial(srv, source) as s:
+            client_handshake(s, SECRET, listener_id("127.0.0.1", srv.port), timeout_s=5)
+            return recv_frame(s)["ok"] is True
+    except OSError:
+        return False
+
+
+def test_idle_strangers_on_one_address_do_not_lock_out_another(make_server, logs) -> None:
+    """Sixteen idle connections (each address's own budget, then closed at accept) hold at most
+    max_pending_handshakes_per_source slots per address; the decode engine's address still
+    authenticates every time. Under one global cap of 16 they took every slot."""
+    srv, _ = make_server(handshake_timeout_s=30, io_timeout_s=30)   # strangers hold their slots throughout
+    assert (srv.max_pending_handshakes, srv.max_pending_per_source) == (64, 4)
+    strangers = [dial(srv, source) for source in ("127.0.0.2", "127.0.0.3") for _ in range(16)]
+    try:
+        assert eventually(lambda: (srv.pending_from("127.0.0.2"), srv.pending_from("127.0.0.3")), (4, 4)) == (4, 4)
+        assert eventually(lambda: any("max_pending_handshakes_per_source" in line for line in logs), True), logs
+        assert sum(what_comes_before_eof(s, 0.5) == b"" for s in strangers) == 2 * (16 - 4)  # closed, no greeting
+        ok = sum(authenticates(srv, "127.0.0.1") for _ in range(50))
+        assert ok == 50
+        assert srv.pending_from("127.0.0.2") == 4     # the strangers' slots were never given to anyone else
+        fetch_works(srv)
+    finally:
+        for s in strangers:
+            s.close()
+    assert eventually(lambda: srv.pending_handshakes, 0) == 0
+
+
+def test_the_global_cap_still_bounds_all_sources_together(make_server) -> None:
+    srv, _ = make_server(max_pending_handshakes=3, max_pending_per_source=2, handshake_timeout_s=30)
+    held = [dial(srv, "127.0.0.2"), dial(srv, "127.0.0.2"), dial(srv, "127.0.0.3")]
+    try:
+        for s in held:  # each got its challenge
+            assert recv_exact(s, len(MAGIC) + NONCE_BYTES)[:4] == MAGIC
+        assert srv.pending_handshakes == 3
+        with dial(srv, "127.0.0.4") as fresh:   # its own budget is empty, the global one full
+            assert what_comes_before_eof(fresh) == b""
+    finally:
+        for s in held:
+            s.close()
+    assert eventually(lambda: srv.pending_handshakes, 0) == 0
+    assert authenticates(srv, "127.0.0.4")
+
+
+def test_the_client_dials_again_when_the_listener_closes_before_its_greeting(
+        make_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst of one engine's connections over its address's budget: the ones closed at accept
+    are retried (client.GREETING_RETRY_S) instead of failing the fetch."""
+    srv, _ = make_server()
+    real = server_mod.start_thread
+    closes = [1, 1]
+
+    def flaky(target, args, name) -> None:
+        if closes:
+            closes.pop()
+            raise RuntimeError("can't start new thread")   # the listener closes that connection at once
+        real(target, args, name)
+
+    monkeypatch.setattr(server_mod, "start_thread", flaky)
+    sock, engine = connect("127.0.0.1", srv.port, SECRET, make_store(kv_caches(0, fill=False), NUM_BLOCKS),
+                           FetchOptions(io_timeout_s=5))
+    sock.close()
+    assert closes == [] and engine == ""
+
+
+def test_the_client_gives_up_on_a_listener_that_keeps_closing_before_its_greeting(make_server) -> None:
+    srv, _ = make_server(max_pending_per_source=1, handshake_timeout_s=30)
+    with dial(srv, "127.0.0.1") as stranger:   # takes 127.0.0.1's only slot, and keeps it
+        assert recv_exact(stranger, len(MAGIC) + NONCE_BYTES)[:4] == MAGIC
+        started = time.monotonic()
+        with pytest.raises(FetchError, match="pre-authentication budget is full"):
+            connect("127.0.0.1", srv.port, SECRET, make_store(kv_caches(0, fill=False), NUM_BLOCKS),
+                    FetchOptions(io_timeout_s=5))
+        assert time.monotonic() - started < 2
+    assert eventually(lambda: srv.pending_from("127.0.0.1"), 0) == 0   # the slot is back once the stranger left
+    assert authenticates(srv, "127.0.0.1")
+
+
+def test_a_peer_not_in_allowed_peers_is_closed_at_accept_without_a_handshake(
+        make_server, logs, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = server_mod.start_thread
+    threads_for: list[str] = []
+
+    def recording(target, args, name) -> None:
+        threads_for.append(args[1][0])
+        real(target, args, name)
+
+    monkeypatch.setattr(server_mod, "start_thread", recording)
+    srv, _ = make_server(allowed_peers=["127.0.0.1"])
+    for _ in range(5):
+        with dial(srv, "127.0.0.2") as stranger:
+            assert what_comes_before_eof(stranger) == b""   # no challenge: closed as accepted
+    assert threads_for == []                                 # no thread was started for any of them
+    assert srv.pending_handshakes == 0
+    counted = srv.counters.drain() or {}
+    assert len(counted.get("num_refused_peers", [])) == 5 and not counted.get("num_refused")
+    stranger_lines = [line for line in logs if "not an allowed_peers address" in line]
+    assert len(stranger_lines) == 1 and "127.0.0.2" in stranger_lines[0]   # rate-limited: one line for five
+    assert authenticates(srv, "127.0.0.1")
+    fetch_works(srv)
+    assert set(threads_for) == {"127.0.0.1"}
+
+
+def test_allowed_peers_host_names_are_resolved_once_at_start(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    looked_up: list[str] = []
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kwargs):
+        if not host[0].isdigit():   # names, not the tests' own dialling of 127.0.0.1
+            looked_up.append(host)
+        if host == "decode.invalid":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real("127.0.0.1", *args, **kwargs) if host == "decode-box.lan" else real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    srv, _ = make_server(allowed_peers=["decode-box.lan", "198.18.0.2"])
+    assert looked_up == ["decode-box.lan"]                   # the IP address needs no lookup
+    assert authenticates(srv, "127.0.0.1") and not authenticates(srv, "127.0.0.3")
+    assert looked_up == ["decode-box.lan"]                   # not per connection
+    with pytest.raises(OSError, match=r"allowed_peers entry 'decode\.invalid' does not resolve"):
+        make_server(allowed_peers=["decode.invalid"])
+
+
+@pytest.mark.parametrize(("address", "source"), [
+    ("127.0.0.2", "127.0.0.2"), ("::ffff:127.0.0.2", "127.0.0.2"),
+    ("2001:db8::1", "2001:db8::/64"), ("2001:db8::ffff:1", "2001:db8::/64"), ("fe80::1%lo", "fe80::/64"),
+])
+def test_the_budget_counts_an_ipv4_address_or_an_ipv6_slash_64(address: str, source: str) -> None:
+    assert server_mod.source_of(address) == source
