@@ -163,6 +163,8 @@ class ProxySpec:
     kind: str = "builtin"
     max_concurrency: int | None = None  # requests served at once; more get 429 (None: the proxy's default)
     log_level: str = "info"             # serving.PROXY_LOG_LEVELS
+    max_prompts: int | None = None      # prompts in one request; more get 400 (None: the proxy's default)
+    max_body_bytes: int | None = None   # largest request body; larger gets 413 (None: the proxy's default)
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,9 @@ class Timeouts:
     #: a running engine (or the proxy) whose health check has failed for this long, every probe in a
     #: row (at least 2; one every health_interval, each of health_timeout), is killed and restarted
     liveness: float = 30.0
+    client_header: float = 60.0         # proxy: a client's request headers (and an idle keep-alive connection)
+    client_body: float = 60.0           # proxy: a client's whole request body, once its headers are in
+    send: float = 60.0                  # proxy: one write to a client that stopped reading its stream
 
 
 #: where state and logs go when the topology does not say (``run_dir``; a remote host's ``workdir``)
@@ -568,13 +573,16 @@ def _instance(node: Node, role: str, index: int, hosts: dict[str, HostSpec]) -> 
 def _proxy(node: Node | None) -> ProxySpec:
     if node is None:
         return ProxySpec()
-    f = Fields(node, "a mapping with host, port, api_key, fallback, max_concurrency, log_level")
+    f = Fields(node, "a mapping with host, port, api_key, fallback, max_concurrency, max_prompts, max_body_bytes, "
+                     "log_level")
     spec = ProxySpec(host=f.str("host", "127.0.0.1") or "127.0.0.1",
                      port=f.int("port", 8000, minimum=1, maximum=65535) or 8000,
                      api_key=f.str("api_key"),
                      fallback=f.choice("fallback", FALLBACKS, "local"),
                      kind=f.choice("kind", PROXY_KINDS, "builtin"),
                      max_concurrency=f.int("max_concurrency", minimum=1),
+                     max_prompts=f.int("max_prompts", minimum=1),
+                     max_body_bytes=f.int("max_body_bytes", minimum=1),
                      log_level=f.choice("log_level", PROXY_LOG_LEVELS, "info"))
     f.done()
     return spec
@@ -628,6 +636,9 @@ def _timeouts(node: Node | None) -> Timeouts:
                  health_timeout=f.float("health_timeout", d.health_timeout) or d.health_timeout,
                  drain=f.float("drain", d.drain) or d.drain,
                  proxy_startup=f.float("proxy_startup", d.proxy_startup) or d.proxy_startup,
+                 client_header=f.float("client_header", d.client_header) or d.client_header,
+                 client_body=f.float("client_body", d.client_body) or d.client_body,
+                 send=f.float("send", d.send) or d.send,
                  ssh_command=durations.get("ssh_command", d.ssh_command),
                  ssh_check=durations.get("ssh_check", d.ssh_check), liveness=durations.get("liveness", d.liveness))
     f.done()

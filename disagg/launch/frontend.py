@@ -32,7 +32,14 @@ from disagg.errors import DeploymentError, DisaggError
 from disagg.kv.lmcache import proxy_options
 from disagg.kv.socket import prefill_peer
 from disagg.planning import route_seeds
-from disagg.proxy.config import DEFAULT_MAX_CONCURRENCY, ProxyConfig, ProxyTimeouts, RoutingConfig
+from disagg.proxy.config import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENCY,
+    DEFAULT_MAX_PROMPTS,
+    ProxyConfig,
+    ProxyTimeouts,
+    RoutingConfig,
+)
 from disagg.proxy.nixl_push_handoff import NixlPushHandoff
 from disagg.proxy.socket_stream_handoff import KV_PEERS, SocketStreamHandoff
 
@@ -116,8 +123,11 @@ def proxy_config(dep: Deployment) -> ProxyConfig:
         host=topo.proxy.host, port=topo.proxy.port, handoff=handoff_kind(dep),
         api_key=topo.proxy.api_key, fallback=topo.proxy.fallback,
         max_concurrency=topo.proxy.max_concurrency or DEFAULT_MAX_CONCURRENCY,
+        max_prompts=topo.proxy.max_prompts or DEFAULT_MAX_PROMPTS,
+        max_body_bytes=topo.proxy.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
         timeouts=ProxyTimeouts(connect=t.connect, request=t.request, health_interval=t.health_interval,
-                               health_timeout=t.health_timeout, drain=t.drain),
+                               health_timeout=t.health_timeout, drain=t.drain, client_header=t.client_header,
+                               client_body=t.client_body, send=t.send),
         handoff_options=handoff_options(dep), routing=routing_config(dep), log_level=topo.proxy.log_level)
 
 

@@ -111,6 +111,8 @@ CASE_NAMES: tuple[str, ...] = (
     "invalid-max-tokens",
     "invalid-temperature",
     "invalid-prompt",
+    "batch-stream-as-string",
+    "batch-stream-invalid",
     "unknown-model",
     "malformed-json",
     "deeply-nested-json",
@@ -211,6 +213,11 @@ def build_cases(tokenizer: Tokenizer) -> dict[str, Case]:
         Case("invalid-max-tokens", COMPLETIONS, cmpl(prompt=text(32, "bad-mt"), max_tokens="ten")),
         Case("invalid-temperature", COMPLETIONS, cmpl(prompt=text(32, "bad-t"), temperature="hot")),
         Case("invalid-prompt", COMPLETIONS, cmpl(prompt=5)),
+        # fields of another type: "false" is false to vLLM (pydantic's lax mode), "maybe" is a 400
+        Case("batch-stream-as-string", COMPLETIONS,
+             cmpl(prompt=[text(36, "stream-str-0"), text(40, "stream-str-1")], stream="false")),
+        Case("batch-stream-invalid", COMPLETIONS,
+             cmpl(prompt=[text(36, "stream-bad-0"), text(40, "stream-bad-1")], stream="maybe")),
         Case("unknown-model", COMPLETIONS, {**cmpl(prompt=text(32, "bad-model")), "model": "no-such-model"}),
         Case("malformed-json", COMPLETIONS, raw=b'{"model": "tiny", "prompt": "x", "max_tokens": '),
         Case("deeply-nested-json", COMPLETIONS,
@@ -608,7 +615,8 @@ def claim_problems(name: str, payload: bytes, reply: Reply) -> list[str]:
     """Whether the reference reply to a case shows what the case is meant to exercise
     (a stop string that stopped, a clamped over-context answer, prompt logprobs present, ...)."""
     expected_status = {"n2-greedy": 400, "over-input": 400, "over-input-batch-second": 400, "invalid-max-tokens": 400,
-                       "invalid-temperature": 400, "invalid-prompt": 400, "unknown-model": 404,
+                       "invalid-temperature": 400, "invalid-prompt": 400, "batch-stream-invalid": 400,
+                       "unknown-model": 404,
                        "malformed-json": 400, "empty-body": 400}
     if name == "deeply-nested-json":
         return []  # whatever vLLM answers is the reference (recorded, not judged)

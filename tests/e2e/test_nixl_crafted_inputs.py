@@ -18,6 +18,7 @@ import pytest
 
 from tests.e2e.crafted import cases, engines_idle_and_alive, send
 from tests.e2e.engines import Running
+from tests.e2e.front_door import large_batch_memory, served_during_slowloris, unserved_paths_reaching_engines
 
 pytestmark = pytest.mark.e2e
 
@@ -36,6 +37,28 @@ def test_crafted_input_gets_a_clear_answer(pd: Running, case) -> None:
     for name, url in pd.engines.items():
         direct = send(url, case)
         assert direct.status in case.engine_status, (case.name, name, direct.status, direct.body[:300])
+
+
+def test_no_dot_segment_or_unserved_path_reaches_an_engine(pd: Running) -> None:
+    statuses, reached = unserved_paths_reaching_engines(pd)
+    assert set(statuses.values()) <= {404, 405}, statuses
+    assert reached == 0, f"the engines' request counters grew by {reached:.0f}"
+
+
+def test_a_large_batch_costs_the_proxy_bounded_memory(pd: Running) -> None:
+    """100 prompts beside a 1 MB field: every prompt answered, the proxy's RSS grows by well
+    under 100 MiB (one full copy of the body per prompt was once 100 MB more)."""
+    got = large_batch_memory(pd, prompts=100, shared_bytes=1024 * 1024)
+    assert got.status == 200 and got.choices == 100, got
+    assert got.rss_growth_mib < 100, got
+    print(f"\nproxy RSS growth for 100 prompts x 1 MB through NIXL 1P1D: {got.rss_growth_mib:.0f} MiB "
+          f"({got.seconds:.1f} s)")
+
+
+def test_legitimate_requests_are_served_during_slowloris(pd: Running) -> None:
+    flood = served_during_slowloris(pd)
+    assert flood.served == flood.sent, flood
+    print(f"\nserved {flood.served}/{flood.sent} beside 64 unfinished heads and 16 unfinished bodies")
 
 
 def test_engines_alive_and_idle_after_crafted_inputs(pd: Running) -> None:

@@ -15,7 +15,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from tokenizers import Tokenizer
 
+from disagg.prompts import exact_prompt
+from disagg.proxy.admission import REQUEST_ID_REPLACED
 from tests.e2e.conformance import CASE_NAMES, KV_CASE, Recorded, check_case, check_kv_batch
 from tests.e2e.crafted import EVIL_KV, Crafted, cases, engines_idle_and_alive, send
 from tests.e2e.engines import (
@@ -28,8 +31,18 @@ from tests.e2e.engines import (
     foreground_up_processes,
     plain_answer,
 )
+from tests.e2e.front_door import (
+    idle_strangers,
+    kv_batch_problems,
+    prefill_kv_port,
+    stalled_stream_batch,
+    unserved_paths_reaching_engines,
+)
 
 pytestmark = pytest.mark.e2e
+
+#: the deployments' ``timeouts.send``: a client reading nothing of its stream this long is let go
+SEND_TIMEOUT_S = 5
 
 
 @pytest.fixture(scope="module", params=["fetch", "stream"])
@@ -41,8 +54,9 @@ def socket_pd(request: pytest.FixtureRequest, conformance_reference: dict[str, R
         up.send_signal(signal.SIGINT)
         up.wait(timeout=120)
     streaming = request.param == "stream"
-    run = bring_up_socket_pd(e2e_dir, tiny_model, f"pd-socket-{request.param}", extra=SPLIT_EVERY_PROMPT,
-                             streaming=streaming)
+    # a short send timeout: test_a_client_that_stops_reading_a_streamed_batch_is_let_go waits it out
+    run = bring_up_socket_pd(e2e_dir, tiny_model, f"pd-socket-{request.param}",
+                             extra=SPLIT_EVERY_PROMPT + f"timeouts: {{send: {SEND_TIMEOUT_S}}}\n", streaming=streaming)
     try:
         yield run
     finally:  # test_down_leaves_nothing normally did this already
@@ -114,6 +128,49 @@ def test_prefill_engine_serves_a_plain_request_alone(socket_pd: Running, referen
         assert plain_answer(socket_pd.engines["prefill[0]"], requests_[name]) == reference[name]
     streamed = {**requests_["socket-whole-stream"], "stream": True}
     assert plain_answer(socket_pd.engines["prefill[0]"], streamed) == reference["socket-whole-stream"]
+
+
+def test_no_dot_segment_or_unserved_path_reaches_an_engine(socket_pd: Running) -> None:
+    statuses, reached = unserved_paths_reaching_engines(socket_pd)
+    assert set(statuses.values()) <= {404, 405}, statuses
+    assert reached == 0, f"the engines' request counters grew by {reached:.0f}"
+
+
+def test_idle_strangers_do_not_lock_decode_out_of_the_kv_listener(socket_pd: Running, tokenizer: Tokenizer) -> None:
+    """32 idle connections from another address sit on prefill's KV listener (more than its whole
+    pre-authentication budget once was); every prompt's KV still moves to decode."""
+    mode = "stream" if "streaming: true" in socket_pd.topology.read_text() else "fetch"
+    strangers = idle_strangers(prefill_kv_port(socket_pd), 32)
+    try:
+        tokens = [64, 96, 128]
+        prompts = [exact_prompt(tokenizer, n, f"flood-{mode}-{i}") for i, n in enumerate(tokens)]
+        status, _, problems = kv_batch_problems(socket_pd, prompts, tokens)
+    finally:
+        for s in strangers:
+            s.close()
+    assert status == 200 and problems == [], problems
+
+
+def test_a_bad_client_request_id_is_replaced_and_the_kv_still_moves(socket_pd: Running,
+                                                                    tokenizer: Tokenizer) -> None:
+    mode = "stream" if "streaming: true" in socket_pd.topology.read_text() else "fetch"
+    for n, given in enumerate(("x" * 600, "tab\there")):
+        tokens = [72, 80]
+        prompts = [exact_prompt(tokenizer, t, f"rid-{mode}-{n}-{i}") for i, t in enumerate(tokens)]
+        status, headers, problems = kv_batch_problems(socket_pd, prompts, tokens, {"X-Request-Id": given})
+        assert status == 200 and problems == [], (given[:20], problems)
+        assert REQUEST_ID_REPLACED in headers and headers["X-Request-Id"] != given
+
+
+def test_a_client_that_stops_reading_a_streamed_batch_is_let_go(socket_pd: Running) -> None:
+    """The client sends a streamed batch and reads nothing: once the proxy's buffers towards it are
+    full, the proxy waits timeouts.send and lets go; every engine request is aborted long before
+    its 4,000 tokens would have been generated."""
+    seconds, aborted = stalled_stream_batch(socket_pd, prompts=4, max_tokens=4000, wait_s=120)
+    assert aborted >= 4, f"decode aborted {aborted:.0f} of 4 requests in {seconds:.0f} s"
+    assert engines_idle_and_alive(socket_pd.engines) == []
+    print(f"\nstalled streamed batch let go, engine requests aborted after {seconds:.1f} s "
+          f"(send timeout {SEND_TIMEOUT_S} s)")
 
 
 def test_engines_alive_and_idle_after_crafted_inputs(socket_pd: Running) -> None:
