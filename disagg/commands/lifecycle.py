@@ -68,10 +68,21 @@ class _Signals:
 
 def _echo(line: str) -> None:
     """The launcher's output: stdout, which for the detached supervisor is a pipe to the waiting
-    `up --detach` until it is ready; if that `up` was killed, carry on (stopping included) silently."""
+    `up --detach` until it is ready; if that `up` was killed, carry on (stopping included) silently.
+    Other write errors (a full disk under the supervisor's log) are raised for the launcher's
+    :class:`~disagg.launch.launcher.BestEffort` to report once."""
     try:
         print(line, flush=True)
-    except OSError:  # BrokenPipeError: nobody reads any more
+    except BrokenPipeError:  # nobody reads any more
+        pass
+
+
+def _tell(line: str) -> None:
+    """A line to stdout from `down` or the supervisor's own start that never raises: on a full disk
+    or a closed pipe the stop goes on without it."""
+    try:
+        print(line, flush=True)
+    except OSError:
         pass
 
 
@@ -149,7 +160,7 @@ def _detached(fd: int, launcher: Launcher) -> None:
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
-    print(f"supervising (pid {os.getpid()}); restarts are reported here", flush=True)
+    _tell(f"supervising (pid {os.getpid()}); restarts are reported here")
     try:
         os.write(fd, b"ready\n")
     except OSError:
@@ -241,7 +252,7 @@ def _stop_owner(run_dir: str, name: str, grace: float) -> bool:
     holder = lock_holder(run_dir, name)
     if not holder or holder == os.getpid():
         return False
-    print(f"{name}: `disagg up` (pid {holder}) still owns this run; asking it to stop (SIGTERM)", flush=True)
+    _tell(f"{name}: `disagg up` (pid {holder}) still owns this run; asking it to stop (SIGTERM)")
     try:
         os.kill(holder, signal.SIGTERM)
     except ProcessLookupError:
@@ -249,8 +260,7 @@ def _stop_owner(run_dir: str, name: str, grace: float) -> bool:
     deadline = time.monotonic() + grace + 30
     while lock_holder(run_dir, name) is not None:
         if time.monotonic() > deadline:
-            print(f"{name}: pid {holder} did not let go within {grace + 30:.0f} s; stopping its processes here",
-                  flush=True)
+            _tell(f"{name}: pid {holder} did not let go within {grace + 30:.0f} s; stopping its processes here")
             return False
         time.sleep(0.2)
     return True
@@ -266,14 +276,13 @@ def cmd_down(args: argparse.Namespace) -> int:
     state_file = run_path(run.run_dir, run.name) / STATE_FILE
     if _stop_owner(run.run_dir, run.name, grace):
         if not state_file.exists():
-            print(f"{run.name}: down")
+            _tell(f"{run.name}: down")
             return 0
         run = load_state(state_file)
     signals = _Signals()
     with _handling(signals):
-        stop_run(run, grace=grace, ssh_timeout=timeouts.ssh_check, echo=lambda s: print(s, flush=True),
-                 hurry=lambda: signals.stop)
-    print(f"{run.name}: down")
+        stop_run(run, grace=grace, ssh_timeout=timeouts.ssh_check, echo=_tell, hurry=lambda: signals.stop)
+    _tell(f"{run.name}: down")
     return 0
 
 
