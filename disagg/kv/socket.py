@@ -13,6 +13,11 @@ Decode instances get ``peers``: every prefill instance's ``address:kv_port``
 same entry). A decode engine fetches only from those, so a request naming
 another host is computed locally instead of making it dial that host.
 
+Prefill instances get ``allowed_peers``: the addresses the decode engines'
+connections come from (:func:`decode_sources`), so that the listener closes
+anyone else's at accept, before any handshake. Left out when a decode host's
+address is a host name: where its connections come from is not known.
+
 With ``connector: {type: socket, streaming: true}`` the proxy sends prefill and
 decode their requests at once, joined by a per-request key
 (:mod:`disagg.proxy.socket_stream_handoff`), and needs each prefill instance's
@@ -21,6 +26,7 @@ listener in ``--prefill`` order: :func:`prefill_peer` formats it for both.
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 from typing import Any
 
@@ -62,6 +68,33 @@ def prefill_peers(topo: Topology) -> list[str]:
     return peers
 
 
+def decode_sources(topo: Topology, listener: HostSpec) -> list[str] | None:
+    """The source addresses of the decode engines' connections to a prefill KV listener on
+    ``listener``'s address, as that prefill instance's ``allowed_peers``; None when they are not
+    known: an address (the listener's or a decode host's) that is a host name, or a decode host
+    whose address is of the other IP version than the listener's.
+
+    Each decode host's own address, and for a loopback one also ``127.0.0.1``: Linux gives a
+    connection to any 127.0.0.0/8 address the source 127.0.0.1 (the loopback route's ``src``)."""
+    try:
+        version = ipaddress.ip_address(listener.address).version
+    except ValueError:
+        return None
+    sources: list[str] = []
+    for inst in topo.role("decode"):
+        try:
+            ip = ipaddress.ip_address(topo.host_of(inst).address)
+        except ValueError:
+            return None
+        if ip.version != version:
+            return None
+        found = [str(ip)]
+        if ip.version == 4 and ip.is_loopback:
+            found.append("127.0.0.1")
+        sources.extend(a for a in found if a not in sources)
+    return sources or None
+
+
 class SocketVllmAdapter(VllmKVAdapter):
     """vLLM ``SocketKVConnector`` configuration: listener on the host's link address."""
 
@@ -85,6 +118,9 @@ class SocketVllmAdapter(VllmKVAdapter):
             if inst.kv_port is None:
                 raise DeploymentError(f"{inst.name} (line {inst.line}): the socket connector needs a kv_port")
             extra.update(host=host.address, port=inst.kv_port)
+            allowed = decode_sources(topo, host)
+            if allowed is not None:
+                extra["allowed_peers"] = allowed
         else:
             # A failed fetch makes the decode engine prefill locally instead of
             # failing the request.
