@@ -40,9 +40,9 @@ logger = logging.getLogger(__name__)
 #: (the prefill side drops connections idle for twice as long).
 MAX_IDLE_S = 60.0
 #: pauses before dialling again when the listener closes a new connection before its greeting
-#: (``connect``), each times 0.5-1.5 (0.07-0.21 s in all), so a burst of this engine's own connections over the
+#: (``connect``), each times 0.5-1.5 (0.22-0.66 s in all), so a burst of this engine's own connections over the
 #: listener's per-address budget waits for the slots instead of failing
-GREETING_RETRY_S = (0.01, 0.03, 0.1)
+GREETING_RETRY_S = (0.01, 0.03, 0.1, 0.3)
 
 
 class FetchError(ConnectionError):
