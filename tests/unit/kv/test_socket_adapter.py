@@ -50,7 +50,8 @@ def test_prefill_listens_on_its_link_address_and_kv_port() -> None:
         "kv_connector": "SocketKVConnector",
         "kv_connector_module_path": "disagg_connectors.socket_connector",
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"secret_env": SECRET_ENV, "host": "198.18.0.1", "port": 5701},
+        "kv_connector_extra_config": {"secret_env": SECRET_ENV, "host": "198.18.0.1", "port": 5701,
+                                     "allowed_peers": ["198.18.0.2"]},
     }
     assert SECRET_ENV not in dict(engines["prefill"].env)  # per run: added by the launcher, never planned
 
