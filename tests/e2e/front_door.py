@@ -163,33 +163,63 @@ def _still_open(s: socket.socket) -> bool:
         return False
 
 
-def stalled_stream_batch(run: Running, prompts: int, max_tokens: int, wait_s: float) -> tuple[float, float]:
-    """A streamed batch whose client never reads: (seconds until no engine runs a request any more,
-    aborted requests on the decode engine)."""
+@dataclass
+class Stalled:
+    let_go_s: float | None      # until the proxy held no slot for the client (None: not within the wait)
+    closed: bool                # the proxy closed the client's connection
+    aborted: float              # decode requests aborted (those still generating when the proxy let go)
+    rss_growth_mib: float       # the proxy's peak RSS growth meanwhile
+
+
+def stalled_stream_batch(run: Running, prompts: int, max_tokens: int, wait_s: float) -> Stalled:
+    """A streamed batch whose client never reads (a 4 KiB receive buffer): whether and when the
+    proxy lets go (its active-slot gauge back to 0, the connection closed)."""
     decode = run.engines["decode[0]"]
+    proxy = proxy_process(run)
 
     def aborted() -> float:
         return sample_sum(get_text(decode + "/metrics"), "vllm:request_success_total", finished_reason="abort")
 
-    before = aborted()
+    def slots() -> float:
+        return sample_sum(get_text(run.proxy_url + "/metrics"), "disagg_proxy_active_requests")
+
+    before, rss = aborted(), proxy.memory_info().rss
+    peak = rss
     host, port = _host_port(run.proxy_url)
-    # 20 logprobs per token: large events, so the proxy's buffers towards the client fill in seconds
+    # 20 logprobs per token: large events, so the buffers towards the client fill in seconds
     body = json.dumps({**COMPLETION, "prompt": [f"Stalled {i} mill" for i in range(prompts)],
                        "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "logprobs": 20}).encode()
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect((host, port))
     started = time.monotonic()
+    let_go: float | None = None
     try:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(1)
         while time.monotonic() - started < wait_s:
-            time.sleep(0.5)
-            if engine_requests_running(run.engines) == 0 and aborted() - before >= prompts:
+            peak = max(peak, proxy.memory_info().rss)
+            if slots() == 0:
+                let_go = time.monotonic() - started
                 break
-        return time.monotonic() - started, aborted() - before
+            time.sleep(0.5)
+        return Stalled(let_go, _closed_by_peer(s), aborted() - before, (peak - rss) / 2**20)
     finally:
         s.close()
+
+
+def _closed_by_peer(s: socket.socket, timeout: float = 10) -> bool:
+    """Read what is buffered: True once the peer has closed (EOF or reset) within ``timeout``."""
+    s.settimeout(timeout)
+    try:
+        while s.recv(1 << 20):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
 
 
 def engine_requests_running(engines: dict[str, str]) -> float:

@@ -1,8 +1,8 @@
 """1P1D with NIXL through `disagg up`: greedy equality with a colocated server,
-the engines' own counters proving the KV moved, prefill loss, and Ctrl-C.
+the engines' own counters proving the KV moved, a hung prefill, and Ctrl-C.
 
 Tests in this module run in file order; the last two change the deployment
-(kill the prefill engine, then Ctrl-C the foreground `disagg up`).
+(hang the prefill engine until liveness restarts it, then Ctrl-C the foreground `disagg up`).
 """
 
 from __future__ import annotations
@@ -113,13 +113,20 @@ def test_client_disconnect_aborts_decode(pd: Running, tokenizer: Tokenizer) -> N
     assert metric_value(get_text(pd.engines["prefill[0]"] + "/metrics"), "vllm:num_requests_running") == 0
 
 
-def test_prefill_loss_falls_back_to_decode_until_it_is_restarted(
+def test_a_hung_prefill_falls_back_to_decode_until_liveness_restarts_it(
         pd: Running, reference: dict[str, str], requests_: dict[str, dict]) -> None:
-    """Prefill's whole group SIGKILLed: decode serves alone meanwhile; `disagg up` (foreground)
-    restarts it, the proxy takes it back (and counts the return), and it is used again."""
+    """Prefill's API server SIGSTOPped (alive, answering nothing): the proxy takes it out of
+    rotation at its second missed probe and decode serves alone meanwhile; `disagg up`
+    (foreground) finds it failing every probe for timeouts.liveness, kills its group and
+    restarts it; the proxy takes it back (and counts the return), and it is used again."""
     prefill = next(r for r in pd.state().processes if r.name == "prefill[0]")
-    os.killpg(prefill.pid, signal.SIGKILL)
-    psutil.wait_procs([psutil.Process(prefill.pid)], timeout=30)
+    stopped = time.monotonic()
+    os.kill(prefill.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while metric_value(get_text(pd.proxy_url + "/metrics"), "disagg_proxy_backend_healthy", role="prefill") != 0:
+        assert time.monotonic() < deadline, "the proxy kept a hung prefill[0] in rotation"
+        time.sleep(0.2)
+    out_of_rotation = time.monotonic() - stopped
     reply = post_json(pd.proxy_url + "/v1/completions", requests_["prefill-killed"])
     assert reply["choices"][0]["text"] == reference["prefill-killed"]
     proxy_metrics = get_text(pd.proxy_url + "/metrics")
@@ -133,7 +140,8 @@ def test_prefill_loss_falls_back_to_decode_until_it_is_restarted(
             break
         assert time.monotonic() < deadline, "prefill[0] was not restarted"
         time.sleep(0.5)
-    assert (again.restarts, again.last_exit) == (1, "killed by SIGKILL")
+    assert again.restarts == 1 and "timeouts.liveness" in again.last_exit, again.last_exit
+    assert not psutil.pid_exists(prefill.pid) or psutil.Process(prefill.pid).status() == psutil.STATUS_ZOMBIE
     while metric_value(get_text(pd.proxy_url + "/metrics"), "disagg_proxy_backend_healthy", role="prefill") != 1:
         assert time.monotonic() < deadline, "the proxy did not take prefill[0] back"
         time.sleep(0.2)
@@ -144,6 +152,8 @@ def test_prefill_loss_falls_back_to_decode_until_it_is_restarted(
     assert (metric_value(after, "disagg_proxy_requests_total", path="disaggregated")
             - metric_value(before, "disagg_proxy_requests_total", path="disaggregated")) == 1
     assert metric_value(after, "disagg_proxy_backend_returns_total", role="prefill") == 1
+    print(f"\nhung prefill: out of rotation after {out_of_rotation:.1f} s, serving again after "
+          f"{time.monotonic() - stopped:.1f} s (timeouts.liveness: the default 30 s)")
 
 
 def test_ctrl_c_leaves_nothing(pd: Running) -> None:

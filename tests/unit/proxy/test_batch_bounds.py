@@ -77,7 +77,7 @@ async def test_a_large_batch_does_not_stall_the_event_loop(standin, proxy, http)
     print(f"\nlongest event-loop stall while a 1 MB x {PROMPTS}-prompt batch was served: {worst * 1000:.1f} ms")
     # the proxy, both stand-ins and this client share this loop, and each step of theirs handles one
     # 1 MB body (serialising the shared fields once per batch was 2 s of one step)
-    assert worst < 0.1, f"event loop stalled {worst * 1000:.0f} ms"
+    assert worst < 0.25, f"event loop stalled {worst * 1000:.0f} ms"
 
 
 async def test_proxy_memory_for_a_large_batch_is_bounded(standin) -> None:
