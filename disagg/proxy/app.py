@@ -98,6 +98,8 @@ class ProxyState:
 
 STATE: web.AppKey[ProxyState] = web.AppKey("disagg_proxy_state", ProxyState)
 REQUEST_ID_KEY: web.RequestKey[str] = web.RequestKey("disagg_request_id", str)
+#: why the client's X-Request-Id was replaced (absent when it was not)
+REQUEST_ID_NOTE_KEY: web.RequestKey[str] = web.RequestKey("disagg_request_id_note", str)
 
 
 def build_app(config: ProxyConfig) -> web.Application:
@@ -115,6 +117,7 @@ def build_app(config: ProxyConfig) -> web.Application:
     app = web.Application(middlewares=[_front_door], client_max_size=config.max_body_bytes)
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
+    app.on_response_prepare.append(_note_replaced_id)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_post(COMPLETIONS, _generate)
@@ -192,9 +195,9 @@ async def _front_door(request: web.Request,
     error as an OpenAI error body. The handlers take their concurrency slots once the body is in."""
     request_id, replaced = request_id_of(request)
     request[REQUEST_ID_KEY] = request_id
-    headers = {REQUEST_ID: request_id}
     if replaced is not None:
-        headers[REQUEST_ID_REPLACED] = f"the client's X-Request-Id is {replaced}; engines saw this one"
+        request[REQUEST_ID_NOTE_KEY] = f"the client's X-Request-Id is {replaced}; engines saw this one"
+    headers = {REQUEST_ID: request_id}
     try:
         if problem := path_problem(request.raw_path):
             request.app[STATE].metrics.rejected.labels("path").inc()
@@ -204,12 +207,9 @@ async def _front_door(request: web.Request,
         state = request.app[STATE]
         if not _authorized(state, request):
             raise Unauthorized("invalid or missing API key (send Authorization: Bearer KEY)")
-        if request.body_exists:
+        if request.body_exists and request.match_info.http_exception is None:
             await read_body(request, state.config.timeouts.client_body)
-        out = await handler(request)
-        if replaced is not None:
-            out.headers[REQUEST_ID_REPLACED] = headers[REQUEST_ID_REPLACED]
-        return out
+        return await handler(request)
     except ProxyHTTPError as exc:
         return exc.response(headers)
     except EngineErrorReply as exc:
@@ -223,6 +223,14 @@ async def _front_door(request: web.Request,
     except Exception as exc:
         log.exception("proxy error on %s %s", request.method, request.path)
         return error_response(500, f"proxy internal error: {exc.__class__.__name__}: {exc}", headers)
+
+
+async def _note_replaced_id(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: every reply (streams and errors too) to a client whose
+    ``X-Request-Id`` was replaced says so in :data:`REQUEST_ID_REPLACED`."""
+    note = request.get(REQUEST_ID_NOTE_KEY)
+    if note is not None:
+        response.headers[REQUEST_ID_REPLACED] = note
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -201,6 +201,11 @@ async def test_a_client_request_id_reaches_engines_only_short_and_printable(stan
         assert (REQUEST_ID_REPLACED in resp.headers) is not kept
     if not kept:
         assert len(seen) <= MAX_REQUEST_ID_CHARS and seen.isalnum()
+    body = {"model": "tiny", "prompt": ["x", "y"], "stream": True}
+    async with http.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": given}) as resp:
+        assert resp.status == 200
+        assert (REQUEST_ID_REPLACED in resp.headers) is not kept, "a streamed reply says so too"
+        await resp.read()
 
 
 async def _metrics(server) -> str:
