@@ -58,6 +58,31 @@ class Slots:
             self._metrics.active.dec(n)
 
 
+class BodyBudget:
+    """Bytes of request bodies being read at once: a body is read only when its announced size
+    (``Content-Length``, or the body limit for a chunked one) fits, else 429 before any byte of it
+    is read, so many clients uploading at once cannot fill the proxy's memory before the
+    concurrency cap sees them."""
+
+    def __init__(self, limit: int, metrics: ProxyMetrics) -> None:
+        self.limit = limit
+        self.reading = 0
+        self._metrics = metrics
+
+    @contextmanager
+    def take(self, size: int) -> Iterator[None]:
+        """Hold ``size`` bytes of the budget for the block; raises :class:`TooManyRequests`."""
+        if self.reading + size > self.limit:
+            self._metrics.rejected.labels("body_budget").inc()
+            raise TooManyRequests(f"the proxy is reading {self.reading} bytes of request bodies, its limit is "
+                                  f"{self.limit}; retry after {TooManyRequests.retry_after_s} s")
+        self.reading += size
+        try:
+            yield
+        finally:
+            self.reading -= size
+
+
 def request_id_of(request: web.Request) -> tuple[str, str | None]:
     """The id engines see for ``request``: the client's ``X-Request-Id`` when it is at most
     :data:`MAX_REQUEST_ID_CHARS` printable ASCII characters without spaces, else a new one;
@@ -89,7 +114,7 @@ class ClientStalled(ConnectionResetError):
     """A client read nothing of its reply for ``timeouts.send`` seconds; its connection is closed."""
 
 
-async def send_within(request: web.Request, sending: Awaitable[None], timeout: float) -> None:
+async def send_within(request: web.Request, sending: Awaitable[object], timeout: float) -> None:
     """Await ``sending`` (a write to ``request``'s response, or its end), giving up on a client
     that has not read for ``timeout`` seconds: the connection is closed and :class:`ClientStalled`
     raised, so the handler ends, its slots are freed and its engine requests closed (aborted)."""

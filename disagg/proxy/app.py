@@ -32,7 +32,14 @@ from typing import Any
 
 from aiohttp import web
 
-from disagg.proxy.admission import REQUEST_ID_REPLACED, Slots, read_body, request_id_of
+from disagg.proxy.admission import (
+    REQUEST_ID_REPLACED,
+    BodyBudget,
+    Slots,
+    read_body,
+    request_id_of,
+    send_within,
+)
 from disagg.proxy.backends import BackendPool, HealthProber
 from disagg.proxy.batch import batch_parallelism, serve_batch
 from disagg.proxy.config import ProxyConfig
@@ -58,8 +65,8 @@ from disagg.proxy.routes import (
     PromptRoute,
     RequestPlan,
     RoutePath,
+    TooManyPrompts,
     plan_request,
-    prompt_count,
     strip_kv_params,
 )
 from disagg.proxy.upstream import Upstream, make_session
@@ -69,6 +76,10 @@ log = logging.getLogger("disagg.proxy")
 #: paths that need the API key (as vLLM: /health, /metrics, /version stay open)
 GUARDED_PREFIXES = ("/v1",)
 
+
+#: bytes of request bodies the proxy reads at once (a chunked body counts as ``max_body_bytes``);
+#: one more is answered 429 before it is read
+BODY_READ_BYTES = 256 * 1024 * 1024
 
 @dataclass
 class ProxyState:
@@ -85,9 +96,12 @@ class ProxyState:
     api_key_hash: bytes | None = field(default=None, repr=False)
     #: the concurrency cap, in engine requests
     slots: Slots = field(init=False)
+    #: bytes of request bodies being read at once (before any slot is taken)
+    reading: BodyBudget = field(init=False)
 
     def __post_init__(self) -> None:
         self.slots = Slots(self.config.max_concurrency, self.metrics)
+        self.reading = BodyBudget(max(BODY_READ_BYTES, self.config.max_body_bytes), self.metrics)
 
     def client(self) -> Upstream:
         """The upstream client (only while the app runs)."""
@@ -208,8 +222,15 @@ async def _front_door(request: web.Request,
         if not _authorized(state, request):
             raise Unauthorized("invalid or missing API key (send Authorization: Bearer KEY)")
         if request.body_exists and request.match_info.http_exception is None:
-            await read_body(request, state.config.timeouts.client_body)
-        return await handler(request)
+            size = min(request.content_length or state.config.max_body_bytes, state.config.max_body_bytes)
+            with state.reading.take(size):
+                await read_body(request, state.config.timeouts.client_body)
+        out = await handler(request)
+        if isinstance(out, web.Response) and not out.prepared:  # a whole reply: sent within timeouts.send too
+            send = state.config.timeouts.send
+            await send_within(request, out.prepare(request), send)
+            await send_within(request, out.write_eof(), send)
+        return out
     except ProxyHTTPError as exc:
         return exc.response(headers)
     except EngineErrorReply as exc:
@@ -386,11 +407,11 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     metrics = state.metrics
     local = state.handoff is None or state.handoff.serves_local
     req = _client_request(request, await request.read(), local)
-    if (count := prompt_count(req.body)) > state.config.max_prompts:
+    try:
+        plan = plan_request(req, split=state.handoff is not None, local=local, max_prompts=state.config.max_prompts)
+    except TooManyPrompts as exc:
         metrics.rejected.labels("max_prompts").inc()
-        raise BadRequest(f"this request has {count} prompts; this server serves at most "
-                         f"{state.config.max_prompts} prompts in one request (max_prompts)", param="prompt")
-    plan = plan_request(req, split=state.handoff is not None, local=local)
+        raise BadRequest(str(exc), param="prompt") from None
     parallel = batch_parallelism(plan, state.config.max_concurrency)
     with state.slots.take(parallel):
         return await _serve_plan(request, state, plan, parallel, started)

@@ -52,8 +52,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from disagg.proxy.admission import send_within
 from disagg.proxy.backends import Backend
-from disagg.proxy.errors import CLIENT_ERRORS, UpstreamBadReply, sse_error_event
-from disagg.proxy.handoff import DecodeReply
+from disagg.proxy.errors import CLIENT_ERRORS, ProxyHTTPError, UpstreamBadReply, sse_error_event
+from disagg.proxy.handoff import DecodeReply, EngineErrorReply
 from disagg.proxy.headers import downstream_headers
 from disagg.proxy.merge import (
     batch_id,
@@ -140,6 +140,12 @@ class _RouteRun:
         except Exception as exc:
             if not self.opened.done():
                 self.opened.set_exception(exc)
+                if self._queue is None:
+                    return
+                # a stream may have begun without this route (beyond the first routes run at once):
+                # its failure goes in-stream, and its exception counts as seen
+                self.opened.exception()
+                await self._queue.put((self.route.index, _failure_event(exc)))
                 return
             if self._queue is not None:
                 log.warning("request %s: %s", self.route.request.request_id, exc)
@@ -242,6 +248,15 @@ def _error_event(status: int, body: bytes) -> bytes:
     if isinstance(value, dict) and isinstance(value.get("error"), dict):
         return b"data: " + json.dumps(value).encode() + b"\n\n" + DONE_EVENT
     return sse_error_event(status, body.decode("utf-8", "replace")[:1000] or f"HTTP {status}")
+
+
+def _failure_event(exc: Exception) -> bytes:
+    """A route that failed before it answered, as the in-stream error event of a stream under way:
+    an engine's own error reply as it is, a proxy error with its status."""
+    if isinstance(exc, EngineErrorReply):
+        return _error_event(exc.status, exc.body)
+    status = exc.status if isinstance(exc, ProxyHTTPError) else 502
+    return sse_error_event(status, f"batch prompt failed: {exc}")
 
 
 def _json_object(run: _RouteRun) -> dict[str, Any]:

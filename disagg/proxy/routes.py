@@ -207,13 +207,6 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
-def prompt_count(body: Mapping[str, Any]) -> int:
-    """How many prompts a request carries: a completions ``prompt`` list of strings or of token-id
-    lists counts each item, anything else is one (the proxy's ``max_prompts`` bounds this)."""
-    prompt = body.get("prompt")
-    return len(prompt) if isinstance(prompt, list) and prompt and not _is_token_ids(prompt) else 1
-
-
 def batch_prompts(body: Mapping[str, Any]) -> list[Any] | None:
     """The prompts of a completions batch (two or more), or None for one prompt.
 
@@ -247,13 +240,23 @@ def local_reason(endpoint: str, body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def plan_request(req: GenerationRequest, *, split: bool, local: bool = True) -> RequestPlan:
+class TooManyPrompts(ValueError):
+    """A batch would become more sub-requests than the proxy's ``max_prompts``."""
+
+    def __init__(self, prompts: int, limit: int) -> None:
+        super().__init__(f"this request has {prompts} prompts; this server serves at most {limit} prompts "
+                         "in one request (max_prompts)")
+
+
+def plan_request(req: GenerationRequest, *, split: bool, local: bool = True,
+                 max_prompts: int | None = None) -> RequestPlan:
     """The routes of one client request (``split``: a prefill pool exists; ``local``: decode
     engines can serve a prompt alone, which SGLang's cannot: there every prompt goes ``split``).
 
     ``req`` must already be stripped of client ``kv_transfer_params``.
     A batch whose prompts can go ``split`` becomes one sub-request per prompt
-    (``X-Request-Id`` ``<id>-<index>``, so engines never see one id twice);
+    (``X-Request-Id`` ``<id>-<index>``, so engines never see one id twice), at most
+    ``max_prompts`` of them (else :class:`TooManyPrompts`, before any is built);
     everything else is one route carrying the request whole.
     """
     if not split:
@@ -273,6 +276,8 @@ def plan_request(req: GenerationRequest, *, split: bool, local: bool = True) -> 
         return RequestPlan(req, [PromptRoute(0, req, RoutePath.LOCAL, reason)])
     if prompts is None:
         return RequestPlan(req, [PromptRoute(0, req, RoutePath.SPLIT)])
+    if max_prompts is not None and len(prompts) > max_prompts:
+        raise TooManyPrompts(len(prompts), max_prompts)
     shared = SharedFields.of(req.body)
     routes = [PromptRoute(i, req.sub_request(i, p, shared), RoutePath.SPLIT) for i, p in enumerate(prompts)]
     return RequestPlan(req, routes)

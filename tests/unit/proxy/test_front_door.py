@@ -106,6 +106,77 @@ async def test_more_prompts_than_max_prompts_is_400_before_any_engine(standin, p
     assert len(d.generations()) == 8
 
 
+async def test_max_prompts_bounds_only_what_the_proxy_splits(standin, proxy, http) -> None:
+    p = await standin("P")
+    d = await standin("D")
+    server = await proxy(prefill=[p.url], decode=[d.url], max_prompts=2)
+    body = {"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 2, "n": 2}   # n > 1: one request, whole
+    async with http.post(server.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+    assert len(d.generations()) == 1 and p.received == []
+
+
+async def test_a_prompt_failing_after_a_batch_stream_began_ends_the_stream(standin, proxy, http) -> None:
+    """Two routes run at once (max_concurrency 2); the fourth prompt's prefill is refused once the
+    stream is under way: its error arrives in-stream and the reply ends, its slots freed."""
+    p = await standin("P", fail_on_prompt="d")
+    d = await standin("D", tokens=3)
+    server = await proxy(prefill=[p.url], decode=[d.url], max_concurrency=2)
+    body = {"model": "tiny", "prompt": ["a", "b", "c", "d"], "max_tokens": 3, "stream": True}
+    async with asyncio.timeout(10):
+        async with http.post(server.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            events = [line async for line in resp.content if line.startswith(b"data: ")]
+    assert b"prompt refused" in events[-2] and events[-1] == b"data: [DONE]\n", events[-3:]
+    await wait_for(lambda: server.app_state.slots.active == 0)
+
+
+async def test_bodies_read_at_once_are_bounded_before_any_byte_is_read(standin, proxy, http,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("disagg.proxy.app.BODY_READ_BYTES", 1000)
+    d = await standin("D")
+    server = await proxy(decode=[d.url], max_body_bytes=1000)
+    host, port = server.url.removeprefix("http://").split(":")
+    _reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(post_head("/v1/completions", b"x" * 700) + b'{"model": ')    # 700 announced, slow
+    await wait_for(lambda: server.app_state.reading.reading == 700)
+    big = json.dumps({"model": "tiny", "prompt": "y" * 400}).encode()
+    status, data = await raw_request(server.url, post_head("/v1/completions", big), big)
+    assert status == 429, data[:300]
+    async with http.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+        assert resp.status == 200, "a small body still fits"
+    writer.close()
+    await wait_for(lambda: server.app_state.reading.reading == 0)
+    assert len(d.generations()) == 1
+
+
+async def test_a_client_that_never_reads_a_whole_reply_is_let_go(standin, proxy) -> None:
+    d = await standin("D", tokens=300_000)      # a ~2 MB JSON reply
+    server = await proxy(decode=[d.url], timeouts=replace(FAST, send=0.5))
+    body = json.dumps({"model": "tiny", "prompt": "x"}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.sendall(post_head("/v1/completions", body) + body)
+    await wait_for(lambda: len(d.generations()) == 1)
+    await asyncio.sleep(3)                      # the reply is written, the client reads nothing
+    sock.setblocking(False)
+    closed = False
+    try:
+        while sock.recv(1 << 20):
+            pass
+    except BlockingIOError:
+        closed = False
+    except ConnectionResetError:
+        closed = True
+    else:
+        closed = True
+    finally:
+        sock.close()
+    assert closed, "the proxy still holds the connection of a client that read nothing for 3 s"
+
+
 async def test_a_batch_takes_a_slot_per_engine_request_it_runs(standin, proxy, http) -> None:
     gate = asyncio.Event()
     p = await standin("P")
