@@ -246,12 +246,14 @@ class KVServer:
         with self._pending_lock:
             return self._pending_by_source.get(source_of(host), 0)
 
-    def _admit(self, source: str) -> str | None:
+    def _admit(self, source: str, listed: bool = False) -> str | None:
         """Take a pre-authentication slot for a connection from ``source``; None when taken, else
-        the cap that is full (the accept loop closes the connection)."""
+        the cap that is full (the accept loop closes the connection). A ``listed`` source (one of
+        ``allowed_peers``: a decode host, whose engine may open a burst of connections at once)
+        is held to the global cap only."""
         with self._pending_lock:
             mine = self._pending_by_source.get(source, 0)
-            if mine >= self.max_pending_per_source:
+            if mine >= self.max_pending_per_source and not listed:
                 return "max_pending_handshakes_per_source"
             if self._pending >= self.max_pending_handshakes:
                 return "max_pending_handshakes"
@@ -293,7 +295,7 @@ class KVServer:
                 conn.close()
                 continue
             source = source_of(str(addr[0]))
-            full = self._admit(source)
+            full = self._admit(source, listed=self._allowed is not None)
             if full is not None:
                 self.counters.add("num_refused")
                 self._log_limited(full, "socket KV connector closed a connection from %s: %d connections "

@@ -72,12 +72,14 @@ def decode_sources(topo: Topology, listener: HostSpec) -> list[str] | None:
     """The source addresses of the decode engines' connections to a prefill KV listener on
     ``listener``'s address, as that prefill instance's ``allowed_peers``; None when they are not
     known: an address (the listener's or a decode host's) that is a host name, or a decode host
-    whose address is of the other IP version than the listener's.
+    whose address is of the other IP version than the listener's, or loopback where the
+    listener's is not (or the reverse: the connection's source is then another address of that
+    host, picked by its routes).
 
     Each decode host's own address, and for a loopback one also ``127.0.0.1``: Linux gives a
     connection to any 127.0.0.0/8 address the source 127.0.0.1 (the loopback route's ``src``)."""
     try:
-        version = ipaddress.ip_address(listener.address).version
+        listening = ipaddress.ip_address(listener.address)
     except ValueError:
         return None
     sources: list[str] = []
@@ -86,7 +88,7 @@ def decode_sources(topo: Topology, listener: HostSpec) -> list[str] | None:
             ip = ipaddress.ip_address(topo.host_of(inst).address)
         except ValueError:
             return None
-        if ip.version != version:
+        if ip.version != listening.version or ip.is_loopback != listening.is_loopback:
             return None
         found = [str(ip)]
         if ip.version == 4 and ip.is_loopback:

@@ -72,6 +72,7 @@ def test_a_prefill_listener_accepts_the_decode_hosts_addresses(prefill: str, dec
 
 @pytest.mark.parametrize(("prefill", "decode", "other"), [
     ("198.18.0.1", "decode-box.lan", "198.18.0.3"),       # a host name: where it dials from is not known
+    ("198.18.0.1", "127.0.0.1", "127.0.0.1"),             # loopback decode, remote listener: its LAN address
     ("prefill-box.lan", "198.18.0.2", "198.18.0.3"),
     ('"fd00::1"', "198.18.0.2", "198.18.0.2"),            # another IP version than the listener's
 ])

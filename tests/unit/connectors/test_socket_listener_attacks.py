@@ -410,6 +410,22 @@ def test_idle_strangers_on_one_address_do_not_lock_out_another(make_server, logs
     assert eventually(lambda: srv.pending_handshakes, 0) == 0
 
 
+def test_an_allowed_peer_opening_a_burst_is_held_to_the_global_cap_only(make_server) -> None:
+    """A decode engine opens many connections at once (parallel fetches and streams): from an
+    allowed_peers address they are not held to the per-source budget, only to the global cap."""
+    srv, _ = make_server(allowed_peers=["127.0.0.1"], max_pending_handshakes=10, max_pending_per_source=2,
+                         handshake_timeout_s=30)
+    held = [dial(srv, "127.0.0.1") for _ in range(8)]
+    try:
+        for s in held:  # each got its challenge
+            assert recv_exact(s, len(MAGIC) + NONCE_BYTES)[:4] == MAGIC
+        assert srv.pending_from("127.0.0.1") == 8
+    finally:
+        for s in held:
+            s.close()
+    assert eventually(lambda: srv.pending_handshakes, 0) == 0
+
+
 def test_the_global_cap_still_bounds_all_sources_together(make_server) -> None:
     srv, _ = make_server(max_pending_handshakes=3, max_pending_per_source=2, handshake_timeout_s=30)
     held = [dial(srv, "127.0.0.2"), dial(srv, "127.0.0.2"), dial(srv, "127.0.0.3")]
