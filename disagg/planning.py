@@ -19,22 +19,27 @@ For each prompt class (prompt length n, output length m) the planner works out
 * **prefill**: ``n / rate`` from a rate ``disagg bench`` measured, else an
   *estimate* ``prefill_flops(n) / (peak FLOP/s x PREFILL_UTILISATION)`` for
   the prefill host's device;
-* **verdict**: with ``ratio = handoff / prefill``: *pays* when
-  ``ratio <= PAYS_RATIO`` (the handoff costs at most half of the prefill work
-  that leaves the decode host), *marginal* up to 1, *does not pay* above 1
-  (the KV takes longer to move than to compute);
+* **local**: the decode host prefilling the prompt itself, measured or estimated
+  the same way for the decode host's device (unknown: taken as the prefill host's);
+* **verdict**: the split answers at *prefill + handoff*: it *pays* when that is
+  no later than the local prefill, is *marginal* when it is later but the
+  handoff costs less than the prefill it takes off the decode host (worth it
+  when the decode host is busy decoding), and *does not pay* when moving the
+  KV takes longer than the decode host computing it; where the model's weights
+  do not fit a host's device memory, the rows say *does not fit* instead;
 * **decode memory**: how many conversations of the class (n + m tokens of KV)
   fit in the decode host's KV memory at once.
 
-The break-even prompt length is the shortest prompt whose handoff is no
-longer than its prefill (the ratio falls with length: fixed costs amortise,
-attention grows quadratically, sliding windows cap the KV).
+The summary and the routing line come from the same comparison as the rows
+(:func:`span`: the shortest and longest prompt for which the split pays, up to
+the topology's ``max_model_len``), with no assumption that it stays true as
+prompts grow.
 
 At idle load the proxy's ``auto`` routing splits a prompt when that answers
-sooner than the decode engine prefilling it itself:
-:func:`disagg.routecost.break_even_tokens` with the prefill and decode hosts'
-rates, the same function and figures the proxy starts from
-(:func:`route_seeds`, handed to it by ``disagg up``).
+sooner than the decode engine prefilling it itself: the same comparison. It
+starts from seeds (:func:`route_seeds`, handed to it by ``disagg up``): each
+host's rate at 2,048 tokens; the plan says where they put its idle threshold
+when that differs (estimated rates fall with length as attention grows).
 """
 
 from __future__ import annotations
@@ -60,15 +65,10 @@ from disagg.routecost import (
     handoff_fixed_s,
     handoff_fixed_source,
     max_transfer_s,
-    shortest,
 )
 from disagg.topology import HostSpec, InstanceSpec, Topology
 from disagg.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
 
-#: handoff/prefill at or below which the split pays
-PAYS_RATIO = 0.5
-#: handoff/prefill above which the split does not pay
-NO_PAY_RATIO = 1.0
 #: KV-cache bytes per second that the socket connector's fp8 wire format converts on CPU engines
 #: (P quantizes as it serves, D dequantizes as it receives, each on the engine's one core beside
 #: its own loop, one layer at a time so that the conversions overlap the wire): fitted to
@@ -95,7 +95,7 @@ MAX_SEARCH_TOKENS = 1 << 20
 #: fraction of GPU memory vLLM takes when the instance does not say
 DEFAULT_GPU_MEMORY_UTILISATION = 0.9
 
-PAYS, MARGINAL, NO_PAY = "pays", "marginal", "does not pay"
+PAYS, MARGINAL, NO_PAY, DOES_NOT_FIT = "pays", "marginal", "does not pay", "does not fit"
 
 
 @dataclass(frozen=True)
@@ -236,11 +236,23 @@ class ClassPlan:
     conversations: int | None           # that fit in the decode host's KV memory
     transfer_s: float                   # kv_bytes over the link, on its own
     exposed_s: float                    # of transfer_s, what the prefill does not hide (all unless streamed)
+    #: the decode host prefilling the prompt itself (None: unknown, taken as long as prefill_s)
+    local_s: float | None = None
+
+    @property
+    def split_s(self) -> float:
+        """When the split's first token can come: the prefill host's prefill, then the handoff."""
+        return self.prefill_s + self.handoff_s
+
+    @property
+    def local_prefill_s(self) -> float:
+        """The decode host prefilling the prompt itself (the prefill host's time when unknown)."""
+        return self.prefill_s if self.local_s is None else self.local_s
 
     @property
     def ratio(self) -> float:
-        """handoff / prefill."""
-        return self.handoff_s / self.prefill_s
+        """handoff / the prefill it takes off the decode host (above 1: does not pay)."""
+        return self.handoff_s / self.local_prefill_s
 
 
 @dataclass(frozen=True)
@@ -253,8 +265,8 @@ class Plan:
     prefill: PrefillEstimate
     memory: MemoryEstimate
     classes: tuple[ClassPlan, ...]
-    break_even_tokens: int | None       # shortest prompt with handoff <= prefill
-    pays_from_tokens: int | None        # shortest prompt with handoff <= PAYS_RATIO x prefill
+    break_even_tokens: int | None       # shortest prompt whose handoff costs no more than a local prefill
+    pays_from_tokens: int | None        # shortest prompt the split answers no later than a local prefill
     search_limit: int = MAX_SEARCH_TOKENS  # longest prompt the break-even search considered
     notes: tuple[str, ...] = ()
     #: the decode host's own prefill (local prefill), when known
@@ -266,6 +278,14 @@ class Plan:
     #: the model's layers when the KV is streamed layer by layer while the prefill computes (the
     #: socket connector's ``streaming``); None: it is sent after the prefill
     streaming_layers: int | None = None
+    #: shortest and longest prompt the split answers no later than the decode host prefilling it (None: none)
+    pays_span: tuple[int, int] | None = None
+    #: shortest and longest prompt whose handoff costs no more than the decode host's own prefill
+    worth_span: tuple[int, int] | None = None
+    #: where the weights do not fit a host: why (every row then says so, with no verdict)
+    not_fit: str | None = None
+    #: the idle split threshold the proxy starts from: its seeds, rates at 2,048 tokens
+    seed_split_from_tokens: int | None = None
 
     @property
     def streaming(self) -> bool:
@@ -305,6 +325,7 @@ class Plan:
             "classes": [{"prompt_tokens": c.prompt_tokens, "output_tokens": c.output_tokens,
                          "kv_bytes": c.kv_bytes, "handoff_s": c.handoff_s, "transfer_s": c.transfer_s,
                          "exposed_handoff_s": c.exposed_s, "prefill_s": c.prefill_s,
+                         "split_s": c.split_s, "local_prefill_s": c.local_s,
                          "ratio": c.ratio, "verdict": c.verdict, "reason": c.reason,
                          "conversations_fit": c.conversations} for c in self.classes],
             "break_even_prompt_tokens": self.break_even_tokens,
@@ -315,6 +336,9 @@ class Plan:
                 "tokens_per_s": self.decode_prefill.rate()},
             "idle_split_from_prompt_tokens": self.idle_split_from_tokens,
             "pays_from_prompt_tokens": self.pays_from_tokens,
+            "pays_span_prompt_tokens": None if self.pays_span is None else list(self.pays_span),
+            "proxy_seed_split_from_prompt_tokens": self.seed_split_from_tokens,
+            "does_not_fit": self.not_fit,
             "search_limit_tokens": self.search_limit,
             "notes": list(self.notes),
         }
@@ -327,11 +351,20 @@ def _percent(ratio: float) -> str:
 
 
 def verdict_for(handoff_s: float, prefill_s: float, nbytes: float, link: LinkEstimate,
-                conversations: int | None = None, streaming_layers: int | None = None) -> tuple[str, str]:
+                conversations: int | None = None, streaming_layers: int | None = None,
+                local_s: float | None = None) -> tuple[str, str]:
     """(verdict, one-line reason) for one request; ``conversations`` = 0 means it cannot fit.
-    ``handoff_s``: what the split adds to the prefill; ``streaming_layers``: the KV is streamed
-    over that many layers while the prefill computes (None: sent after it)."""
-    ratio = handoff_s / prefill_s
+    ``handoff_s``: what the split adds to the prefill host's ``prefill_s``; ``local_s``: the decode
+    host prefilling the prompt itself (None: as long as ``prefill_s``, alike hosts);
+    ``streaming_layers``: the KV is streamed over that many layers while the prefill computes
+    (None: sent after it).
+
+    *pays*: the split (prefill + handoff) answers no later than the decode host prefilling the
+    prompt itself; *marginal*: it answers later, but moving the KV costs less than the prefill it
+    takes off the decode host (worth it when that host is busy decoding); *does not pay*: moving
+    the KV takes longer than the decode host computing it."""
+    local = prefill_s if local_s is None else local_s
+    split = prefill_s + handoff_s
     if streaming_layers is None:
         moving = f"moving {fmt_bytes(nbytes)} takes {fmt_seconds(handoff_s)}"
     else:
@@ -339,23 +372,51 @@ def verdict_for(handoff_s: float, prefill_s: float, nbytes: float, link: LinkEst
                   f"adds {fmt_seconds(handoff_s)}")
     if conversations == 0:
         return NO_PAY, "not one conversation of this length fits in the decode host's KV memory"
-    if ratio <= PAYS_RATIO:
-        return PAYS, (f"{moving}, {_percent(ratio)} of the {fmt_seconds(prefill_s)} prefill it takes off "
-                      "the decode host")
-    if ratio <= NO_PAY_RATIO:
-        return MARGINAL, (f"{moving}, {_percent(ratio)} of the {fmt_seconds(prefill_s)} prefill: "
-                          "the handoff adds over half a prefill to TTFT")
-    # the longest transfer the split can afford to pay: its exposed part within half the prefill
-    budget = max_transfer_s(PAYS_RATIO * prefill_s - link.fixed_s, prefill_s, streaming_layers)
-    need = f"; the link would need {fmt_rate(nbytes * 8 / budget)} for the split to pay" if budget > 0 else ""
-    return NO_PAY, f"{moving}, longer than the {fmt_seconds(prefill_s)} prefill{need}"
+    answers = (f"{moving}; the split answers in {fmt_seconds(split)} ({fmt_seconds(prefill_s)} prefill + "
+               "handoff)")
+    if split <= local:
+        return PAYS, (f"{answers}, no later than the {fmt_seconds(local)} the decode host takes to prefill "
+                      "it itself")
+    if handoff_s <= local:
+        return MARGINAL, (f"{answers}, {fmt_seconds(split - local)} later than the decode host prefilling it "
+                          f"itself ({fmt_seconds(local)}), but it takes that prefill off the decode host")
+    # the longest transfer with which the split answers no later than the local prefill
+    budget = max_transfer_s(local - prefill_s - link.fixed_s, prefill_s, streaming_layers)
+    need = (f"; the link would need {fmt_rate(nbytes * 8 / budget)} for the split to answer sooner"
+            if budget > 0 else "")
+    return NO_PAY, (f"{moving}, longer than the {fmt_seconds(local)} the decode host takes to prefill it "
+                    f"itself{need}")
 
 
-def _shortest_prompt(handoff: Callable[[int], float], prefill: PrefillEstimate, ratio: float,
-                     limit: int) -> int | None:
-    """Smallest prompt length <= limit with handoff <= ratio x prefill (the ratio falls with length);
-    ``handoff(n)``: what the split of an n-token prompt adds to its prefill."""
-    return shortest(lambda n: handoff(n) <= ratio * prefill.seconds(n), limit)
+def span(holds: Callable[[int], bool], limit: int, also: Sequence[int] = ()) -> tuple[int, int] | None:
+    """The shortest and longest prompt in 1..``limit`` for which ``holds``, or None: ``holds`` is
+    tried on a geometric grid (8 lengths per doubling, with ``also``), its ends are then found by
+    bisection between grid points. It does not assume ``holds`` stays true as prompts grow (a
+    split can pay for mid-length prompts only, or stop paying as attention grows)."""
+    grid = sorted({1, limit, *(n for n in also if 1 <= n <= limit),
+                   *(round(2 ** (i / 8)) for i in range(8 * max(limit, 1).bit_length() + 1)
+                     if 2 ** (i / 8) <= limit)})
+    marks = [holds(n) for n in grid]
+    if not any(marks):
+        return None
+    first = marks.index(True)
+    last = len(marks) - 1 - marks[::-1].index(True)
+    lo, hi = (grid[first - 1] + 1 if first else 1), grid[first]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    low = lo
+    lo, hi = grid[last], (grid[last + 1] - 1 if last + 1 < len(grid) else grid[last])
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if holds(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return low, lo
 
 
 def wire_ratio_of(wire_format: str, kv_dtype: str) -> float:
@@ -392,20 +453,23 @@ def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: Prefi
               memory: MemoryEstimate, prompt_tokens: Sequence[int], output_tokens: int,
               notes: Sequence[str] = (), max_prompt_tokens: int | None = None,
               decode_prefill: PrefillEstimate | None = None, wire_format: str = "raw",
-              streaming_layers: int | None = None) -> Plan:
+              streaming_layers: int | None = None, not_fit: str | None = None) -> Plan:
     """Work out every prompt class; the pure arithmetic behind ``disagg plan``.
 
-    The break-even search stops at ``max_prompt_tokens`` (the model's context
-    limit, when known) or :data:`MAX_SEARCH_TOKENS`. With ``decode_prefill``
-    (the decode host's prefill) it also finds the shortest prompt the proxy's
-    ``auto`` routing splits at idle load (:func:`disagg.routecost.break_even_tokens`).
+    One answer for rows, summary and routing line: a prompt's split answers at the prefill host's
+    prefill + the handoff (:meth:`LinkEstimate.added_s`), its local prefill at ``decode_prefill``'s
+    time (the decode host prefilling it itself; without it the prefill host's, alike hosts); the
+    split *pays* where it answers no later (:func:`verdict_for`). The spans (:func:`span`) stop at
+    ``max_prompt_tokens`` (the model's context limit, when known) or :data:`MAX_SEARCH_TOKENS`.
     ``wire_format``: what crosses the link (``fp8``: about half a 16-bit cache's bytes).
     ``streaming_layers``: the KV is streamed over that many layers while the prefill computes,
     so a split adds only the fixed cost and the transfer's exposed part
     (:func:`disagg.routecost.exposed_transfer_s`); None: sent after the prefill, all of it.
+    ``not_fit``: the weights do not fit a host (why): every row says so, with no verdict.
     """
     limit = max_prompt_tokens or MAX_SEARCH_TOKENS
     to_wire = wire_ratio_of(wire_format, kv_dtype)
+    local = decode_prefill or prefill
 
     def moved(n: int) -> float:
         return arch.kv_bytes(n, kv_dtype) * to_wire
@@ -423,18 +487,30 @@ def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: Prefi
         if memory.kv_bytes is not None:
             fit = int(max(memory.kv_bytes, 0) // arch.kv_bytes(n + output_tokens, kv_dtype))
         handoff_s = link.added_s(nbytes, pre, streaming_layers)
-        verdict, reason = verdict_for(handoff_s, pre, nbytes, link, fit, streaming_layers)
+        local_s = None if decode_prefill is None else decode_prefill.seconds(n)
+        if not_fit is not None:
+            verdict, reason = DOES_NOT_FIT, not_fit
+        else:
+            verdict, reason = verdict_for(handoff_s, pre, nbytes, link, fit, streaming_layers, local_s)
         classes.append(ClassPlan(n, output_tokens, nbytes, handoff_s, pre, verdict, reason, fit,
-                                 transfer_s=transfer, exposed_s=exposed))
-    link_cost = replace(link.cost(), streaming_layers=streaming_layers)
+                                 transfer_s=transfer, exposed_s=exposed, local_s=local_s))
+    pays = worth = None
+    if not_fit is None:
+        rows = list(prompt_tokens)
+        pays = span(lambda n: prefill.seconds(n) + handoff(n) <= local.seconds(n), limit, rows)
+        worth = span(lambda n: handoff(n) <= local.seconds(n), limit, rows)
+    seed = None
+    if decode_prefill is not None and not_fit is None:
+        link_cost = replace(link.cost(), streaming_layers=streaming_layers)
+        seed = break_even_tokens(moved, prefill.cost(), decode_prefill.cost(), link_cost, limit)
     return Plan(model=arch, kv_dtype=kv_dtype, link=link, prefill=prefill, memory=memory,
                 classes=tuple(classes),
-                break_even_tokens=_shortest_prompt(handoff, prefill, NO_PAY_RATIO, limit),
-                pays_from_tokens=_shortest_prompt(handoff, prefill, PAYS_RATIO, limit),
+                break_even_tokens=None if worth is None else worth[0],
+                pays_from_tokens=None if pays is None else pays[0],
                 search_limit=limit, notes=tuple(notes), decode_prefill=decode_prefill,
-                idle_split_from_tokens=None if decode_prefill is None else break_even_tokens(
-                    moved, prefill.cost(), decode_prefill.cost(), link_cost, limit),
-                wire_format=wire_format, streaming_layers=streaming_layers)
+                idle_split_from_tokens=None if decode_prefill is None or pays is None else pays[0],
+                wire_format=wire_format, streaming_layers=streaming_layers,
+                pays_span=pays, worth_span=worth, not_fit=not_fit, seed_split_from_tokens=seed)
 
 
 # --- from a topology -------------------------------------------------------------
@@ -713,30 +789,46 @@ def every_host_measured(topo: Topology, role: str) -> bool:
                for h in {topo.host_of(inst).name for inst in topo.role(role)})
 
 
+def _prompts(span_: tuple[int, int], limit: int) -> str:
+    lo, hi = span_
+    if hi >= limit:
+        return f"prompts of {fmt_count(lo)} tokens and more (up to {fmt_count(limit)})"
+    return f"prompts of {fmt_count(lo)} to {fmt_count(hi)} tokens"
+
+
 def idle_routing_line(plan: Plan) -> str | None:
-    """One sentence: from which prompt length the proxy's auto routing splits at idle load."""
-    if plan.decode_prefill is None:
+    """One sentence: which prompts the proxy's auto routing splits at idle load (the rows' answer)."""
+    if plan.decode_prefill is None or plan.not_fit is not None:
         return None
     rates = (f"prefill host {fmt_count(round(plan.prefill.rate()))} tokens/s, decode host "
-             f"{fmt_count(round(plan.decode_prefill.rate()))} tokens/s, handoff {fmt_seconds(plan.link.fixed_s)} fixed"
+             f"{fmt_count(round(plan.decode_prefill.rate()))} tokens/s at 2,048 tokens, handoff "
+             f"{fmt_seconds(plan.link.fixed_s)} fixed"
              + (f", streamed over {plan.streaming_layers} layers" if plan.streaming_layers is not None else ""))
-    if plan.idle_split_from_tokens is None:
-        return (f"Routing (auto) at idle load: every prompt stays local (the decode host prefills it "
+    if plan.pays_span is None:
+        line = (f"Routing (auto) at idle load: every prompt stays local (the decode host prefills it "
                 f"sooner than a split answers; {rates}); it splits only when the decode engines are busy.")
-    return (f"Routing (auto) at idle load: prompts of {fmt_count(plan.idle_split_from_tokens)} tokens and more "
-            f"split, shorter ones stay local ({rates}).")
+    else:
+        line = (f"Routing (auto) at idle load: {_prompts(plan.pays_span, plan.search_limit)} split, where "
+                f"the split answers sooner; others stay local ({rates}).")
+    if plan.seed_split_from_tokens != plan.idle_split_from_tokens:
+        seed = ("no prompt" if plan.seed_split_from_tokens is None
+                else f"{fmt_count(plan.seed_split_from_tokens)} tokens and more")
+        line += (f" The proxy starts from those rates at 2,048 tokens, which split {seed} at idle, until "
+                 "its live measurements correct them.")
+    return line
 
 
 def summary_line(plan: Plan) -> str:
-    """One sentence: from which prompt length the split pays on this link."""
-    if plan.pays_from_tokens is None:
-        if plan.break_even_tokens is None:
-            return (f"On this link the split does not pay for any prompt up to "
-                    f"{fmt_count(plan.search_limit)} tokens: moving the KV always takes longer than "
-                    "computing it.")
-        return (f"Moving the KV is cheaper than computing it from {fmt_count(plan.break_even_tokens)} "
-                f"prompt tokens, but not by enough for the split to clearly pay up to "
-                f"{fmt_count(plan.search_limit)} tokens.")
-    return (f"The split pays for prompts of {fmt_count(plan.pays_from_tokens)} tokens and more "
-            f"(break-even, where moving the KV costs as much as computing it: "
-            f"{fmt_count(plan.break_even_tokens or 0)} tokens).")
+    """One sentence: for which prompt lengths the split pays on this link (the rows' answer)."""
+    if plan.not_fit is not None:
+        return f"No verdict: {plan.not_fit}."
+    limit = fmt_count(plan.search_limit)
+    if plan.pays_span is None:
+        if plan.worth_span is None:
+            return (f"On this link the split does not pay for any prompt up to {limit} tokens: moving the KV "
+                    "always takes longer than the decode host computing it.")
+        return (f"The split never answers sooner than the decode host prefilling the prompt itself (up to "
+                f"{limit} tokens); for {_prompts(plan.worth_span, plan.search_limit)} moving the KV costs less "
+                "than that prefill, so it is marginal: it takes the prefill off a busy decode host.")
+    return (f"The split pays (answers no later than the decode host prefilling the prompt itself) for "
+            f"{_prompts(plan.pays_span, plan.search_limit)}.")

@@ -119,20 +119,23 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None) -
     ):
         out += _wrap(value, first=f"  {key:<9}", rest=" " * 11)
     out.append("")
-    rows = [["prompt", "KV moved", "handoff", f"prefill{est}", "handoff/", "fit on decode", "verdict"],
-            ["tokens", "", "", "", "prefill", f"(+{plan.classes[0].output_tokens if plan.classes else 0} out)",
-             ""]]
+    local_est = (" (est.)" if plan.decode_prefill.estimated else "") if plan.decode_prefill is not None else ""
+    rows = [["prompt", "KV moved", "handoff", f"prefill{est}", "split", f"local{local_est}", "fit on decode",
+             "verdict"],
+            ["tokens", "", "", "on P", "P + handoff", "D prefills" if plan.decode_prefill else "as on P",
+             f"(+{plan.classes[0].output_tokens if plan.classes else 0} out)", ""]]
     for c in plan.classes:
         fit = "?" if c.conversations is None else fmt_count(c.conversations)
         rows.append([fmt_count(c.prompt_tokens), fmt_bytes(c.kv_bytes), fmt_seconds(c.handoff_s),
-                     fmt_seconds(c.prefill_s), f"{c.ratio:.2f}", fit, c.verdict.upper()])
-    right = {0, 1, 2, 3, 4, 5}
+                     fmt_seconds(c.prefill_s), fmt_seconds(c.split_s), fmt_seconds(c.local_prefill_s), fit,
+                     c.verdict.upper()])
+    right = {0, 1, 2, 3, 4, 5, 6}
     if plan.streaming:   # the transfer on its own, beside what the streamed handoff leaves of it
         rows[0][2:2], rows[1][2:2] = ["transfer"], ["(alone)"]
         rows[1][3] = "(streamed)"
         for row, c in zip(rows[2:], plan.classes, strict=True):
             row.insert(2, fmt_seconds(c.transfer_s))
-        right = {0, 1, 2, 3, 4, 5, 6}
+        right = {0, 1, 2, 3, 4, 5, 6, 7}
     out += _table(rows, right=right)
     out.append("")
     width = max(len(fmt_count(c.prompt_tokens)) for c in plan.classes) if plan.classes else 0
@@ -143,10 +146,12 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None) -
     out += _wrap(summary_line(plan))
     if (idle := idle_routing_line(plan)) is not None:
         out += _wrap(idle)
-    out += _wrap("Verdicts: PAYS when the handoff costs at most half the prefill it moves off the decode "
-                 "host; MARGINAL up to the whole prefill; DOES NOT PAY when moving the KV takes longer "
-                 "than computing it. 'fit on decode': conversations of that length (prompt + output) "
-                 "whose KV fits in the decode host's KV memory at once.")
+    out += _wrap("Verdicts: PAYS when the split (prefill on P, then the handoff) answers no later than the "
+                 "decode host prefilling the prompt itself ('local'); MARGINAL when it answers later but the "
+                 "handoff costs less than the prefill it takes off the decode host (worth it when that host is "
+                 "busy decoding); DOES NOT PAY when moving the KV takes longer than the decode host computing "
+                 "it; DOES NOT FIT when the model's weights do not fit a host. 'fit on decode': conversations "
+                 "of that length (prompt + output) whose KV fits in the decode host's KV memory at once.")
     if plan.notes:
         out.append("  notes:")
         for note in plan.notes:

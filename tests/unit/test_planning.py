@@ -28,6 +28,7 @@ from disagg.planning import (
 )
 from disagg.routecost import exposed_transfer_s
 from disagg.topology import load_topology, parse_topology
+from disagg.units import fmt_rate
 
 LLAMA = BUILTIN_MODELS["llama-3.1-8b"]
 MIB = 1 << 20
@@ -41,19 +42,30 @@ def prefill_rate(tokens_per_s: float) -> PrefillEstimate:
     return PrefillEstimate("test", estimated=False, arch=LLAMA, tokens_per_s=tokens_per_s)
 
 
-@pytest.mark.parametrize(("handoff", "verdict"), [(0.1, PAYS), (0.5, PAYS), (0.7, MARGINAL), (1.0, MARGINAL),
-                                                  (1.5, NO_PAY)])
-def test_verdict_thresholds(handoff: float, verdict: str) -> None:
-    got, reason = verdict_for(handoff, 1.0, 100 * MIB, link(1e9))
+@pytest.mark.parametrize(("handoff", "verdict"), [(0.1, PAYS), (1.0, PAYS), (1.5, MARGINAL), (2.0, MARGINAL),
+                                                  (2.5, NO_PAY)])
+def test_verdict_compares_the_split_with_the_decode_host_prefilling_itself(handoff: float, verdict: str) -> None:
+    # P prefills in 1 s, D would take 2 s itself: the split answers at 1 s + handoff
+    got, reason = verdict_for(handoff, 1.0, 100 * MIB, link(1e9), local_s=2.0)
     assert got == verdict
     assert "100 MiB" in reason
 
 
+def test_a_split_slower_than_the_local_prefill_never_pays() -> None:
+    # the user's case: the handoff is under half the prefill host's 4.04 s, but the decode host
+    # prefills the prompt itself in 1.5 s; the split (4.04 + 1.88 s) answers far later
+    got, reason = verdict_for(1.88, 4.04, 2 << 30, link(9.4e9), local_s=1.5)
+    assert got == NO_PAY
+    assert "longer than the 1.5 s the decode host takes to prefill it itself" in reason
+    got, reason = verdict_for(1.0, 4.04, 2 << 30, link(9.4e9), local_s=1.5)
+    assert got == MARGINAL and "later than the decode host prefilling it itself (1.5 s)" in reason
+
+
 def test_no_pay_reason_names_the_rate_that_would_pay() -> None:
-    # 100 MiB must move in half of the 1 s prefill minus the 1 ms fixed cost
-    _, reason = verdict_for(2.0, 1.0, 100 * MIB, link(1e9))
-    need = 100 * MIB * 8 / (0.5 - PROXY_HOP_S)
-    assert f"{need / 1e9:.3g} Gb/s" in reason
+    # 100 MiB must move within the 3 s local prefill minus P's 1 s and the 1 ms fixed cost
+    _, reason = verdict_for(3.5, 1.0, 100 * MIB, link(1e9), local_s=3.0)
+    need = 100 * MIB * 8 / (3.0 - 1.0 - PROXY_HOP_S)
+    assert f"the link would need {fmt_rate(need)} for the split to answer sooner" in reason
 
 
 def test_handoff_is_fixed_cost_plus_bytes_over_rate() -> None:
@@ -72,16 +84,45 @@ def test_plan_rows_and_memory_fit() -> None:
     assert row.verdict == NO_PAY
 
 
-def test_break_even_is_the_shortest_prompt_where_handoff_fits_in_prefill() -> None:
-    # a slow prefill (100 tok/s) on a fast link with a big fixed cost: short prompts lose, long ones win
+def test_pays_from_is_the_shortest_prompt_the_split_answers_sooner() -> None:
+    # a fast P (8,000 tok/s), a slow D (1,000 tok/s), a fast link with a big fixed cost: short prompts stay
     est = link(100e9, rtt=0.05)
-    plan = make_plan(LLAMA, "bfloat16", est, prefill_rate(100.0), MemoryEstimate(None, "?"), [1, 64], 0)
-    n = plan.break_even_tokens
-    assert n is not None
-    assert est.handoff_s(LLAMA.kv_bytes(n)) <= n / 100.0
-    assert est.handoff_s(LLAMA.kv_bytes(n - 1)) > (n - 1) / 100.0
-    assert plan.pays_from_tokens is not None and plan.pays_from_tokens > n
+    plan = make_plan(LLAMA, "bfloat16", est, prefill_rate(8000.0), MemoryEstimate(None, "?"), [1, 4096], 0,
+                     decode_prefill=prefill_rate(1000.0), max_prompt_tokens=16384)
+    n = plan.pays_from_tokens
+    assert n is not None and plan.pays_span == (n, 16384)
+    assert n / 8000 + est.handoff_s(LLAMA.kv_bytes(n)) <= n / 1000
+    assert (n - 1) / 8000 + est.handoff_s(LLAMA.kv_bytes(n - 1)) > (n - 1) / 1000
+    assert plan.break_even_tokens is not None and plan.break_even_tokens < n
+    assert [c.verdict for c in plan.classes] == [NO_PAY, PAYS]
+    assert plan.idle_split_from_tokens == n
     assert plan.classes[0].conversations is None
+
+
+def test_summary_and_routing_agree_with_the_rows() -> None:
+    from disagg.planning import idle_routing_line, summary_line
+    # alike rates, a slow link: no row pays, and neither summary nor routing says one does
+    plan = make_plan(LLAMA, "bfloat16", link(9.4e9, rtt=1e-4), prefill_rate(5000.0), MemoryEstimate(None, "?"),
+                     [16384], 0, decode_prefill=prefill_rate(11000.0), max_prompt_tokens=16384)
+    assert plan.classes[0].verdict == NO_PAY and plan.pays_span is None
+    assert "does not pay for any prompt up to 16,384" in summary_line(plan)
+    assert "every prompt stays local" in (idle_routing_line(plan) or "")
+
+
+def test_a_split_that_stops_paying_as_prompts_grow_is_a_span() -> None:
+    # P is faster per token, but its estimate's attention grows faster than D's: the summary gives both
+    # ends instead of claiming every longer prompt pays
+    arch = BUILTIN_MODELS["llama-3.1-70b"]
+    fast = PrefillEstimate("p", estimated=True, arch=arch, flops_per_s=400e12)
+    slow = PrefillEstimate("d", estimated=False, arch=arch, tokens_per_s=1500.0)
+    plan = make_plan(arch, "bfloat16", link(100e9), fast, MemoryEstimate(None, "?"), [256, 100_000], 0,
+                     decode_prefill=slow, max_prompt_tokens=131072)
+    assert plan.pays_span is not None
+    lo, hi = plan.pays_span
+    assert lo < 256 <= hi < 100_000
+    assert plan.classes[0].verdict == PAYS and plan.classes[1].verdict != PAYS
+    from disagg.planning import summary_line
+    assert f"prompts of {lo:,} to {hi:,} tokens" in summary_line(plan)
 
 
 def test_never_pays_within_the_context_limit() -> None:
@@ -99,8 +140,8 @@ def test_house_topology_over_2g5_does_not_pay_but_roce_does() -> None:
     assert plan.link.usable_bps == 2.35e9 and not plan.link.measured
     assert row.verdict == NO_PAY
     assert row.conversations == 86        # kv_memory_gb: 26 on the workstation
-    roce = plan_topology(topo, [2048], 256, link_class="roce-100g")
-    assert roce.classes[0].verdict == PAYS
+    roce = plan_topology(topo, [8192], 256, link_class="roce-100g")
+    assert roce.classes[0].verdict == MARGINAL
 
 
 def test_sparks_decode_memory_is_estimated_from_the_gpu() -> None:
@@ -249,10 +290,12 @@ def test_fp8_on_cpu_engines_is_priced_at_the_slower_of_link_and_conversion() -> 
 
 def test_streamed_plan_prices_only_what_the_prefill_does_not_hide() -> None:
     """LLAMA has 32 layers; on a 10 GB/s-usable link a 2,048-token prompt's 256 MiB take 215 ms,
-    half its 410 ms prefill: MARGINAL when sent after the prefill, and only the last layer's send
-    (a 32nd) when streamed beside it."""
+    beside its 410 ms prefill, where the decode host would prefill it itself in 500 ms: MARGINAL when
+    sent after the prefill (626 ms), and PAYS with only the last layer's send (a 32nd) left when
+    streamed beside it."""
     args = (LLAMA, "bfloat16", link(10e9), prefill_rate(5000.0), MemoryEstimate(None, "?"), [2048], 0)
-    seq, streamed = make_plan(*args), make_plan(*args, streaming_layers=32)
+    seq = make_plan(*args, decode_prefill=prefill_rate(4096.0))
+    streamed = make_plan(*args, streaming_layers=32, decode_prefill=prefill_rate(4096.0))
     s, t = seq.classes[0], streamed.classes[0]
     transfer = 256 * MIB * 8 / 10e9
     assert s.transfer_s == t.transfer_s == pytest.approx(transfer)
@@ -262,15 +305,15 @@ def test_streamed_plan_prices_only_what_the_prefill_does_not_hide() -> None:
     assert (s.verdict, t.verdict) == (MARGINAL, PAYS)
     assert "streaming 256 MiB (215 ms on the link alone) adds" in t.reason
     assert not seq.streaming and streamed.streaming and streamed.streaming_layers == 32
-    # the ratio of a dense model on a measured rate hardly moves with length: the sequential split
-    # never clearly pays, the streamed one does from a short prompt on
+    # per token the sequential split (P's prefill + the transfer) is slower than D's own prefill: it
+    # never pays; the streamed one does from a short prompt on
     assert seq.pays_from_tokens is None and seq.break_even_tokens is not None
     assert streamed.pays_from_tokens is not None and streamed.break_even_tokens is not None
     assert streamed.break_even_tokens <= seq.break_even_tokens
     n = streamed.pays_from_tokens
     for m, holds in ((n, True), (n - 1, False)):
         pre, x = m / 5000.0, LLAMA.kv_bytes(m) * 8 / 10e9
-        assert (PROXY_HOP_S + exposed_transfer_s(x, pre, 32) <= 0.5 * pre) is holds
+        assert (pre + PROXY_HOP_S + exposed_transfer_s(x, pre, 32) <= m / 4096.0) is holds
     data = streamed.to_json()
     assert data["streaming"] is True and data["streaming_layers"] == 32
     assert data["classes"][0]["transfer_s"] == t.transfer_s and data["classes"][0]["exposed_handoff_s"] == t.exposed_s
@@ -278,16 +321,16 @@ def test_streamed_plan_prices_only_what_the_prefill_does_not_hide() -> None:
 
 
 def test_a_streamed_split_that_does_not_pay_names_the_rate_that_would() -> None:
-    # 256 MiB over 2.35 Gb/s take 914 ms beside a 410 ms prefill: 517 ms exposed, no pay; to pay, the
-    # exposed part must fit in half the prefill less the fixed cost, i.e. a transfer of at most
-    # min(32 x budget, budget + prefill - prefill / 32)
-    plan = make_plan(LLAMA, "bfloat16", link(2.35e9), prefill_rate(5000.0), MemoryEstimate(None, "?"), [2048], 0,
-                     streaming_layers=32)
+    # 256 MiB over 1 Gb/s take 2.15 s beside a 410 ms prefill: 1.75 s exposed, longer than the decode
+    # host's own 819 ms prefill; to pay, P's prefill + the fixed cost + the exposed part must fit in
+    # that 819 ms, i.e. a transfer of at most min(32 x budget, budget + prefill - prefill / 32)
+    plan = make_plan(LLAMA, "bfloat16", link(1e9), prefill_rate(5000.0), MemoryEstimate(None, "?"), [2048], 0,
+                     streaming_layers=32, decode_prefill=prefill_rate(2500.0))
     row = plan.classes[0]
     assert row.verdict == NO_PAY
-    budget = 0.5 * 2048 / 5000.0 - PROXY_HOP_S
+    budget = 2048 / 2500.0 - 2048 / 5000.0 - PROXY_HOP_S
     longest = min(32 * budget, budget + 2048 / 5000.0 * (1 - 1 / 32))
-    assert f"the link would need {256 * MIB * 8 / longest / 1e9:.3g} Gb/s" in row.reason
+    assert f"the link would need {fmt_rate(256 * MIB * 8 / longest)}" in row.reason
 
 
 def _streaming_socket_topology():
