@@ -730,7 +730,28 @@ def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: i
         link = first_step(topo, arch, link, dtype, wire, notes)
     return make_plan(arch, dtype, link, prefill, decode_memory(topo, arch), prompt_tokens,
                      output_tokens, notes, max_prompt_tokens=topo.model.max_model_len,
-                     decode_prefill=decode_prefill, wire_format=wire, streaming_layers=layers)
+                     decode_prefill=decode_prefill, wire_format=wire, streaming_layers=layers,
+                     not_fit=weights_do_not_fit(topo, arch))
+
+
+def weights_do_not_fit(topo: Topology, arch: ModelArch) -> str | None:
+    """Why the model's weights do not fit the prefill or the decode host's GPU memory (its spec sheet's
+    memory x ``--gpu-memory-utilization`` x the instance's GPUs), or None: they fit, or the memory is
+    unknown (a CPU host, a GPU with no ``gpu:``)."""
+    weights = model_weight_bytes(topo, arch)
+    for role, inst in zip(("prefill", "decode"), first_pair(topo), strict=True):
+        host = topo.host_of(inst)
+        spec = host_device(host) if host.device == "cuda" else None
+        if spec is None or spec.memory_gb is None:
+            continue
+        util = float(inst.arg("--gpu-memory-utilization") or DEFAULT_GPU_MEMORY_UTILISATION)
+        gpus = max(1, len(inst.gpus))
+        room = spec.memory_gb * 1e9 * util * gpus
+        if weights > room:
+            return (f"{arch.name}'s weights ({weights / 1e9:,.0f} GB in {topo.model.dtype}) do not fit the {role} "
+                    f"host {host.name} ({gpus} x {spec.label}, {spec.memory_gb:g} GB x {util:g} for vLLM: "
+                    f"{room / 1e9:,.1f} GB)")
+    return None
 
 
 def streaming_note(layers: int) -> str:

@@ -40,14 +40,30 @@ def test_what_if_model_and_link(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["classes"][0]["kv_bytes"] == 8192 * 61 * 576
     # the topology's kv_memory_gb: 26 holds
     assert data["classes"][0]["conversations_fit"] == int(26e9 // ((8192 + 256) * 61 * 576))
+    # but 671B parameters fit no RTX 4090: no verdict
+    assert data["classes"][0]["verdict"] == "does not fit"
+    assert "do not fit the prefill host gamer" in data["does_not_fit"]
+
+
+@pytest.mark.parametrize("model", ["qwen3-32b", "deepseek-v3"])
+def test_weights_that_do_not_fit_the_prefill_host_get_no_verdict(capsys: pytest.CaptureFixture[str],
+                                                                   model: str) -> None:
+    assert main(["plan", "topologies/house-2g5.yaml", "--model", model, "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    for prompt in ("256", "2,048", "8,192"):
+        assert f"{prompt} tokens: DOES NOT FIT: {model}'s weights" in out
+    assert "do not fit the prefill host gamer (1 x RTX 4090, 24 GB x 0.9 for vLLM: 21.6 GB)" in " ".join(out.split())
+    for verdict in ("tokens: PAYS", "tokens: MARGINAL", "tokens: DOES NOT PAY", "Routing (auto)"):
+        assert verdict not in out
+    assert "No verdict: " in out
 
 
 def test_weights_that_do_not_fit_leave_no_kv_room(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "topologies/two-sparks-cx7.yaml", "--model", "deepseek-ai/DeepSeek-V3"]) == 0
     out = capsys.readouterr().out
     assert "the weights do not fit" in out       # 671B params on a 128 GB Spark: estimate is 0
-    assert " 0  DOES NOT PAY" in out
-    assert "not one conversation of this length fits" in out
+    assert " 0  DOES NOT FIT" in out
+    assert "do not fit the prefill host" in out
 
 
 @pytest.mark.parametrize(("argv", "message"), [
