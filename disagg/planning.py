@@ -687,6 +687,10 @@ def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: i
     None: the topology's ``connector.streaming``)."""
     arch = resolve_model(model or topo.model.source, local_path=None if model else topo.model.path)
     prefill_inst, decode_inst = first_pair(topo)
+    limit = topo.model.max_model_len
+    if limit is not None and (beyond := [n for n in prompt_tokens if n > limit]):
+        raise PlanError(f"--prompt-tokens {', '.join(fmt_count(n) for n in beyond)}: longer than the topology's "
+                        f"max_model_len ({fmt_count(limit)} tokens in {topo.file}); vLLM refuses such prompts")
     notes: list[str] = []
     probe = load_link(topo.file) if use_probe and not link_class else None
     if probe is not None and (probe.prefill_host, probe.decode_host) != (prefill_inst.host, decode_inst.host):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import textwrap
+from dataclasses import replace
 
 from disagg.errors import PlanError
 from disagg.planning import LINK_CLASSES, Plan, first_pair, idle_routing_line, plan_topology, summary_line
@@ -70,9 +71,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if streaming and topo.connector != "socket":
         raise PlanError(f"--streaming on: only the socket connector streams the KV while the prefill computes; "
                         f"{topo.file} uses connector {topo.connector}, which sends it after the prefill")
-    plan = plan_topology(topo, parse_token_list(args.prompt_tokens), args.output_tokens,
+    prompts = parse_token_list(args.prompt_tokens)
+    limit, left_out = topo.model.max_model_len, []
+    if args.prompt_tokens == DEFAULT_PROMPTS and limit is not None:   # the defaults fit the context limit
+        left_out = [n for n in prompts if n > limit]
+        prompts = [n for n in prompts if n <= limit] or [limit]
+    plan = plan_topology(topo, prompts, args.output_tokens,
                          model=args.model, link_class=args.link, kv_dtype=args.kv_dtype,
                          use_probe=not args.no_probe, wire_format=args.wire_format, streaming=streaming)
+    if left_out:
+        plan = replace(plan, notes=(f"default prompt lengths of {', '.join(fmt_count(n) for n in left_out)} "
+                                    f"tokens left out: longer than max_model_len {fmt_count(limit or 0)}",
+                                    *plan.notes))
     if args.json:
         data = plan.to_json()
         data["topology"] = topo.file

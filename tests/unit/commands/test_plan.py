@@ -107,3 +107,17 @@ def test_streaming_on_is_refused_for_another_connector(capsys: pytest.CaptureFix
     assert "connector nixl" in err
     assert main(["plan", "topologies/house-2g5.yaml", "--streaming", "off", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["streaming"] is False
+
+
+def test_rows_stay_within_max_model_len(capsys: pytest.CaptureFixture[str]) -> None:
+    # local-cpu.yaml: max_model_len 4,096; the default 8,192-token row is left out, and said so
+    assert main(["plan", "topologies/local-cpu.yaml", "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    assert "8,192 tokens:" not in out and "2,048 tokens:" in out
+    assert "default prompt lengths of 8,192 tokens left out: longer than max_model_len 4,096" in out
+    assert "up to 4,096 tokens" in out
+    # asked for, a prompt beyond the context limit is an error
+    assert main(["plan", "topologies/local-cpu.yaml", "--prompt-tokens", "2048,100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("disagg: error: --prompt-tokens 100,000: longer than the topology's max_model_len "
+                          "(4,096 tokens")
