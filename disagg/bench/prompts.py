@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from disagg.bench.trace import cap_lengths
 from disagg.bench.workload import Workload
 from disagg.errors import DisaggError
 
@@ -41,6 +42,9 @@ class Prompt:
     input_len: int              # intended prompt tokens
     output_len: int             # max_tokens (exact with ignore_eos)
     exact: bool                 # True when the server confirmed the token count
+    #: a trace request's lengths cut to the server's max_model_len (False: they fit; None: the
+    #: server's max_model_len is unknown, nothing checked)
+    capped: bool | None = False
 
 
 def corpus_text() -> str:
@@ -138,7 +142,9 @@ async def build_prompts(session: aiohttp.ClientSession, tokenize_urls: Sequence[
     order (the first that answers is used); none answering, or empty: estimate.
     Deterministic for a given salt, seed, round and tokenizer; each round (one run of a
     sweep) gets its own tags, hence no prefix-cache hits across runs. Raises DisaggError when a
-    class does not fit the server's max_model_len.
+    class does not fit the server's max_model_len. With a trace, request i has the lengths of
+    the trace's request i, cut to the server's max_model_len where they do not fit
+    (:func:`~disagg.bench.trace.cap_lengths`; ``Prompt.capped``).
     """
     corpus = corpus_text()
     rng = random.Random(workload.seed)
@@ -153,22 +159,33 @@ async def build_prompts(session: aiohttp.ClientSession, tokenize_urls: Sequence[
             break
         except (aiohttp.ClientError, DisaggError, KeyError, ValueError):
             tok = None
-    if tok is not None and tok.max_model_len:
+    max_len = tok.max_model_len if tok is not None else None
+    if max_len and workload.trace is None:
         for c in workload.classes:
-            if c.input_len + c.output_len > tok.max_model_len:
+            if c.input_len + c.output_len > max_len:
                 raise DisaggError(f"prompt class {c.name!r} needs {c.input_len}+{c.output_len} tokens but the "
-                                  f"server's max_model_len is {tok.max_model_len}")
+                                  f"server's max_model_len is {max_len}")
     sem = asyncio.Semaphore(8)
 
+    def lengths(i: int, name: str) -> tuple[int, int, bool | None]:
+        if workload.trace is None:
+            c = workload.klass(name)
+            return c.input_len, c.output_len, False
+        r = workload.trace.requests[i]
+        if not max_len:
+            return r.input_len, r.output_len, None
+        inp, out = cap_lengths(r.input_len, r.output_len, max_len)
+        return inp, out, (inp, out) != (r.input_len, r.output_len)
+
     async def one(i: int, name: str) -> Prompt:
-        c = workload.klass(name)
+        input_len, output_len, capped = lengths(i, name)
         tag = _tag(workload.salt, workload.seed, round_index, i)
         if tok is None:
-            return Prompt(i, name, _estimate(corpus, tag, c.input_len, starts[i], chars_per_token),
-                          c.input_len, c.output_len, exact=False)
+            return Prompt(i, name, _estimate(corpus, tag, input_len, starts[i], chars_per_token),
+                          input_len, output_len, exact=False, capped=capped)
         async with sem:
             start = starts[i] * len(corpus_ids) // len(corpus)
-            text, exact = await _fit(tok, corpus_ids, tag, c.input_len, start)
-        return Prompt(i, name, text, c.input_len, c.output_len, exact=exact)
+            text, exact = await _fit(tok, corpus_ids, tag, input_len, start)
+        return Prompt(i, name, text, input_len, output_len, exact=exact, capped=capped)
 
     return list(await asyncio.gather(*(one(i, n) for i, n in enumerate(classes))))

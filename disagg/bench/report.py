@@ -182,6 +182,7 @@ def text_table(doc: Document) -> str:
              for r in rows]
     slo = _slo_text(doc)
     notes = [f"failed {line}" for line in failure_lines(doc)]
+    notes += [f"trace {line}" for line in trace_lines(doc)]
     notes += [f"routes {r[0]}, {r[1]}: {r[2]} {r[3]} prompts ({r[4]}; {r[5]}), TTFT mean predicted {r[6]} "
               f"observed {r[7]} ms ({r[8]})" for r in _route_rows(doc)]
     return ("latencies in ms; " + (f"SLO {slo}" if slo else "no SLO (goodput not reported)")
@@ -202,6 +203,32 @@ def failure_lines(doc: Document) -> list[str]:
             if kinds:
                 what = ", ".join(f"{kind} x {n}" for kind, n in sorted(kinds.items()))
                 out.append(f"{label}, {group[0]['label']}: {sum(kinds.values())} failed ({what})")
+    return out
+
+
+def trace_lines(doc: Document) -> list[str]:
+    """Per label benched with a trace: the file, the requests used of the rows read (skipped and
+    reordered rows), the time scales and how many requests were cut to the model's max_model_len;
+    empty when no workload came from a trace."""
+    out = []
+    for label, result in doc.items():
+        trace = result.get("workload", {}).get("trace")
+        if not trace:
+            continue
+        runs = result["runs"]
+        scales = ", ".join(dict.fromkeys(f"x{r['time_scale']:g}" for r in runs if r.get("time_scale")))
+        capped = [r.get("capped") for r in runs]
+        if capped and all(c is not None for c in capped):
+            cut = f"{max(capped)} capped to max_model_len"
+        else:
+            cut = "lengths not checked against max_model_len (no /tokenize reported it)"
+        skipped = trace["skipped_zero_length"]
+        extra = [f"{skipped} rows with a zero length skipped"] if skipped else []
+        extra += [f"{trace['reordered']} out-of-order rows sorted"] if trace["reordered"] else []
+        limit = f", --trace-limit {trace['limit']}" if trace.get("limit") else ""
+        out.append(f"{label}: trace {trace['file']} ({trace['format']}): {trace['requests']} requests of "
+                   f"{trace['rows_read']} rows read{limit}, spanning {trace['span_s']:.1f} s, time scale {scales}; "
+                   + "; ".join([cut, *extra]))
     return out
 
 
@@ -264,6 +291,9 @@ def write_markdown(doc: Document, path: Path, title: str = "disagg bench report"
             f"(burstiness {wl.get('burstiness')}), seed {wl.get('seed')}, API {wl.get('api')}, "
             f"classes (prompt->answer tokens): {classes}.", "",
             markdown_table(doc), ""]
+    if traces := trace_lines(doc):
+        body += ["Workload from a trace (arrivals and lengths replayed; one class, `trace`):", "",
+                 *(f"- {line}" for line in traces), ""]
     if fails := failure_lines(doc):
         body += ["Failed requests by status (a refusal by the proxy is HTTP 429 or 503):", "",
                  *(f"- {line}" for line in fails), ""]

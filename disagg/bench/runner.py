@@ -57,13 +57,17 @@ class Target:
 
 @dataclass(frozen=True)
 class Step:
-    """One point of a sweep: an open-loop rate (req/s, inf = all at once) or a closed-loop concurrency."""
+    """One point of a sweep: an open-loop rate (req/s, inf = all at once), a closed-loop concurrency,
+    or a trace replayed at a time scale (2 = twice as fast; ``concurrency`` then an optional cap)."""
 
     rate: float | None = None
     concurrency: int | None = None
+    time_scale: float | None = None
 
     @property
     def label(self) -> str:
+        if self.time_scale is not None:
+            return f"trace x{self.time_scale:g}"
         if self.rate is None:
             return f"concurrency {self.concurrency}"
         return "rate inf" if math.isinf(self.rate) else f"rate {self.rate:g}/s"
@@ -84,6 +88,8 @@ class RunResult:
     #: the machine's 1-minute load average as the run started and as it ended (what else ran
     #: beside the benchmark; the engines under test add their own)
     loadavg: tuple[float, float] | None = None
+    #: trace requests cut to the server's max_model_len (None: not a trace, or max_model_len unknown)
+    capped: int | None = None
 
     @property
     def x(self) -> float:
@@ -98,7 +104,8 @@ class RunResult:
         rate = self.step.rate
         d: dict[str, Any] = {
             "label": self.step.label, "rate": "inf" if rate is not None and math.isinf(rate) else rate,
-            "concurrency": self.step.concurrency, "repeat": self.repeat, "x": self.x,
+            "concurrency": self.step.concurrency, "time_scale": self.step.time_scale, "capped": self.capped,
+            "repeat": self.repeat, "x": self.x,
             "started_at": self.started_at, "duration_s": self.duration_s, "exact_prompts": self.exact_prompts,
             "loadavg": list(self.loadavg) if self.loadavg is not None else None,
             "metrics": {k: m.to_dict() for k, m in self.metrics.items()}}
@@ -126,7 +133,8 @@ class BenchResult:
                 "workload": {"classes": [vars(c) for c in w.classes], "num_requests": w.num_requests,
                              "duration_s": w.duration_s, "arrival": w.arrival, "burstiness": w.burstiness,
                              "concurrency": w.concurrency, "seed": w.seed, "salt": w.salt, "api": w.api,
-                             "ignore_eos": w.ignore_eos, "temperature": w.temperature},
+                             "ignore_eos": w.ignore_eos, "temperature": w.temperature,
+                             "trace": w.trace.to_dict() if w.trace is not None else None},
                 "runs": [r.to_dict() for r in self.runs]}
 
 
@@ -164,7 +172,7 @@ async def run_step(session: aiohttp.ClientSession, url: str, model: str, prompts
         records.append(rec)
         bar.update(rec.success)
 
-    if step.concurrency is not None and step.rate is None:
+    if step.concurrency is not None and step.rate is None and step.time_scale is None:
         queue = iter(prompts)
 
         async def worker() -> None:
@@ -175,9 +183,14 @@ async def run_step(session: aiohttp.ClientSession, url: str, model: str, prompts
 
         await asyncio.gather(*(worker() for _ in range(step.concurrency)))
     else:
-        assert step.rate is not None
-        burst = 1.0 if workload.arrival == "poisson" else workload.burstiness
-        offsets = arrival_offsets(len(prompts), step.rate, burst, workload.seed)
+        if step.time_scale is not None:
+            if workload.trace is None:
+                raise DisaggError("a trace step needs a workload read from a trace")
+            offsets = workload.trace.offsets(step.time_scale)[:len(prompts)]
+        else:
+            assert step.rate is not None
+            burst = 1.0 if workload.arrival == "poisson" else workload.burstiness
+            offsets = arrival_offsets(len(prompts), step.rate, burst, workload.seed)
         cap = asyncio.Semaphore(step.concurrency) if step.concurrency else None
 
         async def capped(p: Prompt) -> None:
@@ -199,10 +212,13 @@ async def run_step(session: aiohttp.ClientSession, url: str, model: str, prompts
     duration = time.perf_counter() - t0
     bar.close()
     records.sort(key=lambda r: r.index)
+    n_capped = None
+    if workload.trace is not None and prompts and all(p.capped is not None for p in prompts):
+        n_capped = sum(bool(p.capped) for p in prompts)
     return RunResult(step=step, started_at=started_at, duration_s=duration, records=records,
                      loadavg=(load_start, os.getloadavg()[0]),
                      metrics=metrics_by_class(records, duration, slo, percentiles),
-                     exact_prompts=all(p.exact for p in prompts))
+                     exact_prompts=all(p.exact for p in prompts), capped=n_capped)
 
 
 async def _warm_up(session: aiohttp.ClientSession, url: str, model: str, workload: Workload,

@@ -4,7 +4,8 @@ A workload is fixed by its seed: the same seed gives the same sequence of
 classes and the same arrival times, so two topologies (or two rates) see the
 identical load. Arrival times follow ``vllm bench serve``'s ``get_request``:
 gamma-distributed gaps with shape = burstiness and mean 1/rate (burstiness 1 is
-a Poisson process), rescaled so the last arrival is at N/rate.
+a Poisson process), rescaled so the last arrival is at N/rate. A trace (:mod:`disagg.bench.trace`) instead
+fixes every request's arrival and lengths (arrival ``trace``, one class ``trace``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from disagg.bench.trace import Trace
+
 ARRIVALS = ("poisson", "gamma", "closed")
+#: the arrival of a workload read from a trace (not an --arrival choice: --trace sets it)
+TRACE_ARRIVAL = "trace"
+#: the one prompt class of a trace workload
+TRACE_CLASS = "trace"
 DEFAULT_CLASSES = (("short", 128), ("medium", 512), ("long", 2048))
 DEFAULT_OUTPUT_LEN = 64
 
@@ -46,6 +53,7 @@ class Workload:
     ignore_eos: bool = True
     temperature: float = 0.0
     timeout_s: float = 600.0            # one request, connect to last byte
+    trace: Trace | None = None          # arrival "trace": each request's arrival and lengths
 
     def __post_init__(self) -> None:
         if not self.classes:
@@ -58,8 +66,12 @@ class Workload:
                 raise ValueError(f"prompt class {c.name!r}: lengths must be >= 1 and weight > 0")
         if self.num_requests < 1:
             raise ValueError("the number of requests must be at least 1")
-        if self.arrival not in ARRIVALS:
+        if self.arrival not in (*ARRIVALS, TRACE_ARRIVAL):
             raise ValueError(f"arrival {self.arrival!r}: expected one of {', '.join(ARRIVALS)}")
+        if (self.arrival == TRACE_ARRIVAL) != (self.trace is not None):
+            raise ValueError("a trace workload has arrival 'trace', and only it")
+        if self.trace is not None and self.num_requests != len(self.trace.requests):
+            raise ValueError(f"a trace workload has one request per trace request ({len(self.trace.requests)})")
         if self.arrival == "closed" and not self.concurrency:
             raise ValueError("closed-loop arrivals need a concurrency (--concurrency N)")
         if self.burstiness <= 0:
@@ -97,9 +109,19 @@ def parse_classes(text: str | None, output_len: int = DEFAULT_OUTPUT_LEN) -> tup
     return tuple(classes)
 
 
+def trace_workload_classes(trace: Trace) -> tuple[PromptClass, ...]:
+    """The one class of a trace workload: named ``trace``, with the trace's median prompt and
+    answer lengths (what the prefill-rate probe and the report's class line use)."""
+    inputs = sorted(r.input_len for r in trace.requests)
+    outputs = sorted(r.output_len for r in trace.requests)
+    return (PromptClass(TRACE_CLASS, inputs[len(inputs) // 2], outputs[len(outputs) // 2]),)
+
+
 def class_sequence(workload: Workload) -> list[str]:
     """The class of each request, in order: counts proportional to the weights
-    (largest remainder), shuffled with the workload's seed."""
+    (largest remainder), shuffled with the workload's seed; a trace's requests are all ``trace``."""
+    if workload.trace is not None:
+        return [TRACE_CLASS] * len(workload.trace.requests)
     total = sum(c.weight for c in workload.classes)
     exact = [workload.num_requests * c.weight / total for c in workload.classes]
     counts = [math.floor(x) for x in exact]

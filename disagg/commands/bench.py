@@ -23,7 +23,16 @@ from disagg.bench.prompts import DEFAULT_CHARS_PER_TOKEN
 from disagg.bench.report import text_table, write_json, write_report
 from disagg.bench.runner import Step, Target, run_sweep
 from disagg.bench.slo import SLO, parse_slo
-from disagg.bench.workload import ARRIVALS, DEFAULT_OUTPUT_LEN, Workload, parse_classes
+from disagg.bench.trace import Trace, load_trace
+from disagg.bench.workload import (
+    ARRIVALS,
+    DEFAULT_OUTPUT_LEN,
+    TRACE_ARRIVAL,
+    PromptClass,
+    Workload,
+    parse_classes,
+    trace_workload_classes,
+)
 from disagg.errors import DisaggError
 from disagg.measurements import store_prefill
 from disagg.proxy.config import ENGINE_KEY_ENV
@@ -114,7 +123,8 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
     w.add_argument("--output-len", type=int, default=DEFAULT_OUTPUT_LEN,
                    help=f"answer tokens for classes that give none (default {DEFAULT_OUTPUT_LEN}; "
                         "exact via ignore_eos)")
-    w.add_argument("--num-requests", "-n", type=int, default=100, help="requests per run (default 100)")
+    w.add_argument("--num-requests", "-n", type=int, default=None,
+                   help="requests per run (default 100; with --trace see --trace-limit)")
     w.add_argument("--duration", type=float, metavar="S", help="stop sending new requests after S seconds")
     w.add_argument("--arrival", choices=ARRIVALS, default="poisson",
                    help="poisson (default), gamma (see --burstiness) or closed (loop at --concurrency)")
@@ -124,6 +134,14 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
                    help="request rates in req/s for a sweep, 'inf' = all at once (default 1)")
     w.add_argument("--concurrency", default=None, metavar="C,C,...",
                    help="closed loop: requests in flight (a sweep if several); open loop: one cap")
+    w.add_argument("--trace", type=Path, metavar="FILE",
+                   help="replay a trace instead of classes and rates: each request's arrival and prompt and "
+                        "answer lengths from an Azure CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or a "
+                        "Mooncake JSONL (timestamp ms, input_length, output_length)")
+    w.add_argument("--time-scale", default=None, metavar="X[,X...]",
+                   help="with --trace: replay X times as fast (default 1; a sweep if several)")
+    w.add_argument("--trace-limit", type=int, default=None, metavar="N",
+                   help="with --trace: only its first N usable requests (the rest is not read)")
     w.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="run every rate/concurrency step N times back to back (repeat k: seed+k, its own "
                         "prompts); the report shows medians and min-max (default 1)")
@@ -169,10 +187,37 @@ def _floats(text: str, what: str) -> list[float]:
     return values
 
 
+def _trace_plan(args: argparse.Namespace, concurrency: list[int]) -> tuple[Trace, tuple[PromptClass, ...],
+                                                                          list[Step]]:
+    """--trace: the trace, its one class and a step per --time-scale; options that set what the
+    trace sets are refused."""
+    given = [opt for opt, value in (("--classes", args.classes), ("--rates", args.rates),
+                                    ("--num-requests", args.num_requests is not None),
+                                    ("--output-len", args.output_len != DEFAULT_OUTPUT_LEN),
+                                    ("--arrival", args.arrival != "poisson"), ("--burstiness", args.burstiness != 1.0))
+             if value]
+    if given:
+        raise DisaggError(f"--trace sets the requests, their lengths and arrivals: drop {', '.join(given)} "
+                          "(--trace-limit N takes the first N requests, --time-scale X replays X times as fast)")
+    if len(concurrency) > 1:
+        raise DisaggError("with --trace --concurrency is one cap, not a list")
+    trace = load_trace(args.trace, args.trace_limit)
+    cap = concurrency[0] if concurrency else None
+    steps = [Step(time_scale=x, concurrency=cap) for x in _floats(args.time_scale or "1", "--time-scale")]
+    if not all(math.isfinite(step.time_scale or 0) for step in steps):
+        raise DisaggError(f"bad --time-scale {args.time_scale!r}: must be finite")
+    return trace, trace_workload_classes(trace), steps
+
+
 def plan_from_args(args: argparse.Namespace) -> tuple[Workload, list[Step], SLO, tuple[float, ...]]:
     """The workload, the sweep steps, the SLO and the percentiles the options ask for."""
     concurrency = [int(c) for c in _floats(args.concurrency, "--concurrency")] if args.concurrency else []
-    if args.arrival == "closed":
+    trace: Trace | None = None
+    if args.trace is None and (args.time_scale is not None or args.trace_limit is not None):
+        raise DisaggError("--time-scale and --trace-limit go with --trace FILE")
+    if args.trace is not None:
+        trace, classes, steps = _trace_plan(args, concurrency)
+    elif args.arrival == "closed":
         if args.rates:
             raise DisaggError("--rates is for open-loop arrivals; a closed loop sweeps --concurrency")
         if not concurrency:
@@ -184,8 +229,12 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Workload, list[Step], SLO,
         cap = concurrency[0] if concurrency else None
         steps = [Step(rate=r, concurrency=cap) for r in _floats(args.rates or "1", "--rates")]
     try:
-        workload = Workload(parse_classes(args.classes, args.output_len), num_requests=args.num_requests,
-                            duration_s=args.duration, arrival=args.arrival, burstiness=args.burstiness,
+        if trace is None:
+            classes = parse_classes(args.classes, args.output_len)
+        n = len(trace.requests) if trace else 100 if args.num_requests is None else args.num_requests
+        workload = Workload(classes, num_requests=n,
+                            duration_s=args.duration, arrival=TRACE_ARRIVAL if trace else args.arrival,
+                            burstiness=args.burstiness, trace=trace,
                             concurrency=concurrency[0] if concurrency else None, seed=args.seed,
                             salt=secrets.token_hex(3) + "-" if args.prompt_salt is None else args.prompt_salt,
                             api=args.api,
