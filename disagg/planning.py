@@ -44,6 +44,7 @@ when that differs (estimated rates fall with length as attention grows).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -66,7 +67,7 @@ from disagg.routecost import (
     handoff_fixed_source,
     max_transfer_s,
 )
-from disagg.topology import HostSpec, InstanceSpec, Topology
+from disagg.topology import HostSpec, InstanceSpec, Topology, parse_rate
 from disagg.units import fmt_bytes, fmt_count, fmt_rate, fmt_seconds
 
 #: KV-cache bytes per second that the socket connector's fp8 wire format converts on CPU engines
@@ -516,12 +517,43 @@ def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: Prefi
 # --- from a topology -------------------------------------------------------------
 
 def link_class_estimate(name: str) -> LinkEstimate:
-    """The nominal estimate for a named link class (``10gbe``, ``roce-100g``...)."""
-    if name not in LINK_CLASSES:
-        raise PlanError(f"unknown link class {name!r}; expected one of {', '.join(LINK_CLASSES)}")
-    c = LINK_CLASSES[name]
-    return LinkEstimate(c.usable_bps, c.rtt_s, f"{c.label}: {fmt_rate(c.usable_bps)} usable "
-                        f"(nominal table: {c.note})", measured=False)
+    """The nominal estimate for a named link class (``10gbe``, ``roce-100g``...) or a line rate
+    (``5gbe``, ``2.5gb``, ``940mbit``, ``10gbit``, ``1.2GB/s``: :func:`parse_link_rate`)."""
+    if name in LINK_CLASSES:
+        c = LINK_CLASSES[name]
+        return LinkEstimate(c.usable_bps, c.rtt_s, f"{c.label}: {fmt_rate(c.usable_bps)} usable "
+                            f"(nominal table: {c.note})", measured=False)
+    bps = parse_link_rate(name)
+    if bps is None:
+        from disagg.yamlsrc import did_you_mean
+        raise PlanError(f"unknown link {name!r}; expected a link class ({', '.join(LINK_CLASSES)}) or a line "
+                        "rate such as 5gbe, 2.5gbit, 940mbit or 1.2GB/s" + did_you_mean(name.lower(), LINK_CLASSES))
+    for c in LINK_CLASSES.values():
+        if c.nominal_bps == bps and not c.name.startswith("roce"):
+            return LinkEstimate(c.usable_bps, c.rtt_s, f"{name}, {c.label}: {fmt_rate(c.usable_bps)} usable "
+                                f"(nominal table: {c.note})", measured=False)
+    usable = bps * TCP_EFFICIENCY
+    rtt = 200e-6 if bps <= 2.5e9 else 100e-6 if bps <= 10e9 else 50e-6
+    return LinkEstimate(usable, rtt, f"{name} ({fmt_rate(bps)} line rate), TCP: {fmt_rate(usable)} usable "
+                        "(nominal: TCP payload ~94% of line rate)", measured=False)
+
+
+_LINK_RATE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)\s*(bE|be|BE|b|bit|bits|bps|b/s|bit/s|B|Bps|B/s)")
+
+
+def parse_link_rate(text: str) -> float | None:
+    """A line rate in bits per second from ``5gbe``, ``2.5gb``, ``5gbit``, ``940mbit``, ``10gbit/s``
+    or ``1.2GB/s`` (a capital B: bytes), or None. The number and prefix go through the topology's
+    own ``link.rate`` parser (:func:`disagg.topology.parse_rate`)."""
+    match = _LINK_RATE_RE.fullmatch(text.strip())
+    if match is None:
+        return None
+    number, prefix, unit = match.groups()
+    try:
+        bps = parse_rate(f"{number}{prefix.lower()}bit")
+    except ValueError:
+        return None
+    return bps * 8 if unit.startswith("B") and unit != "BE" else bps
 
 
 def nominal_link(topo: Topology) -> LinkEstimate:

@@ -31,8 +31,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                    help="output length per request, for the decode-memory check (default 256)")
     p.add_argument("--model", metavar="NAME|DIR",
                    help="what if: another model (built-in name, HF id or a directory with config.json)")
-    p.add_argument("--link", choices=sorted(LINK_CLASSES), metavar="CLASS",
-                   help=f"what if: another link class ({', '.join(LINK_CLASSES)})")
+    p.add_argument("--link", metavar="CLASS|RATE",
+                   help=f"what if: another link: a class ({', '.join(LINK_CLASSES)}) or a line rate "
+                        "(5gbe, 2.5gbit, 940mbit, 1.2GB/s; TCP at ~94%% of it)")
     p.add_argument("--kv-dtype", metavar="DTYPE", help="KV cache dtype: bfloat16, float16, fp8 (default: "
                    "the decode instance's --kv-cache-dtype, else the model dtype)")
     p.add_argument("--wire-format", choices=WIRE_FORMATS, metavar="FORMAT",

@@ -400,3 +400,21 @@ def test_a_sequential_handoff_adds_decodes_first_step_at_the_decode_hosts_memory
                                        run_dir="/nonexistent/run"), [2048], 0, use_probe=False)
     assert gpu.link.first_step_fixed_s == pytest.approx(weights / 3350e9)
     assert gpu.link.first_step_wire_bps == pytest.approx(3350e9)
+
+
+@pytest.mark.parametrize(("text", "bps"), [("5gbe", 5e9), ("2.5gb", 2.5e9), ("5gbit", 5e9), ("10gbit", 10e9),
+                                           ("940mbit", 940e6), ("1.2GB/s", 9.6e9), ("10GbE", 10e9),
+                                           ("2.5gbps", 2.5e9), ("100mbit/s", 100e6)])
+def test_link_takes_any_line_rate(text: str, bps: float) -> None:
+    from disagg.planning import link_class_estimate, parse_link_rate
+    assert parse_link_rate(text) == pytest.approx(bps)
+    assert link_class_estimate(text).usable_bps == pytest.approx(bps * 0.94)
+
+
+@pytest.mark.parametrize(("text", "hint"), [("rocee-100g", "(did you mean 'roce-100g'?)"), ("fast", ""),
+                                            ("10", "")])
+def test_an_unknown_link_is_one_clear_error(text: str, hint: str) -> None:
+    from disagg.planning import link_class_estimate
+    with pytest.raises(PlanError, match=f"unknown link '{text}'; expected a link class") as info:
+        link_class_estimate(text)
+    assert str(info.value).endswith(hint or "1.2GB/s")

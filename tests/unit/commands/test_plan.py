@@ -121,3 +121,10 @@ def test_rows_stay_within_max_model_len(capsys: pytest.CaptureFixture[str]) -> N
     err = capsys.readouterr().err
     assert err.startswith("disagg: error: --prompt-tokens 100,000: longer than the topology's max_model_len "
                           "(4,096 tokens")
+
+
+def test_link_what_if_takes_a_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "topologies/house-2g5.yaml", "--link", "5gbe", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["link"]["usable_bps"] == pytest.approx(4.7e9)
+    assert main(["plan", "topologies/house-2g5.yaml", "--link", "10gbee"]) == 2
+    assert "(did you mean '10gbe'?)" in capsys.readouterr().err
