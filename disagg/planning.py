@@ -150,6 +150,18 @@ class LinkEstimate:
     #: ... and the wire bytes per second at which its part that does (reading the prompt's KV) goes
     #: (None: not priced; a streamed handoff, or a decode host whose memory rate is unknown)
     first_step_wire_bps: float | None = None
+    #: where the first step's memory rate comes from (what ``disagg plan`` prints beside it)
+    first_step_source: str = ""
+
+    @property
+    def round_trips_s(self) -> float:
+        """The fixed cost's part that is the link's round trips (:data:`HANDOFF_ROUND_TRIPS`)."""
+        return HANDOFF_ROUND_TRIPS * self.rtt_s
+
+    @property
+    def own_fixed_s(self) -> float:
+        """The fixed cost's part that is the connector's (measured) or the proxy's hop (assumed)."""
+        return PROXY_HOP_S if self.connector_fixed_s is None else self.connector_fixed_s
 
     @property
     def fixed_s(self) -> float:
@@ -691,13 +703,15 @@ def first_step(topo: Topology, arch: ModelArch, link: LinkEstimate, kv_dtype: st
             notes.append(f"decode's first step after the handoff is not priced: {host.name}'s memory rate is "
                          "unknown (add gpu: to the host)")
             return link
-        rate, source = spec.memory_gbps * 1e9, f"decode's first step read at {spec.label}'s {spec.memory_gbps:g} GB/s"
+        rate, source = (spec.memory_gbps * 1e9, f"ESTIMATE, read at {spec.label}'s spec-sheet "
+                        f"{spec.memory_gbps:g} GB/s")
     weights = model_weight_bytes(topo, arch, arch.active_params)
     fixed = first_step_s(weights, 0.0, rate)
     notes.append(f"the handoff includes decode's first step (vLLM recomputes the last prompt token there): "
                  f"{fmt_bytes(weights)} of weights and the prompt's KV, {fmt_seconds(fixed)} + "
                  f"{fmt_seconds(first_step_s(0.0, 1e9, rate))} per GB of KV ({source})")
-    return replace(link, first_step_fixed_s=fixed, first_step_wire_bps=rate * wire_ratio_of(wire_format, kv_dtype))
+    return replace(link, first_step_fixed_s=fixed, first_step_wire_bps=rate * wire_ratio_of(wire_format, kv_dtype),
+                   first_step_source=f"{fmt_bytes(weights)} of weights: {source}")
 
 
 def kv_cache_dtype(topo: Topology) -> str:

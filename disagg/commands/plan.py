@@ -8,7 +8,15 @@ import textwrap
 from dataclasses import replace
 
 from disagg.errors import PlanError
-from disagg.planning import LINK_CLASSES, Plan, first_pair, idle_routing_line, plan_topology, summary_line
+from disagg.planning import (
+    HANDOFF_ROUND_TRIPS,
+    LINK_CLASSES,
+    Plan,
+    first_pair,
+    idle_routing_line,
+    plan_topology,
+    summary_line,
+)
 from disagg.routecost import handoff_fixed_source
 from disagg.topology import WIRE_FORMATS, Topology, load_topology
 from disagg.units import fmt_bytes, fmt_count, fmt_seconds
@@ -109,8 +117,15 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None) -
     written = model_override or topo.model.source
     est = " (est.)" if plan.prefill.estimated else ""
     out = [f"disagg plan: {topo.file}"]
-    extra_s = plan.link.fixed_s - (plan.link.connector_fixed_s or plan.link.fixed_s)
-    round_trips = f"; + {fmt_seconds(extra_s)} for the link's round trips)" if extra_s > 0 else ")"
+    lk = plan.link
+    own = (f"{fmt_seconds(lk.own_fixed_s)} the connector's own ({topo.connector}: "
+           f"{handoff_fixed_source(plan.streaming_layers is not None)})" if lk.connector_fixed_s is not None
+           else f"{fmt_seconds(lk.own_fixed_s)} the proxy's second request (assumed)")
+    parts = [own]
+    if lk.first_step_fixed_s > 0:
+        parts.append(f"{fmt_seconds(lk.first_step_fixed_s)} decode's first step ({lk.first_step_source})")
+    parts.append(f"{fmt_seconds(lk.round_trips_s)} for {HANDOFF_ROUND_TRIPS} round trips of the link "
+                 f"({fmt_seconds(lk.rtt_s)} each)")
     for key, value in (
         ("model", written + (f"  [{m.name}, {m.source}]" if m.name != written else f"  [{m.source}]")),
         ("", m.describe()),
@@ -118,8 +133,7 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None) -
                + ("" if plan.wire_format == "raw" else
                   f"; {fmt_bytes(plan.wire_bytes_per_token)} on the wire ({plan.wire_format})")),
         ("link", f"{pre.host} -> {dec.host}: {plan.link.label}"),
-        ("handoff", f"{fmt_seconds(plan.link.fixed_s)} fixed per request ({topo.connector}: "
-                    f"{handoff_fixed_source(plan.streaming_layers is not None)}" + round_trips),
+        ("handoff", f"{fmt_seconds(lk.fixed_s)} fixed per request: " + " + ".join(parts)),
         *((("", f"streamed layer by layer ({plan.streaming_layers} layers): the KV moves while the prefill "
                 "computes, so the handoff below is the fixed cost plus the part of the transfer the prefill "
                 "does not hide (notes)"),) if plan.streaming_layers is not None else ()),

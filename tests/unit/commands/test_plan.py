@@ -128,3 +128,12 @@ def test_link_what_if_takes_a_rate(capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads(capsys.readouterr().out)["link"]["usable_bps"] == pytest.approx(4.7e9)
     assert main(["plan", "topologies/house-2g5.yaml", "--link", "10gbee"]) == 2
     assert "(did you mean '10gbe'?)" in capsys.readouterr().err
+
+
+def test_the_fixed_handoff_cost_says_what_each_part_is(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "topologies/house-2g5.yaml", "--link", "10gbe", "--prompt-tokens", "2048"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "47 ms fixed per request: 30 ms the connector's own (nixl: measured 2026-11-30 on a 2-core CPU" in out
+    assert "+ 16.7 ms decode's first step (15 GiB of weights: ESTIMATE, read at RTX 6000 Ada's spec-sheet" in out
+    assert "+ 300 µs for 3 round trips of the link (100 µs each)" in out
+    assert "for the link's round trips" not in out
