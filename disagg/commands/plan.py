@@ -185,4 +185,4 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None) -
 
 
 def _wrap(text: str, first: str = "  ", rest: str = "  ") -> list[str]:
-    return textwrap.wrap(text, width=WIDTH, initial_indent=first, subsequent_indent=rest)
+    return textwrap.wrap(text, width=WIDTH, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False)
