@@ -10,8 +10,9 @@ Two public formats, told apart by the first non-blank line:
 
 The file is read a line at a time and reading stops after ``limit`` requests, so a huge
 file costs only what is kept. A malformed line (a missing or non-integer field, a
-negative length, a bad timestamp) is an error naming the file and line; a row with a zero
-prompt or answer length is skipped and counted (no request can be made of it). Rows
+negative length or one beyond MAX_LENGTH, a bad timestamp) is an error naming the file and
+line; a row with a zero prompt or answer length is skipped and counted (no request can be
+made of it). Rows
 whose timestamps go backwards are sorted (stably) by timestamp and counted. A trace
 with no usable row is an error. Offsets are relative to the earliest timestamp.
 """
@@ -34,6 +35,9 @@ from disagg.errors import DisaggError
 CSV_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 #: the Mooncake JSONL's keys
 JSONL_KEYS = ("timestamp", "input_length", "output_length")
+#: the longest prompt or answer a trace row may give (tokens): beyond any model's context, and
+#: without a server's max_model_len to cut it to, a prompt that long would be built as text
+MAX_LENGTH = 10_000_000
 #: the longest line read (a Mooncake line with its hash_ids is a few KiB)
 MAX_LINE = 1 << 20
 
@@ -111,6 +115,8 @@ def _length(value: Any, what: str) -> int:
         raise ValueError(f"{what} {value!r} is not an integer")
     if value < 0:
         raise ValueError(f"{what} {value} is negative")
+    if value > MAX_LENGTH:
+        raise ValueError(f"{what} {value} is beyond {MAX_LENGTH} tokens")
     return value
 
 

@@ -132,6 +132,7 @@ def test_zero_lengths_are_skipped_and_disorder_sorted(tmp_path: Path) -> None:
     ("key.jsonl", '{"timestamp": 1, "input_length": 5}\n', r"key.jsonl:1: .*missing output_length"),
     ("neg.jsonl", '{"timestamp": 1, "input_length": 5, "output_length": 1}\n'
                   '{"timestamp": 2, "input_length": 5, "output_length": -1}\n', r"neg.jsonl:2: .*is negative"),
+    ("huge.jsonl", '{"timestamp": 1, "input_length": 1e30, "output_length": 1}\n', r"huge.jsonl:1: .*beyond"),
     ("ts.jsonl", '{"timestamp": "soon", "input_length": 5, "output_length": 1}\n', r"ts.jsonl:1: .*milliseconds"),
     ("nan.jsonl", '{"timestamp": NaN, "input_length": 5, "output_length": 1}\n', r"nan.jsonl:1: .*milliseconds"),
     ("bool.jsonl", '{"timestamp": 1, "input_length": true, "output_length": 1}\n', r"bool.jsonl:1: .*not an integer"),
