@@ -96,6 +96,9 @@ MAX_SEARCH_TOKENS = 1 << 20
 #: fraction of GPU memory vLLM takes when the instance does not say
 DEFAULT_GPU_MEMORY_UTILISATION = 0.9
 
+#: a prefill instance and the decode instance it hands its KV to
+Pair = tuple[InstanceSpec, InstanceSpec]
+
 PAYS, MARGINAL, NO_PAY, DOES_NOT_FIT = "pays", "marginal", "does not pay", "does not fit"
 
 
@@ -607,6 +610,21 @@ def first_pair(topo: Topology) -> tuple[InstanceSpec, InstanceSpec]:
     return topo.role("prefill")[0], topo.role("decode")[0]
 
 
+def plan_pairs(topo: Topology) -> list[tuple[InstanceSpec, InstanceSpec]]:
+    """Every prefill -> decode pair the proxy can route a split over, one per distinct pair of hosts
+    and engine settings (two prefill engines alike on one host give one plan), first pair first."""
+    first_pair(topo)
+    seen: set[tuple[object, ...]] = set()
+    out = []
+    for p in topo.role("prefill"):
+        for d in topo.role("decode"):
+            key = (p.host, d.host, p.args, d.args, p.env, d.env, len(p.gpus), len(d.gpus), len(p.cpus), len(d.cpus))
+            if key not in seen:
+                seen.add(key)
+                out.append((p, d))
+    return out
+
+
 def host_device(host: HostSpec) -> DeviceSpec | None:
     """The spec sheet for a host: its ``gpu``, the CPU entry, or None (cuda, no gpu given)."""
     if host.gpu:
@@ -615,13 +633,13 @@ def host_device(host: HostSpec) -> DeviceSpec | None:
 
 
 def prefill_estimate(topo: Topology, arch: ModelArch, run_dir: str | None = None,
-                     role: str = "prefill") -> PrefillEstimate:
+                     role: str = "prefill", pair: Pair | None = None) -> PrefillEstimate:
     """The measured prefill rate for the first ``role`` instance's host if stored for the
     topology's ``model.dtype``, else the spec estimate (``role`` decode: how fast the decode host
     prefills a prompt itself)."""
     from disagg.engines.vllm import served_model_name
 
-    p_inst, d_inst = first_pair(topo)
+    p_inst, d_inst = pair or first_pair(topo)
     host = topo.host_of(p_inst if role == "prefill" else d_inst)
     model = served_model_name(topo)
     stored = load_prefill(run_dir or topo.run_dir).get(model, {}).get(host.name)
@@ -652,11 +670,11 @@ def device_prefill(spec: DeviceSpec, arch: ModelArch, who: str = "") -> PrefillE
         flops_per_s=spec.bf16_flops * PREFILL_UTILISATION)
 
 
-def decode_memory(topo: Topology, arch: ModelArch) -> MemoryEstimate:
+def decode_memory(topo: Topology, arch: ModelArch, pair: Pair | None = None) -> MemoryEstimate:
     """KV memory on the decode host: ``kv_memory_gb``, vLLM's CPU KV space, or a GPU estimate."""
     from disagg.engines.vllm import DEFAULT_CPU_KVCACHE_GIB
 
-    _, inst = first_pair(topo)
+    _, inst = pair or first_pair(topo)
     host = topo.host_of(inst)
     if host.kv_memory_gb is not None:
         return MemoryEstimate(host.kv_memory_gb * 1e9, f"{host.name}: kv_memory_gb {host.kv_memory_gb:g} "
@@ -681,14 +699,14 @@ def model_weight_bytes(topo: Topology, arch: ModelArch, params: float | None = N
 
 
 def first_step(topo: Topology, arch: ModelArch, link: LinkEstimate, kv_dtype: str, wire_format: str,
-               notes: list[str]) -> LinkEstimate:
+               notes: list[str], pair: Pair | None = None) -> LinkEstimate:
     """``link`` with the decode engine's first step after a sequential handoff priced
     (:func:`disagg.routecost.first_step_s`): its active weights and the prompt's KV read at the decode
     host's memory rate (a CPU engine: :data:`FIRST_STEP_CPU_BYTES_PER_S`, one core; a GPU: its
     spec-sheet bandwidth, an estimate). A CPU engine's rate is priced per core it is pinned to
     (``cpus``); an unpinned one's is unknown. A note says where the rate comes from, or that it is
     unknown."""
-    _, inst = first_pair(topo)
+    _, inst = pair or first_pair(topo)
     host = topo.host_of(inst)
     if host.device == "cpu":
         if not inst.cpus:
@@ -714,9 +732,9 @@ def first_step(topo: Topology, arch: ModelArch, link: LinkEstimate, kv_dtype: st
                    first_step_source=f"{fmt_bytes(weights)} of weights: {source}")
 
 
-def kv_cache_dtype(topo: Topology) -> str:
+def kv_cache_dtype(topo: Topology, pair: Pair | None = None) -> str:
     """``--kv-cache-dtype`` from the decode instance's args, else the model dtype."""
-    _, inst = first_pair(topo)
+    _, inst = pair or first_pair(topo)
     given = inst.arg("--kv-cache-dtype")
     if given and given != "auto":
         return given
@@ -727,12 +745,13 @@ def kv_cache_dtype(topo: Topology) -> str:
 def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: int, *,
                   model: str | None = None, link_class: str | None = None, kv_dtype: str | None = None,
                   use_probe: bool = True, run_dir: str | None = None, wire_format: str | None = None,
-                  streaming: bool | None = None) -> Plan:
+                  streaming: bool | None = None, pair: Pair | None = None) -> Plan:
     """The plan for a topology, with optional what-if overrides (model, link class, KV dtype, wire format,
     ``streaming``: the KV streamed layer by layer while the prefill computes, socket connector only;
-    None: the topology's ``connector.streaming``)."""
+    None: the topology's ``connector.streaming``); ``pair``: the (prefill, decode) instances to plan
+    (:func:`plan_pairs`; default :func:`first_pair`)."""
     arch = resolve_model(model or topo.model.source, local_path=None if model else topo.model.path)
-    prefill_inst, decode_inst = first_pair(topo)
+    prefill_inst, decode_inst = pair = pair or first_pair(topo)
     limit = topo.model.max_model_len
     if limit is not None and (beyond := [n for n in prompt_tokens if n > limit]):
         raise PlanError(f"--prompt-tokens {', '.join(fmt_count(n) for n in beyond)}: longer than the topology's "
@@ -751,18 +770,18 @@ def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: i
         notes.append("link rate from the nominal table; `disagg probe-link` measures the real one")
     streamed = topo.streaming if streaming is None else streaming
     link = replace(link, connector_fixed_s=handoff_fixed_s(topo.connector, streaming=streamed))
-    prefill = prefill_estimate(topo, arch, run_dir)
+    prefill = prefill_estimate(topo, arch, run_dir, pair=pair)
     if prefill.estimated:
         notes.append("prefill times are ESTIMATES from the device's spec sheet; `disagg bench` measures them")
     try:
-        decode_prefill: PrefillEstimate | None = prefill_estimate(topo, arch, run_dir, role="decode")
+        decode_prefill: PrefillEstimate | None = prefill_estimate(topo, arch, run_dir, role="decode", pair=pair)
     except PlanError as exc:
         decode_prefill = None
         notes.append(f"no idle routing break-even: the decode host's prefill rate is unknown ({exc})")
     if arch.sliding_layers:
         notes.append(f"{len(arch.sliding_layers)} of {arch.layers} layers keep only the last "
                      f"{arch.sliding_window} tokens, so long prompts move less KV per token")
-    dtype = kv_dtype or kv_cache_dtype(topo)
+    dtype = kv_dtype or kv_cache_dtype(topo, pair)
     wire = wire_format or topo.wire_format
     if wire != "raw" and topo.connector != "socket":
         notes.append(f"wire_format {wire} is the socket connector's; connector {topo.connector} sends the "
@@ -777,19 +796,19 @@ def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: i
     if layers is not None:
         notes.append(streaming_note(layers))
     else:
-        link = first_step(topo, arch, link, dtype, wire, notes)
-    return make_plan(arch, dtype, link, prefill, decode_memory(topo, arch), prompt_tokens,
+        link = first_step(topo, arch, link, dtype, wire, notes, pair)
+    return make_plan(arch, dtype, link, prefill, decode_memory(topo, arch, pair), prompt_tokens,
                      output_tokens, notes, max_prompt_tokens=topo.model.max_model_len,
                      decode_prefill=decode_prefill, wire_format=wire, streaming_layers=layers,
-                     not_fit=weights_do_not_fit(topo, arch))
+                     not_fit=weights_do_not_fit(topo, arch, pair))
 
 
-def weights_do_not_fit(topo: Topology, arch: ModelArch) -> str | None:
+def weights_do_not_fit(topo: Topology, arch: ModelArch, pair: Pair | None = None) -> str | None:
     """Why the model's weights do not fit the prefill or the decode host's GPU memory (its spec sheet's
     memory x ``--gpu-memory-utilization`` x the instance's GPUs), or None: they fit, or the memory is
     unknown (a CPU host, a GPU with no ``gpu:``)."""
     weights = model_weight_bytes(topo, arch)
-    for role, inst in zip(("prefill", "decode"), first_pair(topo), strict=True):
+    for role, inst in zip(("prefill", "decode"), pair or first_pair(topo), strict=True):
         host = topo.host_of(inst)
         spec = host_device(host) if host.device == "cuda" else None
         if spec is None or spec.memory_gb is None:

@@ -11,9 +11,11 @@ from disagg.errors import PlanError
 from disagg.planning import (
     HANDOFF_ROUND_TRIPS,
     LINK_CLASSES,
+    Pair,
     Plan,
     first_pair,
     idle_routing_line,
+    plan_pairs,
     plan_topology,
     summary_line,
 )
@@ -85,19 +87,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.prompt_tokens == DEFAULT_PROMPTS and limit is not None:   # the defaults fit the context limit
         left_out = [n for n in prompts if n > limit]
         prompts = [n for n in prompts if n <= limit] or [limit]
-    plan = plan_topology(topo, prompts, args.output_tokens,
-                         model=args.model, link_class=args.link, kv_dtype=args.kv_dtype,
-                         use_probe=not args.no_probe, wire_format=args.wire_format, streaming=streaming)
-    if left_out:
-        plan = replace(plan, notes=(f"default prompt lengths of {', '.join(fmt_count(n) for n in left_out)} "
-                                    f"tokens left out: longer than max_model_len {fmt_count(limit or 0)}",
-                                    *plan.notes))
-    if args.json:
-        data = plan.to_json()
+    pairs = plan_pairs(topo)
+    plans: list[Plan] = []
+    for pair in pairs:
+        plan = plan_topology(topo, prompts, args.output_tokens,
+                             model=args.model, link_class=args.link, kv_dtype=args.kv_dtype,
+                             use_probe=not args.no_probe, wire_format=args.wire_format, streaming=streaming,
+                             pair=pair)
+        if left_out:
+            plan = replace(plan, notes=(f"default prompt lengths of {', '.join(fmt_count(n) for n in left_out)} "
+                                        f"tokens left out: longer than max_model_len {fmt_count(limit or 0)}",
+                                        *plan.notes))
+        if plans:
+            plan = replace(plan, notes=(*plan.notes, "the proxy starts every engine of a role from the first pair's "
+                                        "rates (disagg up seeds it with them), until its live measurements "
+                                        "correct them"))
+        plans.append(plan)
+    if args.json:     # the first pair's plan at the top level; with more pairs, each under "pairs"
+        data = plans[0].to_json()
         data["topology"] = topo.file
+        data["prefill_instance"], data["decode_instance"] = (i.name for i in pairs[0])
+        if len(pairs) > 1:
+            data["pairs"] = [{"prefill_instance": p.name, "decode_instance": d.name, **plan.to_json()}
+                             for (p, d), plan in zip(pairs, plans, strict=True)]
         print(json.dumps(data, indent=2))
     else:
-        print(render_plan(plan, topo, args.model))
+        print("\n\n".join(render_plan(plan, topo, args.model, pair,
+                                      None if len(pairs) == 1 else f"pair {i} of {len(pairs)}")
+                          for i, (pair, plan) in enumerate(zip(pairs, plans, strict=True), 1)))
     return 0
 
 
@@ -110,13 +127,16 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
     return lines
 
 
-def render_plan(plan: Plan, topo: Topology, model_override: str | None = None) -> str:
-    """The human-readable plan: header, one row per prompt class, verdict lines, summary."""
+def render_plan(plan: Plan, topo: Topology, model_override: str | None = None, pair: Pair | None = None,
+                which: str | None = None) -> str:
+    """The human-readable plan of one prefill -> decode ``pair`` (default: the first): header, one row
+    per prompt class, verdict lines, summary; ``which``: the pair's place among several."""
     m = plan.model
-    pre, dec = first_pair(topo)
+    pre, dec = pair or first_pair(topo)
     written = model_override or topo.model.source
     est = " (est.)" if plan.prefill.estimated else ""
-    out = [f"disagg plan: {topo.file}"]
+    out = [f"disagg plan: {topo.file}" + (f", {which}: {pre.name} on {pre.host} -> {dec.name} on {dec.host}"
+                                          if which else "")]
     lk = plan.link
     own = (f"{fmt_seconds(lk.own_fixed_s)} the connector's own ({topo.connector}: "
            f"{handoff_fixed_source(plan.streaming_layers is not None)})" if lk.connector_fixed_s is not None

@@ -137,3 +137,38 @@ def test_the_fixed_handoff_cost_says_what_each_part_is(capsys: pytest.CaptureFix
     assert "+ 16.7 ms decode's first step (15 GiB of weights: ESTIMATE, read at RTX 6000 Ada's spec-sheet" in out
     assert "+ 300 µs for 3 round trips of the link (100 µs each)" in out
     assert "for the link's round trips" not in out
+
+
+TWO_PREFILLS = """\
+model: {path: meta-llama/Llama-3.1-8B-Instruct, max_model_len: 16384}
+engine: vllm
+connector: nixl
+link: {type: ethernet, rate: 10gbit}
+hosts:
+  gamer: {address: 192.168.1.20, device: cuda, gpu: rtx-4090}
+  old: {address: 192.168.1.21, device: cuda, gpu: a100-40gb}
+  spark: {address: 192.168.1.30, device: cuda, gpu: gb10}
+roles:
+  prefill:
+    - {host: gamer, port: 8100, gpus: [0]}
+    - {host: old, port: 8100, gpus: [0]}
+  decode:
+    - {host: spark, port: 8200, gpus: [0]}
+"""
+
+
+def test_every_prefill_decode_pair_is_planned(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    topo = tmp_path / "2p1d.yaml"
+    topo.write_text(TWO_PREFILLS)
+    assert main(["plan", str(topo), "--prompt-tokens", "8192", "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    assert "pair 1 of 2: prefill[0] on gamer -> decode[0] on spark" in out
+    assert "pair 2 of 2: prefill[1] on old -> decode[0] on spark" in out
+    assert "gamer -> spark" in out and "old -> spark" in out
+    assert "RTX 4090" in out and "A100 40GB" in out
+    assert main(["plan", str(topo), "--prompt-tokens", "8192", "--no-probe", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(p["prefill_instance"], p["decode_instance"]) for p in data["pairs"]] == [
+        ("prefill[0]", "decode[0]"), ("prefill[1]", "decode[0]")]
+    assert data["pairs"][0]["classes"] == data["classes"]
+    assert data["pairs"][1]["prefill"]["source"] != data["prefill"]["source"]
