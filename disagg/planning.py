@@ -302,6 +302,8 @@ class Plan:
     not_fit: str | None = None
     #: the idle split threshold the proxy starts from: its seeds, rates at 2,048 tokens
     seed_split_from_tokens: int | None = None
+    #: the longest prompt one conversation of which fits in the decode host's KV memory (None: unknown)
+    fit_max_tokens: int | None = None
 
     @property
     def streaming(self) -> bool:
@@ -510,11 +512,15 @@ def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: Prefi
             verdict, reason = verdict_for(handoff_s, pre, nbytes, link, fit, streaming_layers, local_s)
         classes.append(ClassPlan(n, output_tokens, nbytes, handoff_s, pre, verdict, reason, fit,
                                  transfer_s=transfer, exposed_s=exposed, local_s=local_s))
+    def fits(n: int) -> bool:       # one conversation of n prompt tokens fits in the decode host's KV memory
+        return memory.kv_bytes is None or arch.kv_bytes(n + output_tokens, kv_dtype) <= memory.kv_bytes
+
     pays = worth = None
+    fit_max = None if memory.kv_bytes is None else (span(fits, limit) or (0, 0))[1]
     if not_fit is None:
         rows = list(prompt_tokens)
-        pays = span(lambda n: prefill.seconds(n) + handoff(n) <= local.seconds(n), limit, rows)
-        worth = span(lambda n: handoff(n) <= local.seconds(n), limit, rows)
+        pays = span(lambda n: fits(n) and prefill.seconds(n) + handoff(n) <= local.seconds(n), limit, rows)
+        worth = span(lambda n: fits(n) and handoff(n) <= local.seconds(n), limit, rows)
     seed = None
     if decode_prefill is not None and not_fit is None:
         link_cost = replace(link.cost(), streaming_layers=streaming_layers)
@@ -526,7 +532,8 @@ def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: Prefi
                 search_limit=limit, notes=tuple(notes), decode_prefill=decode_prefill,
                 idle_split_from_tokens=None if decode_prefill is None or pays is None else pays[0],
                 wire_format=wire_format, streaming_layers=streaming_layers,
-                pays_span=pays, worth_span=worth, not_fit=not_fit, seed_split_from_tokens=seed)
+                pays_span=pays, worth_span=worth, not_fit=not_fit, seed_split_from_tokens=seed,
+                fit_max_tokens=fit_max)
 
 
 # --- from a topology -------------------------------------------------------------
@@ -687,8 +694,10 @@ def decode_memory(topo: Topology, arch: ModelArch, pair: Pair | None = None) -> 
         return MemoryEstimate(None, f"{host.name}: unknown (add gpu: or kv_memory_gb: to the host)")
     util = float(inst.arg("--gpu-memory-utilization") or DEFAULT_GPU_MEMORY_UTILISATION)
     weight_bytes = model_weight_bytes(topo, arch)
-    kv = spec.memory_gb * 1e9 * util - weight_bytes
-    label = (f"{host.name}: ESTIMATE {spec.memory_gb:g} GB x {util:g} - {weight_bytes / 1e9:.1f} GB weights"
+    gpus = max(1, len(inst.gpus))
+    kv = spec.memory_gb * 1e9 * util * gpus - weight_bytes
+    label = (f"{host.name}: ESTIMATE {'' if gpus == 1 else f'{gpus} x '}{spec.memory_gb:g} GB x {util:g} - "
+             f"{weight_bytes / 1e9:.1f} GB weights"
              + ("; the weights do not fit" if kv <= 0 else "; set kv_memory_gb to be exact"))
     return MemoryEstimate(max(kv, 0.0), label)
 
@@ -879,26 +888,29 @@ def every_host_measured(topo: Topology, role: str) -> bool:
                for h in {topo.host_of(inst).name for inst in topo.role(role)})
 
 
-def _prompts(span_: tuple[int, int], limit: int) -> str:
+def _prompts(span_: tuple[int, int], limit: int, fit_max: int | None = None) -> str:
     lo, hi = span_
     if hi >= limit:
         return f"prompts of {fmt_count(lo)} tokens and more (up to {fmt_count(limit)})"
-    return f"prompts of {fmt_count(lo)} to {fmt_count(hi)} tokens"
+    longer = (" (longer ones do not fit the decode host's KV memory, split or not)"
+              if fit_max is not None and hi >= fit_max else "")
+    return f"prompts of {fmt_count(lo)} to {fmt_count(hi)} tokens{longer}"
 
 
 def idle_routing_line(plan: Plan) -> str | None:
     """One sentence: which prompts the proxy's auto routing splits at idle load (the rows' answer)."""
-    if plan.decode_prefill is None or plan.not_fit is not None:
+    if plan.decode_prefill is None or plan.not_fit is not None or plan.fit_max_tokens == 0:
         return None
     rates = (f"prefill host {fmt_count(round(plan.prefill.rate()))} tokens/s, decode host "
              f"{fmt_count(round(plan.decode_prefill.rate()))} tokens/s at 2,048 tokens, handoff "
              f"{fmt_seconds(plan.link.fixed_s)} fixed"
              + (f", streamed over {plan.streaming_layers} layers" if plan.streaming_layers is not None else ""))
     if plan.pays_span is None:
-        line = (f"Routing (auto) at idle load: every prompt stays local (the decode host prefills it "
-                f"sooner than a split answers; {rates}); it splits only when the decode engines are busy.")
+        line = (f"Routing (auto) at idle load: every prompt stays local (no split answers sooner than the "
+                f"decode host prefilling it itself; {rates}); it splits only when the decode engines are busy.")
     else:
-        line = (f"Routing (auto) at idle load: {_prompts(plan.pays_span, plan.search_limit)} split, where "
+        line = (f"Routing (auto) at idle load: {_prompts(plan.pays_span, plan.search_limit, plan.fit_max_tokens)} "
+                "split, where "
                 f"the split answers sooner; others stay local ({rates}).")
     if plan.seed_split_from_tokens != plan.idle_split_from_tokens:
         seed = ("no prompt" if plan.seed_split_from_tokens is None
@@ -913,12 +925,19 @@ def summary_line(plan: Plan) -> str:
     if plan.not_fit is not None:
         return f"No verdict: {plan.not_fit}."
     limit = fmt_count(plan.search_limit)
+    if plan.fit_max_tokens == 0:
+        return (f"No prompt pays: not one conversation fits in the decode host's KV memory "
+                f"({plan.memory.label}).")
+    if plan.fit_max_tokens is not None and plan.fit_max_tokens < plan.search_limit:
+        limit = (f"{fmt_count(plan.fit_max_tokens)}, the longest prompt one conversation of which fits in "
+                 "the decode host's KV memory")
     if plan.pays_span is None:
         if plan.worth_span is None:
             return (f"On this link the split does not pay for any prompt up to {limit} tokens: moving the KV "
                     "always takes longer than the decode host computing it.")
         return (f"The split never answers sooner than the decode host prefilling the prompt itself (up to "
-                f"{limit} tokens); for {_prompts(plan.worth_span, plan.search_limit)} moving the KV costs less "
+                f"{limit} tokens); for {_prompts(plan.worth_span, plan.search_limit, plan.fit_max_tokens)} moving "
+                "the KV costs less "
                 "than that prefill, so it is marginal: it takes the prefill off a busy decode host.")
     return (f"The split pays (answers no later than the decode host prefilling the prompt itself) for "
-            f"{_prompts(plan.pays_span, plan.search_limit)}.")
+            f"{_prompts(plan.pays_span, plan.search_limit, plan.fit_max_tokens)}.")

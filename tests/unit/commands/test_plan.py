@@ -172,3 +172,38 @@ def test_every_prefill_decode_pair_is_planned(tmp_path, capsys: pytest.CaptureFi
         ("prefill[0]", "decode[0]"), ("prefill[1]", "decode[0]")]
     assert data["pairs"][0]["classes"] == data["classes"]
     assert data["pairs"][1]["prefill"]["source"] != data["prefill"]["source"]
+
+
+H100_TO_A100 = """\
+model: {path: meta-llama/Llama-3.1-70B-Instruct, max_model_len: 32768}
+engine: vllm
+connector: nixl
+link: {type: ethernet, rate: 100gbit}
+hosts:
+  p: {address: 10.0.0.1, device: cuda, gpu: h100}
+  d: {address: 10.0.0.2, device: cuda, gpu: a100%s}
+roles:
+  prefill:
+    - {host: p, port: 8100, gpus: [0, 1], args: [--tensor-parallel-size, "2"]}
+  decode:
+    - {host: d, port: 8200, gpus: [0, 1], args: [--tensor-parallel-size, "2"]}
+"""
+
+
+def test_summary_agrees_with_rows_when_the_decode_memory_limits(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    topo = tmp_path / "h.yaml"
+    # 70B over two GPUs on each side: the weights fit two A100s, KV for ~8k tokens is left
+    topo.write_text(H100_TO_A100 % "")
+    assert main(["plan", str(topo), "--no-probe", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["decode_memory"]["kv_bytes"] == pytest.approx(2 * 80e9 * 0.9 - 70.6e9 * 2)
+    assert [c["verdict"] for c in data["classes"]] == ["pays", "pays", "pays"]
+    lo, hi = data["pays_span_prompt_tokens"]
+    assert lo < 256 and 8192 < hi < 32768
+    # a decode host with no room for one conversation: every row says so, and so does the summary
+    topo.write_text(H100_TO_A100 % ", kv_memory_gb: 0.01")
+    assert main(["plan", str(topo), "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("DOES NOT PAY: not one conversation of this length fits") == 3
+    assert "No prompt pays: not one conversation fits in the decode host's KV memory" in out
+    assert "The split pays" not in out and "Routing (auto)" not in out
