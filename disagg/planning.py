@@ -355,6 +355,8 @@ class Plan:
             "idle_split_from_prompt_tokens": self.idle_split_from_tokens,
             "pays_from_prompt_tokens": self.pays_from_tokens,
             "pays_span_prompt_tokens": None if self.pays_span is None else list(self.pays_span),
+            "handoff_below_local_span_prompt_tokens": None if self.worth_span is None else list(self.worth_span),
+            "fit_max_prompt_tokens": self.fit_max_tokens,
             "proxy_seed_split_from_prompt_tokens": self.seed_split_from_tokens,
             "does_not_fit": self.not_fit,
             "search_limit_tokens": self.search_limit,

@@ -31,9 +31,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     """Register ``plan``."""
     p = sub.add_parser(
         "plan", help="does the prefill/decode split pay? KV size vs link vs prefill time, per prompt length",
-        description="For each prompt length: the KV cache moved, the time to move it over the "
-                    "topology's link, the prefill time it saves, a verdict, and how many such "
-                    "conversations fit in the decode host's KV memory.")
+        description="For each prompt length and each prefill -> decode pair: the KV cache moved, the time "
+                    "to move it over the topology's link, the prefill on the prefill host, when the split "
+                    "answers beside the decode host prefilling the prompt itself, a verdict, and how many "
+                    "such conversations fit in the decode host's KV memory.")
     p.add_argument("topology", metavar="TOPOLOGY.yaml")
     p.add_argument("--prompt-tokens", default=DEFAULT_PROMPTS, metavar="N,N,...",
                    help=f"prompt lengths to plan for (default {DEFAULT_PROMPTS})")
