@@ -635,7 +635,10 @@ def plan_pairs(topo: Topology) -> list[tuple[InstanceSpec, InstanceSpec]]:
 
 
 def host_device(host: HostSpec) -> DeviceSpec | None:
-    """The spec sheet for a host: its ``gpu``, the CPU entry, or None (cuda, no gpu given)."""
+    """The spec sheet for a host: its own (``gpu: {tflops, memory_gb}``), its ``gpu``'s, the CPU
+    entry, or None (cuda, no gpu given)."""
+    if host.gpu_spec is not None:
+        return host.gpu_spec
     if host.gpu:
         return lookup_device(host.gpu)
     return DEVICES["cpu"] if host.device == "cpu" else None

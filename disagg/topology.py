@@ -20,6 +20,7 @@ from pathlib import Path
 from disagg_connectors.socket_connector.config import WIRE_FORMATS as _CONNECTOR_WIRE_FORMATS
 
 from disagg.errors import TopologyError
+from disagg.hardware import DeviceSpec
 from disagg.serving import (
     EXPLORE_AFTER_DECISIONS,
     EXPLORE_AFTER_S,
@@ -113,6 +114,8 @@ class HostSpec:
     device: str = "cpu"
     gpu: str | None = None              # accelerator model (disagg.hardware.DEVICES), for plan
     kv_memory_gb: float | None = None   # memory for KV caches on this host, for plan
+    #: the accelerator's spec sheet when the topology gives its own (``gpu: {tflops, memory_gb}``)
+    gpu_spec: DeviceSpec | None = None
 
     @property
     def is_remote(self) -> bool:
@@ -463,7 +466,7 @@ def _hosts(node: Node) -> dict[str, HostSpec]:
         venv = h.take("venv")
         workdir = h.str("workdir")
         device = h.choice("device", DEVICE_KINDS, "cpu")
-        gpu = _gpu(h.take("gpu"), device)
+        gpu, gpu_spec = _gpu(h.take("gpu"), device)
         kv_memory_gb = h.float("kv_memory_gb")
         h.done()
         if venv is not None:
@@ -474,27 +477,46 @@ def _hosts(node: Node) -> dict[str, HostSpec]:
             raise child.error("ssh_port/ssh_key/ssh_options need ssh: user@host", path=f"hosts.{name}.ssh")
         hosts[name] = HostSpec(name=name, address=address, ssh=ssh, ssh_port=ssh_port, ssh_key=ssh_key,
                                ssh_options=ssh_options, python=python, workdir=workdir, device=device,
-                               gpu=gpu, kv_memory_gb=kv_memory_gb)
+                               gpu=gpu, gpu_spec=gpu_spec, kv_memory_gb=kv_memory_gb)
     if not hosts:
         raise node.error("at least one host is required")
     return hosts
 
 
-def _gpu(node: Node | None, device: str) -> str | None:
-    """The canonical name of a host's ``gpu`` (see disagg/hardware.py), validated."""
+def _gpu(node: Node | None, device: str) -> tuple[str | None, DeviceSpec | None]:
+    """A host's ``gpu``, validated: a known name or alias (see disagg/hardware.py; a bare number
+    such as ``4090`` too), or a spec sheet of its own, ``{tflops, memory_gb, memory_bw_gbs, name}``
+    (tflops and memory_gb required). Returns the canonical name, and the spec when given inline."""
     if node is None:
-        return None
+        return None, None
     from disagg.hardware import DEVICES as SPECS
     from disagg.hardware import device_names, lookup_device
-    spec = lookup_device(str(node.value)) if isinstance(node.value, str) else None
-    if spec is None or spec.name == "cpu":
-        from disagg.yamlsrc import did_you_mean
-        names = [n for n in SPECS if n != "cpu"]
-        raise node.error(f"unknown GPU {node.value!r}; expected one of {', '.join(names)}"
-                         + did_you_mean(str(node.value), [n for n in device_names() if n != "cpu"]))
+    custom: DeviceSpec | None = None
+    if node.is_mapping:
+        f = Fields(node, "a GPU name, or a mapping with tflops, memory_gb, memory_bw_gbs (and a name)")
+        tflops, memory_gb = f.float("tflops"), f.float("memory_gb")
+        bandwidth, label = f.float("memory_bw_gbs"), f.str("name")
+        f.done()
+        if tflops is None or memory_gb is None:
+            raise node.error("a GPU's own spec sheet needs tflops (dense BF16, TFLOP/s) and memory_gb")
+        name = label or "custom"
+        custom = DeviceSpec(name, f"{name} ({tflops:g} TFLOP/s, {memory_gb:g} GB)", tflops, memory_gb,
+                            "the topology's own figures", memory_gbps=bandwidth)
+    else:
+        value = node.value
+        text = str(value) if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)) \
+            else None
+        spec = lookup_device(text) if text is not None else None
+        if spec is None or spec.name == "cpu":
+            from disagg.yamlsrc import did_you_mean
+            names = [n for n in SPECS if n != "cpu"]
+            raise node.error(f"unknown GPU {value!r}; expected one of {', '.join(names)}, or a mapping "
+                             "{tflops: T, memory_gb: M, memory_bw_gbs: B}"
+                             + did_you_mean(str(value), [n for n in device_names() if n != "cpu"]))
+        name = spec.name
     if device != "cuda":
         raise node.error("names a GPU but the host has device: cpu; add device: cuda")
-    return spec.name
+    return name, custom
 
 
 def _parse_cpus(node: Node) -> tuple[int, ...]:
