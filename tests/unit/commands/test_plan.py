@@ -38,8 +38,8 @@ def test_what_if_model_and_link(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(capsys.readouterr().out)
     assert data["model"]["attention"] == "MLA"
     assert data["classes"][0]["kv_bytes"] == 8192 * 61 * 576
-    # the topology's kv_memory_gb: 26 holds
-    assert data["classes"][0]["conversations_fit"] == int(26e9 // ((8192 + 256) * 61 * 576))
+    # the topology's kv_memory_gb: 90 holds
+    assert data["classes"][0]["conversations_fit"] == int(90e9 // ((8192 + 256) * 61 * 576))
     # but 671B parameters fit no RTX 4090: no verdict
     assert data["classes"][0]["verdict"] == "does not fit"
     assert "do not fit the prefill host gamer" in data["does_not_fit"]
@@ -133,8 +133,8 @@ def test_link_what_if_takes_a_rate(capsys: pytest.CaptureFixture[str]) -> None:
 def test_the_fixed_handoff_cost_says_what_each_part_is(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "topologies/house-2g5.yaml", "--link", "10gbe", "--prompt-tokens", "2048"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "47 ms fixed per request: 30 ms the connector's own (nixl: measured 2026-11-30 on a 2-core CPU" in out
-    assert "+ 16.7 ms decode's first step (15 GiB of weights: ESTIMATE, read at RTX 6000 Ada's spec-sheet" in out
+    assert "89.1 ms fixed per request: 30 ms the connector's own (nixl: measured 2026-11-30 on a 2-core CPU" in out
+    assert "+ 58.8 ms decode's first step (15 GiB of weights: ESTIMATE, read at GB10 (DGX Spark)'s spec-sheet" in out
     assert "+ 300 µs for 3 round trips of the link (100 µs each)" in out
     assert "for the link's round trips" not in out
 
