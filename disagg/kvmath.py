@@ -20,6 +20,7 @@ them in that order.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -317,8 +318,27 @@ def embedded_arch(name: str) -> ModelArch:
     return arch_from_config(cfg, f"disagg:{name}", "embedded model")
 
 
+def cached_config(model: str) -> Path | None:
+    """``config.json`` of Hugging Face model ``model`` (``org/name``) in the local Hugging Face cache
+    (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else ~/.cache/huggingface/hub), or None; reads no network."""
+    if model.count("/") != 1 or model.startswith(("/", ".", "~")):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    hf_home = os.environ.get("HF_HOME")
+    cache = os.environ.get("HF_HUB_CACHE") or (str(Path(hf_home) / "hub") if hf_home else None)
+    try:
+        found = try_to_load_from_cache(model, "config.json", cache_dir=cache)
+    except ValueError:   # not a valid repo id
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
 def resolve_model(model: str, *, local_path: str | Path | None = None) -> ModelArch:
-    """Find the arch for ``model``: embedded name, local config.json, or the built-in table.
+    """Find the arch for ``model``: embedded name, local config.json, the Hugging Face cache's
+    config.json, or the built-in table.
 
     ``model`` is what a topology (or ``--model``) says: ``disagg:tiny``, a
     directory, or a Hugging Face id; ``local_path`` is the resolved directory
@@ -331,9 +351,11 @@ def resolve_model(model: str, *, local_path: str | Path | None = None) -> ModelA
             return load_config_arch(candidate)
     if model.endswith(".json") and Path(model).is_file():
         return load_config_arch(model)
+    if (cached := cached_config(model)) is not None:
+        return load_config_arch(cached)
     found = builtin_model(model)
     if found is None:
         raise ModelError(f"model {model!r}: no config.json there and not in the built-in table "
-                         f"(known: {', '.join(BUILTIN_MODELS)}); point --model at a directory "
-                         "holding the model's config.json")
+                         f"(known: {', '.join(BUILTIN_MODELS)}) nor in the local Hugging Face cache; point "
+                         "--model at a directory holding the model's config.json")
     return found

@@ -177,3 +177,23 @@ def test_prefill_flops_linear_term_and_attention() -> None:
     assert dense.prefill_flops(2 * n) > 2 * dense.prefill_flops(n)       # quadratic part
     moe = BUILTIN_MODELS["qwen3-30b-a3b"]
     assert moe.prefill_flops(n) < 2 * 4e9 * n + attention                 # active, not total, params
+
+
+def test_a_model_in_the_local_hugging_face_cache_is_read_from_its_config(tmp_path, monkeypatch) -> None:
+    """An id the built-in table lacks is found in the Hugging Face cache (its documented layout:
+    models--ORG--NAME/refs/main names the snapshot), without any network."""
+    repo = tmp_path / "hub" / "models--acme--Cached-3B"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    (snapshot / "config.json").write_text(json.dumps({
+        "hidden_size": 2048, "intermediate_size": 8192, "vocab_size": 32000, "num_hidden_layers": 24,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128}))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    arch = resolve_model("acme/Cached-3B")
+    assert arch.kv_bytes_per_token() == 2 * 24 * 4 * 128 * 2
+    assert "abc123" in arch.source
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(ModelError, match="local Hugging Face cache"):
+        resolve_model("acme/Cached-3B")
