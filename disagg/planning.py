@@ -63,8 +63,10 @@ from disagg.routecost import (
     break_even_tokens,
     exposed_transfer_s,
     first_step_s,
+    first_true,
     handoff_fixed_s,
     handoff_fixed_source,
+    last_true,
     max_transfer_s,
 )
 from disagg.topology import HostSpec, InstanceSpec, Topology, parse_rate
@@ -421,22 +423,9 @@ def span(holds: Callable[[int], bool], limit: int, also: Sequence[int] = ()) -> 
         return None
     first = marks.index(True)
     last = len(marks) - 1 - marks[::-1].index(True)
-    lo, hi = (grid[first - 1] + 1 if first else 1), grid[first]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if holds(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    low = lo
-    lo, hi = grid[last], (grid[last + 1] - 1 if last + 1 < len(grid) else grid[last])
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if holds(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return low, lo
+    low = first_true(holds, grid[first - 1] + 1 if first else 1, grid[first])
+    high = last_true(holds, grid[last], grid[last + 1] - 1 if last + 1 < len(grid) else grid[last])
+    return low, high
 
 
 def wire_ratio_of(wire_format: str, kv_dtype: str) -> float:

@@ -388,13 +388,28 @@ def break_even_tokens(kv_bytes: Callable[[int], float], prefill: EngineCost, dec
 def shortest(holds: Callable[[int], bool], limit: int) -> int | None:
     """The smallest n in 1..limit for which ``holds(n)``, by bisection (``holds`` must stay true
     once true as n grows), or None when it does not hold at ``limit``."""
-    if not holds(limit):
-        return None
-    lo, hi = 1, limit
+    return first_true(holds, 1, limit) if holds(limit) else None
+
+
+def first_true(holds: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The smallest n in lo..hi for which ``holds(n)``, by bisection: ``holds(hi)`` is true and
+    ``holds`` stays true from its first true n up to ``hi``."""
     while lo < hi:
         mid = (lo + hi) // 2
         if holds(mid):
             hi = mid
         else:
             lo = mid + 1
+    return lo
+
+
+def last_true(holds: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest n in lo..hi for which ``holds(n)``, by bisection: ``holds(lo)`` is true and
+    ``holds`` stays true from ``lo`` up to its last true n (the mirror of :func:`first_true`)."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if holds(mid):
+            lo = mid
+        else:
+            hi = mid - 1
     return lo
