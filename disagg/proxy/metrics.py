@@ -25,7 +25,7 @@ Names (all prefixed ``disagg_proxy_``):
 - ``backend_returns_total{role, url}``: times a backend came back into service after
   being taken out (a restarted engine); what the proxy measured about it is dropped then.
 
-Routing (:mod:`disagg.proxy.policy`; named without the prefix, as issue 15 asks):
+Routing (:mod:`disagg.proxy.policy`; named ``disagg_route_*``, without the proxy's prefix):
 
 - ``disagg_route_total{path, reason}``: prompts by the path chosen (``split``,
   ``local``, ``whole``) and why (``predicted``, ``explore`` (re-measuring a path not taken
