@@ -4,7 +4,7 @@ client that stopped reading.
 
 Callers: :func:`disagg.proxy.app._front_door` reads every body (:func:`read_body`) and
 picks the request id (:func:`request_id_of`) before any slot is taken; the handlers take
-their slots (:meth:`Slots.take`) once they know how many engine requests they will run
+their slots (:meth:`Budget.take`) once they know how many engine requests they will run
 at once; :mod:`disagg.proxy.relay` and :mod:`disagg.proxy.batch` write streams with
 :func:`send_within`.
 """
@@ -31,56 +31,43 @@ MAX_REQUEST_ID_CHARS = 128
 REQUEST_ID_REPLACED = "X-Disagg-Request-Id-Replaced"
 
 
-class Slots:
-    """The concurrency cap: every engine request a client request runs at once takes one slot
-    (a single prompt one, a split batch as many prompts as it serves in parallel); a request
-    that would go over ``limit`` is refused with 429 before any engine sees it."""
+class Budget:
+    """A count the proxy holds below ``limit`` while requests run: :meth:`take` holds an amount
+    for a block, or refuses it with 429 (counted as ``rejected_total{reason}``) before any work.
 
-    def __init__(self, limit: int, metrics: ProxyMetrics) -> None:
+    Two are made per app (:class:`disagg.proxy.app.ProxyState`): the concurrency cap, in engine
+    requests (a single prompt one, a split batch as many as it serves in parallel; the
+    ``active_requests`` gauge follows it), and the bytes of request bodies being read at once
+    (announced sizes: many clients uploading at once cannot fill memory before the cap sees them).
+    """
+
+    def __init__(self, limit: int, metrics: ProxyMetrics, *, what: str, setting: str, reason: str,
+                 gauge: bool = False) -> None:
         self.limit = limit
-        self.active = 0
+        self.used = 0
         self._metrics = metrics
+        self._what = what          # what is counted, for the refusal's message
+        self._setting = setting    # the setting that sets ``limit``
+        self._reason = reason      # the ``rejected_total`` label of a refusal
+        self._gauge = gauge        # whether ``active_requests`` follows the count
 
     @contextmanager
     def take(self, n: int = 1) -> Iterator[None]:
-        """Hold ``n`` slots for the block; raises :class:`TooManyRequests` when they are not free."""
-        if self.active + n > self.limit:
-            self._metrics.rejected.labels("concurrency").inc()
-            raise TooManyRequests(f"the proxy is serving {self.active} engine requests, its limit is "
-                                  f"{self.limit} (max_concurrency) and this request needs {n}; retry after "
+        """Hold ``n`` for the block; raises :class:`TooManyRequests` when it does not fit."""
+        if self.used + n > self.limit:
+            self._metrics.rejected.labels(self._reason).inc()
+            raise TooManyRequests(f"the proxy holds {self.used} {self._what}, its limit is {self.limit} "
+                                  f"({self._setting}) and this request needs {n}; retry after "
                                   f"{TooManyRequests.retry_after_s} s")
-        self.active += n
-        self._metrics.active.inc(n)
+        self.used += n
+        if self._gauge:
+            self._metrics.active.inc(n)
         try:
             yield
         finally:
-            self.active -= n
-            self._metrics.active.dec(n)
-
-
-class BodyBudget:
-    """Bytes of request bodies being read at once: a body is read only when its announced size
-    (``Content-Length``, or the body limit for a chunked one) fits, else 429 before any byte of it
-    is read, so many clients uploading at once cannot fill the proxy's memory before the
-    concurrency cap sees them."""
-
-    def __init__(self, limit: int, metrics: ProxyMetrics) -> None:
-        self.limit = limit
-        self.reading = 0
-        self._metrics = metrics
-
-    @contextmanager
-    def take(self, size: int) -> Iterator[None]:
-        """Hold ``size`` bytes of the budget for the block; raises :class:`TooManyRequests`."""
-        if self.reading + size > self.limit:
-            self._metrics.rejected.labels("body_budget").inc()
-            raise TooManyRequests(f"the proxy is reading {self.reading} bytes of request bodies, its limit is "
-                                  f"{self.limit}; retry after {TooManyRequests.retry_after_s} s")
-        self.reading += size
-        try:
-            yield
-        finally:
-            self.reading -= size
+            self.used -= n
+            if self._gauge:
+                self._metrics.active.dec(n)
 
 
 def request_id_of(request: web.Request) -> tuple[str, str | None]:

@@ -34,8 +34,7 @@ from aiohttp import web
 
 from disagg.proxy.admission import (
     REQUEST_ID_REPLACED,
-    BodyBudget,
-    Slots,
+    Budget,
     read_body,
     request_id_of,
     send_within,
@@ -95,13 +94,16 @@ class ProxyState:
     handoff: Handoff | None = None
     api_key_hash: bytes | None = field(default=None, repr=False)
     #: the concurrency cap, in engine requests
-    slots: Slots = field(init=False)
+    slots: Budget = field(init=False)
     #: bytes of request bodies being read at once (before any slot is taken)
-    reading: BodyBudget = field(init=False)
+    reading: Budget = field(init=False)
 
     def __post_init__(self) -> None:
-        self.slots = Slots(self.config.max_concurrency, self.metrics)
-        self.reading = BodyBudget(max(BODY_READ_BYTES, self.config.max_body_bytes), self.metrics)
+        self.slots = Budget(self.config.max_concurrency, self.metrics, what="engine requests",
+                            setting="max_concurrency", reason="concurrency", gauge=True)
+        self.reading = Budget(max(BODY_READ_BYTES, self.config.max_body_bytes), self.metrics,
+                              what="bytes of request bodies being read", setting="256 MiB or max_body_bytes",
+                              reason="body_budget")
 
     def client(self) -> Upstream:
         """The upstream client (only while the app runs)."""

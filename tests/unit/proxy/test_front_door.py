@@ -128,7 +128,7 @@ async def test_a_prompt_failing_after_a_batch_stream_began_ends_the_stream(stand
             assert resp.status == 200
             events = [line async for line in resp.content if line.startswith(b"data: ")]
     assert b"prompt refused" in events[-2] and events[-1] == b"data: [DONE]\n", events[-3:]
-    await wait_for(lambda: server.app_state.slots.active == 0)
+    await wait_for(lambda: server.app_state.slots.used == 0)
 
 
 async def test_bodies_read_at_once_are_bounded_before_any_byte_is_read(standin, proxy, http,
@@ -139,14 +139,14 @@ async def test_bodies_read_at_once_are_bounded_before_any_byte_is_read(standin, 
     host, port = server.url.removeprefix("http://").split(":")
     _reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(post_head("/v1/completions", b"x" * 700) + b'{"model": ')    # 700 announced, slow
-    await wait_for(lambda: server.app_state.reading.reading == 700)
+    await wait_for(lambda: server.app_state.reading.used == 700)
     big = json.dumps({"model": "tiny", "prompt": "y" * 400}).encode()
     status, data = await raw_request(server.url, post_head("/v1/completions", big), big)
     assert status == 429, data[:300]
     async with http.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
         assert resp.status == 200, "a small body still fits"
     writer.close()
-    await wait_for(lambda: server.app_state.reading.reading == 0)
+    await wait_for(lambda: server.app_state.reading.used == 0)
     assert len(d.generations()) == 1
 
 
@@ -185,14 +185,14 @@ async def test_a_batch_takes_a_slot_per_engine_request_it_runs(standin, proxy, h
     body = {"model": "tiny", "prompt": ["a", "b", "c", "d", "e", "f"], "max_tokens": 2, "stream": True}
     batch = await http.post(server.url + "/v1/completions", json=body)
     await wait_for(lambda: d.running == 4)
-    assert server.app_state.slots.active == 4
+    assert server.app_state.slots.used == 4
     async with http.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
         assert resp.status == 429, "a batch running 4 engine requests fills a cap of 4"
     gate.set()
     events = [line async for line in batch.content if line.startswith(b"data: {")]
     batch.close()
     assert len({json.loads(e[6:])["choices"][0]["index"] for e in events if json.loads(e[6:])["choices"]}) == 6
-    await wait_for(lambda: server.app_state.slots.active == 0)
+    await wait_for(lambda: server.app_state.slots.used == 0)
 
 
 async def test_a_client_that_stops_reading_a_streamed_batch_is_let_go(standin, proxy) -> None:
@@ -215,7 +215,7 @@ async def test_a_client_that_stops_reading_a_streamed_batch_is_let_go(standin, p
         sock.close()
     assert d.aborted == 4, "every engine request of the stalled client was aborted"
     assert let_go < 5, let_go
-    await wait_for(lambda: server.app_state.slots.active == 0)
+    await wait_for(lambda: server.app_state.slots.used == 0)
 
 
 async def test_slow_headers_are_cut_off_and_others_are_served(standin, proxy, http) -> None:
