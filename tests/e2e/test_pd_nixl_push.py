@@ -15,6 +15,7 @@ into them when it finishes).
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,6 +73,14 @@ def test_push_handoff_equals_colocated_and_kv_moved(push_pd: Running, reference:
         before = {url: get_text(url + "/metrics") for url in (prefill, decode, push_pd.proxy_url)}
         text = plain_answer(push_pd.proxy_url, body)
         after = {url: get_text(url + "/metrics") for url in (prefill, decode, push_pd.proxy_url)}
+        # P's NIXL counters reach /metrics with its engine core's stats, which may trail the reply
+        # (CI once read a WRITE's bytes as 0 right after D's answer): wait for them, up to 10 s
+        deadline = time.monotonic() + 10
+        while (metric_value(after[prefill], "vllm:nixl_xfer_time_seconds_count")
+               == metric_value(before[prefill], "vllm:nixl_xfer_time_seconds_count")
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+            after[prefill] = get_text(prefill + "/metrics")
 
         def delta(url: str, metric: str, before: dict[str, str] = before, after: dict[str, str] = after,
                   **labels: str) -> float:
