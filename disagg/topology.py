@@ -99,6 +99,52 @@ class LinkSpec:
     interface: str | None = None        # NIC name for UCX_NET_DEVICES
 
 
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB|K|M|G|T)?\s*$")
+_SIZE_UNITS = {"B": 1, "K": 2**10, "KiB": 2**10, "M": 2**20, "MiB": 2**20, "G": 2**30, "GiB": 2**30,
+               "T": 2**40, "TiB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """Parse a memory size such as ``256MiB``, ``1.5GiB``, ``2GB`` or a plain byte count.
+
+    Raises ValueError with a message that says what is expected.
+    """
+    match = _SIZE_RE.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"bad size {text!r}: expected a positive number of bytes, optionally followed by "
+                         "KiB, MiB, GiB, TiB (powers of 2) or KB, MB, GB, TB (powers of 10), e.g. 256MiB")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or "B"])
+
+
+@dataclass(frozen=True)
+class EmulationSpec:
+    """What a host emulates on this machine (``emulate:``), so a house of unlike boxes runs on one.
+
+    ``prefill_rate``: at most this many prompt tokens/s per engine: each engine step that computes
+    prompt tokens is held until they would have taken that long (decode steps are left alone), by the
+    plugin ``disagg_connectors.emulated_prefill``. ``kv_memory_bytes``: every engine's KV cache on the
+    host (vLLM's ``--kv-cache-memory-bytes``). ``cpu_share``: the host's engines share this many cores
+    (a cgroup CPU quota; local hosts only), for a uniformly slower host. Plan and routing never use
+    the stated rate: they use what ``disagg bench prefill`` measures on the running engines.
+    """
+
+    prefill_rate: float | None = None
+    kv_memory_bytes: int | None = None
+    cpu_share: float | None = None
+
+    def describe(self) -> str:
+        """One line for ``check``, ``status`` and every ``bench`` output."""
+        from disagg.units import fmt_bytes
+        parts = []
+        if self.prefill_rate is not None:
+            parts.append(f"prefill at most {self.prefill_rate:,.0f} tokens/s")
+        if self.kv_memory_bytes is not None:
+            parts.append(f"KV cache {fmt_bytes(self.kv_memory_bytes)} per engine")
+        if self.cpu_share is not None:
+            parts.append(f"{self.cpu_share:g} CPU cores (cgroup quota)")
+        return "emulated: " + ", ".join(parts)
+
+
 @dataclass(frozen=True)
 class HostSpec:
     """One machine: where engines run and how to reach it."""
@@ -116,6 +162,7 @@ class HostSpec:
     kv_memory_gb: float | None = None   # memory for KV caches on this host, for plan
     #: the accelerator's spec sheet when the topology gives its own (``gpu: {tflops, memory_gb}``)
     gpu_spec: DeviceSpec | None = None
+    emulate: EmulationSpec | None = None  # what this host emulates (prefill rate, KV memory, CPU share)
 
     @property
     def is_remote(self) -> bool:
@@ -468,6 +515,7 @@ def _hosts(node: Node) -> dict[str, HostSpec]:
         device = h.choice("device", DEVICE_KINDS, "cpu")
         gpu, gpu_spec = _gpu(h.take("gpu"), device)
         kv_memory_gb = h.float("kv_memory_gb")
+        emulate = _emulate(h.take("emulate"), ssh is not None)
         h.done()
         if venv is not None:
             if python is not None:
@@ -477,10 +525,40 @@ def _hosts(node: Node) -> dict[str, HostSpec]:
             raise child.error("ssh_port/ssh_key/ssh_options need ssh: user@host", path=f"hosts.{name}.ssh")
         hosts[name] = HostSpec(name=name, address=address, ssh=ssh, ssh_port=ssh_port, ssh_key=ssh_key,
                                ssh_options=ssh_options, python=python, workdir=workdir, device=device,
-                               gpu=gpu, gpu_spec=gpu_spec, kv_memory_gb=kv_memory_gb)
+                               gpu=gpu, gpu_spec=gpu_spec, kv_memory_gb=kv_memory_gb, emulate=emulate)
     if not hosts:
         raise node.error("at least one host is required")
     return hosts
+
+
+def _emulate(node: Node | None, remote: bool) -> EmulationSpec | None:
+    """A host's ``emulate: {prefill_rate, kv_memory, cpu_share}``, validated (at least one given)."""
+    if node is None:
+        return None
+    f = Fields(node, "a mapping with prefill_rate (tokens/s), kv_memory (e.g. 256MiB) and/or cpu_share (cores)")
+    prefill_rate = f.float("prefill_rate")
+    memory_node = f.take("kv_memory")
+    share_node = f.take("cpu_share")
+    f.done()
+    kv_memory_bytes = None
+    if memory_node is not None:
+        try:
+            kv_memory_bytes = parse_size(str(memory_node.value))
+        except ValueError as exc:
+            raise memory_node.error(str(exc)) from exc
+        if kv_memory_bytes < 2**20:
+            raise memory_node.error(f"{memory_node.value} is under 1 MiB: too small for any KV cache")
+    cpu_share = None
+    if share_node is not None:
+        value = share_node.value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.01 <= value <= 1024:
+            raise share_node.error(f"expected a number of CPU cores between 0.01 and 1024, got {value!r}")
+        if remote:
+            raise share_node.error("cpu_share is set with a local cgroup: it needs a local host (no ssh)")
+        cpu_share = float(value)
+    if prefill_rate is None and kv_memory_bytes is None and cpu_share is None:
+        raise node.error("emulate needs at least one of prefill_rate, kv_memory, cpu_share")
+    return EmulationSpec(prefill_rate=prefill_rate, kv_memory_bytes=kv_memory_bytes, cpu_share=cpu_share)
 
 
 def _gpu(node: Node | None, device: str) -> tuple[str | None, DeviceSpec | None]:
