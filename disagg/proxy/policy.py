@@ -33,7 +33,7 @@ Policies (``routing.policy`` in the topology, ``--routing-policy``):
     that queue as a split through the same engine does. Past saturation the decode
     engines' decodes are what limits goodput, and only ``whole`` moves decode work
     to the prefill side: static split's decodes ran at TPOT 92 ms on a one-core
-    decode engine where two replicas ran at 50 ms (docs/results.md). As the prefill
+    decode engine where two replicas ran at 50 ms (a 2-core CPU machine). As the prefill
     engine takes decodes its own line rises and the rule stops offering it, so the
     decodes balance between the sides. This rule once also required the prefill
     engine to have no prefill waiting; past saturation it always had one (the
