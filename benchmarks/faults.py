@@ -1,4 +1,4 @@
-"""Fault figures of a 1P1D deployment with real vLLM engines (issue 14).
+"""Fault figures of a 1P1D deployment with real vLLM engines.
 
 For each connector (NIXL over loopback TCP, and our socket connector) this
 brings up a 1 prefill + 1 decode pair of real vLLM CPU engines on the tiny

@@ -1,4 +1,4 @@
-"""Issue 15's targets, checked on a ``disagg bench compare --routing auto,split`` report.
+"""The ``auto`` routing policy's targets, checked on a ``disagg bench compare --routing auto,split`` report.
 
 Reads ``results.json`` (medians over each step's repeats) and prints, per
 connector and request rate, a Markdown table of each target with the figure,

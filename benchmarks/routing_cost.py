@@ -9,7 +9,7 @@ Times, in this process (no engines, no network):
 - the prompt-length estimate of a ``--tokens``-token prompt: with the embedded model's
   ``tokenizer.json`` (the ``tokenizers`` library) and from characters.
 
-Targets (issue 15): decision p50 <= 0.1 ms; length estimate p50 <= 1 ms for 2,000 tokens.
+Targets of the ``auto`` routing: decision p50 <= 0.1 ms; length estimate p50 <= 1 ms for 2,000 tokens.
 
     .venv/bin/python benchmarks/routing_cost.py [--repeats 5000] [--tokens 2000] [--pairs 1]
 """

@@ -24,7 +24,7 @@ token counts, sent as token ids) four ways, the ways interleaved within each rep
 answer to D's): what a handoff costs beyond computing and moving the KV (D's request, its
 scheduling, its last-token step). (Rows of runs before 2026-12-01 evening lack the in-request
 handoff and use fetch TTFT - prefill - xfer, which the spread of a prefill measured in another
-request enters: -736 ms on a 2,048-token row whose prefills alone spread 6.1-7.0 s.) The issue's target for the
+request enters: -736 ms on a 2,048-token row whose prefills alone spread 6.1-7.0 s.) The target for the
 streamed handoff: ``stream <= 1.15 x max(prefill, xfer) + fixed`` on every shaped row; the
 table prints the bound and the ratio.
 

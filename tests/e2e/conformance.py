@@ -1,4 +1,4 @@
-"""The conformance suite of issue 13: the proxy in front of 1P1D must answer like one vLLM server.
+"""The conformance suite: the proxy in front of 1P1D must answer like one vLLM server.
 
 Plain functions and data, no fixtures (unit-tested in tests/unit/test_conformance_compare.py):
 

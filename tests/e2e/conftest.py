@@ -102,7 +102,7 @@ def requests_(tokenizer: Tokenizer) -> dict[str, dict]:
 
 @pytest.fixture(scope="session")
 def conformance_cases(tokenizer: Tokenizer) -> dict[str, Case]:
-    """The conformance cases of issue 13 (tests/e2e/conformance.py), by name."""
+    """The conformance cases (tests/e2e/conformance.py), by name."""
     return build_cases(tokenizer)
 
 

@@ -192,7 +192,7 @@ def test_a_kv_port_taken_while_the_engines_load_fails_the_start_at_once(
 
 def test_down_leaves_nothing_after_the_api_server_and_up_are_sigkilled(
         engine_lock: None, tmp_path: Path, tiny_model: Path) -> None:
-    """The issue's case with real engines: the decode API server is SIGKILLed (as the OOM killer does) and
+    """An orphaned engine core with real engines: the decode API server is SIGKILLed (as the OOM killer does) and
     `disagg up` itself (the detached supervisor) crashed; vLLM's EngineCore stays in the dead leader's
     group until `down` sweeps it."""
     dep = _two_engines(tmp_path, tiny_model, "orphans")

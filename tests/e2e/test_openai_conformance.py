@@ -1,4 +1,4 @@
-"""Issue 13's conformance suite against the NIXL 1P1D (the session's `pd` deployment).
+"""The conformance suite against the NIXL 1P1D (the session's `pd` deployment).
 
 Every case of tests/e2e/conformance.py goes to the proxy; its reply must equal what one
 colocated vLLM server answered to the same bytes (recorded by the `reference` fixture before

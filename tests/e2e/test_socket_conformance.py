@@ -1,4 +1,4 @@
-"""Issue 13's conformance suite against a 1P1D with our socket KV connector (`connector: socket`).
+"""The conformance suite against a 1P1D with our socket KV connector (`connector: socket`).
 
 The deployment is this module's own (`disagg up --detach`, `disagg down` in the last test). It
 sorts after test_pd.py, whose last test stops the session's NIXL deployment; if that did not

@@ -1,4 +1,4 @@
-"""Issue 13's conformance suite under issue 15's default routing (``auto``): a 1P1D with the socket
+"""The conformance suite under the default routing (``auto``): a 1P1D with the socket
 connector whose proxy picks each prompt's path; every answer is still the one a single vLLM server
 gives, whichever path served it, and the paths taken are named in the header and the metrics.
 

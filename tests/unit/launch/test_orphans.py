@@ -70,7 +70,7 @@ def test_hurry_cuts_the_grace_short(tmp_path: Path) -> None:
 
 
 def test_down_sweeps_what_a_sigkilled_leader_left(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The issue's case: `down` used to skip a record whose leader pid was dead."""
+    """`down` sweeps a record whose leader pid is dead (it once skipped such a record)."""
     decode, decode_tree = start_tree(tmp_path, "decode[0]")
     proxy, proxy_tree = start_tree(tmp_path, "proxy")
     everything = decode_tree + proxy_tree
