@@ -4,8 +4,11 @@
 
     DisaggError                     base: cli.py prints str(exc) and exits 2
     ├── TopologyError               bad topology YAML: file:line: field: message
-    ├── PlanError                   a valid topology that cannot be planned
-    │                               (e.g. an engine/connector pair not supported)
+    ├── DeploymentError             a valid topology that cannot be turned into
+    │                               engine commands (e.g. an engine/connector pair
+    │                               not supported)
+    ├── PlanError                   `disagg plan` cannot price a topology (a link
+    │                               or device it knows no figures for)
     ├── ModelError                  model directory missing or unreadable
     ├── LaunchError                 starting, probing or stopping engines
     │   ├── PortInUseError          a port the topology needs is already taken
