@@ -1,4 +1,11 @@
-"""The emulated link of a topology (``link: {type: emulated, rate: ...}``).
+"""What a topology emulates on this machine: its link and its hosts' hardware.
+
+Hosts: ``emulate: {prefill_rate, kv_memory, cpu_share}`` (``disagg.topology.EmulationSpec``);
+the engine adapter turns the first two into an engine variable and flag, and
+:func:`cpu_share_for` names the cgroup that holds a host's CPU quota, which the
+launcher creates and ``down`` removes (:mod:`disagg.cpushare`).
+
+The link (``link: {type: emulated, rate: ...}``):
 
 The prefill host runs in a network namespace of its own behind a veth pair
 shaped with tc tbf at the link's rate (both directions); the decode host and
@@ -10,7 +17,9 @@ prints them, ``up`` creates them and ``down`` (another process) removes them.
 from __future__ import annotations
 
 import hashlib
+import re
 
+from disagg.cpushare import CpuShare
 from disagg.linkemu import EmulatedLink
 from disagg.topology import HostSpec, Topology
 
@@ -46,3 +55,25 @@ def interface_for(topo: Topology, host: HostSpec) -> str | None:
     if host.name == decode_host(topo).name:
         return link.b.interface
     return None
+
+
+def cpu_share_for(topo: Topology, host: HostSpec) -> CpuShare | None:
+    """The cgroup that holds ``host``'s CPU quota (``emulate.cpu_share``), or None.
+
+    Named after the topology (like the link's namespace) and the host, so ``check`` prints it
+    and a later ``up`` finds one a killed run left behind."""
+    if host.emulate is None or host.emulate.cpu_share is None:
+        return None
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", host.name)[:40]
+    return CpuShare(f"disagg-{link_tag(topo)}-{safe}", host.emulate.cpu_share)
+
+
+def emulation_lines(topo: Topology) -> list[str]:
+    """One line per host that emulates hardware: what ``check``, ``up`` and ``bench`` print."""
+    lines = []
+    for host in topo.hosts.values():
+        if host.emulate is None:
+            continue
+        share = cpu_share_for(topo, host)
+        lines.append(f"{host.name}: {host.emulate.describe()}" + (f" in cgroup {share.name}" if share else ""))
+    return lines

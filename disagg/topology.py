@@ -357,6 +357,7 @@ def build_topology(root: Node, path: Path, *, run_dir: str | None = None) -> Top
                     streaming=streaming)
     _check_ports(topo, root)
     _check_link(topo, root)
+    _check_emulate(topo, root)
     return topo
 
 
@@ -867,6 +868,35 @@ def _check_link(topo: Topology, root: Node) -> None:
         raise TopologyError(topo.file, _line(root, "link"), "link.type",
                             "loopback, but the prefill and decode hosts have different non-loopback "
                             "addresses; use ethernet, roce or emulated")
+
+
+#: what ``emulate.kv_memory`` sets, and so what an instance of that host may not set again
+KV_MEMORY_FLAG = "--kv-cache-memory-bytes"
+KV_MEMORY_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def _check_emulate(topo: Topology, root: Node) -> None:
+    """Emulated hardware needs vLLM (its plugin and KV flag), and an instance may not size its KV
+    cache again on a host whose ``emulate.kv_memory`` does."""
+    for name, host in topo.hosts.items():
+        if host.emulate is None:
+            continue
+        if topo.engine != "vllm":
+            raise TopologyError(topo.file, _line(root, f"hosts.{name}.emulate"), f"hosts.{name}.emulate",
+                                f"emulated hardware works with engine vllm (its plugin and flags), not {topo.engine}")
+        if host.emulate.kv_memory_bytes is None:
+            continue
+        for inst in topo.instances:
+            if inst.host != name:
+                continue
+            where = f"roles.{inst.role}[{inst.index}]"
+            if inst.arg(KV_MEMORY_FLAG) is not None:
+                raise TopologyError(topo.file, inst.line or None, f"{where}.args",
+                                    f"{KV_MEMORY_FLAG} is set by hosts.{name}.emulate.kv_memory; give it once")
+            if KV_MEMORY_ENV in dict(inst.env):
+                raise TopologyError(topo.file, inst.line or None, f"{where}.env",
+                                    f"{KV_MEMORY_ENV} would override hosts.{name}.emulate.kv_memory "
+                                    "(vLLM's CPU platform prefers it); give one of them")
 
 
 EMULATION_NETWORK = ipaddress.ip_network("198.18.0.0/15")

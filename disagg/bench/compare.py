@@ -46,6 +46,7 @@ from disagg.bench.runner import BenchResult, Step, Target, run_sweep
 from disagg.bench.slo import NO_SLO, SLO
 from disagg.bench.workload import Workload
 from disagg.deployment import build_deployment
+from disagg.emulation import emulation_lines
 from disagg.engines.vllm import served_model_name
 from disagg.errors import DisaggError, LaunchError
 from disagg.measurements import probe_path, store_prefill
@@ -90,6 +91,7 @@ class TopologyUnderTest:
     split: bool = False                 # prefill and decode roles behind the builtin proxy
     source: Path | None = None          # the file this one was derived from (routing variants)
     routing: str | None = None          # the routing policy a variant sets
+    emulated: tuple[str, ...] = ()      # what each host emulates (disagg.emulation.emulation_lines)
 
     @classmethod
     def load(cls, file: Path) -> TopologyUnderTest:
@@ -106,7 +108,8 @@ class TopologyUnderTest:
         return cls(file=file, label=topo.name, proxy_url=dep.proxy_url, model=served_model_name(topo),
                    run_dir=topo.run_dir, log_dir=run_path(topo.run_dir, topo.name) / LOGS, dtype=topo.model.dtype,
                    engine_urls=tuple(e.url for e in dep.engines),
-                   prefilling_engines=tuple(prefilling.values()), split=is_split(topo))
+                   prefilling_engines=tuple(prefilling.values()), split=is_split(topo),
+                   emulated=tuple(emulation_lines(topo)))
 
 
 def is_split(topo: Topology) -> bool:
@@ -245,6 +248,8 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
         load_before_up = os.getloadavg()[0]
         up_at = time.time()
         log(f"disagg bench compare: {label}: up {t.file} (load average {load_before_up:.2f})")
+        for line in t.emulated:
+            log(f"disagg bench compare: {label}: EMULATED {line}")
         try:
             lifecycle("up", t.file)
             log(f"disagg bench compare: {label}: bench {t.proxy_url} (model {t.model})")
@@ -263,6 +268,8 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
             log(f"disagg bench compare: {label}: no /tokenize answered; prompt lengths are estimates")
         doc[label] = {**result.to_dict(), "topology": str(t.file), "prefill_measured": measured,
                       "loadavg_before_up": load_before_up}
+        if t.emulated:
+            doc[label]["emulated"] = list(t.emulated)
         if proxy_log is not None:
             doc[label]["proxy_log"] = str(proxy_log)
         if t.routing is not None:

@@ -183,6 +183,7 @@ def text_table(doc: Document) -> str:
     slo = _slo_text(doc)
     notes = [f"failed {line}" for line in failure_lines(doc)]
     notes += [f"trace {line}" for line in trace_lines(doc)]
+    notes += [f"EMULATED {line}" for line in emulated_lines(doc)]
     notes += [f"routes {r[0]}, {r[1]}: {r[2]} {r[3]} prompts ({r[4]}; {r[5]}), TTFT mean predicted {r[6]} "
               f"observed {r[7]} ms ({r[8]})" for r in _route_rows(doc)]
     return ("latencies in ms; " + (f"SLO {slo}" if slo else "no SLO (goodput not reported)")
@@ -204,6 +205,12 @@ def failure_lines(doc: Document) -> list[str]:
                 what = ", ".join(f"{kind} x {n}" for kind, n in sorted(kinds.items()))
                 out.append(f"{label}, {group[0]['label']}: {sum(kinds.values())} failed ({what})")
     return out
+
+
+def emulated_lines(doc: Document) -> list[str]:
+    """Per label whose topology emulates hardware (hosts with ``emulate:``): what each host emulates,
+    so no figure of an emulated host is read as a real machine's."""
+    return [f"{label}: {line}" for label, result in doc.items() for line in result.get("emulated", ())]
 
 
 def trace_lines(doc: Document) -> list[str]:
@@ -294,6 +301,9 @@ def write_markdown(doc: Document, path: Path, title: str = "disagg bench report"
     if traces := trace_lines(doc):
         body += ["Workload from a trace (arrivals and lengths replayed; one class, `trace`):", "",
                  *(f"- {line}" for line in traces), ""]
+    if emulated := emulated_lines(doc):
+        body += ["Emulated hardware (prefill rate held by a vLLM plugin, KV cache capped, CPU quota; memory "
+                 "bandwidth and power are not emulated):", "", *(f"- {line}" for line in emulated), ""]
     if fails := failure_lines(doc):
         body += ["Failed requests by status (a refusal by the proxy is HTTP 429 or 503):", "",
                  *(f"- {line}" for line in fails), ""]

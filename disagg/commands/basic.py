@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from disagg.deployment import Deployment, build_deployment
-from disagg.emulation import emulated_link, prefill_host
+from disagg.emulation import cpu_share_for, emulated_link, prefill_host
 from disagg.errors import DisaggError
 from disagg.launch.frontend import frontend_argv
 from disagg.modelgen import EMBEDDED_MODELS, build_model
@@ -78,6 +78,11 @@ def describe(dep: Deployment) -> str:
     for host in topo.hosts.values():
         where = f"ssh {host.ssh}" + (f" -p {host.ssh_port}" if host.ssh_port else "") if host.is_remote else "local"
         lines.append(f"host {host.name}: address {host.address}, {where}, device {host.device}")
+        if host.emulate is not None:
+            share = cpu_share_for(topo, host)
+            lines.append(f"  {host.emulate.describe()}"
+                         + (f"; `up` creates cgroup {share.name}, `down` removes it" if share else "")
+                         + "; plan and routing use the rates measured on the running engines")
         for eng in (e for e in dep.engines if e.host.name == host.name):
             inst = eng.instance
             ports = f"http {inst.port}" + (f", kv {inst.kv_port}" if inst.kv_port else "")

