@@ -15,7 +15,7 @@ serve: install
 
 test: install
 	@bash scripts/system-deps.sh
-	$(PY) -m ruff check disagg connectors tests benchmarks scripts
+	$(PY) -m ruff check disagg connectors tests benchmarks scripts harness
 	$(VENV)/bin/lint-imports
 	$(PY) -m mypy
 	@VENV=$(VENV) bash scripts/engine-package-checks.sh
@@ -27,7 +27,7 @@ engine-checks: install
 	@VENV=$(VENV) bash scripts/engine-package-checks.sh
 
 lint: install
-	$(PY) -m ruff check disagg connectors tests benchmarks scripts
+	$(PY) -m ruff check disagg connectors tests benchmarks scripts harness
 	$(VENV)/bin/lint-imports
 	$(PY) -m mypy
 

@@ -70,8 +70,8 @@ from disagg.modelgen import EMBEDDED_MODELS, build_model
 from disagg.registry import vllm_kv_adapter
 from disagg.topology import HostSpec, InstanceSpec, LinkSpec, ModelSpec, Topology
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests.e2e
-from tests.e2e.vllm_pair import Engine, free_port, metric, start_engine, wait_healthy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: harness
+from harness.vllm_pair import Engine, free_port, metric, start_engine, wait_healthy
 
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}

@@ -78,8 +78,8 @@ from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
 from disagg.topology import load_topology
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests.e2e
-from tests.e2e.engines import ENGINE_ARGS, ENGINE_ENV, engine_processes, free_ports, write_topology
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: harness
+from harness.engines import ENGINE_ARGS, ENGINE_ENV, engine_processes, free_ports, write_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK_PATH = os.environ.get("DISAGG_ENGINE_LOCK", "/tmp/disagg-engines.lock")

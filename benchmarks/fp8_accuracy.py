@@ -36,16 +36,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))           # benchmarks/: _common, trained_model
+sys.path.insert(0, str(Path(__file__).resolve().parent))           # benchmarks/: trained_model
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))   # verify_run's accuracy_summary
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))       # the repo root, for tests.e2e
-from _common import Running1P1D, local_1p1d
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))       # the repo root: harness
 from tokenizers import Tokenizer
 from verify_run import accuracy_summary
 
 from disagg.modelgen import EMBEDDED_MODELS, train_tokenizer
 from disagg.prometheus_text import sample_sum
-from tests.e2e.engines import get_text, post_json
+from harness.engines import get_text, post_json
+from harness.local_1p1d import Running1P1D, local_1p1d
 
 MAX_TOKENS = 32
 PROMPT_TOKENS = (128, 448)

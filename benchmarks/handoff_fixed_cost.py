@@ -29,13 +29,15 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
-
-from _common import local_1p1d, streamed_ttft
 
 from disagg.kvmath import resolve_model
 from disagg.planning import LINK_CLASSES
 from disagg.prompts import exact_prompt, load_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: harness
+from harness.local_1p1d import local_1p1d, streamed_ttft
 
 
 def _ttft(url: str, body: dict[str, object], key: str | None) -> tuple[float, int]:

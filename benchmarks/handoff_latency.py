@@ -23,14 +23,15 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _common import streamed_ttft
-
 from disagg.deployment import build_deployment
 from disagg.engines.vllm import served_model_name
 from disagg.launch.state import load_state, run_path
 from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
 from disagg.topology import load_topology
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: harness
+from harness.local_1p1d import streamed_ttft
 
 
 def _get(url: str) -> str:

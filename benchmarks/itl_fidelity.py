@@ -25,17 +25,20 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import psutil
-from _common import local_1p1d
 
 from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
 from disagg.sse import SSEParser
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: harness
+from harness.local_1p1d import local_1p1d
 
 ITL = "vllm:inter_token_latency_seconds"
 

@@ -63,7 +63,7 @@ from disagg.kvmath import ModelArch, embedded_arch, kv_dtype_bytes
 from disagg.modelgen import EMBEDDED_MODELS, build_model
 from disagg.proxy.nixl_push_handoff import NixlPushHandoff, PushPeer, push_request_id
 from disagg.routecost import FIRST_STEP_CPU_BYTES_PER_S, exposed_transfer_s, first_step_s, handoff_fixed_s
-from tests.e2e.vllm_pair import Engine, free_port, metric, start_engine, wait_healthy
+from harness.vllm_pair import Engine, free_port, metric, start_engine, wait_healthy
 
 SOCKET = ct.CONNECTORS["socket"]
 NIXL = ct.CONNECTORS["nixl"]

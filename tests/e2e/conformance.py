@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 
 from disagg.prometheus_text import sample_label, sample_sum
 from disagg.prompts import exact_prompt
-from tests.e2e.engines import get_text
+from harness.engines import get_text
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -21,8 +21,7 @@ from tokenizers import Tokenizer
 
 from disagg.modelgen import build_model
 from disagg.prompts import exact_prompt, load_tokenizer
-from tests.e2e.conformance import Case, Recorded, build_cases, record
-from tests.e2e.engines import (
+from harness.engines import (
     ENGINE_ARGS,
     ENGINE_KEY,
     SPLIT_EVERY_PROMPT,
@@ -33,6 +32,7 @@ from tests.e2e.engines import (
     post_json,
     write_topology,
 )
+from tests.e2e.conformance import Case, Recorded, build_cases, record
 
 LOCK_PATH = os.environ.get("DISAGG_ENGINE_LOCK", "/tmp/disagg-engines.lock")
 

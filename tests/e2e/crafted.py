@@ -19,7 +19,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 from disagg.prometheus_text import sample_sum
-from tests.e2e.engines import get_text
+from harness.engines import get_text
 
 #: a kv_transfer_params that would make a decode engine fetch from an address of the attacker's
 EVIL_KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "evil",

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import psutil
 
 from disagg.prometheus_text import sample_label, sample_sum
+from harness.engines import Running, get_text
 from tests.e2e.conformance import kv_moved_problems
-from tests.e2e.engines import Running, get_text
 
 #: request targets that name another route once resolved ('..') or decoded ('%2e%2e', '%2f'):
 #: each would reach the engine's /invocations, /inference or dev-mode routes with the engine key

@@ -21,7 +21,7 @@ from disagg.emulation import cpu_share_for, emulated_link
 from disagg.linkemu import netns_unavailable_reason
 from disagg.prometheus_text import sample_sum as metric_value
 from disagg.topology import load_topology
-from tests.e2e.engines import ENGINE_ARGS, bring_up, free_ports, get_text, post_json
+from harness.engines import ENGINE_ARGS, bring_up, free_ports, get_text, post_json
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns,
               pytest.mark.skipif(netns_unavailable_reason() is not None, reason=str(netns_unavailable_reason()))]

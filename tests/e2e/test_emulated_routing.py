@@ -48,7 +48,7 @@ from disagg.linkemu import netns_unavailable_reason
 from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
 from disagg.topology import load_topology
-from tests.e2e.engines import ENGINE_ARGS, Running, bring_up, free_ports, get_text, plain_answer, routed_stream
+from harness.engines import ENGINE_ARGS, Running, bring_up, free_ports, get_text, plain_answer, routed_stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns,
               pytest.mark.skipif(netns_unavailable_reason() is not None, reason=str(netns_unavailable_reason()))]

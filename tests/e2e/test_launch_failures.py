@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 from disagg.errors import StateError
 from disagg.launch.state import ProcessRecord, load_state
 from disagg.prompts import exact_prompt
-from tests.e2e.engines import (
+from harness.engines import (
     ENGINE_ARGS,
     ENGINE_ENV,
     ROOT,

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.engines import Running
 from tests.e2e.crafted import cases, engines_idle_and_alive, send
-from tests.e2e.engines import Running
 from tests.e2e.front_door import large_batch_memory, served_during_slowloris, unserved_paths_reaching_engines
 
 pytestmark = pytest.mark.e2e

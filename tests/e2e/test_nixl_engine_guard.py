@@ -23,7 +23,7 @@ import urllib.request
 import pytest
 
 from disagg.prometheus_text import sample_sum
-from tests.e2e.engines import ENGINE_KEY, Running, get_text
+from harness.engines import ENGINE_KEY, Running, get_text
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.engines import Running, plain_answer, post_json
+from harness.engines import Running, plain_answer, post_json
 
 pytestmark = pytest.mark.e2e
 

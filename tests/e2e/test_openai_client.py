@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.e2e.engines import Running
+from harness.engines import Running
 
 pytestmark = pytest.mark.e2e
 

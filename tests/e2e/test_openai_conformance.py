@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.engines import Running
 from tests.e2e.conformance import CASE_NAMES, KV_CASE, Recorded, check_case, check_kv_batch, claim_problems
-from tests.e2e.engines import Running
 
 pytestmark = pytest.mark.e2e
 

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from disagg.prometheus_text import sample_label as metric_label
 from disagg.prometheus_text import sample_sum as metric_value
 from disagg.prompts import exact_prompt
-from tests.e2e.engines import Running, busy_ports, get_text, open_stream, post_json, settled_metrics
+from harness.engines import Running, busy_ports, get_text, open_stream, post_json, settled_metrics
 
 pytestmark = pytest.mark.e2e
 KV_BYTES_PER_TOKEN = 1024  # the embedded tiny model, bf16

@@ -23,7 +23,7 @@ import pytest
 
 from disagg.prometheus_text import sample_label as metric_label
 from disagg.prometheus_text import sample_sum as metric_value
-from tests.e2e.engines import (
+from harness.engines import (
     ENGINE_ARGS,
     SPLIT_EVERY_PROMPT,
     Running,

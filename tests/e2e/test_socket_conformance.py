@@ -19,9 +19,7 @@ from tokenizers import Tokenizer
 
 from disagg.prompts import exact_prompt
 from disagg.proxy.admission import REQUEST_ID_REPLACED
-from tests.e2e.conformance import CASE_NAMES, KV_CASE, Recorded, check_case, check_kv_batch
-from tests.e2e.crafted import EVIL_KV, Crafted, cases, engines_idle_and_alive, send
-from tests.e2e.engines import (
+from harness.engines import (
     ENGINE_KEY,
     SPLIT_EVERY_PROMPT,
     Running,
@@ -31,6 +29,8 @@ from tests.e2e.engines import (
     foreground_up_processes,
     plain_answer,
 )
+from tests.e2e.conformance import CASE_NAMES, KV_CASE, Recorded, check_case, check_kv_batch
+from tests.e2e.crafted import EVIL_KV, Crafted, cases, engines_idle_and_alive, send
 from tests.e2e.front_door import (
     idle_strangers,
     kv_batch_problems,

@@ -24,8 +24,8 @@ import psutil
 import pytest
 
 from disagg.modelgen import build_model
-from tests.e2e.vllm_pair import Engine, metric, start_engine, wait_healthy
-from tests.ports import free_port
+from harness.ports import free_port
+from harness.vllm_pair import Engine, metric, start_engine, wait_healthy
 
 pytestmark = pytest.mark.e2e
 

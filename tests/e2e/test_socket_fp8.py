@@ -38,7 +38,7 @@ from disagg.proxy.handoff import VllmHandoff
 from disagg.proxy.routes import COMPLETIONS
 from disagg.proxy.socket_stream_handoff import KvPeer, SocketStreamHandoff, new_stream_key
 from disagg.topology import load_topology
-from tests.e2e.engines import ENGINE_KEY, SPLIT_EVERY_PROMPT, Running, bring_up_socket_pd, get_text, post_json
+from harness.engines import ENGINE_KEY, SPLIT_EVERY_PROMPT, Running, bring_up_socket_pd, get_text, post_json
 
 pytestmark = pytest.mark.e2e
 

@@ -21,8 +21,7 @@ from tokenizers import Tokenizer
 
 from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt
-from tests.e2e.conformance import CASE_NAMES, Recorded, check_case
-from tests.e2e.engines import (
+from harness.engines import (
     Running,
     bring_up_socket_pd,
     engine_processes,
@@ -32,6 +31,7 @@ from tests.e2e.engines import (
     routed_stream,
     settled_metrics,
 )
+from tests.e2e.conformance import CASE_NAMES, Recorded, check_case
 
 pytestmark = pytest.mark.e2e
 

@@ -25,9 +25,9 @@ import aiohttp
 import pytest
 
 from disagg.modelgen import build_model
+from harness.ports import free_port
+from harness.vllm_pair import Engine, metric, start_engine, wait_healthy
 from tests.e2e.test_socket_connector import LONG, SHORT, complete, kv_config, wait_for
-from tests.e2e.vllm_pair import Engine, metric, start_engine, wait_healthy
-from tests.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.engines import Running, bring_up, disagg, free_ports, post_json, wait_proxy_healthy
+from harness.engines import Running, bring_up, disagg, free_ports, post_json, wait_proxy_healthy
 from tests.e2e.sshhost import SshHost, ssh_namespace, unavailable_reason
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns,

@@ -32,7 +32,7 @@ from disagg.bench.runner import BenchResult, RunResult, Step
 from disagg.bench.slo import SLO
 from disagg.bench.workload import Workload, parse_classes
 from disagg.proxy.metrics import CONTENT_TYPE, ProxyMetrics
-from tests.ports import free_port
+from harness.ports import free_port
 
 
 @dataclass

@@ -25,7 +25,7 @@ from disagg_connectors.socket_connector.server import KVServer
 from disagg_connectors.socket_connector.wire import recv_frame, send_frame
 from disagg_connectors.socket_connector.wire import wait_readable as wire_readable
 
-from tests.ports import free_port
+from harness.ports import free_port
 from tests.unit.connectors.kvdata import NUM_BLOCKS, SECRET, eventually, kv_caches, reaped
 
 

@@ -18,7 +18,7 @@ from disagg.launch import processes
 from disagg.launch.launcher import SECRET_ENVS, Launcher, run_engine_key
 from disagg.proxy.config import ENGINE_KEY_ENV
 from disagg.topology import load_topology
-from tests.ports import free_ports
+from harness.ports import free_ports
 
 
 def _topology(tmp_path: Path, *, engine: str = "vllm", kind: str = "builtin", remote: bool = False) -> Path:

@@ -29,7 +29,7 @@ from disagg.launch import processes
 from disagg.launch.launcher import Launcher
 from disagg.launch.state import ProcessRecord, RunState, lock_holder, save_state
 from disagg.topology import load_topology
-from tests.ports import free_ports
+from harness.ports import free_ports
 from tests.unit.launch.standins import ENGINE_TREE, Started, kill_all, running, start_tree
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -19,7 +19,7 @@ from disagg.launch.processes import start_local, stop_local
 from disagg.launch.state import ProcessRecord, RunState, find_states, load_state, save_state
 from disagg.proxy.config import API_KEY_ENV, ENGINE_KEY_ENV
 from disagg.topology import load_topology
-from tests.ports import free_ports
+from harness.ports import free_ports
 
 
 def _topology(tmp_path: Path, port: int) -> Path:

@@ -32,7 +32,7 @@ from disagg.launch.launcher import BestEffort, Launcher, stop_run
 from disagg.launch.state import ProcessRecord, load_state
 from disagg.launch.supervisor import RestartBudget, exit_reason
 from disagg.topology import RestartSpec, load_topology
-from tests.ports import free_ports
+from harness.ports import free_ports
 from tests.unit.launch.standins import Started, kill_all, running
 
 #: a stand-in engine or proxy: answers every GET with 200 on argv[1], one child in its group

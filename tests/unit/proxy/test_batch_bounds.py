@@ -24,7 +24,7 @@ from proxy_standin import wait_for
 
 from disagg.proxy.batch import batch_parallelism
 from disagg.proxy.routes import COMPLETIONS, GenerationRequest, plan_request, strip_kv_params
-from tests.ports import free_port
+from harness.ports import free_port
 
 PROMPTS = 300
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from proxy_standin import read_events
 
-from tests.ports import free_port
+from harness.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from proxy_standin import read_events, wait_for
 
-from tests.ports import free_port
+from harness.ports import free_port
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 

@@ -20,7 +20,7 @@ from disagg.errors import ProxyError
 from disagg.proxy import ProxyTimeouts
 from disagg.proxy.handoff import handoff_class
 from disagg.proxy.lmcache_handoff import CLIENT_ID_CHARS, ID_RANDOM_HEX, LmcacheHandoff, parse_bind, parse_receivers
-from tests.ports import free_port
+from harness.ports import free_port
 
 LIMIT_S = 8.0
 

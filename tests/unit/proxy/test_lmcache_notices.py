@@ -23,7 +23,7 @@ from disagg.kv.lmcache import check_ports, lmcache_config, notify_host, proxy_op
 from disagg.proxy.handoff import PrefillFailed
 from disagg.proxy.lmcache_handoff import MAX_NOTICE_BYTES, KvNotices
 from disagg.topology import parse_topology
-from tests.ports import free_port
+from harness.ports import free_port
 
 #: every wait of these tests ends within this many seconds
 LIMIT_S = 60.0

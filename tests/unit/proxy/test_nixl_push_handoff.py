@@ -21,7 +21,7 @@ from disagg.proxy.handoff import COMPLETIONS, VllmHandoff, handoff_class
 from disagg.proxy.nixl_push_handoff import NixlPushHandoff, PushPeer, push_request_id
 from disagg.proxy.routes import GenerationRequest, PromptRoute, RoutePath
 from disagg.proxy.upstream import Upstream, make_session
-from tests.ports import free_port
+from harness.ports import free_port
 
 #: no test may take longer than this (nothing hangs)
 LIMIT_S = 8.0

@@ -29,7 +29,7 @@ from disagg.proxy.socket_stream_handoff import (
     parse_kv_peers,
 )
 from disagg.proxy.upstream import Upstream, make_session
-from tests.ports import free_port
+from harness.ports import free_port
 
 #: no test may take longer than this (nothing hangs)
 LIMIT_S = 8.0

@@ -1,11 +1,9 @@
-"""What several benchmark scripts share: a streamed completion timed to its first
-token, free local ports, and a 1P1D on this machine brought up and down under
-the engine lock (:func:`local_1p1d`).
+"""A 1P1D on this machine for the benchmark scripts: brought up and down under the engine lock
+(:func:`local_1p1d`), and a streamed completion timed to its first token (:func:`streamed_ttft`).
 
-The scripts run as ``.venv/bin/python benchmarks/NAME.py``, so this directory is
-on ``sys.path`` and they ``import _common``. Server-sent events are parsed by
-:class:`disagg.sse.SSEParser`, the one SSE parser of the project (correct
-wherever a read splits an event).
+Ports come from :mod:`harness.ports` (below the kernel's ephemeral range, each handed out once).
+Server-sent events are parsed by :class:`disagg.sse.SSEParser`, the one SSE parser of the project
+(correct wherever a read splits an event).
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ import fcntl
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +26,7 @@ from typing import Any
 from disagg.launch.state import load_state, run_path
 from disagg.sse import SSEParser
 from disagg.topology import Topology, load_topology
+from harness.ports import free_ports
 
 #: bytes asked of the socket per read: whatever has arrived, up to this much
 READ_BYTES = 64 * 1024
@@ -60,17 +58,6 @@ def streamed_ttft(url: str, body: dict[str, Any], key: str | None = None, *,
                     ttft = time.perf_counter() - t0
                 usage = payload.get("usage") or usage
     return ttft, usage
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports that are free on 127.0.0.1 right now."""
-    socks = [socket.socket() for _ in range(count)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 #: the engine lock: no more than two engines on this machine at once (the e2e tests take it too)

@@ -1,4 +1,4 @@
-"""Helpers for end-to-end tests with real vLLM engines (no fixtures here).
+"""Deployments with real vLLM engines, for the end-to-end tests and the benchmarks (no fixtures here).
 
 Engines are started only through the real CLI (`python -m disagg up --detach`)
 and stopped with `disagg down`, exactly as a user would.
@@ -25,11 +25,11 @@ import psutil
 from disagg.errors import StateError
 from disagg.launch.state import RunState, load_state
 from disagg.prometheus_text import sample_sum
-from tests.ports import free_ports
+from harness.ports import free_ports
 
-__all__ = ["free_ports"]  # the e2e modules' one import for ports (tests/ports.py picks them)
+__all__ = ["free_ports"]  # the e2e modules' one import for ports (harness/ports.py picks them)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 # Every engine in the tests: one pinned core, small KV cache, no torch.compile.
 ENGINE_ARGS = '["-O0", "--max-num-seqs", "8"]'
 #: The engine key every e2e deployment runs with (`disagg up` takes it from

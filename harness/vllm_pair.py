@@ -23,7 +23,7 @@ from disagg_connectors.cpu_amx_attention import ENV as CPU_ATTENTION_AMX_ENV
 from disagg_connectors.cpu_amx_attention import OFF as CPU_ATTENTION_AMX_OFF
 
 from disagg.prometheus_text import sample_sum
-from tests.ports import free_port
+from harness.ports import free_port
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 

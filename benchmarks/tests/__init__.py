@@ -1,0 +1,1 @@
+"""Tests of the benchmarks' analysis tools (no engines); `make test` runs them (pytest testpaths)."""
