@@ -638,10 +638,19 @@ def prefill_estimate(topo: Topology, arch: ModelArch, run_dir: str | None = None
     """The measured prefill rate for the first ``role`` instance's host if stored for the
     topology's ``model.dtype``, else the spec estimate (``role`` decode: how fast the decode host
     prefills a prompt itself)."""
+    p_inst, d_inst = pair or first_pair(topo)
+    return host_prefill(topo, arch, topo.host_of(p_inst if role == "prefill" else d_inst), run_dir)
+
+
+def host_prefill(topo: Topology, arch: ModelArch, host: HostSpec, run_dir: str | None = None) -> PrefillEstimate:
+    """How fast one engine of ``host`` prefills: the rate ``disagg bench`` stored for the topology's
+    served model and ``model.dtype``, else the spec-sheet estimate. A host that emulates its prefill
+    speed (``emulate.prefill_rate`` or ``cpu_share``) has no estimate: its stated rate is what the
+    emulation aims at, not what the engines reach, so without a measurement this is a PlanError
+    saying how to measure it. Called by :func:`prefill_estimate` and the workload model
+    (:mod:`disagg.workload_plan`)."""
     from disagg.engines.vllm import served_model_name
 
-    p_inst, d_inst = pair or first_pair(topo)
-    host = topo.host_of(p_inst if role == "prefill" else d_inst)
     model = served_model_name(topo)
     stored = load_prefill(run_dir or topo.run_dir).get(model, {}).get(host.name)
     found = stored if stored is not None and stored.holds_for(topo.model.dtype) else None
@@ -649,6 +658,11 @@ def prefill_estimate(topo: Topology, arch: ModelArch, run_dir: str | None = None
         return PrefillEstimate(f"measured on {host.name}: {found.prompt_tokens_per_s:,.0f} prompt tokens/s "
                                f"({found.source}, {found.measured_at})", estimated=False, arch=arch,
                                tokens_per_s=found.prompt_tokens_per_s)
+    emulated = host.emulate
+    if emulated is not None and (emulated.prefill_rate is not None or emulated.cpu_share is not None):
+        raise PlanError(f"hosts.{host.name} is emulated ({emulated.describe()}) and its prefill rate has not "
+                        f"been measured: plan never uses the stated rate; run `disagg up {topo.file}` then "
+                        "`disagg bench prefill` to measure it")
     spec = host_device(host)
     if spec is None:
         raise PlanError(f"{topo.file}: hosts.{host.name}: device: cuda but no gpu: field; add "
@@ -673,10 +687,21 @@ def device_prefill(spec: DeviceSpec, arch: ModelArch, who: str = "") -> PrefillE
 
 def decode_memory(topo: Topology, arch: ModelArch, pair: Pair | None = None) -> MemoryEstimate:
     """KV memory on the decode host: ``kv_memory_gb``, vLLM's CPU KV space, or a GPU estimate."""
+    _, inst = pair or first_pair(topo)
+    return engine_memory(topo, arch, inst)
+
+
+def engine_memory(topo: Topology, arch: ModelArch, inst: InstanceSpec) -> MemoryEstimate:
+    """KV memory of one engine (``inst``): an emulated host's ``emulate.kv_memory`` (enforced per
+    engine through ``--kv-cache-memory-bytes``), the host's ``kv_memory_gb``, vLLM's CPU KV space,
+    or a GPU estimate. Called by :func:`decode_memory` and the workload model."""
     from disagg.engines.vllm import DEFAULT_CPU_KVCACHE_GIB
 
-    _, inst = pair or first_pair(topo)
     host = topo.host_of(inst)
+    if host.emulate is not None and host.emulate.kv_memory_bytes is not None:
+        return MemoryEstimate(float(host.emulate.kv_memory_bytes),
+                              f"{host.name}: emulated, {fmt_bytes(host.emulate.kv_memory_bytes)} per engine "
+                              "(emulate.kv_memory, enforced by --kv-cache-memory-bytes)")
     if host.kv_memory_gb is not None:
         return MemoryEstimate(host.kv_memory_gb * 1e9, f"{host.name}: kv_memory_gb {host.kv_memory_gb:g} "
                               "from the topology")

@@ -36,6 +36,14 @@ prefill engine's (requests it serves ``whole``: none unless the policy sent it
 some). A split's transfer, likewise, slows the handoffs on the link with it:
 ``split`` adds ``in_transit x kv_bytes / link rate`` (:func:`link_held_up_s`).
 
+Time per output token under load (:func:`tpot_with_prefills_s`): a decode step on an engine
+that also prefills waits for the prefill work arriving meanwhile, so its decodes progress in the
+``1 - share`` of its time the prefills leave (``share``: prefill time arriving per second,
+:func:`prefill_tokens_share`), and each step reads the weights and the batch's KV
+(:func:`decode_step_s`): ``TPOT = tpot_s / (1 - share - decode tokens per second x tpot_added_s)``.
+``disagg plan --classes ... --rate R`` (:mod:`disagg.workload_plan`) predicts every
+configuration's TPOT with it.
+
 The fixed cost was measured per connector on the project's 2-core CPU machine
 by ``benchmarks/handoff_fixed_cost.py`` (2026-11-30, load average 4.5-5.2 from
 other work, embedded tiny model, one core per engine, loopback, 64/256/1,024-token
@@ -49,6 +57,7 @@ live per prefill -> decode pair and uses these figures only as a seed.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -105,6 +114,15 @@ def first_step_s(weight_bytes: float, kv_bytes: float, bytes_per_s: float) -> fl
     handoff (a colocated prefill computes that token within its own pass). ``disagg plan`` prices
     it with the decode host's memory rate (:data:`FIRST_STEP_CPU_BYTES_PER_S` on a CPU); a streamed
     handoff's measured fixed cost already holds it (D's step overlaps P's own reply there)."""
+    return decode_step_s(weight_bytes, kv_bytes, bytes_per_s)
+
+
+def decode_step_s(weight_bytes: float, kv_bytes: float, bytes_per_s: float) -> float:
+    """One decode step on an engine whose steps are bound by memory reads (a GPU; a CPU engine at
+    :data:`FIRST_STEP_CPU_BYTES_PER_S` per core): the model's active weights and the KV of every
+    request in the batch, read at ``bytes_per_s``. ``disagg plan``'s workload model
+    (:mod:`disagg.workload_plan`) builds an engine's :class:`EngineCost` decode line from it:
+    ``tpot_s`` with one request's KV, ``tpot_added_s`` the KV each further request adds."""
     return (weight_bytes + kv_bytes) / bytes_per_s
 
 
@@ -260,6 +278,37 @@ def split_ttft(tokens: float, kv_bytes: float, prefill: EngineCost, link: LinkCo
     work queued on the decode engine (``decode``)."""
     arrived = prefill.ttft_s(tokens) + link.after_prefill_s(kv_bytes, tokens / prefill.tokens_per_s)
     return max(arrived, decode.wait_s()) if decode is not None else arrived
+
+
+def prefill_tokens_share(prompt_tokens_per_s: float, engine: EngineCost) -> float:
+    """The share of ``engine``'s time prompt tokens arriving at ``prompt_tokens_per_s`` take to
+    prefill at its rate (what :func:`stall_s` charges the decodes there, per second)."""
+    return prompt_tokens_per_s / engine.tokens_per_s
+
+
+def tpot_with_prefills_s(engine: EngineCost, share: float, decode_tokens_per_s: float = 0.0) -> float:
+    """Time per output token of the requests decoding on ``engine`` while prefills take ``share``
+    of its time (:func:`prefill_tokens_share`) and its decodes produce ``decode_tokens_per_s``
+    tokens per second in all; ``math.inf`` at or past saturation.
+
+    The model. vLLM steps a prefill chunk and the running decodes together and a prefill goes
+    first, so a decode step waits for the prefill work that arrives meanwhile: the decodes
+    progress only in the ``1 - share`` of the time the prefills leave, which is :func:`stall_s`
+    per second (each running decode waits out each prefill once). A decode step itself takes
+    ``tpot_s`` (one request: the weights read, :func:`decode_step_s`) plus ``tpot_added_s`` for
+    each further request in the batch, and by Little's law the batch holds
+    ``decode_tokens_per_s x TPOT`` requests (each stays one TPOT per token it decodes), so
+
+        TPOT = (tpot_s + batch x tpot_added_s) / (1 - share),  batch = decode_tokens_per_s x TPOT
+             = tpot_s / (1 - share - decode_tokens_per_s x tpot_added_s)
+
+    It rises with the prefill load and with the decode load, and is unbounded where the two
+    leave the engine no time (the saturation ``disagg plan`` reports). Raises ValueError when
+    ``engine`` has no decode line (``tpot_s`` None)."""
+    if engine.tpot_s is None:
+        raise ValueError("the engine has no decode line (tpot_s)")
+    left = 1.0 - share - decode_tokens_per_s * engine.tpot_added_s
+    return math.inf if left <= 0 else engine.tpot_s / left
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from disagg.bench.trace import Trace
+from disagg.bench.trace import Trace, cap_lengths
 
 ARRIVALS = ("poisson", "gamma", "closed")
 #: the arrival of a workload read from a trace (not an --arrival choice: --trace sets it)
@@ -154,3 +154,41 @@ def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0)
         factor = (n / rate) / offsets[-1]
         offsets = [float(o) * factor for o in offsets]
     return offsets
+
+
+#: prompt-length bucket bounds (tokens) for :func:`trace_length_classes`: a class per factor of 4
+TRACE_BUCKETS = (256, 1024, 4096, 16384, 65536)
+
+
+def trace_length_classes(trace: Trace, max_model_len: int | None = None) -> tuple[PromptClass, ...]:
+    """A trace's requests as prompt classes by prompt length, for ``disagg plan --trace``: each
+    request's lengths cut to ``max_model_len`` (:func:`disagg.bench.trace.cap_lengths`), then one
+    class per bucket of :data:`TRACE_BUCKETS` (``<256``, ``256-1023``, ...) that holds any, with the
+    bucket's median prompt and answer lengths and its share of the requests as its weight."""
+    bounds = (0, *TRACE_BUCKETS, math.inf)
+    buckets: dict[int, list[tuple[int, int]]] = {}
+    for r in trace.requests:
+        inp, out = (r.input_len, r.output_len) if max_model_len is None else cap_lengths(
+            r.input_len, r.output_len, max_model_len)
+        where = next(i for i in range(len(bounds) - 1) if inp < bounds[i + 1])
+        buckets.setdefault(where, []).append((inp, out))
+    classes = []
+    for i in sorted(buckets):
+        members = buckets[i]
+        lo, hi = bounds[i], bounds[i + 1]
+        name = f"<{hi:.0f}" if lo == 0 else f"{lo}+" if math.isinf(hi) else f"{lo}-{int(hi) - 1}"
+        inputs = sorted(m[0] for m in members)
+        outputs = sorted(m[1] for m in members)
+        classes.append(PromptClass(name, inputs[len(inputs) // 2], outputs[len(outputs) // 2],
+                                   len(members) / len(trace.requests)))
+    return tuple(classes)
+
+
+def trace_rate(trace: Trace, time_scale: float = 1.0) -> float:
+    """A trace's mean arrival rate in requests per second at ``time_scale`` (2 = twice as fast):
+    its requests after the first over the time from the first to the last. ValueError when every
+    request arrives at once (no rate)."""
+    span = trace.offsets(time_scale)[-1]
+    if len(trace.requests) < 2 or span <= 0:
+        raise ValueError(f"{trace.file}: every request arrives at the same time: the trace gives no rate")
+    return (len(trace.requests) - 1) / span

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import textwrap
 from dataclasses import replace
+from pathlib import Path
 
-from disagg.errors import PlanError
+from disagg.bench.slo import parse_slo
+from disagg.bench.trace import load_trace
+from disagg.bench.workload import parse_classes, trace_length_classes, trace_rate
+from disagg.errors import DisaggError, PlanError
 from disagg.planning import (
     HANDOFF_ROUND_TRIPS,
     LINK_CLASSES,
@@ -22,6 +27,7 @@ from disagg.planning import (
 from disagg.routecost import handoff_fixed_source
 from disagg.topology import WIRE_FORMATS, Topology, load_topology
 from disagg.units import fmt_bytes, fmt_count, fmt_seconds
+from disagg.workload_plan import WorkloadPlan, describe_model, fmt_tpot, plan_workload
 
 DEFAULT_PROMPTS = "256,2048,8192"
 WIDTH = 100
@@ -55,6 +61,21 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                         "connector only) or sent after it (off) (default: the topology's connector.streaming)")
     p.add_argument("--no-probe", action="store_true", help="ignore a stored probe-link result")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    w = p.add_argument_group(
+        "workload (per class TTFT/TPOT and goodput of colocated, replicas, split and auto, and a recommendation)")
+    w.add_argument("--classes", metavar="SPEC",
+                   help="prompt classes NAME=INPUT[:OUTPUT][@WEIGHT],... in tokens, as disagg bench takes them "
+                        "(OUTPUT defaults to --output-tokens); needs --rate")
+    w.add_argument("--rate", type=float, metavar="R",
+                   help="requests per second of the workload (with --trace: instead of the trace's own rate)")
+    w.add_argument("--slo", metavar="SPEC", help="e.g. ttft=1s,tpot=50ms[,e2el=30s]: goodput counts requests "
+                   "meeting it (default: none, goodput = the rate where not saturated)")
+    w.add_argument("--trace", type=Path, metavar="FILE",
+                   help="the workload from a trace: an Azure CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or a "
+                        "Mooncake JSONL (timestamp ms, input_length, output_length): its rate, and classes by "
+                        "prompt length (lengths cut to max_model_len)")
+    w.add_argument("--time-scale", type=float, metavar="X", help="with --trace: its arrivals X times as fast")
+    w.add_argument("--trace-limit", type=int, metavar="N", help="with --trace: only its first N usable requests")
     p.set_defaults(handler=cmd_plan)
 
 
@@ -83,6 +104,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if streaming and topo.connector != "socket":
         raise PlanError(f"--streaming on: only the socket connector streams the KV while the prefill computes; "
                         f"{topo.file} uses connector {topo.connector}, which sends it after the prefill")
+    if args.classes is not None or args.trace is not None:
+        return cmd_workload(args, topo, streaming)
+    if args.rate is not None or args.slo is not None or args.time_scale is not None or args.trace_limit is not None:
+        raise PlanError("--rate, --slo, --time-scale and --trace-limit go with --classes or --trace")
     prompts = parse_token_list(args.prompt_tokens)
     limit, left_out = topo.model.max_model_len, []
     if args.prompt_tokens == DEFAULT_PROMPTS and limit is not None:   # the defaults fit the context limit
@@ -207,3 +232,96 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None, p
 
 def _wrap(text: str, first: str = "  ", rest: str = "  ") -> list[str]:
     return textwrap.wrap(text, width=WIDTH, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False)
+
+
+def cmd_workload(args: argparse.Namespace, topo: Topology, streaming: bool | None) -> int:
+    """``disagg plan --classes ... --rate R`` or ``--trace FILE``: the workload plan
+    (:func:`disagg.workload_plan.plan_workload`), as a table or ``--json``."""
+    if args.classes is not None and args.trace is not None:
+        raise PlanError("--classes or --trace, not both")
+    if args.trace is None and (args.time_scale is not None or args.trace_limit is not None):
+        raise PlanError("--time-scale and --trace-limit go with --trace FILE")
+    if args.prompt_tokens != DEFAULT_PROMPTS:
+        raise PlanError("--prompt-tokens sets the per-prompt table; with a workload the classes set the lengths")
+    try:
+        slo = parse_slo(args.slo)
+        if args.trace is not None:
+            trace = load_trace(args.trace, args.trace_limit)
+            scale = 1.0 if args.time_scale is None else args.time_scale
+            classes = trace_length_classes(trace, topo.model.max_model_len)
+            rate = args.rate if args.rate is not None else trace_rate(trace, scale)
+            source = (f"trace {trace.file} ({trace.format}, {fmt_count(len(trace.requests))} requests"
+                      + (f", x{scale:g} time scale" if args.time_scale is not None else "")
+                      + ("" if args.rate is None else ", its rate replaced by --rate") + ")")
+        else:
+            if args.rate is None:
+                raise PlanError("--classes needs --rate R (requests per second)")
+            classes = parse_classes(args.classes, args.output_tokens)
+            rate, source = args.rate, "--classes"
+    except (ValueError, DisaggError) as exc:
+        raise PlanError(str(exc)) from None
+    if not rate > 0 or math.isinf(rate):
+        raise PlanError(f"--rate must be a positive number of requests per second, got {rate:g}")
+    wp = plan_workload(topo, classes, rate, None if slo.empty else slo, model=args.model, link_class=args.link,
+                       kv_dtype=args.kv_dtype, use_probe=not args.no_probe, wire_format=args.wire_format,
+                       streaming=streaming, workload_source=source)
+    if args.json:
+        print(json.dumps(wp.to_json(), indent=2))
+    else:
+        print(render_workload(wp))
+    return 0
+
+
+def render_workload(wp: WorkloadPlan) -> str:
+    """The human-readable workload plan: the workload, each engine's figures, one block of rows per
+    configuration (a row per class), the KV limits, the recommendation, the model's statement."""
+    slo = ", ".join(f"{k}<={fmt_seconds(v)}" for k, v in wp.slo.items()) or "none (goodput = rate unless saturated)"
+    out = [f"disagg plan: {wp.topology}: workload of {wp.rate:.3g} req/s"]
+    for key, value in (
+        ("model", f"{wp.model.name}: KV {wp.kv_dtype}, {fmt_bytes(wp.model.kv_bytes_per_token(wp.kv_dtype))} per "
+                  "token"),
+        ("classes", ", ".join(m.label for m in wp.mix) + f"  [{wp.workload_source}]"),
+        ("SLO", slo),
+        *((f"{e.name}", f"on {e.host}: prefill {fmt_count(round(e.prefill.rate()))} tokens/s at 2,048 "
+                        f"({e.prefill.label}); decode step {fmt_seconds(e.idle_step_s)} + KV read at "
+                        f"{e.memory_bytes_per_s / 1e9:.3g} GB/s ({e.decode_source}); KV "
+                        + ("unknown" if e.kv_capacity_bytes is None else fmt_bytes(e.kv_capacity_bytes))
+                        + f" ({e.kv_source})") for e in wp.engines),
+        ("handoff", f"{fmt_seconds(wp.handoff.fixed_s)} fixed + KV at {wp.handoff.bytes_per_s * 8 / 1e9:.3g} Gb/s "
+                    f"({wp.handoff_source})"),
+    ):
+        out += _wrap(value, first=f"  {key:<11}", rest=" " * 13)
+    out.append("")
+    rows = [["configuration", "class", "TTFT p50", "TPOT p50", "meets SLO", "routes", "goodput", "saturates at"]]
+    for c in wp.configs:
+        first = True
+        for m, p in zip(wp.mix, c.classes, strict=True):
+            routes = ", ".join(f"{k} {v:.0%}" for k, v in sorted(p.routes.items()) if v >= 0.005) \
+                if c.layout.kind == "auto" else ""
+            good = (f"{c.goodput_rps:.3g} req/s ({c.goodput_rps / wp.rate:.0%})" if not c.saturated else "saturated")
+            sat = "-" if c.saturates_at_rps is None else f"{c.saturates_at_rps:.3g} req/s"
+            rows.append([c.layout.label if first else "", m.name, fmt_tpot(p.ttft_p50_s), fmt_tpot(p.tpot_p50_s),
+                         "-" if c.saturated else f"{p.meets:.0%}", routes, good if first else "",
+                         sat if first else ""])
+            first = False
+    out += _table(rows, right={2, 3, 4})
+    out.append("")
+    for c in wp.configs:
+        for why in c.saturated:
+            out += _wrap(f"{c.layout.label}: saturated: {why}")
+    for line in wp.kv_binds:
+        out += _wrap(line)
+    out.append("")
+    rec = wp.recommendation
+    out += _wrap(rec.text)
+    if rec.prefill_hosts:
+        out += _wrap(f"Which host prefills: {', '.join(rec.prefill_hosts)} (for {', '.join(rec.decode_hosts)}), "
+                     "in the best split configuration.")
+    if rec.prefill_warning:
+        out += _wrap(rec.prefill_warning)
+    out += _wrap(describe_model())
+    if wp.notes:
+        out.append("  notes:")
+        for note in wp.notes:
+            out += _wrap(note, first="   - ", rest="     ")
+    return "\n".join(out)

@@ -292,3 +292,24 @@ def test_decode_work_is_priced_on_the_engine_that_decodes() -> None:
     assert [o.decode_s for o in unmeasured] == [0.0, 0.0, 0.0]
     # without whole, only the decode engine's line is needed
     assert option_costs(500, kv(500), replace(p, tpot_s=None), d, link, out_tokens=32)[0].decode_s > 0
+
+
+def test_tpot_rises_with_the_prefill_load_and_the_decode_load() -> None:
+    """TPOT = tpot_s / (1 - prefill share - decode tokens/s x tpot_added_s); unbounded at saturation."""
+    from disagg.routecost import decode_step_s, prefill_tokens_share, tpot_with_prefills_s
+
+    step = decode_step_s(16e9, 0.0, 1e12)                 # 16 GB of weights at 1 TB/s: 16 ms
+    assert step == pytest.approx(0.016)
+    engine = EngineCost(tokens_per_s=10_000.0, tpot_s=step, tpot_added_s=decode_step_s(0.0, 1e8, 1e12))
+    assert tpot_with_prefills_s(engine, 0.0) == pytest.approx(0.016)
+    shares = [prefill_tokens_share(t, engine) for t in (0, 2000, 5000, 8000)]
+    assert shares == [0.0, 0.2, 0.5, 0.8]
+    tpots = [tpot_with_prefills_s(engine, s) for s in shares]
+    assert all(a < b for a, b in pairwise(tpots))
+    assert tpots[2] == pytest.approx(0.032)                # half the time prefilling: twice the TPOT
+    # 1,000 decode tokens/s, each request's KV adding 0.1 ms per step: 0.1 of the time more
+    assert tpot_with_prefills_s(engine, 0.5, 1000.0) == pytest.approx(0.016 / 0.4)
+    assert tpot_with_prefills_s(engine, 1.0) == float("inf")
+    assert tpot_with_prefills_s(engine, 0.5, 5000.0) == float("inf")
+    with pytest.raises(ValueError, match="no decode line"):
+        tpot_with_prefills_s(EngineCost(tokens_per_s=1.0), 0.1)

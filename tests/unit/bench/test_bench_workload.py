@@ -85,3 +85,25 @@ def test_record_roundtrip_and_properties() -> None:
     failed = RequestRecord(4, "long", send=1.0, prompt_tokens=7, error="boom")
     assert not failed.success and failed.ttft is None and failed.e2el is None
     assert not RequestRecord(5, "x", send=0.0, prompt_tokens=1).success      # no chunk, no error: not a success
+
+
+def test_a_trace_becomes_length_classes_and_a_rate(tmp_path) -> None:
+    """``disagg plan --trace``: classes by prompt length (medians, shares), lengths cut to the model,
+    and the rate from the arrivals."""
+    from disagg.bench.trace import load_trace
+    from disagg.bench.workload import trace_length_classes, trace_rate
+
+    f = tmp_path / "t.csv"
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    lengths = [(100, 10), (200, 30), (150, 20), (3000, 200), (9000, 500)]
+    rows += [f"2023-11-16 18:00:{i * 2:02d}.0000000,{n},{m}" for i, (n, m) in enumerate(lengths)]
+    f.write_text("\n".join(rows) + "\n")
+    trace = load_trace(f)
+    classes = trace_length_classes(trace, max_model_len=4096)
+    # 9,000 tokens are cut to 4,095 (one answer token left) and so join the 1,024-4,095 bucket
+    assert [(c.name, c.input_len, c.output_len, c.weight) for c in classes] == [
+        ("<256", 150, 20, 0.6), ("1024-4095", 4095, 200, 0.4)]
+    uncut = trace_length_classes(trace)
+    assert [(c.name, c.input_len, c.weight) for c in uncut][1:] == [("1024-4095", 3000, 0.2), ("4096-16383", 9000, 0.2)]
+    assert trace_rate(trace) == pytest.approx(4 / 8)         # 5 requests over 8 s
+    assert trace_rate(trace, 2.0) == pytest.approx(1.0)

@@ -207,3 +207,70 @@ def test_summary_agrees_with_rows_when_the_decode_memory_limits(tmp_path, capsys
     assert out.count("DOES NOT PAY: not one conversation of this length fits") == 3
     assert "No prompt pays: not one conversation fits in the decode host's KV memory" in out
     assert "The split pays" not in out and "Routing (auto)" not in out
+
+
+def test_workload_plan_table_and_recommendation(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "topologies/house-2g5.yaml", "--no-probe", "--classes",
+                 "short=128:32@0.7,long=2048:256@0.3", "--rate", "4", "--slo", "ttft=1s,tpot=50ms"]) == 0
+    out = capsys.readouterr().out
+    for label in ("colocated on gamer", "colocated on workstation", "replicas (gamer, workstation)",
+                  "split gamer -> workstation", "auto gamer -> workstation", "split workstation -> gamer"):
+        assert label in out
+    assert "TTFT p50" in out and "TPOT p50" in out and "goodput" in out
+    assert "Recommendation: " in out and "Which host prefills: gamer" in out
+    assert "KV binds: prefill[0] on gamer: at most" in out
+    assert "Model: Poisson arrivals" in out
+
+
+def test_workload_json_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "topologies/house-2g5.yaml", "--no-probe", "--classes", "short=128:32@0.7,long=2048:256@0.3",
+            "--rate", "2", "--slo", "ttft=1s,tpot=50ms", "--json"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert json.loads(json.dumps(data)) == data
+    assert data["workload"]["rate_rps"] == 2.0 and data["slo"] == {"ttft": 1.0, "tpot": 0.05}
+    assert [c["name"] for c in data["workload"]["classes"]] == ["short", "long"]
+    assert data["workload"]["classes"][1]["kv_bytes"] == (2048 + 256) * 131072
+    configs = {c["label"]: c for c in data["configurations"]}
+    assert len(configs) == 7
+    for c in configs.values():
+        assert [k["class"] for k in c["classes"]] == ["short", "long"]
+        if c["saturated"] is None:
+            assert all(k["ttft_p50_s"] > 0 and k["tpot_p50_s"] > 0 for k in c["classes"])
+            assert 0 <= c["goodput_rps"] <= 2.0
+        else:
+            assert c["goodput_rps"] == 0
+    rec = data["recommendation"]
+    assert rec["label"] in configs and rec["goodput_rps"] == configs[rec["label"]]["goodput_rps"]
+    # the same numbers again: the plan is deterministic
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out) == data
+
+
+def test_workload_from_a_trace(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "mooncake.jsonl"
+    lines = [json.dumps({"timestamp": i * 500, "input_length": n, "output_length": 64, "hash_ids": [1]})
+             for i, n in enumerate([100, 120, 3000, 20000, 140])]
+    trace.write_text("\n".join(lines) + "\n")
+    assert main(["plan", "topologies/house-2g5.yaml", "--no-probe", "--trace", str(trace), "--time-scale", "2",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # 5 requests over 2 s, replayed twice as fast: 4 req/s; 20,000 tokens cut to max_model_len 16,384
+    # (one answer token left)
+    assert data["workload"]["rate_rps"] == pytest.approx(4.0)
+    classes = data["workload"]["classes"]
+    assert [(c["name"], c["prompt_tokens"], c["output_tokens"], c["share"]) for c in classes] == [
+        ("<256", 120, 64, 0.6), ("1024-4095", 3000, 64, 0.2), ("4096-16383", 16383, 1, 0.2)]
+    assert "trace" in data["workload"]["source"] and "x2 time scale" in data["workload"]["source"]
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (["--classes", "a=100:10"], "needs --rate"),
+    (["--rate", "2"], "go with --classes or --trace"),
+    (["--classes", "a=100:10", "--rate", "0"], "positive"),
+    (["--classes", "bad", "--rate", "1"], "bad prompt class"),
+    (["--classes", "a=100:10", "--rate", "1", "--slo", "ttft=fast"], "bad duration"),
+])
+def test_workload_options_are_checked(args: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "topologies/house-2g5.yaml", *args]) != 0
+    assert match in capsys.readouterr().err

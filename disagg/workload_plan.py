@@ -1,0 +1,930 @@
+"""The workload plan: ``disagg plan TOPOLOGY --classes ... --rate R [--slo ...]`` (or ``--trace FILE``).
+
+For a mix of prompt classes arriving at ``rate`` requests per second it predicts, per class, the
+TTFT p50 and TPOT p50, and the workload's goodput (requests per second meeting the SLO), for
+every way the topology's hosts can serve it:
+
+- **colocated on each host**: that host's engines serve whole requests (prefill and decode), the
+  other hosts idle;
+- **replicas**: every engine of every host serves whole requests;
+- **static split** ``P -> D``: every prompt prefilled on the P hosts, its KV handed over the link,
+  decoded on the D hosts; for two hosts both ways round, for more every split of the hosts into
+  prefill and decode sides (the P:D ratio);
+- **auto**: the same sides with the proxy's per-prompt choice between split, local (the decode
+  engine prefills it itself) and whole (a prefill engine serves it alone), made by the router's
+  own arithmetic (:func:`disagg.routecost.option_costs`, :func:`disagg.routecost.cheapest`) at the
+  load that choice produces;
+
+and one recommendation with the figures that decide it (:func:`recommend`).
+
+The model (stated in the output):
+
+- **arrivals**: Poisson at ``rate``, each class its weight's share. Where a group of engines
+  shares a path (replicas, several prefill engines), requests spread over them in proportion
+  to what each could serve of the mix alone (:func:`_capacity`), which balancing by outstanding
+  requests approaches;
+- **prefill**: each engine's prefills form an M/G/1 queue served at the engine's prefill time
+  per class (a stored ``disagg bench`` rate, else the spec-sheet estimate; an emulated host only
+  measured: :func:`disagg.planning.host_prefill`), with priority over its decodes (vLLM schedules
+  waiting prefills into every step). Mean wait (Pollaczek-Khinchine)
+  ``lambda E[S^2] / (2 (1 - rho))``, ``rho = lambda E[S]``; its distribution taken as
+  ``P(wait > t) = rho exp(-t rho / E[wait])`` (a wait with probability rho, exponential beyond):
+  TTFT p50 and the share of a class meeting the TTFT SLO come from it. A split's TTFT adds the
+  handoff (:meth:`disagg.planning.LinkEstimate.added_s`: fixed cost, the transfer's exposed part,
+  decode's first step) and the link's own M/G/1 wait (the transfers queue on it);
+- **decode**: time per output token on an engine from :func:`disagg.routecost.tpot_with_prefills_s`:
+  the decode step reads the active weights and every running request's KV at the engine's memory
+  rate (a GPU's spec sheet, an estimate; a CPU engine's
+  :data:`disagg.routecost.FIRST_STEP_CPU_BYTES_PER_S` per pinned core), and waits out the
+  prefills computed on the same engine. TPOT is the same for every class on an engine;
+- **KV memory**: an engine's KV capacity (an emulated host's ``emulate.kv_memory``, the host's
+  ``kv_memory_gb``, vLLM's CPU KV space, or a GPU estimate: :func:`disagg.planning.engine_memory`)
+  holds at most ``capacity / KV of one conversation (prompt + output)`` requests at once
+  ("KV binds: at most N requests at once"); the requests decoding there (Little's law: decode
+  tokens per second x TPOT) and those prefilling or handing off must fit;
+- **saturation**: a configuration saturates where an engine's prefills take all its time
+  (rho >= 1), its decodes' reads leave no time, the KV its requests hold reaches its capacity, or
+  the link's transfers take all its time: it is reported "saturated" (why), with goodput 0;
+- **goodput**: ``rate x`` the share of requests whose TTFT, TPOT (and E2EL) meet the SLO; without
+  an SLO, the rate when not saturated. ``saturates at``: the highest rate the configuration
+  sustains (bisection on the rate).
+
+Not modelled: preemption and recompute (requests past the KV capacity queue instead), the
+prompts' prefix cache, a decode engine's queue ahead of a split's first step, the proxy's
+exploration and its ``decode_backlog`` rule for ``whole`` (its ``decode_load`` rule is: whole is
+offered where the decode engine's TPOT exceeds the prefill engine's), the router's live errors.
+
+Called by ``disagg plan`` (:mod:`disagg.commands.plan`); pure arithmetic but for
+:func:`plan_workload`, which reads the topology's stored measurements through
+:mod:`disagg.planning`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import combinations
+from typing import Any, Protocol
+
+from disagg.errors import PlanError
+from disagg.kvmath import ModelArch, resolve_model
+from disagg.planning import (
+    LinkEstimate,
+    Plan,
+    PrefillEstimate,
+    engine_memory,
+    first_pair,
+    host_device,
+    host_prefill,
+    model_weight_bytes,
+    plan_topology,
+)
+from disagg.routecost import (
+    FIRST_STEP_CPU_BYTES_PER_S,
+    FIRST_STEP_CPU_SOURCE,
+    EngineCost,
+    LinkCost,
+    Option,
+    cheapest,
+    decode_step_s,
+    option_costs,
+    tpot_with_prefills_s,
+)
+from disagg.serving import WHOLE_TPOT_FACTOR
+from disagg.topology import InstanceSpec, Topology
+from disagg.units import fmt_bytes, fmt_count, fmt_seconds
+
+#: the proxy's default ``routing.stall_weight`` (seconds of TTFT one second of stalled decode is worth)
+STALL_WEIGHT = 1.0
+#: rounds of the auto routing's fixed point (:func:`solve_auto`)
+AUTO_ROUNDS = 60
+#: goodputs closer than this share of the rate count as a tie in the recommendation
+TIE_SHARE = 0.01
+#: the highest rate the saturation search tries (requests per second)
+MAX_RATE = 1e6
+#: where a saturated figure stands in for infinity in the router's costs (seconds)
+CAP_S = 1e4
+
+COLOCATED, REPLICAS, SPLIT, AUTO = "colocated", "replicas", "split", "auto"
+#: simpler first: on a tie of goodput and saturation rate, the earlier kind is recommended
+KINDS = (COLOCATED, REPLICAS, SPLIT, AUTO)
+
+
+class WorkClass(Protocol):
+    """A prompt class as ``disagg bench`` parses it (:class:`disagg.bench.workload.PromptClass`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def input_len(self) -> int: ...
+    @property
+    def output_len(self) -> int: ...
+    @property
+    def weight(self) -> float: ...
+
+
+class Objective(Protocol):
+    """An SLO as ``disagg bench`` parses it (:class:`disagg.bench.slo.SLO`): limits in seconds."""
+
+    @property
+    def ttft(self) -> float | None: ...
+    @property
+    def tpot(self) -> float | None: ...
+    @property
+    def e2el(self) -> float | None: ...
+
+
+# --- the engines ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EngineModel:
+    """One engine (a topology instance) as the model sees it."""
+
+    name: str                           # the instance, e.g. prefill[0]
+    host: str
+    prefill: PrefillEstimate
+    weights_bytes: float                # active weights read by every decode step
+    memory_bytes_per_s: float           # the rate its decode steps read weights and KV at
+    decode_source: str
+    kv_capacity_bytes: float | None     # None: unknown (not checked)
+    kv_source: str
+
+    @property
+    def idle_step_s(self) -> float:
+        """A decode step with one request of no context: the weights read."""
+        return decode_step_s(self.weights_bytes, 0.0, self.memory_bytes_per_s)
+
+
+@dataclass(frozen=True)
+class Mix:
+    """The workload's classes as the model needs them (lengths, share, KV sizes)."""
+
+    name: str
+    prompt_tokens: int
+    output_tokens: int
+    share: float                        # of the requests
+    kv_full_bytes: float                # one conversation's KV (prompt + output), in the cache
+    kv_mean_bytes: float                # what it holds on average while decoding (prompt + half the output)
+    kv_prompt_bytes: float              # what its prefill holds (the prompt), in the cache
+    wire_bytes: float                   # the prompt's KV on the link
+
+    @property
+    def label(self) -> str:
+        """``short (128:32, 70%)``."""
+        return f"{self.name} ({fmt_count(self.prompt_tokens)}:{fmt_count(self.output_tokens)}, {self.share:.0%})"
+
+
+# --- paths and loads ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ServePath:
+    """How a request is served: whole on one of ``engines`` (``prefill`` None), or prefilled on one
+    of ``prefill``, handed over ``link`` and decoded on one of ``engines``."""
+
+    option: Option
+    engines: tuple[EngineModel, ...]
+    prefill: tuple[EngineModel, ...] | None = None
+    link: LinkEstimate | None = None
+    streaming_layers: int | None = None
+
+
+@dataclass
+class _Streams:
+    prefill_rps: float = 0.0
+    prefill_s: float = 0.0              # sum of rate x service time
+    prefill_s2: float = 0.0             # sum of rate x service time squared
+    held_bytes: float = 0.0             # KV held by prefills and handoffs (rate x time x bytes)
+    decode_tps: float = 0.0             # decode tokens per second
+    decode_kv: float = 0.0              # decode tokens per second x mean KV per request
+    decode_full: float = 0.0            # decode tokens per second x full KV per request
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A queue wait: ``P(wait > t) = p exp(-t p / mean)`` (p: the chance to wait at all)."""
+
+    p: float
+    mean_s: float
+
+    def exceeds(self, t: float) -> float:
+        """P(wait > t)."""
+        if t < 0:
+            return 1.0
+        if self.mean_s <= 0 or self.p <= 0:
+            return 0.0
+        return self.p * math.exp(-t * self.p / self.mean_s)
+
+    def plus(self, other: Wait) -> Wait:
+        """Two waits in a row, as one of the same form (means add, either may wait)."""
+        return Wait(1 - (1 - self.p) * (1 - other.p), self.mean_s + other.mean_s)
+
+
+def mg1_wait(rate: float, busy_s: float, busy_s2: float) -> Wait:
+    """The M/G/1 wait of a server with arrivals at ``rate``, ``busy_s`` = rate x E[S] (its
+    utilisation rho) and ``busy_s2`` = rate x E[S^2]: mean ``rate E[S^2] / (2 (1 - rho))``
+    (Pollaczek-Khinchine), waiting with probability rho. rho >= 1: an unbounded mean."""
+    if rate <= 0:
+        return Wait(0.0, 0.0)
+    if busy_s >= 1:
+        return Wait(1.0, math.inf)
+    return Wait(busy_s, busy_s2 / (2 * (1 - busy_s)))
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What a rate puts on one engine."""
+
+    engine: str
+    host: str
+    prefill_rps: float
+    prefill_share: float                # of its time (rho)
+    wait: Wait
+    decode_tps: float                   # decode tokens per second
+    tpot_s: float                       # time per output token there (inf: saturated)
+    running: float                      # requests decoding at once (Little's law)
+    kv_needed_bytes: float
+    kv_capacity_bytes: float | None
+    kv_max_requests: int | None         # conversations of its mix that fit at once
+    tpot_added_s: float                 # what one more decoding request adds to a step
+
+    @property
+    def saturated(self) -> str | None:
+        """Why this engine cannot keep up, or None."""
+        if self.prefill_share >= 1:
+            return f"{self.engine} on {self.host}: prefills take {self.prefill_share:.0%} of its time"
+        if math.isinf(self.tpot_s):
+            return f"{self.engine} on {self.host}: its prefills and decode reads leave its decodes no time"
+        if self.kv_capacity_bytes is not None and self.kv_needed_bytes >= self.kv_capacity_bytes:
+            return (f"{self.engine} on {self.host}: KV binds: its requests need "
+                    f"{fmt_bytes(self.kv_needed_bytes)} of KV at once, it has {fmt_bytes(self.kv_capacity_bytes)}"
+                    + ("" if self.kv_max_requests is None else
+                       f" (at most {fmt_count(self.kv_max_requests)} requests at once)"))
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready (inf as None)."""
+        return {"engine": self.engine, "host": self.host, "prefill_rps": self.prefill_rps,
+                "prefill_share": self.prefill_share, "wait_mean_s": _finite(self.wait.mean_s),
+                "decode_tokens_per_s": self.decode_tps, "tpot_s": _finite(self.tpot_s),
+                "running": _finite(self.running), "kv_needed_bytes": _finite(self.kv_needed_bytes),
+                "kv_capacity_bytes": self.kv_capacity_bytes, "kv_max_requests": self.kv_max_requests,
+                "saturated": self.saturated}
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _capacity(engine: EngineModel, mix: Sequence[Mix], prefills: bool, decodes: bool) -> float:
+    """Requests per second of the mix ``engine`` could serve alone, to first order: one over the
+    prefill time and decode reads one request costs it."""
+    cost = 0.0
+    for m in mix:
+        if prefills:
+            cost += m.share * engine.prefill.seconds(m.prompt_tokens)
+        if decodes:
+            cost += m.share * m.output_tokens * m.kv_mean_bytes / engine.memory_bytes_per_s
+    return 1.0 / cost if cost > 0 else 1.0
+
+
+def _spread(engines: Sequence[EngineModel], mix: Sequence[Mix], prefills: bool,
+            decodes: bool) -> list[tuple[EngineModel, float]]:
+    caps = [_capacity(e, mix, prefills, decodes) for e in engines]
+    total = sum(caps)
+    return [(e, c / total) for e, c in zip(engines, caps, strict=True)]
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One way a class's requests go (an engine, or a prefill and a decode engine): its share of
+    the class, its TTFT without queueing, its queue wait and its TPOT."""
+
+    share: float
+    base_s: float
+    wait: Wait
+    tpot_s: float
+    option: Option
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One rate through one set of routes: every engine's load, the link's, each class's branches."""
+
+    loads: dict[str, EngineLoad]
+    link_share: float                   # of the link's time its transfers take (0: no split)
+    link_wait: Wait
+    branches: dict[str, list[Branch]]
+    saturated: tuple[str, ...]
+
+
+Routes = dict[str, list[tuple[float, ServePath]]]
+
+
+def evaluate(mix: Sequence[Mix], rate: float, routes: Routes) -> Outcome:
+    """Loads, waits and TPOT of every engine when ``rate`` requests per second of ``mix`` take
+    ``routes`` (per class: (share, path) pairs)."""
+    streams: dict[str, _Streams] = {}
+    engines: dict[str, EngineModel] = {}
+    link_rps = link_busy = link_busy2 = 0.0
+    spreads: dict[tuple[str, int], list[tuple[EngineModel, float]]] = {}
+
+    def spread(path: ServePath, side: str) -> list[tuple[EngineModel, float]]:
+        key = (side, id(path))
+        if key not in spreads:
+            group = path.engines if side != "prefill" else (path.prefill or ())
+            spreads[key] = _spread(group, mix, prefills=side != "decode", decodes=side != "prefill")
+        return spreads[key]
+
+    def add_prefill(e: EngineModel, lam: float, m: Mix, hold_s: float) -> None:
+        s = streams.setdefault(e.name, _Streams())
+        engines[e.name] = e
+        t = e.prefill.seconds(m.prompt_tokens)
+        s.prefill_rps += lam
+        s.prefill_s += lam * t
+        s.prefill_s2 += lam * t * t
+        s.held_bytes += lam * (t + hold_s) * m.kv_prompt_bytes
+
+    def add_decode(e: EngineModel, lam: float, m: Mix) -> None:
+        s = streams.setdefault(e.name, _Streams())
+        engines[e.name] = e
+        s.decode_tps += lam * m.output_tokens
+        s.decode_kv += lam * m.output_tokens * m.kv_mean_bytes
+        s.decode_full += lam * m.output_tokens * m.kv_full_bytes
+
+    handoffs: dict[tuple[str, str], float] = {}
+    for m in mix:
+        for share, path in routes[m.name]:
+            lam = rate * m.share * share
+            if lam <= 0:
+                continue
+            if path.prefill is None:
+                for e, f in spread(path, "both"):
+                    add_prefill(e, lam * f, m, 0.0)
+                    add_decode(e, lam * f, m)
+                continue
+            assert path.link is not None
+            x = m.wire_bytes / path.link.bytes_per_s
+            link_rps += lam
+            link_busy += lam * x
+            link_busy2 += lam * x * x
+            for p, f in spread(path, "prefill"):
+                hand = path.link.added_s(m.wire_bytes, p.prefill.seconds(m.prompt_tokens), path.streaming_layers)
+                handoffs[(m.name, p.name)] = hand
+                add_prefill(p, lam * f, m, hand)
+            for d, f in spread(path, "decode"):
+                add_decode(d, lam * f, m)
+
+    loads: dict[str, EngineLoad] = {}
+    for name, s in streams.items():
+        e = engines[name]
+        wait = mg1_wait(s.prefill_rps, s.prefill_s, s.prefill_s2)
+        added = s.decode_kv / s.decode_tps / e.memory_bytes_per_s if s.decode_tps > 0 else 0.0
+        cost = EngineCost(tokens_per_s=1.0, tpot_s=e.idle_step_s, tpot_added_s=added)
+        tpot = tpot_with_prefills_s(cost, s.prefill_s, s.decode_tps) if s.prefill_s < 1 else math.inf
+        running = s.decode_tps * tpot if s.decode_tps > 0 else 0.0
+        full = s.decode_full / s.decode_tps if s.decode_tps > 0 else 0.0
+        # a prompt waiting in the queue holds no KV yet; one prefilling or handing off does
+        needed = running * full + s.held_bytes if math.isfinite(running) else math.inf
+        per_request = _kv_per_request(s)
+        kv_max = (None if e.kv_capacity_bytes is None or per_request <= 0
+                  else int(e.kv_capacity_bytes // per_request))
+        loads[name] = EngineLoad(engine=name, host=e.host, prefill_rps=s.prefill_rps, prefill_share=s.prefill_s,
+                                 wait=wait, decode_tps=s.decode_tps, tpot_s=tpot, running=running,
+                                 kv_needed_bytes=needed, kv_capacity_bytes=e.kv_capacity_bytes,
+                                 kv_max_requests=kv_max,
+                                 tpot_added_s=added / max(1 - s.prefill_s, 1e-3))
+    link_wait = mg1_wait(link_rps, link_busy, link_busy2)
+    saturated = [why for load in loads.values() if (why := load.saturated) is not None]
+    if link_busy >= 1:
+        saturated.append(f"the link: its transfers take {link_busy:.0%} of its time")
+
+    branches: dict[str, list[Branch]] = {}
+    for m in mix:
+        out: list[Branch] = []
+        for share, path in routes[m.name]:
+            if share <= 0:
+                continue
+            if path.prefill is None:
+                for e, f in spread(path, "both"):
+                    load = loads[e.name]
+                    out.append(Branch(share * f, e.prefill.seconds(m.prompt_tokens), load.wait, load.tpot_s,
+                                      path.option))
+                continue
+            for p, fp in spread(path, "prefill"):
+                for d, fd in spread(path, "decode"):
+                    base = p.prefill.seconds(m.prompt_tokens) + handoffs[(m.name, p.name)]
+                    out.append(Branch(share * fp * fd, base, loads[p.name].wait.plus(link_wait),
+                                      loads[d.name].tpot_s, path.option))
+        branches[m.name] = out
+    return Outcome(loads, link_busy, link_wait, branches, tuple(saturated))
+
+
+def _kv_per_request(s: _Streams) -> float:
+    """One conversation's KV on an engine, averaged over what it decodes (prefill-only: what it holds)."""
+    if s.decode_tps > 0:
+        return s.decode_full / s.decode_tps
+    return 0.0
+
+
+# --- per class -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ClassPrediction:
+    """One class under one configuration (None: saturated)."""
+
+    name: str
+    ttft_p50_s: float | None
+    tpot_p50_s: float | None
+    meets: float                        # share of its requests meeting the SLO
+    routes: dict[str, float]            # share by path (split, local, whole)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {"class": self.name, "ttft_p50_s": self.ttft_p50_s, "tpot_p50_s": self.tpot_p50_s,
+                "meets_slo": self.meets, "routes": self.routes}
+
+
+def _quantile(branches: Sequence[Branch], q: float) -> float:
+    """The ``q`` quantile of a class's TTFT over its branches (each base + its wait), by bisection."""
+    def below(t: float) -> float:
+        return sum(b.share * (1 - b.wait.exceeds(t - b.base_s)) for b in branches if t >= b.base_s)
+
+    lo = min(b.base_s for b in branches)
+    hi = max(b.base_s + (b.wait.mean_s / b.wait.p if b.wait.p > 0 else 0.0) * 50 for b in branches) + 1e-9
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if below(mid) >= q:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
+    total = sum(w for w, _ in pairs)
+    acc = 0.0
+    for w, v in sorted(pairs, key=lambda p: p[1]):
+        acc += w
+        if acc >= total / 2:
+            return v
+    return pairs[-1][1]
+
+
+def predict_class(m: Mix, branches: Sequence[Branch], slo: Objective | None) -> ClassPrediction:
+    """TTFT p50, TPOT p50 and the share meeting ``slo`` of one (not saturated) class."""
+    total = sum(b.share for b in branches) or 1.0
+    routes: dict[str, float] = {}
+    for b in branches:
+        routes[str(b.option)] = routes.get(str(b.option), 0.0) + b.share / total
+    norm = [Branch(b.share / total, b.base_s, b.wait, b.tpot_s, b.option) for b in branches]
+    meets = 0.0
+    for b in norm:
+        bound = math.inf
+        if slo is not None:
+            if slo.tpot is not None and b.tpot_s > slo.tpot:
+                continue
+            if slo.ttft is not None:
+                bound = slo.ttft
+            if slo.e2el is not None:
+                bound = min(bound, slo.e2el - max(m.output_tokens - 1, 0) * b.tpot_s)
+        meets += b.share * (1.0 if math.isinf(bound) else
+                            0.0 if bound < b.base_s else 1 - b.wait.exceeds(bound - b.base_s))
+    return ClassPrediction(m.name, _quantile(norm, 0.5), _weighted_median([(b.share, b.tpot_s) for b in norm]),
+                           meets, routes)
+
+
+# --- configurations ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """A configuration of the topology's engines: whole on ``both`` (colocated, replicas), or a split
+    ``prefill`` -> ``decode`` over ``link`` (static split, auto)."""
+
+    kind: str
+    label: str
+    both: tuple[EngineModel, ...] = ()
+    prefill: tuple[EngineModel, ...] = ()
+    decode: tuple[EngineModel, ...] = ()
+    link: LinkEstimate | None = None
+    streaming_layers: int | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """The hosts this layout uses, in order."""
+        return tuple(dict.fromkeys(e.host for e in (*self.both, *self.prefill, *self.decode)))
+
+    @property
+    def ratio(self) -> str:
+        """P:D in engines (split kinds), else ''."""
+        return f"{len(self.prefill)}:{len(self.decode)}" if self.prefill else ""
+
+
+def fixed_routes(layout: Layout, mix: Sequence[Mix]) -> Routes:
+    """The routes of a configuration without a per-prompt choice: every request whole on the
+    layout's engines, or every request split."""
+    if layout.both:
+        path = ServePath(Option.WHOLE if layout.kind == REPLICAS else Option.LOCAL, layout.both)
+    else:
+        path = ServePath(Option.SPLIT, layout.decode, layout.prefill, layout.link, layout.streaming_layers)
+    return {m.name: [(1.0, path)] for m in mix}
+
+
+def _router_cost(load: EngineLoad | None, engine: EngineModel, tokens: int) -> EngineCost:
+    """The :class:`EngineCost` the proxy's router would hold for ``engine`` at ``load`` (capped where
+    saturated, so that the choice still sees which path is less so)."""
+    rate = tokens / engine.prefill.seconds(tokens)
+    if load is None:
+        return EngineCost(tokens_per_s=rate, tpot_s=engine.idle_step_s)
+    wait = min(load.wait.mean_s, CAP_S)
+    return EngineCost(tokens_per_s=rate, queued_tokens=wait * rate, running=round(min(load.running, CAP_S)),
+                      waiting=round(load.prefill_rps * wait), tpot_s=min(load.tpot_s, CAP_S),
+                      tpot_added_s=min(load.tpot_added_s, CAP_S))
+
+
+def solve_auto(layout: Layout, mix: Sequence[Mix], rate: float) -> Routes:
+    """The auto routing's shares per class at ``rate``: each round every class takes, at the load
+    the shares so far produce, the path the router's arithmetic picks
+    (:func:`disagg.routecost.option_costs` with the proxy's default stall weight, and ``whole``
+    offered where the decode engine's TPOT exceeds the prefill engine's: its ``decode_load`` rule),
+    and its shares move towards it by 1/(round + 2): the average of the choices, which settles
+    where no class would rather move (or splits a class between paths that cost it the same).
+    Each side is seen through its first engine."""
+    assert layout.link is not None
+    paths = {Option.SPLIT: ServePath(Option.SPLIT, layout.decode, layout.prefill, layout.link, layout.streaming_layers),
+             Option.LOCAL: ServePath(Option.LOCAL, layout.decode),
+             Option.WHOLE: ServePath(Option.WHOLE, layout.prefill)}
+    shares: dict[str, dict[Option, float]] = {m.name: {} for m in mix}
+    p_engine, d_engine = layout.prefill[0], layout.decode[0]
+    link_cost = layout.link.cost()
+    outcome: Outcome | None = None
+    for k in range(AUTO_ROUNDS):
+        for m in mix:
+            p_load = outcome.loads.get(p_engine.name) if outcome else None
+            d_load = outcome.loads.get(d_engine.name) if outcome else None
+            p_cost = _router_cost(p_load, p_engine, m.prompt_tokens)
+            d_cost = _router_cost(d_load, d_engine, m.prompt_tokens)
+            in_transit = 0      # handoffs on the link at once: rho / (1 - rho), as in an M/M/1 queue
+            if outcome is not None:
+                busy = min(outcome.link_share, 0.999)
+                in_transit = round(min(busy / (1 - busy), CAP_S))
+            link = LinkCost(link_cost.fixed_s, link_cost.bytes_per_s, layout.streaming_layers, in_transit)
+            whole = (p_cost.tpot_s is not None and d_cost.tpot_s is not None
+                     and d_cost.tpot_s > WHOLE_TPOT_FACTOR * p_cost.tpot_s)
+            best = cheapest(option_costs(m.prompt_tokens, m.wire_bytes, p_cost, d_cost, link, whole=whole,
+                                         stall_weight=STALL_WEIGHT, out_tokens=m.output_tokens)).path
+            step = 1.0 / (k + 2) if k else 1.0
+            mine = shares[m.name]
+            for o in list(mine):
+                mine[o] *= 1 - step
+            mine[best] = mine.get(best, 0.0) + step
+        routes = {m.name: [(s, paths[o]) for o, s in shares[m.name].items() if s > 1e-9] for m in mix}
+        outcome = evaluate(mix, rate, routes)
+    return {m.name: [(s, paths[o]) for o, s in shares[m.name].items() if s > 1e-9] for m in mix}
+
+
+@dataclass(frozen=True)
+class ConfigPrediction:
+    """One configuration at the workload's rate."""
+
+    layout: Layout
+    classes: tuple[ClassPrediction, ...]
+    goodput_rps: float
+    saturated: tuple[str, ...]
+    saturates_at_rps: float | None      # None: not within MAX_RATE
+    loads: tuple[EngineLoad, ...]
+    link_share: float
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready."""
+        lay = self.layout
+        return {"kind": lay.kind, "label": lay.label, "hosts": list(lay.hosts),
+                "prefill_engines": [e.name for e in lay.prefill], "decode_engines": [e.name for e in lay.decode],
+                "engines": [e.name for e in lay.both], "ratio": lay.ratio or None,
+                "goodput_rps": self.goodput_rps, "saturated": list(self.saturated) or None,
+                "saturates_at_rps": self.saturates_at_rps, "link_share": self.link_share,
+                "classes": [c.to_json() for c in self.classes], "loads": [ld.to_json() for ld in self.loads]}
+
+
+def routes_for(layout: Layout, mix: Sequence[Mix], rate: float) -> Routes:
+    """The routes ``layout`` takes at ``rate`` (auto: :func:`solve_auto`)."""
+    return solve_auto(layout, mix, rate) if layout.kind == AUTO else fixed_routes(layout, mix)
+
+
+def predict(layout: Layout, mix: Sequence[Mix], rate: float, slo: Objective | None) -> ConfigPrediction:
+    """Every class's figures and the goodput of ``layout`` at ``rate``, and the rate it saturates at."""
+    outcome = evaluate(mix, rate, routes_for(layout, mix, rate))
+    if outcome.saturated:
+        classes = tuple(ClassPrediction(m.name, None, None, 0.0, _route_shares(outcome, m)) for m in mix)
+        goodput = 0.0
+    else:
+        classes = tuple(predict_class(m, outcome.branches[m.name], slo) for m in mix)
+        goodput = rate * sum(m.share * c.meets for m, c in zip(mix, classes, strict=True))
+    return ConfigPrediction(layout, classes, goodput, outcome.saturated, saturation_rate(layout, mix),
+                            tuple(outcome.loads.values()), outcome.link_share)
+
+
+def _route_shares(outcome: Outcome, m: Mix) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for b in outcome.branches[m.name]:
+        out[str(b.option)] = out.get(str(b.option), 0.0) + b.share
+    return out
+
+
+def saturation_rate(layout: Layout, mix: Sequence[Mix]) -> float | None:
+    """The highest rate ``layout`` sustains (requests per second, to 0.1%), or None beyond MAX_RATE."""
+    def saturated(rate: float) -> bool:
+        return bool(evaluate(mix, rate, routes_for(layout, mix, rate)).saturated)
+
+    lo, hi = 0.0, 1.0
+    while not saturated(hi):
+        lo, hi = hi, hi * 2
+        if hi > MAX_RATE:
+            return None
+    while hi - lo > max(lo, 1e-6) * 1e-3:
+        mid = (lo + hi) / 2
+        if saturated(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
+# --- the recommendation --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The one answer: which configuration, which host prefills, and the figures that decide it."""
+
+    config: ConfigPrediction
+    text: str
+    prefill_hosts: tuple[str, ...]      # of the best split configuration (empty: no split sustains)
+    decode_hosts: tuple[str, ...]
+    prefill_warning: str | None         # the topology's prefill host prefills slower
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {"kind": self.config.layout.kind, "label": self.config.layout.label, "text": self.text,
+                "goodput_rps": self.config.goodput_rps, "saturates_at_rps": self.config.saturates_at_rps,
+                "prefill_hosts": list(self.prefill_hosts), "decode_hosts": list(self.decode_hosts),
+                "ratio": self.config.layout.ratio or None, "prefill_warning": self.prefill_warning}
+
+
+def _rank(c: ConfigPrediction, rate: float) -> tuple[float, float, int]:
+    good = round(c.goodput_rps / (rate * TIE_SHARE)) if rate > 0 else 0
+    return (good, c.saturates_at_rps if c.saturates_at_rps is not None else MAX_RATE, -KINDS.index(c.layout.kind))
+
+
+def _fmt_rps(x: float | None) -> str:
+    return "beyond 1e6 req/s" if x is None else f"{x:.3g} req/s"
+
+
+def recommend(configs: Sequence[ConfigPrediction], rate: float, topo_prefill_hosts: Sequence[str],
+              prefill_rates: dict[str, float]) -> Recommendation:
+    """The configuration with the most goodput at ``rate`` (goodputs within TIE_SHARE of the rate are
+    a tie, broken by the higher saturation rate, then by the simpler kind: one box, replicas, split,
+    auto), with the figures that decide it: its goodput and saturation rate beside the best of
+    every other kind. Which host should prefill: the prefill side of the best split configuration;
+    where the topology's prefill host prefills slower than another host (``prefill_rates``, tokens
+    per second at 2,048 tokens), a warning says so."""
+    best = max(configs, key=lambda c: _rank(c, rate))
+    lay = best.layout
+    if lay.kind == COLOCATED:
+        what = f"one box: {lay.label} ({len(lay.both)} engine(s))"
+    elif lay.kind == REPLICAS:
+        what = f"replicas: every host serves whole requests ({', '.join(lay.hosts)})"
+    else:
+        pre = ", ".join(dict.fromkeys(e.host for e in lay.prefill))
+        dec = ", ".join(dict.fromkeys(e.host for e in lay.decode))
+        what = (f"split: {pre} prefill{'s' if len(lay.prefill) == 1 else ''}, {dec} decode"
+                f"{'s' if len(lay.decode) == 1 else ''} (P:D {lay.ratio}), routing "
+                f"{'auto' if lay.kind == AUTO else 'split (static)'}")
+    others = []
+    for kind in KINDS:
+        rivals = [c for c in configs if c.layout.kind == kind and c is not best]
+        if rivals:
+            r = max(rivals, key=lambda c: _rank(c, rate))
+            others.append(f"{r.layout.label} {r.goodput_rps:.3g} req/s (saturates at {_fmt_rps(r.saturates_at_rps)})")
+    pct = best.goodput_rps / rate if rate > 0 else 0.0
+    beside = f"; beside {'; '.join(others)}" if others else ""
+    if best.goodput_rps > 0:
+        text = (f"Recommendation: {what}. Goodput {best.goodput_rps:.3g} req/s of {rate:g} ({pct:.0%}), saturates "
+                f"at {_fmt_rps(best.saturates_at_rps)}{beside}.")
+    else:
+        text = (f"Recommendation: no configuration meets the SLO at {rate:g} req/s (each saturates or misses it); "
+                f"the one that sustains the most: {what}, saturates at {_fmt_rps(best.saturates_at_rps)}{beside}.")
+    splits = [c for c in configs if c.layout.kind in (SPLIT, AUTO)]
+    p_hosts: tuple[str, ...] = ()
+    d_hosts: tuple[str, ...] = ()
+    if splits:
+        top = max(splits, key=lambda c: _rank(c, rate))
+        p_hosts = tuple(dict.fromkeys(e.host for e in top.layout.prefill))
+        d_hosts = tuple(dict.fromkeys(e.host for e in top.layout.decode))
+    warning = None
+    slow = [h for h in topo_prefill_hosts
+            if any(prefill_rates[o] > prefill_rates[h] for o in prefill_rates if o not in topo_prefill_hosts)]
+    if slow:
+        fast = max((o for o in prefill_rates if o not in topo_prefill_hosts), key=lambda o: prefill_rates[o])
+        warning = (f"The topology has {', '.join(slow)} prefilling, the slower host at prefill: "
+                   + ", ".join(f"{h} {fmt_count(round(prefill_rates[h]))}" for h in slow)
+                   + f" against {fast} {fmt_count(round(prefill_rates[fast]))} tokens/s at 2,048 tokens.")
+    return Recommendation(best, text, p_hosts, d_hosts, warning)
+
+
+# --- from a topology -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WorkloadPlan:
+    """Everything ``disagg plan --classes/--trace`` prints."""
+
+    topology: str
+    model: ModelArch
+    kv_dtype: str
+    rate: float
+    mix: tuple[Mix, ...]
+    slo: dict[str, float]
+    engines: tuple[EngineModel, ...]
+    configs: tuple[ConfigPrediction, ...]
+    recommendation: Recommendation
+    handoff: LinkEstimate
+    handoff_source: str
+    notes: tuple[str, ...] = ()
+    workload_source: str = ""
+    kv_binds: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready: the workload, every engine, every configuration per class, the recommendation."""
+        return {
+            "topology": self.topology, "model": self.model.name, "kv_dtype": self.kv_dtype,
+            "workload": {"rate_rps": self.rate, "source": self.workload_source,
+                         "classes": [{"name": m.name, "prompt_tokens": m.prompt_tokens,
+                                      "output_tokens": m.output_tokens, "share": m.share,
+                                      "kv_bytes": m.kv_full_bytes, "wire_bytes": m.wire_bytes} for m in self.mix]},
+            "slo": self.slo,
+            "engines": [{"engine": e.name, "host": e.host, "prefill_estimated": e.prefill.estimated,
+                         "prefill_source": e.prefill.label, "prefill_tokens_per_s_at_2048": e.prefill.rate(),
+                         "decode_idle_step_s": e.idle_step_s, "decode_bytes_per_s": e.memory_bytes_per_s,
+                         "decode_source": e.decode_source, "kv_capacity_bytes": e.kv_capacity_bytes,
+                         "kv_source": e.kv_source} for e in self.engines],
+            "handoff": {"fixed_s": self.handoff.fixed_s, "bytes_per_s": self.handoff.bytes_per_s,
+                        "source": self.handoff_source, "link": self.handoff.label},
+            "configurations": [c.to_json() for c in self.configs],
+            "recommendation": self.recommendation.to_json(),
+            "kv_binds": list(self.kv_binds),
+            "notes": list(self.notes),
+        }
+
+
+def engine_decode(topo: Topology, inst: InstanceSpec, notes: list[str]) -> tuple[float, str]:
+    """The memory rate ``inst``'s decode steps read at, and its source: a GPU's spec-sheet bandwidth
+    x its GPUs (an estimate), a CPU engine's :data:`FIRST_STEP_CPU_BYTES_PER_S` per core it is pinned
+    to (an unpinned one: one core, noted), at most its share of an emulated host's ``cpu_share``."""
+    host = topo.host_of(inst)
+    if host.device == "cpu":
+        cores = float(len(inst.cpus)) if inst.cpus else 1.0
+        why = f"{len(inst.cpus)} pinned core(s)" if inst.cpus else "not pinned: taken as one core"
+        if not inst.cpus:
+            notes.append(f"{inst.name} on {host.name} is not pinned to cores (cpus:): its decode is priced "
+                         "as one core's")
+        if host.emulate is not None and host.emulate.cpu_share is not None:
+            on_host = sum(1 for i in topo.instances if i.host == host.name)
+            if host.emulate.cpu_share / on_host < cores:
+                cores = host.emulate.cpu_share / on_host
+                why = f"emulate.cpu_share {host.emulate.cpu_share:g} over {on_host} engine(s)"
+        return FIRST_STEP_CPU_BYTES_PER_S * cores, f"ESTIMATE: {FIRST_STEP_CPU_SOURCE}; x {cores:g} ({why})"
+    spec = host_device(host)
+    if spec is None or spec.memory_gbps is None:
+        raise PlanError(f"{topo.file}: hosts.{host.name}: its memory bandwidth is unknown, so its decode cannot "
+                        "be priced; give gpu: a known device or {tflops, memory_gb, memory_bw_gbs}")
+    gpus = max(1, len(inst.gpus))
+    return (spec.memory_gbps * 1e9 * gpus,
+            f"ESTIMATE: {'' if gpus == 1 else f'{gpus} x '}{spec.label}'s spec-sheet {spec.memory_gbps:g} GB/s")
+
+
+def _engines(topo: Topology, arch: ModelArch, run_dir: str | None, notes: list[str]) -> list[EngineModel]:
+    out: list[EngineModel] = []
+    prefills: dict[str, PrefillEstimate] = {}
+    weights = model_weight_bytes(topo, arch, arch.active_params)
+    for inst in topo.instances:
+        host = topo.host_of(inst)
+        if host.name not in prefills:
+            prefills[host.name] = host_prefill(topo, arch, host, run_dir)
+        rate, source = engine_decode(topo, inst, notes)
+        mem = engine_memory(topo, arch, inst)
+        out.append(EngineModel(inst.name, host.name, prefills[host.name], weights, rate, source,
+                               mem.kv_bytes, mem.label))
+    return out
+
+
+def make_mix(classes: Sequence[WorkClass], arch: ModelArch, kv_dtype: str, wire_ratio: float,
+             max_model_len: int | None) -> tuple[Mix, ...]:
+    """The model's view of ``classes``: shares from their weights, KV sizes in ``kv_dtype``. A class
+    longer than ``max_model_len`` (prompt + output) is a PlanError, as vLLM refuses it."""
+    total = sum(c.weight for c in classes)
+    out = []
+    for c in classes:
+        if max_model_len is not None and c.input_len + c.output_len > max_model_len:
+            raise PlanError(f"class {c.name}: {fmt_count(c.input_len)} + {fmt_count(c.output_len)} tokens is longer "
+                            f"than the topology's max_model_len ({fmt_count(max_model_len)}); vLLM refuses it")
+        out.append(Mix(c.name, c.input_len, c.output_len, c.weight / total,
+                       float(arch.kv_bytes(c.input_len + c.output_len, kv_dtype)),
+                       float(arch.kv_bytes(c.input_len + c.output_len // 2, kv_dtype)),
+                       float(arch.kv_bytes(c.input_len, kv_dtype)),
+                       arch.kv_bytes(c.input_len, kv_dtype) * wire_ratio))
+    return tuple(out)
+
+
+def assignments(topo: Topology, engines: Sequence[EngineModel]) -> list[tuple[tuple[EngineModel, ...],
+                                                                               tuple[EngineModel, ...]]]:
+    """Every (prefill side, decode side) split of the hosts' engines, the topology's own first: with
+    one host, its prefill and decode engines as the topology gives them; with more, every way to put
+    whole hosts on either side (2^hosts - 2)."""
+    by_name = {e.name: e for e in engines}
+    own = (tuple(by_name[i.name] for i in topo.role("prefill")), tuple(by_name[i.name] for i in topo.role("decode")))
+    hosts = list(dict.fromkeys(e.host for e in engines))
+    out = [own]
+    if len(hosts) > 1:
+        for k in range(1, len(hosts)):
+            for side in combinations(hosts, k):
+                pre = tuple(e for e in engines if e.host in side)
+                dec = tuple(e for e in engines if e.host not in side)
+                if (pre, dec) != own:
+                    out.append((pre, dec))
+    return out
+
+
+def plan_workload(topo: Topology, classes: Sequence[WorkClass], rate: float, slo: Objective | None = None, *,
+                  model: str | None = None, link_class: str | None = None, kv_dtype: str | None = None,
+                  use_probe: bool = True, run_dir: str | None = None, wire_format: str | None = None,
+                  streaming: bool | None = None, workload_source: str = "",
+                  split_plan: Callable[..., Plan] = plan_topology) -> WorkloadPlan:
+    """The workload plan of a split topology (see the module doc). The link, the handoff and the
+    KV dtype of each split come from :func:`disagg.planning.plan_topology` for that direction (with
+    the same what-if overrides); every engine's prefill rate from :func:`disagg.planning.host_prefill`
+    (an emulated host without a measurement: a PlanError saying how to measure it)."""
+    if rate <= 0 or not math.isfinite(rate):
+        raise PlanError(f"--rate must be a positive number of requests per second, got {rate}")
+    if not classes:
+        raise PlanError("the workload needs at least one class")
+    first_pair(topo)                    # a split topology
+    arch = resolve_model(model or topo.model.source, local_path=None if model else topo.model.path)
+    notes: list[str] = []
+    engines = _engines(topo, arch, run_dir, notes)
+    layouts: list[Layout] = []
+    hosts = list(dict.fromkeys(e.host for e in engines))
+    for h in hosts:
+        mine = tuple(e for e in engines if e.host == h)
+        layouts.append(Layout(COLOCATED, f"colocated on {h}", both=mine))
+    if len(hosts) > 1:
+        layouts.append(Layout(REPLICAS, "replicas (" + ", ".join(hosts) + ")", both=tuple(engines)))
+    base: Plan | None = None
+    for pre, dec in assignments(topo, engines):
+        by_inst = {i.name: i for i in topo.instances}
+        plan = split_plan(topo, [], 0, model=model, link_class=link_class, kv_dtype=kv_dtype, use_probe=use_probe,
+                          run_dir=run_dir, wire_format=wire_format, streaming=streaming,
+                          pair=(by_inst[pre[0].name], by_inst[dec[0].name]))
+        base = base or plan
+        name = " + ".join(dict.fromkeys(e.host for e in pre)) + " -> " + " + ".join(dict.fromkeys(e.host for e in dec))
+        for kind in (SPLIT, AUTO):
+            layouts.append(Layout(kind, f"{kind} {name}", prefill=pre, decode=dec, link=plan.link,
+                                  streaming_layers=plan.streaming_layers))
+    assert base is not None
+    dtype = base.kv_dtype
+    wire = base.wire_bytes_per_token / arch.kv_bytes_per_token(dtype)
+    mix = make_mix(classes, arch, dtype, wire, topo.model.max_model_len)
+    configs = tuple(predict(lay, mix, rate, slo) for lay in layouts)
+    own_prefill = tuple(dict.fromkeys(topo.host_of(i).name for i in topo.role("prefill")))
+    rates = {e.host: e.prefill.rate() for e in engines}
+    rec = recommend(configs, rate, own_prefill if len(hosts) > 1 else (), rates)
+    binds = []
+    for e in engines:
+        if e.kv_capacity_bytes is None:
+            continue
+        worst = max(mix, key=lambda m: m.kv_full_bytes)
+        per = sum(m.share * m.kv_full_bytes for m in mix)
+        binds.append(f"KV binds: {e.name} on {e.host}: at most {fmt_count(int(e.kv_capacity_bytes // per))} "
+                     f"requests of the mix at once ({fmt_count(int(e.kv_capacity_bytes // worst.kv_full_bytes))} "
+                     f"of {worst.name}; {e.kv_source})")
+    slo_dict = {} if slo is None else {k: v for k in ("ttft", "tpot", "e2el") if (v := getattr(slo, k)) is not None}
+    return WorkloadPlan(topology=topo.file, model=arch, kv_dtype=dtype, rate=rate, mix=mix, slo=slo_dict,
+                        engines=tuple(engines), configs=configs, recommendation=rec, handoff=base.link,
+                        handoff_source=base.link.label, notes=tuple(dict.fromkeys([*notes, *base.notes])),
+                        workload_source=workload_source, kv_binds=tuple(binds))
+
+
+def describe_model() -> str:
+    """The model's statement, printed under every workload plan."""
+    return ("Model: Poisson arrivals; per engine an M/G/1 prefill queue (prefill first), its wait taken as "
+            "P(wait > t) = rho exp(-t rho / mean wait); a split adds the handoff (fixed + transfer + decode's "
+            "first step) and the link's own M/G/1 wait; TPOT = idle step / (1 - prefill share - decode tokens/s "
+            "x KV read per request per step) (routecost.tpot_with_prefills_s); a configuration saturates where "
+            "an engine's prefills or decode reads take all its time, its requests' KV reaches its capacity, or "
+            "the link's transfers take all its time (goodput 0). auto: the router's own costs "
+            f"(routecost.option_costs, stall weight {STALL_WEIGHT:g}) at the load its choices make. Not modelled: "
+            "preemption, prefix cache, the proxy's exploration; figures near saturation are the roughest.")
+
+
+def fmt_tpot(x: float | None) -> str:
+    """A TPOT or TTFT cell (``-`` when saturated)."""
+    return "-" if x is None else fmt_seconds(x)

@@ -1,0 +1,254 @@
+"""The workload plan (disagg.workload_plan): per class TTFT/TPOT and goodput of colocated, replicas,
+split and auto from a rate and a class mix, and the recommendation. No engines: measured rates are
+stored in a temporary run directory."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from disagg.bench.slo import parse_slo
+from disagg.bench.workload import parse_classes
+from disagg.engines.vllm import served_model_name
+from disagg.errors import PlanError
+from disagg.kvmath import BUILTIN_MODELS
+from disagg.measurements import store_prefill
+from disagg.planning import PrefillEstimate
+from disagg.routecost import Option
+from disagg.topology import Topology, parse_topology
+from disagg.workload_plan import (
+    AUTO,
+    COLOCATED,
+    REPLICAS,
+    SPLIT,
+    EngineModel,
+    Layout,
+    Mix,
+    Wait,
+    evaluate,
+    fixed_routes,
+    mg1_wait,
+    plan_workload,
+    predict,
+    saturation_rate,
+)
+
+LLAMA = BUILTIN_MODELS["llama-3.1-8b"]
+
+
+def engine(name: str = "both[0]", host: str = "h", rate: float = 10_000.0, weights: float = 1e9,
+           bw: float = 1e11, kv: float | None = None) -> EngineModel:
+    return EngineModel(name, host, PrefillEstimate("test", estimated=False, arch=LLAMA, tokens_per_s=rate),
+                       weights, bw, "test", kv, "test")
+
+
+def mix(n: int = 1000, out: int = 100, kv_per_token: float = 1e5, share: float = 1.0, name: str = "c") -> Mix:
+    return Mix(name, n, out, share, (n + out) * kv_per_token, (n + out / 2) * kv_per_token, n * kv_per_token,
+               n * kv_per_token)
+
+
+def test_mg1_wait_is_pollaczek_khinchine_and_unbounded_at_saturation() -> None:
+    # 1 req/s of 0.5 s each (deterministic): rho 0.5, mean wait 1 x 0.25 / (2 x 0.5) = 0.25 s
+    w = mg1_wait(1.0, 0.5, 0.25)
+    assert (w.p, w.mean_s) == (0.5, pytest.approx(0.25))
+    # P(wait > t) = rho exp(-t rho / mean): the median wait is 0 at rho 0.5
+    assert w.exceeds(0.0) == 0.5 and w.exceeds(0.25) == pytest.approx(0.5 * math.exp(-0.5))
+    assert mg1_wait(2.0, 1.0, 0.5) == Wait(1.0, math.inf)
+    assert mg1_wait(0.0, 0.0, 0.0).exceeds(0.0) == 0.0
+
+
+def test_rate_to_utilisation_to_ttft_on_one_engine() -> None:
+    """One engine prefilling 1,000 tokens in 0.1 s: at 6 req/s rho is 0.6, the mean wait
+    6 x 0.01 / (2 x 0.4) = 75 ms, and the median TTFT 0.1 s + (mean / rho) ln(2 rho)."""
+    e, m = engine(), mix(out=10)
+    out = evaluate([m], 6.0, {"c": [(1.0, fixed_routes(Layout(COLOCATED, "x", both=(e,)), [m])["c"][0][1])]})
+    load = out.loads["both[0]"]
+    assert load.prefill_share == pytest.approx(0.6)
+    assert load.wait.mean_s == pytest.approx(0.075)
+    p = predict(Layout(COLOCATED, "x", both=(e,)), [m], 6.0, None)
+    median_wait = 0.075 / 0.6 * math.log(1.2)
+    assert p.classes[0].ttft_p50_s == pytest.approx(0.1 + median_wait, rel=1e-6)
+    # below rho 0.5 half the requests do not wait: the median TTFT is the prefill alone
+    assert predict(Layout(COLOCATED, "x", both=(e,)), [m], 4.0, None).classes[0].ttft_p50_s == pytest.approx(0.1)
+
+
+def test_tpot_follows_the_prefill_share_and_the_decode_reads() -> None:
+    """TPOT = idle step / (1 - prefill share - decode tokens/s x KV read per request per step)."""
+    e, m = engine(), mix()
+    p = predict(Layout(COLOCATED, "x", both=(e,)), [m], 4.0, None)
+    idle = 1e9 / 1e11                                   # 10 ms: the weights read
+    per_request = (1000 + 50) * 1e5 / 1e11              # 1.05 ms: one request's mean KV read
+    expect = idle / (1 - 0.4 - 4.0 * 100 * per_request)
+    assert p.classes[0].tpot_p50_s == pytest.approx(expect)
+    assert p.loads[0].running == pytest.approx(400 * expect)      # Little's law
+
+
+def test_saturation_gives_goodput_zero_and_the_rate_it_saturates_at() -> None:
+    e, m = engine(bw=1e15), mix(out=1)           # decode all but free: prefill saturates at 10 req/s
+    lay = Layout(COLOCATED, "x", both=(e,))
+    sat = saturation_rate(lay, [m])
+    assert sat == pytest.approx(10.0, rel=2e-3)
+    p = predict(lay, [m], 12.0, parse_slo("ttft=5s"))
+    assert p.goodput_rps == 0.0 and p.classes[0].ttft_p50_s is None
+    assert "prefills take 120% of its time" in p.saturated[0]
+    assert predict(lay, [m], 5.0, None).goodput_rps == 5.0
+
+
+def test_kv_capacity_binds_the_requests_at_once() -> None:
+    # one conversation 110 MB; 500 MB holds 4 of them: beyond that the configuration saturates
+    e = engine(kv=500e6)
+    m = mix()
+    p = predict(Layout(COLOCATED, "x", both=(e,)), [m], 2.0, None)
+    load = p.loads[0]
+    assert load.kv_max_requests == 4
+    needed = load.running * 110e6 + 2.0 * 0.1 * 100e6           # decoding + prefilling
+    assert load.kv_needed_bytes == pytest.approx(needed)
+    sat = saturation_rate(Layout(COLOCATED, "x", both=(e,)), [m])
+    assert sat is not None and sat < 5
+    over = predict(Layout(COLOCATED, "x", both=(e,)), [m], sat * 1.05, None)
+    assert any("KV binds" in why for why in over.saturated)
+
+
+def test_slo_share_counts_ttft_and_tpot() -> None:
+    e, m = engine(), mix(out=10)
+    lay = Layout(COLOCATED, "x", both=(e,))
+    p = predict(lay, [m], 6.0, parse_slo("ttft=200ms"))
+    # P(TTFT <= 0.2 s) = 1 - rho exp(-(0.2 - 0.1) rho / mean wait)
+    assert p.classes[0].meets == pytest.approx(1 - 0.6 * math.exp(-0.1 * 0.6 / 0.075))
+    assert p.goodput_rps == pytest.approx(6.0 * p.classes[0].meets)
+    strict = predict(lay, [m], 6.0, parse_slo("ttft=10s,tpot=1ms"))     # TPOT above 1 ms: no request meets it
+    assert strict.classes[0].meets == 0.0 and strict.goodput_rps == 0.0
+
+
+# --- from topologies -------------------------------------------------------------------
+
+ALIKE = """\
+model: meta-llama/Llama-3.1-8B-Instruct
+connector: nixl
+link: {{type: ethernet, rate: {rate}}}
+hosts:
+  a: {{address: 10.0.0.1, device: cuda, gpu: h100}}
+  b: {{address: 10.0.0.2, device: cuda, gpu: h100}}
+roles:
+  prefill: [{{host: a, port: 8100}}]
+  decode: [{{host: b, port: 8200}}]
+"""
+
+
+def test_identical_hosts_over_a_slow_link_get_replicas() -> None:
+    topo = parse_topology(ALIKE.format(rate="1gbit"), "alike.yaml")
+    wp = plan_workload(topo, parse_classes("short=512:128@0.7,long=2048:256@0.3"), 4.0,
+                       parse_slo("ttft=1s,tpot=50ms"), use_probe=False)
+    by = {c.layout.label: c for c in wp.configs}
+    assert set(by) == {"colocated on a", "colocated on b", "replicas (a, b)", "split a -> b", "auto a -> b",
+                       "split b -> a", "auto b -> a"}
+    assert wp.recommendation.config.layout.kind == REPLICAS
+    assert "Recommendation: replicas" in wp.recommendation.text
+    # 4 req/s of 0.3 x 256 MiB over 1 Gb/s (0.94 usable): the static split's link is saturated
+    assert any("the link" in why for why in by["split a -> b"].saturated)
+    replicas = by["replicas (a, b)"]
+    assert replicas.goodput_rps == pytest.approx(4.0, rel=0.02)
+    assert replicas.saturates_at_rps is not None and replicas.saturates_at_rps > by["colocated on a"].saturates_at_rps
+    assert wp.recommendation.prefill_warning is None       # alike hosts: neither prefills slower
+
+
+HOUSE = """\
+model: {path: "disagg:tiny-kvheavy", max_model_len: 4096}
+connector: socket
+hosts:
+  gamer: {address: 127.0.0.1, emulate: {prefill_rate: 20000, kv_memory: 96MiB}}
+  workstation: {address: 127.0.0.1, emulate: {prefill_rate: 1000, kv_memory: 4GiB}}
+roles:
+  prefill: [{host: gamer, port: 8100, kv_port: 5601, cpus: [0]}]
+  decode: [{host: workstation, port: 8200, kv_port: 5602, cpus: [1]}]
+"""
+
+
+def house(tmp_path: Path, text: str = HOUSE, rates: dict[str, float] | None = None) -> Topology:
+    topo = parse_topology(text, str(tmp_path / "house.yaml"), run_dir=str(tmp_path / "run"))
+    for host, rate in (rates or {}).items():
+        store_prefill(topo.run_dir, served_model_name(topo), host, rate, "test bench", dtype=topo.model.dtype)
+    return topo
+
+
+def test_an_emulated_host_without_a_measurement_is_not_planned_from_its_stated_rate(tmp_path: Path) -> None:
+    topo = house(tmp_path, rates={"workstation": 1000.0})
+    with pytest.raises(PlanError) as info:
+        plan_workload(topo, parse_classes("long=2048:32"), 1.0)
+    text = str(info.value)
+    assert "hosts.gamer is emulated" in text and "never uses the stated rate" in text
+    assert "`disagg up" in text and "`disagg bench prefill`" in text
+
+
+def test_a_fast_prefill_host_whose_kv_binds_prefills_for_the_memory_rich_host(tmp_path: Path) -> None:
+    """The gamer prefills 20 x faster but holds one 2,080-token conversation at once (96 MiB): alone
+    its KV binds; the workstation alone cannot prefill 1 req/s of 2,048 tokens (2 s each); a split
+    puts each phase where it fits."""
+    topo = house(tmp_path, rates={"gamer": 20_000.0, "workstation": 1000.0})
+    wp = plan_workload(topo, parse_classes("long=2048:32"), 1.0, parse_slo("ttft=2s,tpot=200ms"))
+    by = {c.layout.label: c for c in wp.configs}
+    assert any("KV binds" in why for why in by["colocated on gamer"].saturated)
+    assert any("prefills take 205% of its time" in why for why in by["colocated on workstation"].saturated)
+    assert not by["split gamer -> workstation"].saturated
+    assert by["split gamer -> workstation"].goodput_rps == pytest.approx(1.0, rel=0.02)
+    rec = wp.recommendation
+    assert rec.config.layout.kind in (SPLIT, AUTO) and rec.prefill_hosts == ("gamer",)
+    assert rec.decode_hosts == ("workstation",) and rec.config.layout.ratio == "1:1"
+    assert "gamer prefills, workstation decodes (P:D 1:1)" in rec.text
+    # the emulated KV capacity is the plan's, per engine
+    gamer = next(e for e in wp.engines if e.host == "gamer")
+    assert gamer.kv_capacity_bytes == 96 * 2**20 and "emulated" in gamer.kv_source
+    assert any("KV binds: prefill[0] on gamer: at most 1 requests" in line for line in wp.kv_binds)
+
+
+def test_the_topology_s_slower_prefill_host_is_named(tmp_path: Path) -> None:
+    text = HOUSE.replace("prefill: [{host: gamer", "prefill: [{host: TMP").replace(
+        "decode: [{host: workstation", "decode: [{host: gamer").replace("TMP", "workstation")
+    topo = house(tmp_path, text, rates={"gamer": 20_000.0, "workstation": 1000.0})
+    wp = plan_workload(topo, parse_classes("long=2048:32"), 1.0, parse_slo("ttft=2s,tpot=200ms"))
+    rec = wp.recommendation
+    assert rec.prefill_warning is not None
+    assert "The topology has workstation prefilling, the slower host at prefill" in rec.prefill_warning
+    assert "workstation 1,000 against gamer 20,000 tokens/s" in rec.prefill_warning
+    assert rec.prefill_hosts == ("gamer",)       # the better split prefills on the gamer all the same
+    labels = [c.layout.label for c in wp.configs]
+    assert labels.index("split workstation -> gamer") < labels.index("split gamer -> workstation")
+
+
+def test_auto_routes_each_class_by_the_router_s_costs(tmp_path: Path) -> None:
+    """Short prompts are never split (a handoff costs more than their prefill anywhere), long ones
+    never prefilled by the workstation (2 s each); either may go whole to the gamer while the
+    workstation's decodes run slower than the gamer's (the proxy's decode_load rule)."""
+    topo = house(tmp_path, rates={"gamer": 20_000.0, "workstation": 1000.0})
+    wp = plan_workload(topo, parse_classes("short=16:32@0.5,long=2048:32@0.5"), 0.5)
+    auto = next(c for c in wp.configs if c.layout.label == "auto gamer -> workstation")
+    short, long = auto.classes
+    assert str(Option.SPLIT) not in short.routes
+    assert short.routes[str(Option.LOCAL)] + short.routes.get(str(Option.WHOLE), 0.0) == pytest.approx(1.0)
+    assert str(Option.LOCAL) not in long.routes
+    assert long.routes[str(Option.SPLIT)] + long.routes.get(str(Option.WHOLE), 0.0) == pytest.approx(1.0)
+    assert long.routes[str(Option.SPLIT)] > 0.5
+    assert long.ttft_p50_s is not None and long.ttft_p50_s < 1.0 < 2048 / 1000
+
+
+def test_a_class_beyond_max_model_len_is_refused(tmp_path: Path) -> None:
+    topo = house(tmp_path, rates={"gamer": 20_000.0, "workstation": 1000.0})
+    with pytest.raises(PlanError, match="longer than the topology's max_model_len"):
+        plan_workload(topo, parse_classes("huge=4000:200"), 1.0)
+
+
+def test_the_json_carries_every_configuration_per_class(tmp_path: Path) -> None:
+    topo = house(tmp_path, rates={"gamer": 20_000.0, "workstation": 1000.0})
+    data = plan_workload(topo, parse_classes("short=16:32@0.5,long=2048:32@0.5"), 0.5,
+                         parse_slo("ttft=2s,tpot=200ms")).to_json()
+    assert data["workload"]["rate_rps"] == 0.5
+    assert [c["name"] for c in data["workload"]["classes"]] == ["short", "long"]
+    assert data["slo"] == {"ttft": 2.0, "tpot": 0.2}
+    kinds = [c["kind"] for c in data["configurations"]]
+    assert kinds.count(COLOCATED) == 2 and kinds.count(REPLICAS) == 1
+    assert kinds.count(SPLIT) == 2 and kinds.count(AUTO) == 2
+    for c in data["configurations"]:
+        assert [k["class"] for k in c["classes"]] == ["short", "long"]
+    assert data["recommendation"]["prefill_hosts"] == ["gamer"]
