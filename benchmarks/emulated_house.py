@@ -1,0 +1,281 @@
+"""The emulated house served five ways, and ``disagg plan`` beside the measurements.
+
+The house (``topologies/house-emulated.yaml``): a compute-rich "gamer" whose KV memory binds, a
+"workstation" with a fraction of the compute and ample KV memory, a 2.5 Gb/s emulated link. For
+each compute/memory ratio (``--ratio``) this script derives four topologies from that file and
+runs one ``disagg bench compare`` over them, so five configurations see the identical workload:
+
+- ``gamer``: one engine on the gamer serves everything (its emulated KV cache, its core);
+- ``workstation``: one engine on the workstation serves everything;
+- ``replicas``: both boxes serve whole requests, the proxy balancing between them;
+- ``split``: the house as written, every prompt prefilled on the gamer and decoded on the workstation;
+- ``auto``: the same house, the proxy choosing per prompt (split, local, whole).
+
+The SLO is fixed by a rule stated before measuring, from a calibration on the idle engines of the
+replica pool (one request at a time, three each, medians): TTFT <= 2 x the gamer's TTFT for the
+longest class's prompt, TPOT <= 2 x the workstation's TPOT for the shortest class. The calibration
+also measures each box's prefill rate back (prompt tokens over TTFT), so the emulation is checked
+against what the topology states.
+
+After the bench (whose prefill probes store each host's measured rate), ``disagg plan`` predicts
+the same workload (``--classes``, ``--rate``, ``--slo``, ``--json``) at every rate, and the script
+prints, per configuration, rate and class, the measured and the predicted TTFT p50, TPOT p50 and
+goodput, and whether plan's goodput ranking of the five equals the bench's up to ties (differences
+inside the repeats' min-max spread).
+
+Run it alone (it starts engines; hold the engine lock, as root for the link's namespace):
+
+    flock /tmp/disagg-engines.lock .venv/bin/python benchmarks/emulated_house.py --out /tmp/house \\
+        --ratio base --ratio close=700:384MiB --rates 0.1,0.2,0.4 --repeats 5 -n 16
+
+``--ratio NAME`` keeps the file's figures; ``NAME=RATE:KV`` sets the workstation's emulated prefill
+rate (tokens/s) and the gamer's KV memory. Outputs stay under ``--out`` (results.json per ratio,
+the bench reports, summary.md); docs/the-one-question.md shows the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from disagg.prompts import exact_prompt, load_tokenizer
+from disagg.topology import load_topology
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+CONFIGS = ("gamer", "workstation", "replicas", "split", "auto")
+PREFILL, DECODE = "gamer", "workstation"
+CALIBRATION_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """One compute/memory ratio of the house: None keeps the file's figure."""
+
+    name: str
+    workstation_prefill_rate: float | None = None
+    gamer_kv_memory: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Ratio:
+        name, _, spec = text.partition("=")
+        if not spec:
+            return cls(name)
+        rate, _, kv = spec.partition(":")
+        return cls(name, float(rate), kv or None)
+
+
+def run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    print("+", " ".join(argv), file=sys.stderr, flush=True)
+    return subprocess.run(argv, text=True, cwd=ROOT, check=True, **kw)
+
+
+def derive(source: Path, ratio: Ratio, out: Path) -> dict[str, Path]:
+    """The split file (the house with ``ratio`` applied) and its three colocated relatives."""
+    base = yaml.safe_load(source.read_text())
+    hosts = base["hosts"]
+    if ratio.workstation_prefill_rate is not None:
+        hosts[DECODE].setdefault("emulate", {})["prefill_rate"] = ratio.workstation_prefill_rate
+    if ratio.gamer_kv_memory is not None:
+        hosts[PREFILL].setdefault("emulate", {})["kv_memory"] = ratio.gamer_kv_memory
+    model = base["model"]
+    if not str(model["path"]).startswith("disagg:"):
+        model["path"] = str((source.parent / model["path"]).resolve())
+    prefill, decode = base["roles"]["prefill"][0], base["roles"]["decode"][0]
+    name = f"{base.get('name', source.stem)}-{ratio.name}"
+    files: dict[str, dict[str, Any]] = {"split": {**base, "name": f"{name}-split"}}
+
+    def colocated(tag: str, instances: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+        used = {host for host, _ in instances}
+        return {"name": f"{name}-{tag}", "model": model, "engine": base.get("engine", "vllm"),
+                "link": {"type": "loopback"}, "proxy": base.get("proxy", {}),
+                "hosts": {h: {**{k: v for k, v in hosts[h].items() if k != "address"}, "address": "127.0.0.1"}
+                          for h in used},
+                "roles": {"both": [{"host": h, "port": inst["port"], "cpus": inst.get("cpus", []),
+                                    "args": inst.get("args", [])} for h, inst in instances]}}
+
+    files["gamer"] = colocated("gamer", [(PREFILL, prefill)])
+    files["workstation"] = colocated("workstation", [(DECODE, decode)])
+    files["replicas"] = colocated("replicas", [(PREFILL, prefill), (DECODE, decode)])
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for tag, doc in files.items():
+        path = out / f"{name}-{tag}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        load_topology(path)   # fail here, not after the first bring-up
+        paths[tag] = path
+    return paths
+
+
+def _post(url: str, body: dict[str, Any], key: str) -> tuple[float, float, int, int]:
+    """(TTFT, end-to-end seconds, prompt tokens, output tokens) of one streamed completion."""
+    req = urllib.request.Request(url + "/v1/completions",
+                                 data=json.dumps({**body, "stream": True,
+                                                  "stream_options": {"include_usage": True}}).encode(),
+                                 headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
+    t0 = time.monotonic()
+    first = None
+    usage: dict[str, int] = {}
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and first is None:
+                first = time.monotonic()
+            usage = event.get("usage") or usage
+    end = time.monotonic()
+    assert first is not None, f"{url}: no token came"
+    return first - t0, end - t0, usage["prompt_tokens"], usage["completion_tokens"]
+
+
+def calibrate(replicas: Path, classes: list[tuple[str, int, int]], key: str) -> dict[str, float]:
+    """Idle figures from the replica pool's two engines, one request at a time."""
+    topo = load_topology(replicas)
+    urls = {inst.host: f"http://{topo.hosts[inst.host].address}:{inst.port}" for inst in topo.role("both")}
+    tok = load_tokenizer(topo.model.path)
+    model = topo.model.served_name or topo.model.embedded or topo.model.source
+    longest = max(classes, key=lambda c: c[1])
+    shortest = min(classes, key=lambda c: c[1])
+    env = {**os.environ, "DISAGG_ENGINE_KEY": key}
+    run([PY, "-m", "disagg", "up", str(replicas), "--detach"], env=env)
+    figures: dict[str, float] = {}
+    try:
+        for host, url in urls.items():
+            ttfts, rates, tpots = [], [], []
+            for i in range(CALIBRATION_REPEATS + 1):          # the first warms the engine up
+                ttft, _, n_in, _ = _post(url, {"model": model, "max_tokens": 1,
+                                               "prompt": exact_prompt(tok, longest[1], f"cal-{host}-{i}-{key[:6]}")},
+                                         key)
+                short_ttft, e2el, _, n_out = _post(url, {"model": model, "max_tokens": shortest[2], "ignore_eos": True,
+                                                "prompt": exact_prompt(tok, shortest[1], f"cat-{host}-{i}")}, key)
+                if i:
+                    ttfts.append(ttft)
+                    rates.append(n_in / ttft)
+                    tpots.append((e2el - short_ttft) / max(1, n_out - 1))
+            figures[f"{host}_long_ttft_s"] = statistics.median(ttfts)
+            figures[f"{host}_prefill_tokens_per_s"] = statistics.median(rates)
+            figures[f"{host}_tpot_s"] = statistics.median(tpots)
+    finally:
+        run([PY, "-m", "disagg", "down", str(replicas)], env=env)
+    return figures
+
+
+def slo_of(cal: dict[str, float]) -> tuple[float, float]:
+    """The rule: TTFT <= 2 x the gamer's idle TTFT of the longest prompt, TPOT <= 2 x the
+    workstation's idle TPOT."""
+    return 2 * cal[f"{PREFILL}_long_ttft_s"], 2 * cal[f"{DECODE}_tpot_s"]
+
+
+def label_of(doc_label: str) -> str:
+    if doc_label.endswith("[auto]"):
+        return "auto"
+    if doc_label.endswith("[split]"):
+        return "split"
+    return doc_label.rsplit("-", 1)[-1]
+
+
+def measured(results: dict[str, Any]) -> dict[str, dict[float, dict[str, Any]]]:
+    """config -> rate -> per class medians over repeats (TTFT p50, TPOT p50) and goodput (median,
+    min, max over repeats)."""
+    out: dict[str, dict[float, dict[str, Any]]] = {}
+    for label, result in results.items():
+        config = label_of(label)
+        by_rate: dict[float, list[dict[str, Any]]] = {}
+        for r in result["runs"]:
+            by_rate.setdefault(float(r["rate"]), []).append(r)
+        for rate, runs in by_rate.items():
+            cell: dict[str, Any] = {}
+            for klass in runs[0]["metrics"]:
+                ms = [r["metrics"][klass] for r in runs]
+                cell[klass] = {
+                    "ttft_p50": statistics.median(m["ttft"]["p50"] for m in ms if m["ttft"].get("p50") is not None),
+                    "tpot_p50": statistics.median(m["tpot"]["p50"] for m in ms if m["tpot"].get("p50") is not None),
+                    "goodput": statistics.median(m["goodput"] or 0.0 for m in ms),
+                    "goodput_min": min(m["goodput"] or 0.0 for m in ms),
+                    "goodput_max": max(m["goodput"] or 0.0 for m in ms),
+                }
+            out.setdefault(config, {})[rate] = cell
+    return out
+
+
+def predicted(topologies: dict[str, Path], classes_arg: str, rates: list[float], slo: str) -> dict[str, Any]:
+    """``disagg plan --json`` for the workload at each rate, from the split file (which names both
+    hosts and the link; plan predicts every configuration of them)."""
+    out = {}
+    for rate in rates:
+        done = run([PY, "-m", "disagg", "plan", str(topologies["split"]), "--classes", classes_arg,
+                    "--rate", f"{rate:g}", "--slo", slo, "--json"], capture_output=True)
+        out[f"{rate:g}"] = json.loads(done.stdout)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--topology", type=Path, default=ROOT / "topologies" / "house-emulated.yaml")
+    ap.add_argument("--ratio", action="append", type=Ratio.parse, help="NAME or NAME=RATE:KV (repeatable)")
+    ap.add_argument("--classes", default="short=256:256@0.5,long=2048:256@0.5")
+    ap.add_argument("--rates", default="0.1,0.2,0.4")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("-n", "--num-requests", type=int, default=16)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    ratios = args.ratio or [Ratio("base")]
+    classes = []
+    for part in args.classes.split(","):
+        name, _, spec = part.partition("=")
+        lengths = spec.split("@")[0].split(":")
+        classes.append((name, int(lengths[0]), int(lengths[1]) if len(lengths) > 1 else 64))
+    rates = [float(r) for r in args.rates.split(",")]
+    key = os.environ.get("DISAGG_ENGINE_KEY") or secrets.token_urlsafe(24)
+    env = {**os.environ, "DISAGG_ENGINE_KEY": key}
+    summary: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": _cpu(),
+                               "loadavg_at_start": os.getloadavg(), "classes": args.classes, "rates": rates,
+                               "repeats": args.repeats, "num_requests": args.num_requests, "ratios": {}}
+    for ratio in ratios:
+        out = args.out / ratio.name
+        tops = derive(args.topology, ratio, out / "topologies")
+        cal = calibrate(tops["replicas"], classes, key)
+        ttft_slo, tpot_slo = slo_of(cal)
+        slo = f"ttft={ttft_slo * 1000:.0f}ms,tpot={tpot_slo * 1000:.1f}ms"
+        print(f"{ratio.name}: calibration {json.dumps(cal)}; SLO {slo}", file=sys.stderr, flush=True)
+        run([PY, "-m", "disagg", "bench", "compare", str(tops["gamer"]), str(tops["workstation"]),
+             str(tops["replicas"]), str(tops["split"]), "--routing", "split,auto",
+             "--classes", args.classes, "--rates", args.rates, "-n", str(args.num_requests),
+             "--repeats", str(args.repeats), "--slo", slo, "--out", str(out / "bench")], env=env)
+        results = json.loads((out / "bench" / "results.json").read_text())
+        entry: dict[str, Any] = {"calibration": cal, "slo": slo, "measured": measured(results)}
+        try:
+            entry["predicted"] = predicted(tops, args.classes, rates, slo)
+        except (subprocess.CalledProcessError, json.JSONDecodeError) as exc:
+            entry["predicted_error"] = str(exc)
+        summary["ratios"][ratio.name] = entry
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    summary["loadavg_at_end"] = os.getloadavg()
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def _cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} CPUs)"
+    return f"unknown ({os.cpu_count()} CPUs)"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

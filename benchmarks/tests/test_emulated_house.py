@@ -1,0 +1,58 @@
+"""benchmarks/emulated_house.py without engines: the topologies it derives, the SLO rule, and how it
+reads a bench report (medians over repeats per configuration, rate and class)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.emulated_house import Ratio, derive, label_of, measured, slo_of
+from disagg.topology import load_topology
+
+ROOT = Path(__file__).resolve().parents[2]
+HOUSE = ROOT / "topologies" / "house-emulated.yaml"
+
+
+def test_the_house_and_its_three_relatives(tmp_path: Path) -> None:
+    files = derive(HOUSE, Ratio.parse("close=700:384MiB"), tmp_path)
+    assert set(files) == {"split", "gamer", "workstation", "replicas"}
+    split = load_topology(files["split"])
+    assert split.link.type == "emulated" and split.link.rate_bps == 2.5e9
+    ws, gamer = split.hosts["workstation"].emulate, split.hosts["gamer"].emulate
+    assert ws is not None and gamer is not None
+    assert ws.prefill_rate == 700 and ws.kv_memory_bytes == 2 * 2**30 and gamer.kv_memory_bytes == 384 * 2**20
+    alone = load_topology(files["gamer"])
+    assert alone.colocated and [i.host for i in alone.role("both")] == ["gamer"]
+    assert alone.hosts["gamer"].emulate == gamer and alone.role("both")[0].cpus == (0,)
+    pool = load_topology(files["replicas"])
+    assert [i.host for i in pool.role("both")] == ["gamer", "workstation"]
+    assert pool.hosts["workstation"].emulate == ws
+    names = {load_topology(p).name for p in files.values()}
+    assert len(names) == 4       # four run directories, four cgroup/namespace tags
+
+
+def test_the_base_ratio_keeps_the_file(tmp_path: Path) -> None:
+    split = load_topology(derive(HOUSE, Ratio.parse("base"), tmp_path)["split"])
+    original = load_topology(HOUSE)
+    assert split.hosts["workstation"].emulate == original.hosts["workstation"].emulate
+
+
+def test_slo_rule_and_labels() -> None:
+    ttft, tpot = slo_of({"gamer_long_ttft_s": 1.5, "workstation_tpot_s": 0.006})
+    assert (ttft, tpot) == (3.0, 0.012)
+    assert [label_of(x) for x in ("house-emulated-base-gamer", "house-emulated-base-split[auto]",
+                                  "house-emulated-base-split[split]", "house-emulated-base-replicas")] == \
+        ["gamer", "auto", "split", "replicas"]
+
+
+def _run(rate: float, repeat: int, ttft: float, goodput: float) -> dict:
+    m = {"ttft": {"p50": ttft}, "tpot": {"p50": 0.01}, "goodput": goodput}
+    return {"rate": rate, "repeat": repeat, "metrics": {"long": m, "all": m}}
+
+
+def test_measured_takes_medians_over_repeats() -> None:
+    doc = {"house-emulated-base-split[auto]": {"runs": [_run(0.2, 0, 1.0, 0.2), _run(0.2, 1, 3.0, 0.1),
+                                                        _run(0.2, 2, 2.0, 0.15), _run(0.4, 0, 5.0, 0.0)]}}
+    cell = measured(doc)["auto"][0.2]["long"]
+    assert cell["ttft_p50"] == 2.0 and cell["goodput"] == 0.15
+    assert (cell["goodput_min"], cell["goodput_max"]) == (0.1, 0.2)
+    assert measured(doc)["auto"][0.4]["all"]["ttft_p50"] == 5.0
