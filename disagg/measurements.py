@@ -1,6 +1,6 @@
 """Measurements other commands store for ``disagg plan`` to use, on disk.
 
-Two files, both JSON, both written atomically (temp file + rename):
+Three files, all JSON, all written atomically (temp file + rename):
 
 ``<run_dir>/measurements/prefill.json`` (written by ``disagg bench``)::
 
@@ -27,6 +27,27 @@ Two files, both JSON, both written atomically (temp file + rename):
       "measured_at": "2026-11-29T09:12:00+00:00"
     }
 
+``<run_dir>/measurements/handoff.json`` (written by ``disagg bench compare``:
+:func:`disagg.bench.prefill.probe_handoff_fixed`)::
+
+    {
+      "<served model name>": {
+        "<prefill host> -> <decode host>": {
+          "<connector>" or "<connector> streamed": {
+            "fixed_s": 0.052,                     # the handoff's fixed cost on this pair
+            "measured_at": "2026-11-29T09:12:00+00:00",
+            "source": "disagg bench compare ... (free text: how it was measured)"
+          }
+        }
+      }
+    }
+
+A handoff's fixed cost is what a split adds to a prefill beyond the part that grows with the
+prompt's KV (as ``disagg plan`` prices that part): the connector's own cost, decode's first step
+over the weights, the link's round trips. It belongs to a pair of hosts, a connector and the
+model (the first step reads its weights), so it is kept per model, pair and connector (a streamed
+handoff apart), in the run directory beside the prefill rates.
+
 A prefill rate holds only for the dtype it was measured with (on a CPU without
 native bf16, bf16 prefilled 4 times slower than float32 here): a lookup for
 another dtype finds nothing, and an entry written before the field existed
@@ -41,6 +62,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,6 +71,7 @@ from typing import Any
 from disagg.errors import StateError
 
 PREFILL_FILE = Path("measurements") / "prefill.json"
+HANDOFF_FILE = Path("measurements") / "handoff.json"
 PROBE_SUFFIX = ".probe.json"
 
 
@@ -79,6 +102,19 @@ def _write_json(path: Path, data: Any) -> Path:
     except OSError as exc:
         raise StateError(f"cannot write {path}: {exc.strerror or exc}") from exc
     return path
+
+
+def _merge_json(path: Path, update: Callable[[dict[str, Any]], None]) -> Path:
+    """Read the object of model names at ``path`` ({} when missing), ``update`` it, write it back,
+    all under a lock beside it: concurrent benches merge, never overwrite. Returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = _read_json(path) or {}
+        if not isinstance(data, dict):
+            raise StateError(f"{path}: expected an object of model names")
+        update(data)
+        return _write_json(path, data)
 
 
 # --- prefill throughput ------------------------------------------------------
@@ -140,20 +176,87 @@ def store_prefill(run_dir: str | Path, model: str, host: str, prompt_tokens_per_
     ``model.dtype``) on ``host``; returns the file."""
     if prompt_tokens_per_s <= 0:
         raise ValueError("prompt_tokens_per_s must be positive")
-    path = prefill_path(run_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:  # concurrent benches merge, never overwrite
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        data = _read_json(path) or {}
-        if not isinstance(data, dict):
-            raise StateError(f"{path}: expected an object of model names")
-        data.setdefault(model, {})[host] = {
-            "prompt_tokens_per_s": float(prompt_tokens_per_s),
-            "dtype": dtype,
-            "measured_at": measured_at or now_iso(),
-            "source": source,
-        }
-        return _write_json(path, data)
+    entry = {"prompt_tokens_per_s": float(prompt_tokens_per_s), "dtype": dtype,
+             "measured_at": measured_at or now_iso(), "source": source}
+
+    def put(data: dict[str, Any]) -> None:
+        data.setdefault(model, {})[host] = entry
+
+    return _merge_json(prefill_path(run_dir), put)
+
+
+# --- a pair's handoff ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class HandoffMeasurement:
+    """The measured fixed cost of a handoff on one prefill -> decode pair of hosts."""
+
+    model: str
+    prefill_host: str
+    decode_host: str
+    connector: str
+    streaming: bool
+    fixed_s: float
+    measured_at: str
+    source: str
+
+    @property
+    def date(self) -> str:
+        """The day it was measured (``2026-11-29``), or the stored text when it is not ISO 8601."""
+        return self.measured_at[:10]
+
+
+def handoff_path(run_dir: str | Path) -> Path:
+    """Where handoff measurements live under a run directory."""
+    return Path(run_dir) / HANDOFF_FILE
+
+
+def _pair_key(prefill_host: str, decode_host: str) -> str:
+    return f"{prefill_host} -> {decode_host}"
+
+
+def _connector_key(connector: str, streaming: bool) -> str:
+    return f"{connector} streamed" if streaming else connector
+
+
+def store_handoff(run_dir: str | Path, model: str, prefill_host: str, decode_host: str, connector: str,
+                  streaming: bool, fixed_s: float, source: str, measured_at: str | None = None) -> Path:
+    """Record (or replace) the fixed handoff cost of ``model`` on the pair over ``connector``
+    (``streaming``: the KV streamed while the prefill computes); returns the file. Called by
+    ``disagg bench compare`` (:mod:`disagg.bench.compare`)."""
+    if not fixed_s >= 0:
+        raise ValueError("fixed_s must be a number >= 0")
+    entry = {"fixed_s": float(fixed_s), "measured_at": measured_at or now_iso(), "source": source}
+
+    def put(data: dict[str, Any]) -> None:
+        pairs = data.setdefault(model, {}).setdefault(_pair_key(prefill_host, decode_host), {})
+        pairs[_connector_key(connector, streaming)] = entry
+
+    return _merge_json(handoff_path(run_dir), put)
+
+
+def lookup_handoff(run_dir: str | Path, model: str, prefill_host: str, decode_host: str, connector: str,
+                   streaming: bool = False) -> HandoffMeasurement | None:
+    """The stored fixed handoff cost of ``model`` on that pair and connector, or None. Called by
+    ``disagg plan`` (:func:`disagg.planning.plan_topology`), which then uses it instead of the
+    connector's seed (:data:`disagg.routecost.HANDOFF_FIXED_S`)."""
+    path = handoff_path(run_dir)
+    data = _read_json(path)
+    if data is None:
+        return None
+    try:
+        entry = data.get(model, {}).get(_pair_key(prefill_host, decode_host), {}).get(
+            _connector_key(connector, streaming))
+    except AttributeError:
+        raise StateError(f"{path}: expected {{model: {{pair: {{connector: entry}}}}}}") from None
+    if entry is None:
+        return None
+    fixed = entry.get("fixed_s") if isinstance(entry, dict) else None
+    if isinstance(fixed, bool) or not isinstance(fixed, (int, float)) or fixed < 0:
+        raise StateError(f"{path}: {model}.{_pair_key(prefill_host, decode_host)}.fixed_s: expected a number >= 0")
+    return HandoffMeasurement(model=model, prefill_host=prefill_host, decode_host=decode_host, connector=connector,
+                              streaming=streaming, fixed_s=float(fixed), measured_at=str(entry.get("measured_at", "")),
+                              source=str(entry.get("source", "")))
 
 
 # --- link probe ----------------------------------------------------------------

@@ -8,7 +8,9 @@ For each prompt class (prompt length n, output length m) the planner works out
   link class (:data:`LINK_CLASSES`), and ``fixed`` is the connector's measured
   fixed cost (:data:`disagg.routecost.HANDOFF_FIXED_S`, measured on loopback)
   plus :data:`HANDOFF_ROUND_TRIPS` round trips of the link (without a connector:
-  :data:`PROXY_HOP_S` for the proxy's second request instead of the measured part).
+  :data:`PROXY_HOP_S` for the proxy's second request instead of the measured part); once
+  ``disagg bench compare`` stored this pair's own fixed cost
+  (:func:`disagg.measurements.lookup_handoff`), that measurement instead (:func:`pair_handoff`).
   Sent after the prefill, the handoff also holds decode's first step
   (:func:`first_step`: vLLM recomputes the last prompt token there, reading the
   weights and the prompt's KV at the decode host's memory rate).
@@ -54,7 +56,7 @@ from disagg_connectors.socket_connector.config import wire_ratio
 from disagg.errors import PlanError
 from disagg.hardware import DEVICES, PREFILL_UTILISATION, DeviceSpec, lookup_device
 from disagg.kvmath import ModelArch, human_count, kv_dtype_bytes, resolve_model
-from disagg.measurements import LinkMeasurement, load_link, load_prefill
+from disagg.measurements import LinkMeasurement, load_link, load_prefill, lookup_handoff
 from disagg.routecost import (
     FIRST_STEP_CPU_BYTES_PER_S,
     FIRST_STEP_CPU_SOURCE,
@@ -157,6 +159,12 @@ class LinkEstimate:
     first_step_wire_bps: float | None = None
     #: where the first step's memory rate comes from (what ``disagg plan`` prints beside it)
     first_step_source: str = ""
+    #: the fixed cost ``disagg bench`` measured on this pair (:func:`disagg.measurements.lookup_handoff`):
+    #: when set it is the whole of :attr:`fixed_s` (the connector's part, the first step's fixed part and
+    #: the round trips, as measured), in place of the connector's seed; None: not measured
+    measured_fixed_s: float | None = None
+    #: where :attr:`measured_fixed_s` comes from (``measured on this pair <date> (<source>)``)
+    measured_fixed_label: str = ""
 
     @property
     def round_trips_s(self) -> float:
@@ -170,7 +178,10 @@ class LinkEstimate:
 
     @property
     def fixed_s(self) -> float:
-        """Per-handoff cost that does not depend on the size (with the first step's fixed part)."""
+        """Per-handoff cost that does not depend on the size (with the first step's fixed part): the
+        pair's measured one when stored, else the sum of the seeded parts."""
+        if self.measured_fixed_s is not None:
+            return self.measured_fixed_s
         own = PROXY_HOP_S if self.connector_fixed_s is None else self.connector_fixed_s
         return HANDOFF_ROUND_TRIPS * self.rtt_s + own + self.first_step_fixed_s
 
@@ -313,6 +324,16 @@ class Plan:
         return self.streaming_layers is not None
 
     @property
+    def fixed_source(self) -> str | None:
+        """Where the handoff's fixed cost comes from: this pair's measurement, the connector's seed,
+        or None (no connector: the proxy's hop, assumed)."""
+        if self.link.measured_fixed_s is not None:
+            return self.link.measured_fixed_label
+        if self.link.connector_fixed_s is None:
+            return None
+        return handoff_fixed_source(self.streaming_layers is not None)
+
+    @property
     def wire_bytes_per_token(self) -> float:
         """Bytes one prompt token puts on the link (full-attention layers; the KV cache's bytes
         times the wire format's ratio)."""
@@ -349,8 +370,7 @@ class Plan:
                          "ratio": c.ratio, "verdict": c.verdict, "reason": c.reason,
                          "conversations_fit": c.conversations} for c in self.classes],
             "break_even_prompt_tokens": self.break_even_tokens,
-            "handoff_fixed_source": (handoff_fixed_source(self.streaming_layers is not None)
-                                     if self.link.connector_fixed_s is not None else None),
+            "handoff_fixed_source": self.fixed_source,
             "decode_prefill": None if self.decode_prefill is None else {
                 "estimated": self.decode_prefill.estimated, "source": self.decode_prefill.label,
                 "tokens_per_s": self.decode_prefill.rate()},
@@ -825,10 +845,26 @@ def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: i
         notes.append(streaming_note(layers))
     else:
         link = first_step(topo, arch, link, dtype, wire, notes, pair)
+    if model is None:       # a what-if model has other weights, so another first step
+        link = pair_handoff(topo, link, pair, run_dir, streamed)
     return make_plan(arch, dtype, link, prefill, decode_memory(topo, arch, pair), prompt_tokens,
                      output_tokens, notes, max_prompt_tokens=topo.model.max_model_len,
                      decode_prefill=decode_prefill, wire_format=wire, streaming_layers=layers,
                      not_fit=weights_do_not_fit(topo, arch, pair))
+
+
+def pair_handoff(topo: Topology, link: LinkEstimate, pair: Pair, run_dir: str | None, streamed: bool) -> LinkEstimate:
+    """``link`` with the fixed handoff cost ``disagg bench compare`` measured on this pair of hosts
+    for the topology's model and connector, when one is stored
+    (:func:`disagg.measurements.lookup_handoff`), instead of the connector's seed."""
+    from disagg.engines.vllm import served_model_name
+
+    found = lookup_handoff(run_dir or topo.run_dir, served_model_name(topo), pair[0].host, pair[1].host,
+                           topo.connector, streamed)
+    if found is None:
+        return link
+    return replace(link, measured_fixed_s=found.fixed_s,
+                   measured_fixed_label=f"measured on this pair {found.date} ({found.source})")
 
 
 def weights_do_not_fit(topo: Topology, arch: ModelArch, pair: Pair | None = None) -> str | None:
@@ -889,7 +925,7 @@ def route_seeds(topo: Topology) -> RouteSeeds:
                       prefill_tokens_per_s=plan.prefill.rate(), decode_tokens_per_s=decode.rate(),
                       link_bytes_per_s=plan.link.cost().bytes_per_s, handoff_fixed_s=plan.link.fixed_s,
                       sources=(plan.link.label, plan.prefill.label, decode.label,
-                               handoff_fixed_source(plan.streaming_layers is not None)),
+                               plan.fixed_source or handoff_fixed_source(plan.streaming_layers is not None)),
                       streaming_layers=plan.streaming_layers,
                       measured_rates=tuple(role for role in ("prefill", "decode") if every_host_measured(topo, role)))
 

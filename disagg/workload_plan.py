@@ -909,7 +909,8 @@ def plan_workload(topo: Topology, classes: Sequence[WorkClass], rate: float, slo
     slo_dict = {} if slo is None else {k: v for k in ("ttft", "tpot", "e2el") if (v := getattr(slo, k)) is not None}
     return WorkloadPlan(topology=topo.file, model=arch, kv_dtype=dtype, rate=rate, mix=mix, slo=slo_dict,
                         engines=tuple(engines), configs=configs, recommendation=rec, handoff=base.link,
-                        handoff_source=base.link.label, notes=tuple(dict.fromkeys([*notes, *base.notes])),
+                        handoff_source=base.fixed_source or "the proxy's second request, assumed",
+                        notes=tuple(dict.fromkeys([*notes, *base.notes])),
                         workload_source=workload_source, kv_binds=tuple(binds))
 
 

@@ -4,8 +4,9 @@ For each topology file in turn: ``disagg up FILE --detach`` (returns once every
 engine and the proxy are healthy), the sweep against the proxy, optionally a
 prefill-rate probe straight to an engine of each host that prefills (prefill
 hosts, and decode hosts whose engines serve the ``auto`` routing's local
-prefills: both seed the proxy's routing), then ``disagg down
-FILE`` -- always, also when the bench fails or is interrupted -- and a copy of the
+prefills: both seed the proxy's routing) and, on a split topology of one pair, a probe of the
+pair's fixed handoff cost (:func:`disagg.bench.prefill.probe_handoff_fixed`, stored for
+``disagg plan``), then ``disagg down FILE`` -- always, also when the bench fails or is interrupted -- and a copy of the
 builtin proxy's log into ``logs/LABEL-proxy.log`` of the output directory (the next
 ``up`` of the same run starts the log afresh; with ``proxy.log_level: debug`` it holds
 the routing decisions that ``benchmarks/prediction_floor.py`` and ``route_replay.py``
@@ -40,7 +41,7 @@ from typing import Any
 import yaml
 
 from disagg.bench.metrics import DEFAULT_PERCENTILES
-from disagg.bench.prefill import probe_prefill_rate
+from disagg.bench.prefill import HANDOFF_PROBE_TOKENS, probe_handoff_fixed, probe_prefill_rate
 from disagg.bench.report import write_json, write_report
 from disagg.bench.runner import BenchResult, Step, Target, run_sweep
 from disagg.bench.slo import NO_SLO, SLO
@@ -49,8 +50,9 @@ from disagg.deployment import build_deployment
 from disagg.emulation import emulation_lines
 from disagg.engines.vllm import served_model_name
 from disagg.errors import DisaggError, LaunchError
-from disagg.measurements import probe_path, store_prefill
+from disagg.measurements import probe_path, store_handoff, store_prefill
 from disagg.paths import LOGS, PROXY_LOG, run_path
+from disagg.planning import plan_topology
 from disagg.proxy.handoff import handoff_class
 from disagg.serving import ROUTING_POLICIES
 from disagg.topology import Topology, load_topology
@@ -92,6 +94,9 @@ class TopologyUnderTest:
     source: Path | None = None          # the file this one was derived from (routing variants)
     routing: str | None = None          # the routing policy a variant sets
     emulated: tuple[str, ...] = ()      # what each host emulates (disagg.emulation.emulation_lines)
+    #: (prefill host, decode host, prefill engine URL) of a split topology's one pair, whose handoff
+    #: the probe measures (:func:`disagg.bench.prefill.probe_handoff_fixed`); None: not split, or several pairs
+    handoff_pair: tuple[str, str, str] | None = None
 
     @classmethod
     def load(cls, file: Path) -> TopologyUnderTest:
@@ -105,11 +110,15 @@ class TopologyUnderTest:
         for eng in dep.engines:
             if eng.instance.role in roles and eng.host.name not in prefilling:
                 prefilling[eng.host.name] = (eng.host.name, eng.name, eng.url)
+        pair = None
+        if is_split(topo) and len(topo.role("prefill")) == 1 and len(topo.role("decode")) == 1:
+            p_eng = next(e for e in dep.engines if e.instance.role == "prefill")
+            pair = (p_eng.host.name, topo.host_of(topo.role("decode")[0]).name, p_eng.url)
         return cls(file=file, label=topo.name, proxy_url=dep.proxy_url, model=served_model_name(topo),
                    run_dir=topo.run_dir, log_dir=run_path(topo.run_dir, topo.name) / LOGS, dtype=topo.model.dtype,
                    engine_urls=tuple(e.url for e in dep.engines),
                    prefilling_engines=tuple(prefilling.values()), split=is_split(topo),
-                   emulated=tuple(emulation_lines(topo)))
+                   emulated=tuple(emulation_lines(topo)), handoff_pair=pair)
 
 
 def is_split(topo: Topology) -> bool:
@@ -183,11 +192,15 @@ def plan_topologies(files: Sequence[Path], routing: Sequence[str], out_dir: Path
 
 async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[Step], slo: SLO,
                      progress: bool, probe_count: int, percentiles: Sequence[float],
-                     warmup: int, engine_key: str | None, repeats: int) -> tuple[BenchResult, dict[str, Any]]:
+                     warmup: int, engine_key: str | None,
+                     repeats: int) -> tuple[BenchResult, dict[str, Any], dict[str, Any] | None]:
+    """The sweep against ``t``'s proxy, then the probes: (result, prefill rates measured, the
+    handoff probe's outcome or None)."""
     target = Target(t.proxy_url, model=t.model, tokenize_urls=(t.proxy_url, *t.engine_urls))
     result = await run_sweep(target, workload, steps, slo, progress=progress, warmup=warmup,
                              percentiles=percentiles, repeats=repeats)
     measured: dict[str, Any] = {}
+    handoff: dict[str, Any] | None = None
     if probe_count > 0:
         longest = max(c.input_len for c in workload.classes)
         for host, engine, url in t.prefilling_engines:
@@ -197,7 +210,33 @@ async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[S
                       f"concurrency 1, straight to {engine} at {url} ({t.file})")
             path = store_prefill(t.run_dir, t.model, host, rate, source, dtype=t.dtype)
             measured[host] = {"prompt_tokens_per_s": rate, "file": str(path)}
-    return result, measured
+        if t.handoff_pair is not None:
+            handoff = await _probe_handoff(t, t.handoff_pair, probe_count, workload.seed, engine_key)
+    return result, measured, handoff
+
+
+async def _probe_handoff(t: TopologyUnderTest, pair: tuple[str, str, str], count: int, seed: int,
+                         engine_key: str | None) -> dict[str, Any]:
+    """Measure and store the fixed handoff cost of ``t``'s one pair (:func:`disagg.bench.prefill.probe_handoff_fixed`),
+    with the part that grows with the KV priced as ``disagg plan`` prices it; what was stored, or
+    why nothing was."""
+    p_host, d_host, p_url = pair
+    topo = load_topology(t.file)
+    try:
+        plan = plan_topology(topo, [HANDOFF_PROBE_TOKENS], 0)
+    except DisaggError as exc:
+        return {"stored": False, "why": f"the plan's KV-sized part is unknown: {exc}"}
+    per_byte = plan.classes[0].handoff_s - plan.link.fixed_s
+    found = await probe_handoff_fixed(t.proxy_url, p_url, t.model, count, per_byte, seed=seed,
+                                      engine_headers={"Authorization": f"Bearer {engine_key}"} if engine_key else None)
+    if found is None:
+        return {"stored": False, "why": "the proxy did not split every probe prompt (route it with --routing split)"}
+    fixed, gap = found
+    source = (f"disagg bench compare: median TTFT of {count} splits minus the same prompts straight to {p_url} "
+              f"({HANDOFF_PROBE_TOKENS} tokens, one at a time) = {gap * 1e3:.1f} ms, less "
+              f"{per_byte * 1e3:.1f} ms for the KV as disagg plan prices it ({t.file})")
+    path = store_handoff(t.run_dir, t.model, p_host, d_host, topo.connector, topo.streaming, fixed, source)
+    return {"stored": True, "fixed_s": fixed, "split_minus_prefill_s": gap, "file": str(path)}
 
 
 def kept_proxy_log(out_dir: Path, label: str) -> Path:
@@ -253,7 +292,7 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
         try:
             lifecycle("up", t.file)
             log(f"disagg bench compare: {label}: bench {t.proxy_url} (model {t.model})")
-            result, measured = asyncio.run(_bench_one(t, workload, steps, slo, progress, probe_count,
+            result, measured, handoff = asyncio.run(_bench_one(t, workload, steps, slo, progress, probe_count,
                                                       percentiles, warmup, engine_key, repeats))
         finally:
             log(f"disagg bench compare: {label}: down {t.file}")
@@ -270,6 +309,8 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
                       "loadavg_before_up": load_before_up}
         if t.emulated:
             doc[label]["emulated"] = list(t.emulated)
+        if handoff is not None:
+            doc[label]["handoff_measured"] = handoff
         if proxy_log is not None:
             doc[label]["proxy_log"] = str(proxy_log)
         if t.routing is not None:

@@ -17,10 +17,24 @@ Stored in ``<run_dir>/measurements/prefill.json``::
 
 The format and its writer belong to :mod:`disagg.measurements` (it merges, so
 measurements of other models and hosts are kept); this module only measures.
+
+A pair's handoff (:func:`probe_handoff_fixed`): the fixed cost of a handoff on one prefill ->
+decode pair, measured the way ``benchmarks/handoff_fixed_cost.py`` measured the figures that seed
+every pair (:data:`disagg.routecost.HANDOFF_FIXED_S`): prompts of one length sent one at a time,
+in turn straight to the prefill engine (a plain request: the prefill alone) and through the proxy
+(a split: the same prefill, then the handoff), each with a prompt of its own so no prefix cache
+helps; the median of ``TTFT(split) - TTFT(on P)`` over the pairs, less the part of the handoff
+that grows with the prompt's KV (the transfer and decode's first step reading that KV, as
+``disagg plan`` prices them), is the pair's fixed cost. It counts only when the proxy split every
+prompt sent through it: its ``disagg_route_total{path="split"}`` must grow by as many (a topology
+routed ``auto`` keeps short prompts local; ``disagg bench compare --routing split`` splits them
+all). Called by :func:`disagg.bench.compare.compare`; stored by
+:func:`disagg.measurements.store_handoff`.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 
@@ -29,6 +43,7 @@ import aiohttp
 from disagg.bench.client import COMPLETIONS_PATH, send_request
 from disagg.bench.prompts import build_prompts
 from disagg.bench.records import RequestRecord
+from disagg.bench.routes import scrape
 from disagg.bench.workload import PromptClass, Workload
 from disagg.errors import DisaggError
 
@@ -87,3 +102,49 @@ async def probe_prefill_rate(base_url: str, model: str, prompt_tokens: int, coun
             records.append(rec)
     used = records[1:]
     return sum(r.prompt_tokens for r in used) / sum(r.ttft or 0.0 for r in used)
+
+
+#: the prompt length of the probe: short, so that the part of the handoff that grows with the KV
+#: (subtracted as the plan prices it) weighs little beside the fixed cost
+HANDOFF_PROBE_TOKENS = 128
+
+
+async def probe_handoff_fixed(proxy_url: str, prefill_url: str, model: str, count: int, per_byte_s: float,
+                              prompt_tokens: int = HANDOFF_PROBE_TOKENS, seed: int = 0,
+                              engine_headers: Mapping[str, str] | None = None,
+                              timeout_s: float = 600.0) -> tuple[float, float] | None:
+    """(fixed cost, median TTFT(split) - TTFT(on P)) in seconds over ``count`` pairs of prompts of
+    ``prompt_tokens`` (after one warm-up pair, not counted), or None when the proxy did not split
+    every prompt sent through it (or has no routing metrics). ``per_byte_s``: what the plan
+    prices for the handoff's KV-sized part at ``prompt_tokens`` (subtracted; the fixed cost is
+    never below 0). ``engine_headers`` go to the prefill engine only (the engine key)."""
+    if count < 1:
+        raise ValueError("count must be at least 1")
+    pairs = count + 1
+    workload = Workload((PromptClass("handoff", prompt_tokens, 1),), num_requests=2 * pairs, seed=seed,
+                        timeout_s=timeout_s)
+    proxy, engine = proxy_url.rstrip("/"), prefill_url.rstrip("/")
+    async with aiohttp.ClientSession() as session:
+        before = await scrape(session, proxy)
+        prompts = await build_prompts(session, [proxy], model, workload, ["handoff"] * (2 * pairs), round_index=9998)
+        gaps = []
+        for i in range(pairs):
+            on_p = await send_request(session, engine + COMPLETIONS_PATH, prompts[2 * i], model, workload,
+                                      time.perf_counter(), headers=dict(engine_headers or {}))
+            split = await send_request(session, proxy + COMPLETIONS_PATH, prompts[2 * i + 1], model, workload,
+                                       time.perf_counter())
+            for rec, where in ((on_p, engine), (split, proxy)):
+                if not rec.success or rec.ttft is None:
+                    raise DisaggError(f"handoff probe to {where} failed: {rec.error}")
+            if i:
+                gaps.append((split.ttft or 0.0) - (on_p.ttft or 0.0))
+        after = await scrape(session, proxy)
+    if after is None:           # no routing metrics: not the disagg proxy, or it routed nothing
+        return None
+    splits = sum(v for (path, _), v in after.routes.items() if path == "split")
+    if before is not None:      # (a proxy that has routed nothing yet shows no routing series)
+        splits -= sum(v for (path, _), v in before.routes.items() if path == "split")
+    if splits < pairs:
+        return None
+    gap = statistics.median(gaps)
+    return max(0.0, gap - per_byte_s), gap

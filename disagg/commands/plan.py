@@ -172,6 +172,8 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None, p
         parts.append(f"{fmt_seconds(lk.first_step_fixed_s)} decode's first step ({lk.first_step_source})")
     parts.append(f"{fmt_seconds(lk.round_trips_s)} for {HANDOFF_ROUND_TRIPS} round trips of the link "
                  f"({fmt_seconds(lk.rtt_s)} each)")
+    if lk.measured_fixed_s is not None:     # the pair's own measurement replaces the seeded parts
+        parts = [lk.measured_fixed_label]
     for key, value in (
         ("model", written + (f"  [{m.name}, {m.source}]" if m.name != written else f"  [{m.source}]")),
         ("", m.describe()),
@@ -287,8 +289,8 @@ def render_workload(wp: WorkloadPlan) -> str:
                         f"{e.memory_bytes_per_s / 1e9:.3g} GB/s ({e.decode_source}); KV "
                         + ("unknown" if e.kv_capacity_bytes is None else fmt_bytes(e.kv_capacity_bytes))
                         + f" ({e.kv_source})") for e in wp.engines),
-        ("handoff", f"{fmt_seconds(wp.handoff.fixed_s)} fixed + KV at {wp.handoff.bytes_per_s * 8 / 1e9:.3g} Gb/s "
-                    f"({wp.handoff_source})"),
+        ("handoff", f"{fmt_seconds(wp.handoff.fixed_s)} fixed ({wp.handoff_source}) + KV at "
+                    f"{wp.handoff.bytes_per_s * 8 / 1e9:.3g} Gb/s ({wp.handoff.label})"),
     ):
         out += _wrap(value, first=f"  {key:<11}", rest=" " * 13)
     out.append("")

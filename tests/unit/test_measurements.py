@@ -76,3 +76,27 @@ def test_bad_probe_file(tmp_path) -> None:
     (tmp_path / "site.probe.json").write_text('{"prefill_host": "p"}')
     with pytest.raises(StateError, match=r"site.probe.json: not a probe-link result.*probe-link"):
         load_link(tmp_path / "site.yaml")
+
+
+def test_a_pair_s_handoff_is_kept_per_model_pair_and_connector(tmp_path) -> None:
+    from disagg.measurements import handoff_path, lookup_handoff, store_handoff
+
+    run = tmp_path / "run"
+    assert lookup_handoff(run, "m", "gamer", "workstation", "nixl") is None
+    store_handoff(run, "m", "gamer", "workstation", "nixl", False, 0.052, "probe",
+                  measured_at="2026-12-04T10:00:00+00:00")
+    store_handoff(run, "m", "gamer", "workstation", "socket", True, 0.041, "streamed probe")
+    found = lookup_handoff(run, "m", "gamer", "workstation", "nixl")
+    assert found is not None and found.fixed_s == 0.052 and found.date == "2026-12-04" and found.source == "probe"
+    assert lookup_handoff(run, "m", "gamer", "workstation", "socket") is None         # only the streamed one
+    streamed = lookup_handoff(run, "m", "gamer", "workstation", "socket", streaming=True)
+    assert streamed is not None and streamed.fixed_s == 0.041
+    assert lookup_handoff(run, "m", "workstation", "gamer", "nixl") is None           # the other way round
+    assert lookup_handoff(run, "other", "gamer", "workstation", "nixl") is None
+    data = json.loads(handoff_path(run).read_text())
+    assert set(data["m"]["gamer -> workstation"]) == {"nixl", "socket streamed"}
+    with pytest.raises(ValueError):
+        store_handoff(run, "m", "a", "b", "nixl", False, -1.0, "x")
+    handoff_path(run).write_text('{"m": {"gamer -> workstation": {"nixl": {"fixed_s": "fast"}}}}')
+    with pytest.raises(StateError, match="fixed_s"):
+        lookup_handoff(run, "m", "gamer", "workstation", "nixl")

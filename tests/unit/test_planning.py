@@ -420,3 +420,49 @@ def test_an_unknown_link_is_one_clear_error(text: str, hint: str) -> None:
     with pytest.raises(PlanError, match=f"unknown link '{text}'; expected a link class") as info:
         link_class_estimate(text)
     assert str(info.value).endswith(hint or "1.2GB/s")
+
+
+def test_a_stored_pair_handoff_replaces_the_seeded_fixed_cost(tmp_path) -> None:
+    """Once `disagg bench compare` stored this pair's fixed cost, plan uses it (all of the fixed part:
+    connector, first step over the weights, round trips), labelled with where and when; the part
+    that grows with the KV stays priced as before."""
+    from disagg.measurements import store_handoff
+    from disagg.routecost import HANDOFF_FIXED_S
+
+    topo = _copy_house(tmp_path)
+    seeded = plan_topology(topo, [2048], 0, use_probe=False)
+    assert seeded.link.connector_fixed_s == HANDOFF_FIXED_S["nixl"] and seeded.link.measured_fixed_s is None
+    assert seeded.to_json()["handoff_fixed_source"].startswith("measured 2026-11-30 on a 2-core CPU machine")
+    store_handoff(topo.run_dir, "meta-llama/Llama-3.1-8B-Instruct", "gamer", "workstation", "nixl", False, 0.120,
+                  "test probe", measured_at="2026-12-04T10:00:00+00:00")
+    plan = plan_topology(topo, [2048], 0, use_probe=False)
+    assert plan.link.fixed_s == 0.120
+    row, before = plan.classes[0], seeded.classes[0]
+    assert row.handoff_s - 0.120 == pytest.approx(before.handoff_s - seeded.link.fixed_s)
+    assert plan.to_json()["handoff_fixed_source"] == "measured on this pair 2026-12-04 (test probe)"
+    assert route_seeds(topo).handoff_fixed_s == 0.120
+    # another connector, or the pair the other way round, has no measurement of its own
+    socket = replace_connector(topo, "socket")
+    assert plan_topology(socket, [2048], 0, use_probe=False).link.measured_fixed_s is None
+    # a what-if model reads other weights in decode's first step: the seed again
+    assert plan_topology(topo, [2048], 0, use_probe=False, model="qwen3-8b").link.measured_fixed_s is None
+
+
+def replace_connector(topo, connector: str):
+    from dataclasses import replace as dc_replace
+    return dc_replace(topo, connector=connector)
+
+
+def test_plan_prints_the_pair_s_measured_handoff(tmp_path, capsys) -> None:
+    from disagg.cli import main
+    from disagg.measurements import store_handoff
+
+    run = tmp_path / "run"
+    house = tmp_path / "house.yaml"
+    house.write_text(f"run_dir: {run}\n" + open("topologies/house-2g5.yaml").read())
+    store_handoff(run, "meta-llama/Llama-3.1-8B-Instruct", "gamer", "workstation", "nixl", False, 0.120,
+                  "test probe", measured_at="2026-12-04T10:00:00+00:00")
+    assert main(["plan", str(house), "--no-probe", "--prompt-tokens", "2048"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "handoff 120 ms fixed per request: measured on this pair 2026-12-04 (test probe)" in out
+    assert "the connector's own" not in out

@@ -289,3 +289,15 @@ async def test_compare_with_routing_variants_and_repeats(tmp_path: Path, standin
         assert all(sum(sum(v.values()) for v in r["routes"]["routes"].values()) == 6 for r in result["runs"])
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| pd[auto] | rate 200/s | all | 12/0 |" in md and "Route mix" in md
+
+
+def test_the_handoff_probe_is_for_a_split_topology_of_one_pair(tmp_path: Path) -> None:
+    two = tmp_path / "two.yaml"
+    two.write_text(TWO_HOSTS.format(name="v", run_dir=tmp_path / "run", model="disagg:tiny", engine="vllm",
+                                    connector="socket", device="cpu"))
+    assert TopologyUnderTest.load(two).handoff_pair is None          # two prefill engines: which pair is unknown
+    one = tmp_path / "one.yaml"
+    one.write_text(TWO_HOSTS.format(name="o", run_dir=tmp_path / "run", model="disagg:tiny", engine="vllm",
+                                    connector="socket", device="cpu").replace(
+        "    - {host: p, port: 18101, kv_port: 18999}\n", ""))
+    assert TopologyUnderTest.load(one).handoff_pair == ("p", "d", "http://127.0.0.1:18100")
