@@ -188,6 +188,12 @@ def label_of(doc_label: str) -> str:
     return doc_label.rsplit("-", 1)[-1]
 
 
+def _median_s(distributions: Any) -> float | None:
+    """The median over repeats of a distribution's p50 (bench reports milliseconds), in seconds."""
+    values = [d["p50_ms"] / 1000 for d in distributions if d.get("p50_ms") is not None]
+    return statistics.median(values) if values else None
+
+
 def measured(results: dict[str, Any]) -> dict[str, dict[float, dict[str, Any]]]:
     """config -> rate -> per class medians over repeats (TTFT p50, TPOT p50) and goodput (median,
     min, max over repeats)."""
@@ -201,13 +207,11 @@ def measured(results: dict[str, Any]) -> dict[str, dict[float, dict[str, Any]]]:
             cell: dict[str, Any] = {}
             for klass in runs[0]["metrics"]:
                 ms = [r["metrics"][klass] for r in runs]
-                cell[klass] = {
-                    "ttft_p50": statistics.median(m["ttft"]["p50"] for m in ms if m["ttft"].get("p50") is not None),
-                    "tpot_p50": statistics.median(m["tpot"]["p50"] for m in ms if m["tpot"].get("p50") is not None),
-                    "goodput": statistics.median(m["goodput"] or 0.0 for m in ms),
-                    "goodput_min": min(m["goodput"] or 0.0 for m in ms),
-                    "goodput_max": max(m["goodput"] or 0.0 for m in ms),
-                }
+                goodputs = [m["goodput"] or 0.0 for m in ms]
+                cell[klass] = {"ttft_p50": _median_s(m["ttft"] for m in ms),
+                               "tpot_p50": _median_s(m["tpot"] for m in ms),
+                               "goodput": statistics.median(goodputs), "goodput_min": min(goodputs),
+                               "goodput_max": max(goodputs)}
             out.setdefault(config, {})[rate] = cell
     return out
 
@@ -223,6 +227,111 @@ def predicted(topologies: dict[str, Path], classes_arg: str, rates: list[float],
     return out
 
 
+#: the configuration names of ``disagg plan --json`` for the five of the bench
+PLAN_LABELS = {"gamer": f"colocated on {PREFILL}", "workstation": f"colocated on {DECODE}",
+               "replicas": f"replicas ({PREFILL}, {DECODE})", "split": f"split {PREFILL} -> {DECODE}",
+               "auto": f"auto {PREFILL} -> {DECODE}"}
+#: plan's TTFT p50 must fall within this of the bench's ...
+TTFT_TOLERANCE = 0.25
+#: ... where the rate is below this share of the configuration's predicted saturation
+BELOW_SATURATION = 0.7
+
+
+def plan_cells(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """config -> {"goodput", "saturates_at", class -> {"ttft_p50", "tpot_p50"}} from one plan --json."""
+    by_label = {c["label"]: c for c in plan["configurations"]}
+    out: dict[str, dict[str, Any]] = {}
+    for config, label in PLAN_LABELS.items():
+        c = by_label[label]
+        cell: dict[str, Any] = {"goodput": c["goodput_rps"], "saturates_at": c["saturates_at_rps"]}
+        for k in c["classes"]:
+            cell[k["class"]] = {"ttft_p50": k["ttft_p50_s"], "tpot_p50": k["tpot_p50_s"]}
+        out[config] = cell
+    return out
+
+
+def ranking_agrees(bench: dict[str, tuple[float, float, float]], plan: dict[str, float]) -> list[str]:
+    """The pairs the plan orders against the bench: (a, b) where every repeat of a beat every repeat
+    of b (min of a > max of b) but the plan puts b above a. Empty: the rankings agree up to ties."""
+    wrong = []
+    for a, (_, a_min, _) in bench.items():
+        for b, (_, _, b_max) in bench.items():
+            if a != b and a_min > b_max and plan[b] > plan[a]:
+                wrong.append(f"{a} > {b} measured, {b} > {a} planned")
+    return wrong
+
+
+def validate(measured_: dict[str, dict[float, dict[str, Any]]], predicted_: dict[str, Any],
+             classes: list[str]) -> dict[str, Any]:
+    """Plan beside bench: per rate and configuration the TTFT p50 check, per rate the ranking,
+    per class the split's verdict (does the split answer sooner than the workstation alone?)."""
+    rows, ranking, verdicts = [], {}, {}
+    for rate_text, plan in predicted_.items():
+        rate = float(rate_text)
+        cells = plan_cells(plan)
+        for config in CONFIGS:
+            got = measured_.get(config, {}).get(rate)
+            if got is None:
+                continue
+            want = cells[config]
+            checked = rate < BELOW_SATURATION * want["saturates_at"]
+            for klass in classes:
+                m, p = got.get(klass), want.get(klass)
+                if m is None or p is None:
+                    continue
+                ttft_p = p["ttft_p50"]
+                err = None if ttft_p is None or not m["ttft_p50"] else ttft_p / m["ttft_p50"] - 1
+                rows.append({"rate": rate, "config": config, "class": klass,
+                             "ttft_p50": m["ttft_p50"], "ttft_p50_plan": ttft_p,
+                             "tpot_p50": m["tpot_p50"], "tpot_p50_plan": p["tpot_p50"],
+                             "ttft_error": err, "checked": checked,
+                             "ttft_ok": (err is not None and abs(err) <= TTFT_TOLERANCE) if checked else None})
+            rows[-1]["goodput"] = got["all"]["goodput"] if "all" in got else None
+            rows[-1]["goodput_plan"] = want["goodput"]
+        bench_goodput = {c: (measured_[c][rate]["all"]["goodput"], measured_[c][rate]["all"]["goodput_min"],
+                             measured_[c][rate]["all"]["goodput_max"])
+                         for c in CONFIGS if rate in measured_.get(c, {}) and "all" in measured_[c][rate]}
+        ranking[rate_text] = ranking_agrees(bench_goodput, {c: cells[c]["goodput"] for c in bench_goodput})
+    lowest = min(predicted_, key=float)
+    cells = plan_cells(predicted_[lowest])
+    for klass in classes:
+        try:
+            m_split = measured_["split"][float(lowest)][klass]["ttft_p50"]
+            m_local = measured_["workstation"][float(lowest)][klass]["ttft_p50"]
+        except KeyError:
+            continue
+        p_split, p_local = cells["split"][klass]["ttft_p50"], cells["workstation"][klass]["ttft_p50"]
+        verdicts[klass] = {"bench_split_sooner": m_split < m_local,
+                           "plan_split_sooner": None if p_split is None or p_local is None else p_split < p_local}
+    return {"rows": rows, "ranking_disagreements": ranking, "verdicts": verdicts}
+
+
+def markdown(entry: dict[str, Any]) -> list[str]:
+    """The validation table of one ratio, for docs/the-one-question.md."""
+    def ms(x: float | None) -> str:
+        return "-" if x is None else (f"{x:.2f} s" if x >= 1 else f"{x * 1000:.0f} ms")
+
+    lines = ["| rate | configuration | class | TTFT p50 bench | plan | TPOT p50 bench | plan | goodput bench | plan |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in entry["validation"]["rows"]:
+        mark = "" if r["ttft_ok"] is None else (" ok" if r["ttft_ok"] else " **off**")
+        good = (f"{r['goodput']:.3f} | {r['goodput_plan']:.3f}" if "goodput" in r and r["goodput"] is not None
+                else " | ")
+        lines.append(f"| {r['rate']:g} | {r['config']} | {r['class']} | {ms(r['ttft_p50'])} | "
+                     f"{ms(r['ttft_p50_plan'])}{mark} | {ms(r['tpot_p50'])} | {ms(r['tpot_p50_plan'])} | {good} |")
+    return lines
+
+
+def class_lengths(spec: str) -> list[tuple[str, int, int]]:
+    """(name, prompt tokens, output tokens) of bench's ``--classes`` (output 64 where none is given)."""
+    classes = []
+    for part in spec.split(","):
+        name, _, lengths_spec = part.partition("=")
+        lengths = lengths_spec.split("@")[0].split(":")
+        classes.append((name, int(lengths[0]), int(lengths[1]) if len(lengths) > 1 else 64))
+    return classes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--topology", type=Path, default=ROOT / "topologies" / "house-emulated.yaml")
@@ -232,41 +341,56 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("-n", "--num-requests", type=int, default=16)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--replan", action="store_true",
+                    help="run no engines: plan again beside the bench results already under --out")
     args = ap.parse_args()
     ratios = args.ratio or [Ratio("base")]
-    classes = []
-    for part in args.classes.split(","):
-        name, _, spec = part.partition("=")
-        lengths = spec.split("@")[0].split(":")
-        classes.append((name, int(lengths[0]), int(lengths[1]) if len(lengths) > 1 else 64))
     rates = [float(r) for r in args.rates.split(",")]
     key = os.environ.get("DISAGG_ENGINE_KEY") or secrets.token_urlsafe(24)
     env = {**os.environ, "DISAGG_ENGINE_KEY": key}
     summary: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": _cpu(),
                                "loadavg_at_start": os.getloadavg(), "classes": args.classes, "rates": rates,
                                "repeats": args.repeats, "num_requests": args.num_requests, "ratios": {}}
+    earlier = json.loads((args.out / "summary.json").read_text()) if args.replan else {}
+    if args.replan:
+        summary.update({k: earlier[k] for k in ("started", "cpu", "loadavg_at_start", "classes", "rates", "repeats",
+                                                "num_requests")})
+        args.classes, rates = earlier["classes"], earlier["rates"]
+    classes = class_lengths(args.classes)
     for ratio in ratios:
         out = args.out / ratio.name
         tops = derive(args.topology, ratio, out / "topologies")
-        cal = calibrate(tops["replicas"], classes, key)
-        ttft_slo, tpot_slo = slo_of(cal)
-        slo = f"ttft={ttft_slo * 1000:.0f}ms,tpot={tpot_slo * 1000:.1f}ms"
-        print(f"{ratio.name}: calibration {json.dumps(cal)}; SLO {slo}", file=sys.stderr, flush=True)
-        run([PY, "-m", "disagg", "bench", "compare", str(tops["gamer"]), str(tops["workstation"]),
-             str(tops["replicas"]), str(tops["split"]), "--routing", "split,auto",
-             "--classes", args.classes, "--rates", args.rates, "-n", str(args.num_requests),
-             "--repeats", str(args.repeats), "--slo", slo, "--out", str(out / "bench")], env=env)
+        if args.replan:
+            cal = earlier["ratios"][ratio.name]["calibration"]
+            slo = earlier["ratios"][ratio.name]["slo"]
+        else:
+            cal = calibrate(tops["replicas"], classes, key)
+            ttft_slo, tpot_slo = slo_of(cal)
+            slo = f"ttft={ttft_slo * 1000:.0f}ms,tpot={tpot_slo * 1000:.1f}ms"
+            print(f"{ratio.name}: calibration {json.dumps(cal)}; SLO {slo}", file=sys.stderr, flush=True)
+            run([PY, "-m", "disagg", "bench", "compare", str(tops["gamer"]), str(tops["workstation"]),
+                 str(tops["replicas"]), str(tops["split"]), "--routing", "split,auto",
+                 "--classes", args.classes, "--rates", args.rates, "-n", str(args.num_requests),
+                 "--repeats", str(args.repeats), "--slo", slo, "--out", str(out / "bench")], env=env)
         results = json.loads((out / "bench" / "results.json").read_text())
         entry: dict[str, Any] = {"calibration": cal, "slo": slo, "measured": measured(results)}
         try:
             entry["predicted"] = predicted(tops, args.classes, rates, slo)
         except (subprocess.CalledProcessError, json.JSONDecodeError) as exc:
             entry["predicted_error"] = str(exc)
+        else:
+            entry["validation"] = validate(entry["measured"], entry["predicted"], [c[0] for c in classes])
+            (out / "validation.md").write_text("\n".join(markdown(entry)) + "\n")
+            print("\n".join(markdown(entry)), flush=True)
         summary["ratios"][ratio.name] = entry
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     summary["loadavg_at_end"] = os.getloadavg()
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    print(json.dumps(summary, indent=2, default=str))
+    for name, entry in summary["ratios"].items():
+        disagree = {r: w for r, w in entry.get("validation", {}).get("ranking_disagreements", {}).items() if w}
+        print(f"{name}: SLO {entry['slo']}; verdicts {entry.get('validation', {}).get('verdicts')}; "
+              f"ranking disagreements {disagree or 'none'}")
+    print(f"written: {args.out / 'summary.json'}")
     return 0
 
 

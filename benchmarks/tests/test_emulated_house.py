@@ -45,7 +45,7 @@ def test_slo_rule_and_labels() -> None:
 
 
 def _run(rate: float, repeat: int, ttft: float, goodput: float) -> dict:
-    m = {"ttft": {"p50": ttft}, "tpot": {"p50": 0.01}, "goodput": goodput}
+    m = {"ttft": {"p50_ms": ttft * 1000}, "tpot": {"p50_ms": 10.0}, "goodput": goodput}
     return {"rate": rate, "repeat": repeat, "metrics": {"long": m, "all": m}}
 
 
