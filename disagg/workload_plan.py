@@ -691,7 +691,7 @@ def recommend(configs: Sequence[ConfigPrediction], rate: float, topo_prefill_hos
     best = max(configs, key=lambda c: _rank(c, rate))
     lay = best.layout
     if lay.kind == COLOCATED:
-        what = f"one box: {lay.label} ({len(lay.both)} engine(s))"
+        what = f"one box: {lay.label} ({len(lay.both)} engine{'' if len(lay.both) == 1 else 's'})"
     elif lay.kind == REPLICAS:
         what = f"replicas: every host serves whole requests ({', '.join(lay.hosts)})"
     else:

@@ -274,6 +274,11 @@ def cmd_workload(args: argparse.Namespace, topo: Topology, streaming: bool | Non
     return 0
 
 
+def _gbs(bytes_per_s: float) -> str:
+    gbs = bytes_per_s / 1e9
+    return f"{gbs:,.0f}" if gbs >= 100 else f"{gbs:.3g}"
+
+
 def render_workload(wp: WorkloadPlan) -> str:
     """The human-readable workload plan: the workload, each engine's figures, one block of rows per
     configuration (a row per class), the KV limits, the recommendation, the model's statement."""
@@ -286,7 +291,7 @@ def render_workload(wp: WorkloadPlan) -> str:
         ("SLO", slo),
         *((f"{e.name}", f"on {e.host}: prefill {fmt_count(round(e.prefill.rate()))} tokens/s at 2,048 "
                         f"({e.prefill.label}); decode step {fmt_seconds(e.idle_step_s)} + KV read at "
-                        f"{e.memory_bytes_per_s / 1e9:.3g} GB/s ({e.decode_source}); KV "
+                        f"{_gbs(e.memory_bytes_per_s)} GB/s ({e.decode_source}); KV "
                         + ("unknown" if e.kv_capacity_bytes is None else fmt_bytes(e.kv_capacity_bytes))
                         + f" ({e.kv_source})") for e in wp.engines),
         ("handoff", f"{fmt_seconds(wp.handoff.fixed_s)} fixed ({wp.handoff_source}) + KV at "
