@@ -681,8 +681,10 @@ def host_prefill(topo: Topology, arch: ModelArch, host: HostSpec, run_dir: str |
     emulated = host.emulate
     if emulated is not None and (emulated.prefill_rate is not None or emulated.cpu_share is not None):
         raise PlanError(f"hosts.{host.name} is emulated ({emulated.describe()}) and its prefill rate has not "
-                        f"been measured: plan never uses the stated rate; run `disagg up {topo.file}` then "
-                        "`disagg bench prefill` to measure it")
+                        f"been measured: plan never uses the stated rate; measure it on the running engines: "
+                        f"`disagg up {topo.file}`, then `disagg bench compare {topo.file}` (its prefill probe "
+                        f"stores every host's rate) or `disagg bench serve URL --prefill-host {host.name} "
+                        "--prefill-probe 3` against that host's engine")
     spec = host_device(host)
     if spec is None:
         raise PlanError(f"{topo.file}: hosts.{host.name}: device: cuda but no gpu: field; add "

@@ -179,7 +179,7 @@ def test_an_emulated_host_without_a_measurement_is_not_planned_from_its_stated_r
         plan_workload(topo, parse_classes("long=2048:32"), 1.0)
     text = str(info.value)
     assert "hosts.gamer is emulated" in text and "never uses the stated rate" in text
-    assert "`disagg up" in text and "`disagg bench prefill`" in text
+    assert "`disagg up" in text and "`disagg bench compare" in text and "--prefill-host gamer" in text
 
 
 def test_a_fast_prefill_host_whose_kv_binds_prefills_for_the_memory_rich_host(tmp_path: Path) -> None:
