@@ -1,13 +1,22 @@
 """The proxy's configuration: one frozen object, built once (from the ``disagg proxy``
 arguments, or from a topology by ``disagg.launch.frontend.proxy_config``) and passed
-down. The proxy knows only URLs, a handoff kind and its options."""
+down. The proxy knows only URLs, a handoff kind and its options.
+
+Each setting is declared once, as a field here: its ``flag(...)`` says how ``disagg proxy``
+spells it, and :mod:`disagg.proxy.flags` makes the arguments, the argv that rebuilds a config
+(:meth:`ProxyConfig.to_argv`) and the config from parsed arguments (:meth:`ProxyConfig.from_args`)
+from those declarations."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from disagg.errors import ProxyError
+from disagg.proxy import flags
+from disagg.proxy.flags import flag
 from disagg.serving import (
     EXPLORE_AFTER_DECISIONS,
     EXPLORE_AFTER_S,
@@ -40,19 +49,28 @@ DEFAULT_MAX_PROMPTS = 1024
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
+def _wait(name: str, default: float, help: str) -> Any:
+    """A :class:`ProxyTimeouts` field: ``default`` seconds, flag ``name``."""
+    return flag(name, default=default, metavar="S", help=help)
+
+
 @dataclass(frozen=True)
 class ProxyTimeouts:
     """Every wait of the proxy, in seconds."""
 
-    connect: float = 10.0           # opening a connection to an engine
-    request: float = 600.0          # an engine's reply, or the next chunk of a stream
-    health_interval: float = 2.0    # between two probe rounds of every backend
-    health_timeout: float = 5.0     # one GET /health probe
-    drain: float = 15.0             # SIGTERM: how long in-flight requests may finish
+    connect: float = _wait("--connect-timeout", 10.0, "opening a connection to an engine")
+    request: float = _wait("--request-timeout", 600.0, "longest wait for an engine's reply or the next chunk "
+                                                       "of its stream")
+    health_interval: float = _wait("--health-interval", 2.0, "between two probe rounds of every engine")
+    health_timeout: float = _wait("--health-timeout", 5.0, "one GET /health probe")
+    drain: float = _wait("--drain-timeout", 15.0, "on SIGTERM, how long in-flight requests may finish")
     #: a client's side, as nginx's client_header_timeout, client_body_timeout and send_timeout:
-    client_header: float = 60.0     # a connection's request line and headers (also an idle keep-alive)
-    client_body: float = 60.0       # the whole request body, once the headers are in
-    send: float = 60.0              # one write to a client that stopped reading (a stream)
+    client_header: float = _wait("--client-header-timeout", 60.0, "a client connection's request headers must "
+                                                                  "arrive within S (also: idle keep-alive)")
+    client_body: float = _wait("--client-body-timeout", 60.0, "a request's whole body must arrive within S of "
+                                                              "its headers (else 408)")
+    send: float = _wait("--send-timeout", 60.0, "a client that reads nothing of its stream for S is let go, its "
+                                                "engine requests aborted")
 
     def __post_init__(self) -> None:
         for name in ("connect", "request", "health_interval", "health_timeout", "drain", "client_header",
@@ -90,6 +108,23 @@ def normalize_url(url: str, what: str) -> str:
     return url.strip().rstrip("/")
 
 
+def parse_handoff_options(items: list[str]) -> tuple[tuple[str, str], ...]:
+    """``["bootstrap_ports=8998"]`` (``--handoff-option`` words) -> ``(("bootstrap_ports", "8998"),)``;
+    raises ProxyError."""
+    bad = [item for item in items if "=" not in item or not item.partition("=")[0].strip()]
+    if bad:
+        raise ProxyError(f"--handoff-option {bad[0]!r}: expected KEY=VALUE")
+    return tuple((key.strip(), value.strip()) for key, _, value in (item.partition("=") for item in items))
+
+
+def parse_roles(text: str) -> tuple[str, ...]:
+    """``"prefill,decode"`` (``--route-measured-rates``) -> ``("prefill", "decode")``: roles among
+    :data:`SEED_ROLES`; argparse reports an unknown one."""
+    roles = tuple(r.strip() for r in text.split(",") if r.strip())
+    unknown = [r for r in roles if r not in SEED_ROLES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown role(s) {', '.join(unknown)}; expected {', '.join(SEED_ROLES)}")
+    return roles
 
 
 @dataclass(frozen=True)
@@ -117,23 +152,55 @@ class RoutingConfig:
     what live measurements say of the estimates (:meth:`disagg.proxy.measure.Measurements._line`).
     """
 
-    policy: str = "split"
-    kv_bytes_per_token: float | None = None
-    prefill_tokens_per_s: float | None = None
-    decode_tokens_per_s: float | None = None      # local prefill on a decode engine (default: prefill's)
-    link_bytes_per_s: float | None = None
-    handoff_fixed_s: float | None = None          # default: disagg.routecost.DEFAULT_HANDOFF_FIXED_S
-    overhead_s: float = 0.0                       # per-request engine cost besides the prompt's tokens
-    stall_weight: float = 1.0                     # seconds of TTFT one second of stalled decode is worth
-    whole: bool = False
-    tokenizer: str | None = None
-    chars_per_token: float = 4.0
-    explore_after_s: float = EXPLORE_AFTER_S
-    explore_decisions: int = EXPLORE_AFTER_DECISIONS
-    explore_within: float = EXPLORE_WITHIN
-    streaming_layers: int | None = None
+    policy: str = flag("--routing-policy", default="split", choices=ROUTING_POLICIES,
+                       help="per prompt: 'split' always through the KV handoff (default), 'local' decode "
+                            "prefills itself, 'auto' the path with the lowest predicted TTFT (needs the "
+                            "--route-* seed figures; `disagg up` passes them from the topology)")
+    kv_bytes_per_token: float | None = flag("--route-kv-bytes-per-token", default=None, metavar="B",
+                                            help="auto: KV cache bytes per token")
+    prefill_tokens_per_s: float | None = flag("--route-prefill-rate", default=None, metavar="TOK/S",
+                                              help="auto: prefill engines' seed rate")
+    #: local prefill on a decode engine (default: prefill's)
+    decode_tokens_per_s: float | None = flag("--route-decode-rate", default=None, metavar="TOK/S",
+                                             help="auto: decode engines' seed prefill rate (default: the "
+                                                  "prefill rate)")
+    link_bytes_per_s: float | None = flag("--route-link-rate", default=None, metavar="B/S",
+                                          help="auto: seed link rate, bytes per second")
+    #: default: disagg.routecost.DEFAULT_HANDOFF_FIXED_S
+    handoff_fixed_s: float | None = flag("--route-handoff-fixed", default=None, metavar="S",
+                                         help="auto: seed fixed cost of one handoff (default: the largest "
+                                              "measured per connector)")
+    #: per-request engine cost besides the prompt's tokens
+    overhead_s: float = flag("--route-overhead", default=0.0, metavar="S",
+                             help="auto: seed per-request engine cost besides the prompt's tokens")
+    #: seconds of TTFT one second of stalled decode is worth
+    stall_weight: float = flag("--route-stall-weight", default=1.0, metavar="W",
+                               help="auto: TTFT seconds one second of stall imposed on each running decode "
+                                    "is worth")
+    whole: bool = flag("--route-whole", default=False,
+                       help="auto: an idle prefill engine may serve a request alone while decode engines are "
+                            "backed up")
+    tokenizer: str | None = flag("--tokenizer", default=None, metavar="TOKENIZER.json",
+                                 help="the model's tokenizer, for exact prompt lengths")
+    chars_per_token: float = flag("--route-chars-per-token", default=4.0, metavar="C",
+                                  help="prompt length estimate without --tokenizer (calibrated live)")
+    explore_after_s: float = flag("--route-explore-after", default=EXPLORE_AFTER_S, metavar="S",
+                                  help="auto: re-measure a path untaken for S seconds ... (default %(default)s)")
+    explore_decisions: int = flag("--route-explore-decisions", default=EXPLORE_AFTER_DECISIONS, metavar="N",
+                                  help="... and N decisions ... (default %(default)s)")
+    explore_within: float = flag("--route-explore-within", default=EXPLORE_WITHIN, metavar="F",
+                                 help="... whose score is within F x the best one's (0: never explore; "
+                                      "default %(default)s)")
+    streaming_layers: int | None = flag("--route-streaming-layers", default=None, metavar="N",
+                                        help=f"auto, --handoff {STREAMING_HANDOFF}: the model's layers; a split is "
+                                             "predicted with only the part of the KV transfer the streamed "
+                                             "prefill does not hide, and splits take no samples of the link "
+                                             "(1: priced as if the KV followed the prefill)")
     #: the roles ("prefill", "decode") whose seed rate was measured (``disagg bench``), not estimated
-    measured_rates: tuple[str, ...] = ()
+    measured_rates: tuple[str, ...] = flag("--route-measured-rates", default=(), arity="one", parse=parse_roles,
+                                           show=",".join, metavar="ROLE[,ROLE]",
+                                           help="auto: the roles (prefill, decode) whose seed rate was measured "
+                                                "on their hosts, not estimated (`disagg up` passes it)")
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -168,31 +235,6 @@ class RoutingConfig:
                 raise ProxyError(f"routing policy auto needs its seed figures: {', '.join(missing)} "
                                  "(--route-kv-bytes-per-token, --route-prefill-rate, --route-link-rate)")
 
-    def to_argv(self) -> list[str]:
-        """The ``disagg proxy`` arguments that rebuild this routing configuration."""
-        argv = ["--routing-policy", self.policy]
-        for flag, value in (("--route-kv-bytes-per-token", self.kv_bytes_per_token),
-                            ("--route-prefill-rate", self.prefill_tokens_per_s),
-                            ("--route-decode-rate", self.decode_tokens_per_s),
-                            ("--route-link-rate", self.link_bytes_per_s),
-                            ("--route-handoff-fixed", self.handoff_fixed_s)):
-            if value is not None:
-                argv += [flag, repr(float(value))]
-        argv += ["--route-overhead", repr(self.overhead_s), "--route-stall-weight", repr(self.stall_weight),
-                 "--route-chars-per-token", repr(self.chars_per_token),
-                 "--route-explore-after", repr(self.explore_after_s),
-                 "--route-explore-decisions", str(self.explore_decisions),
-                 "--route-explore-within", repr(self.explore_within)]
-        if self.streaming_layers is not None:
-            argv += ["--route-streaming-layers", str(self.streaming_layers)]
-        if self.measured_rates:
-            argv += ["--route-measured-rates", ",".join(self.measured_rates)]
-        if self.whole:
-            argv.append("--route-whole")
-        if self.tokenizer:
-            argv += ["--tokenizer", self.tokenizer]
-        return argv
-
 
 @dataclass(frozen=True)
 class ProxyConfig:
@@ -202,30 +244,51 @@ class ProxyConfig:
     each request goes whole to one of them (plain load balancing, no handoff).
     """
 
-    decode: tuple[str, ...]
-    prefill: tuple[str, ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 8000
-    handoff: str = "vllm"
-    api_key: str | None = None
+    decode: tuple[str, ...] = flag("--decode", metavar="URL",
+                                   help="decode engine URLs (colocated servers when --prefill is absent)")
+    prefill: tuple[str, ...] = flag("--prefill", default=(), metavar="URL", help="prefill engine URLs")
+    host: str = flag("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    port: int = flag("--port", default=8000, help="port to bind (default: %(default)s; 0 = any free port)")
+    handoff: str = flag("--handoff", default="vllm", aliases=("--engine",),
+                        help="the KV handoff protocol between the engines: vllm (NIXL, the socket connector), "
+                             "sglang, vllm-lmcache, vllm-socket-stream (the socket connector streaming the KV "
+                             "while prefill computes), vllm-nixl-push (NixlPushConnector: decode registers its "
+                             "blocks while prefill computes) (default vllm; --engine is its old name)")
+    api_key: str | None = flag("--api-key", default=None, env=API_KEY_ENV,
+                               help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV} "
+                                    "if set)")
     #: sent as ``Authorization: Bearer KEY`` with every request to an engine (``disagg up``
     #: generates one per run and guards the engines with it); like ``api_key``, never in argv
-    engine_key: str | None = field(default=None, repr=False)
-    fallback: str = "local"
+    engine_key: str | None = flag("--engine-key", default=None, repr=False, env=ENGINE_KEY_ENV,
+                                  help=f"send 'Authorization: Bearer KEY' with every request to an engine "
+                                       f"(default: ${ENGINE_KEY_ENV} if set; prefer the variable, ps shows "
+                                       "arguments)")
+    fallback: str = flag("--fallback", default="local", choices=FALLBACKS,
+                         help="when prefill fails: 'local' lets decode serve alone, 'never' answers 503")
     #: requests served at once; one more is answered 429 with Retry-After
-    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    max_concurrency: int = flag("--max-concurrency", default=DEFAULT_MAX_CONCURRENCY, metavar="N",
+                                help="requests served at once; more are answered 429 with Retry-After "
+                                     "(default: %(default)s); each prompt of a split batch counts")
     #: prompts in one request; more are answered 400
-    max_prompts: int = DEFAULT_MAX_PROMPTS
+    max_prompts: int = flag("--max-prompts", default=DEFAULT_MAX_PROMPTS, metavar="N",
+                            help="prompts in one request; more are answered 400 (default: %(default)s)")
     #: largest request body in bytes; larger is answered 413
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int = flag("--max-body-bytes", default=DEFAULT_MAX_BODY_BYTES, metavar="B",
+                               help="largest request body; larger is answered 413 (default: %(default)s)")
     timeouts: ProxyTimeouts = field(default_factory=ProxyTimeouts)
     #: engine-specific handoff settings (``--handoff-option KEY=VALUE``), e.g.
     #: SGLang's ``bootstrap_ports``; each handoff reads the keys it needs
-    handoff_options: tuple[tuple[str, str], ...] = ()
+    handoff_options: tuple[tuple[str, str], ...] = flag(
+        "--handoff-option", default=(), arity="each", convert=parse_handoff_options, show="=".join,
+        metavar="KEY=VALUE",
+        help="engine-specific handoff setting, repeatable (sglang: bootstrap_ports=P1,P2 one per --prefill URL; "
+             "vllm-socket-stream: kv_peers=H1:P1,H2:P2, each --prefill URL's KV listener)")
     #: the per-prompt routing policy and its seed figures
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     #: ``info`` or ``debug`` (a line per routing decision and per prompt's first token)
-    log_level: str = "info"
+    log_level: str = flag("--log-level", default="info", choices=PROXY_LOG_LEVELS,
+                          help="debug: also a line per routing decision (every option's predicted TTFT) and per "
+                               "prompt's first token (observed against predicted) (default: %(default)s)")
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -267,31 +330,23 @@ class ProxyConfig:
         return not self.prefill
 
     def to_argv(self, *, with_api_key: bool = True) -> list[str]:
-        """The ``disagg proxy ...`` arguments (after ``disagg``) that rebuild this config.
+        """The ``disagg proxy ...`` arguments (after ``disagg``) that rebuild this config: each
+        setting that differs from its default (:func:`disagg.proxy.flags.to_argv`).
 
         ``with_api_key=False`` leaves both keys (``api_key`` and ``engine_key``)
         out, for a caller that passes them in the environment instead (``ps``
         shows every process's argv).
         """
-        t = self.timeouts
-        argv = ["proxy", "--host", self.host, "--port", str(self.port)]
-        if self.prefill:
-            argv += ["--prefill", *self.prefill]
-        argv += ["--decode", *self.decode, "--handoff", self.handoff, "--fallback", self.fallback,
-                 "--max-concurrency", str(self.max_concurrency), "--max-prompts", str(self.max_prompts),
-                 "--max-body-bytes", str(self.max_body_bytes),
-                 "--connect-timeout", str(t.connect), "--request-timeout", str(t.request),
-                 "--health-interval", str(t.health_interval), "--health-timeout", str(t.health_timeout),
-                 "--drain-timeout", str(t.drain), "--client-header-timeout", str(t.client_header),
-                 "--client-body-timeout", str(t.client_body), "--send-timeout", str(t.send)]
-        if self.api_key and with_api_key:
-            argv += ["--api-key", self.api_key]
-        if self.engine_key and with_api_key:
-            argv += ["--engine-key", self.engine_key]
-        for key, value in self.handoff_options:
-            argv += ["--handoff-option", f"{key}={value}"]
-        if self.prefill and self.routing != RoutingConfig():
-            argv += self.routing.to_argv()
-        if self.log_level != "info":
-            argv += ["--log-level", self.log_level]
-        return argv
+        return ["proxy", *flags.to_argv(self, keys=with_api_key)]
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Every setting's flag on ``parser`` (``disagg proxy``'s, :mod:`disagg.commands.proxy`)."""
+        flags.add_arguments(parser, cls)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ProxyConfig:
+        """The config that ``args`` (parsed by a parser :meth:`add_arguments` filled) describes; the
+        keys come from their environment variables when their flags are absent."""
+        config: ProxyConfig = flags.from_args(cls, args)
+        return config

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from disagg.cli import build_parser
-from disagg.commands.proxy import config_from_args
 from disagg.deployment import build_deployment
 from disagg.errors import TopologyError
 from disagg.launch.frontend import proxy_config
 from disagg.planning import plan_topology, route_seeds
+from disagg.proxy.config import ProxyConfig
 from disagg.routecost import handoff_fixed_s
 from disagg.topology import parse_topology
 
@@ -47,7 +47,7 @@ def test_auto_hands_the_plan_figures_to_the_proxy(connector: str) -> None:
     assert r.prefill_tokens_per_s == pytest.approx(plan.prefill.rate())
     # through the command line and back: what `disagg up` starts is what it planned
     args = build_parser().parse_args(config.to_argv(with_api_key=False))
-    assert config_from_args(args).routing == r
+    assert ProxyConfig.from_args(args).routing == r
 
 
 def test_the_proxy_is_told_which_seed_rates_were_measured(tmp_path: Path) -> None:
@@ -66,7 +66,7 @@ def test_the_proxy_is_told_which_seed_rates_were_measured(tmp_path: Path) -> Non
     assert config.routing.measured_rates == ("prefill", "decode")
     argv = config.to_argv(with_api_key=False)
     assert argv[argv.index("--route-measured-rates") + 1] == "prefill,decode"
-    assert config_from_args(build_parser().parse_args(argv)).routing == config.routing
+    assert ProxyConfig.from_args(build_parser().parse_args(argv)).routing == config.routing
     with pytest.raises(SystemExit):
         build_parser().parse_args([*argv, "--route-measured-rates", "prefill,both"])
     from disagg.errors import ProxyError
@@ -115,7 +115,7 @@ def test_split_and_local_carry_no_seeds_and_split_adds_no_options() -> None:
     local = proxy_config(build_deployment(topology("routing: {policy: local}\n")))
     argv = local.to_argv()
     assert argv[argv.index("--routing-policy") + 1] == "local"
-    assert config_from_args(build_parser().parse_args(argv)).routing.policy == "local"
+    assert ProxyConfig.from_args(build_parser().parse_args(argv)).routing.policy == "local"
 
 
 def test_plan_prints_the_idle_break_even_the_policy_uses(tmp_path: Path) -> None:
@@ -147,7 +147,8 @@ def test_exploration_is_set_in_the_topology_and_reaches_the_proxy() -> None:
     config = proxy_config(build_deployment(topo))
     assert (config.routing.explore_after_s, config.routing.explore_decisions, config.routing.explore_within) == \
         (300.0, 200, 1.5)
-    assert config_from_args(build_parser().parse_args(config.to_argv(with_api_key=False))).routing == config.routing
+    args = build_parser().parse_args(config.to_argv(with_api_key=False))
+    assert ProxyConfig.from_args(args).routing == config.routing
     assert topology("routing: {explore: off}\n").routing.explore_within == 0.0
     assert topology("routing: {explore: {decisions: 10}}\n").routing.explore_decisions == 10
     with pytest.raises(TopologyError, match=r"routing.explore.within: expected a number greater than 1"):

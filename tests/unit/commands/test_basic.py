@@ -134,7 +134,7 @@ def test_check_shows_the_socket_connectors_settings(tmp_path: Path, capsys: pyte
     assert main(["check", str(example)]) == 0
     out = capsys.readouterr().out
     assert "  mode      disaggregated, connector socket (wire_format raw, streaming off)\n" in out
-    assert "--handoff vllm " in out and "kv_peers" not in out
+    assert "--handoff" not in out and "kv_peers" not in out   # vllm, the default handoff, goes unsaid
     text = example.read_text().replace("\nconnector: socket\n", "\nconnector: {type: socket, streaming: true}\n")
     streaming = tmp_path / "streaming.yaml"
     streaming.write_text(text)

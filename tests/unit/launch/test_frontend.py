@@ -47,8 +47,7 @@ def test_builtin_sglang_passes_bootstrap_ports_in_prefill_order() -> None:
 def test_builtin_argv_rebuilds_the_topologys_proxy_config_without_the_api_key(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from disagg.cli import build_parser
-    from disagg.commands.proxy import config_from_args
-    from disagg.proxy.config import API_KEY_ENV
+    from disagg.proxy.config import API_KEY_ENV, ProxyConfig
 
     text = TEXT.replace("kind: KIND}", "kind: builtin, api_key: s3cret}")
     topo = parse_topology(text.replace("ENGINE", "sglang").replace("CONNECTOR", "mooncake"), "t.yaml",
@@ -57,7 +56,7 @@ def test_builtin_argv_rebuilds_the_topologys_proxy_config_without_the_api_key(
     a = frontend_argv(dep)
     assert "s3cret" not in a and "--api-key" not in a
     monkeypatch.setenv(API_KEY_ENV, "s3cret")  # what the launcher puts in the proxy's environment
-    assert config_from_args(build_parser().parse_args(a[3:])) == proxy_config(dep)
+    assert ProxyConfig.from_args(build_parser().parse_args(a[3:])) == proxy_config(dep)
 
 
 def test_vllm_router_pd_flags() -> None:
@@ -153,8 +152,8 @@ roles:
 
 def test_socket_streaming_gets_the_stream_handoff_and_each_prefills_listener_in_prefill_order() -> None:
     from disagg.cli import build_parser
-    from disagg.commands.proxy import config_from_args
     from disagg.launch.frontend import handoff_kind, handoff_options
+    from disagg.proxy.config import ProxyConfig
     from disagg.proxy.socket_stream_handoff import KvPeer, SocketStreamHandoff, parse_kv_peers
 
     dep = build_deployment(parse_topology(STREAMING.replace("STREAMING", "true"), "t.yaml", run_dir="/tmp/run"))
@@ -166,7 +165,7 @@ def test_socket_streaming_gets_the_stream_handoff_and_each_prefills_listener_in_
     assert parse_kv_peers(cfg.prefill, dict(cfg.handoff_options)["kv_peers"]) == {
         "http://[fd00::7]:8100": KvPeer("fd00::7", 5702), "http://10.0.0.1:8101": KvPeer("10.0.0.1", 5701),
         "http://10.0.0.1:8102": KvPeer("10.0.0.1", 5700)}
-    assert config_from_args(build_parser().parse_args(frontend_argv(dep)[3:])) == cfg
+    assert ProxyConfig.from_args(build_parser().parse_args(frontend_argv(dep)[3:])) == cfg
 
 
 def test_socket_without_streaming_keeps_the_vllm_handoff() -> None:
@@ -183,9 +182,9 @@ def test_socket_streaming_routing_prices_splits_streamed_over_the_models_layers(
     from dataclasses import replace
 
     from disagg.cli import build_parser
-    from disagg.commands.proxy import config_from_args
     from disagg.kvmath import BUILTIN_MODELS
     from disagg.launch.frontend import routing_config
+    from disagg.proxy.config import ProxyConfig
 
     text = STREAMING.replace("routing: {policy: split}\n", "").replace("/models/m", "qwen3-8b")
     on, off = (routing_config(build_deployment(parse_topology(text.replace("STREAMING", s), "t.yaml",
@@ -200,7 +199,7 @@ def test_socket_streaming_routing_prices_splits_streamed_over_the_models_layers(
     dep = build_deployment(parse_topology(text.replace("STREAMING", "true"), "t.yaml", run_dir="/tmp/run"))
     argv = frontend_argv(dep)
     assert argv[argv.index("--route-streaming-layers") + 1] == "36"
-    assert config_from_args(build_parser().parse_args(argv[3:])) == proxy_config(dep)
+    assert ProxyConfig.from_args(build_parser().parse_args(argv[3:])) == proxy_config(dep)
     # a static policy has nothing to price
     split = text.replace("STREAMING", "true") + "routing: {policy: split}\n"
     assert routing_config(build_deployment(parse_topology(split, "t.yaml", run_dir="/tmp/run"))).streaming_layers \
@@ -228,8 +227,8 @@ def test_vllm_router_refuses_socket_streaming() -> None:
 
 def test_nixl_push_gets_the_push_handoff_with_no_options() -> None:
     from disagg.cli import build_parser
-    from disagg.commands.proxy import config_from_args
     from disagg.launch.frontend import handoff_kind, handoff_options
+    from disagg.proxy.config import ProxyConfig
     from disagg.proxy.nixl_push_handoff import NixlPushHandoff
 
     text = textwrap.dedent(TEXT).replace("ENGINE", "vllm").replace("CONNECTOR", "nixl-push").replace("KIND", "builtin")
@@ -238,7 +237,7 @@ def test_nixl_push_gets_the_push_handoff_with_no_options() -> None:
     assert handoff_options(dep) == ()                    # the proxy learns each prefill engine from its replies
     a = frontend_argv(dep)
     assert a[a.index("--handoff") + 1] == "vllm-nixl-push" and "--handoff-option" not in a
-    assert config_from_args(build_parser().parse_args(a[3:])) == proxy_config(dep)
+    assert ProxyConfig.from_args(build_parser().parse_args(a[3:])) == proxy_config(dep)
     # routing auto: no "whole" path (a prefill engine serving alone) where real engines have not proven it
     known = {c: proxy_config(build_deployment(parse_topology(text.replace("/models/m", "qwen3-8b").replace(
         "connector: nixl-push", f"connector: {c}"), "t.yaml", run_dir="/tmp/run"))).routing

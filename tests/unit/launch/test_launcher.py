@@ -106,9 +106,9 @@ def test_proxy_command_for_disaggregated(tmp_path: Path) -> None:
         """)
     argv = launcher._proxy_argv()
     assert argv[1:4] == ["-m", "disagg", "proxy"]
-    assert argv[argv.index("--prefill"):argv.index("--decode")] == [
+    assert argv[argv.index("--prefill"):argv.index("--prefill") + 3] == [
         "--prefill", "http://127.0.0.1:8100", "http://127.0.0.2:8101"]
-    assert argv[argv.index("--decode") + 1] == "http://127.0.0.2:8200"
+    assert argv[argv.index("--decode"):argv.index("--decode") + 3] == ["--decode", "http://127.0.0.2:8200", "--prefill"]
     assert argv[argv.index("--fallback") + 1] == "never" and argv[argv.index("--port") + 1] == "9000"
     assert argv[argv.index("--request-timeout") + 1] == "120.0"
     assert "s3cret" not in " ".join(argv)  # never visible in ps

@@ -380,10 +380,9 @@ async def test_client_leaving_closes_both_requests(pushes, proxy, http) -> None:
 
 def test_cli_round_trip() -> None:
     from disagg.cli import build_parser
-    from disagg.commands.proxy import config_from_args
     from disagg.proxy import ProxyConfig
 
     config = ProxyConfig(decode=("http://d:1",), prefill=("http://p:1", "http://q:1"), handoff="vllm-nixl-push")
     argv = config.to_argv()
     assert argv[argv.index("--handoff") + 1] == "vllm-nixl-push"
-    assert config_from_args(build_parser().parse_args(argv)) == config
+    assert ProxyConfig.from_args(build_parser().parse_args(argv)) == config

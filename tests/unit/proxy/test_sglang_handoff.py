@@ -172,13 +172,13 @@ async def test_prompt_logprobs_merged_whole_and_streamed(sglang, proxy, http) ->
 
 def test_handoff_options_cli_round_trip() -> None:
     from disagg.cli import build_parser
-    from disagg.commands.proxy import config_from_args, parse_handoff_options
     from disagg.proxy import ProxyConfig
+    from disagg.proxy.config import parse_handoff_options
 
     config = ProxyConfig(decode=("http://d:1",), prefill=("http://p:1",), handoff="sglang",
                          handoff_options=(("bootstrap_ports", "8998"),))
     assert config.to_argv()[-2:] == ["--handoff-option", "bootstrap_ports=8998"]
-    assert config_from_args(build_parser().parse_args(config.to_argv())).handoff_options == \
+    assert ProxyConfig.from_args(build_parser().parse_args(config.to_argv())).handoff_options == \
         (("bootstrap_ports", "8998"),)
     for bad in (["novalue"], ["=1"]):
         with pytest.raises(ProxyError, match="KEY=VALUE"):

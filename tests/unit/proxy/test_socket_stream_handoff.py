@@ -359,12 +359,11 @@ async def test_client_leaving_closes_both_requests(decode_answered, streams, pro
 
 def test_handoff_option_cli_round_trip() -> None:
     from disagg.cli import build_parser
-    from disagg.commands.proxy import config_from_args
     from disagg.proxy import ProxyConfig
 
     config = ProxyConfig(decode=("http://d:1",), prefill=("http://p:1", "http://q:1"), handoff="vllm-socket-stream",
                          handoff_options=((KV_PEERS, "10.0.0.1:5601,[fe80::1]:5601"),))
     argv = config.to_argv()
     assert argv[argv.index("--handoff") + 1] == "vllm-socket-stream"
-    assert config_from_args(build_parser().parse_args(argv)) == config
+    assert ProxyConfig.from_args(build_parser().parse_args(argv)) == config
 
