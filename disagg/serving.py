@@ -1,4 +1,4 @@
-"""Names of the serving path that the topology file and the proxy's options both use.
+"""Names and defaults of the serving path that the topology file and the proxy's options both use.
 
 One owner for each: :mod:`disagg.topology` validates a file against these, and
 :mod:`disagg.proxy.config` its command-line options (the proxy reads no topology).
@@ -32,3 +32,14 @@ WHOLE_TPOT_FACTOR = 1.0
 #: ``proxy.log_level`` / ``--log-level``: ``debug`` adds one line per routing decision (every
 #: option's predicted TTFT) and one per prompt's first token (observed against predicted)
 PROXY_LOG_LEVELS = ("info", "debug")
+
+#: the proxy's waits, in seconds: the defaults of a topology's ``timeouts:`` (:class:`disagg.topology.Timeouts`,
+#: which ``disagg up`` hands the proxy) and of ``disagg proxy``'s flags (:class:`disagg.proxy.config.ProxyTimeouts`)
+CONNECT_TIMEOUT_S = 10.0            # opening a connection to an engine
+REQUEST_TIMEOUT_S = 600.0           # an engine's reply, or the next chunk of its stream
+HEALTH_INTERVAL_S = 2.0             # between two health probe rounds of every engine
+HEALTH_TIMEOUT_S = 5.0              # one GET /health probe
+DRAIN_TIMEOUT_S = 15.0              # SIGTERM: how long in-flight requests may finish
+CLIENT_HEADER_TIMEOUT_S = 60.0      # a client connection's request line and headers (also an idle keep-alive)
+CLIENT_BODY_TIMEOUT_S = 60.0        # a client's whole request body, once its headers are in
+SEND_TIMEOUT_S = 60.0               # one write to a client that stopped reading (a stream)

@@ -22,12 +22,20 @@ from disagg_connectors.socket_connector.config import WIRE_FORMATS as _CONNECTOR
 from disagg.errors import TopologyError
 from disagg.hardware import DeviceSpec
 from disagg.serving import (
+    CLIENT_BODY_TIMEOUT_S,
+    CLIENT_HEADER_TIMEOUT_S,
+    CONNECT_TIMEOUT_S,
+    DRAIN_TIMEOUT_S,
     EXPLORE_AFTER_DECISIONS,
     EXPLORE_AFTER_S,
     EXPLORE_WITHIN,
     FALLBACKS,
+    HEALTH_INTERVAL_S,
+    HEALTH_TIMEOUT_S,
     PROXY_LOG_LEVELS,
+    REQUEST_TIMEOUT_S,
     ROUTING_POLICIES,
+    SEND_TIMEOUT_S,
 )
 from disagg.yamlsrc import Fields, Node, describe, load_yaml, node_int, parse_yaml
 
@@ -237,24 +245,25 @@ class RoutingSpec:
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Every wait in one place, in seconds."""
+    """Every wait in one place, in seconds (the proxy's defaults are :mod:`disagg.serving`'s, which
+    ``disagg proxy``'s flags share)."""
 
     startup: float = 900.0              # engine start until /health is 200
-    health_interval: float = 2.0        # proxy health probes
+    health_interval: float = HEALTH_INTERVAL_S  # proxy health probes
     shutdown_grace: float = 20.0        # SIGTERM -> SIGKILL
-    request: float = 600.0              # one upstream request in the proxy
-    connect: float = 10.0               # opening an upstream connection
-    health_timeout: float = 5.0         # one proxy health probe
-    drain: float = 15.0                 # proxy SIGTERM: in-flight requests may finish this long
+    request: float = REQUEST_TIMEOUT_S  # one upstream request in the proxy
+    connect: float = CONNECT_TIMEOUT_S  # opening an upstream connection
+    health_timeout: float = HEALTH_TIMEOUT_S  # one proxy health probe
+    drain: float = DRAIN_TIMEOUT_S      # proxy SIGTERM: in-flight requests may finish this long
     proxy_startup: float = 60.0         # proxy start until its /health answers
     ssh_command: float = 60.0           # one ssh command that starts a remote engine, writes its files, checks ports
     ssh_check: float = 20.0             # one quick ssh command: is a remote process alive, SIGKILL it, tail its log
     #: a running engine (or the proxy) whose health check has failed for this long, every probe in a
     #: row (at least 2; one every health_interval, each of health_timeout), is killed and restarted
     liveness: float = 30.0
-    client_header: float = 60.0         # proxy: a client's request headers (and an idle keep-alive connection)
-    client_body: float = 60.0           # proxy: a client's whole request body, once its headers are in
-    send: float = 60.0                  # proxy: one write to a client that stopped reading its stream
+    client_header: float = CLIENT_HEADER_TIMEOUT_S  # proxy: a client's request headers (and an idle keep-alive)
+    client_body: float = CLIENT_BODY_TIMEOUT_S  # proxy: a client's whole request body, once its headers are in
+    send: float = SEND_TIMEOUT_S        # proxy: one write to a client that stopped reading its stream
 
 
 #: where state and logs go when the topology does not say (``run_dir``; a remote host's ``workdir``)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from disagg.deployment import Deployment
@@ -125,9 +126,7 @@ def proxy_config(dep: Deployment) -> ProxyConfig:
         max_concurrency=topo.proxy.max_concurrency or DEFAULT_MAX_CONCURRENCY,
         max_prompts=topo.proxy.max_prompts or DEFAULT_MAX_PROMPTS,
         max_body_bytes=topo.proxy.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-        timeouts=ProxyTimeouts(connect=t.connect, request=t.request, health_interval=t.health_interval,
-                               health_timeout=t.health_timeout, drain=t.drain, client_header=t.client_header,
-                               client_body=t.client_body, send=t.send),
+        timeouts=ProxyTimeouts(**{f.name: getattr(t, f.name) for f in fields(ProxyTimeouts)}),
         handoff_options=handoff_options(dep), routing=routing_config(dep), log_level=topo.proxy.log_level)
 
 

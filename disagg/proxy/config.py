@@ -18,12 +18,20 @@ from disagg.errors import ProxyError
 from disagg.proxy import flags
 from disagg.proxy.flags import flag
 from disagg.serving import (
+    CLIENT_BODY_TIMEOUT_S,
+    CLIENT_HEADER_TIMEOUT_S,
+    CONNECT_TIMEOUT_S,
+    DRAIN_TIMEOUT_S,
     EXPLORE_AFTER_DECISIONS,
     EXPLORE_AFTER_S,
     EXPLORE_WITHIN,
     FALLBACKS,
+    HEALTH_INTERVAL_S,
+    HEALTH_TIMEOUT_S,
     PROXY_LOG_LEVELS,
+    REQUEST_TIMEOUT_S,
     ROUTING_POLICIES,
+    SEND_TIMEOUT_S,
 )
 
 #: environment variable read when ``--api-key`` is not given (keeps the key out of ``ps``)
@@ -56,21 +64,22 @@ def _wait(name: str, default: float, help: str) -> Any:
 
 @dataclass(frozen=True)
 class ProxyTimeouts:
-    """Every wait of the proxy, in seconds."""
+    """Every wait of the proxy, in seconds (the defaults: :mod:`disagg.serving`, which a topology's
+    ``timeouts:`` shares)."""
 
-    connect: float = _wait("--connect-timeout", 10.0, "opening a connection to an engine")
-    request: float = _wait("--request-timeout", 600.0, "longest wait for an engine's reply or the next chunk "
-                                                       "of its stream")
-    health_interval: float = _wait("--health-interval", 2.0, "between two probe rounds of every engine")
-    health_timeout: float = _wait("--health-timeout", 5.0, "one GET /health probe")
-    drain: float = _wait("--drain-timeout", 15.0, "on SIGTERM, how long in-flight requests may finish")
+    connect: float = _wait("--connect-timeout", CONNECT_TIMEOUT_S, "opening a connection to an engine")
+    request: float = _wait("--request-timeout", REQUEST_TIMEOUT_S,
+                           "longest wait for an engine's reply or the next chunk of its stream")
+    health_interval: float = _wait("--health-interval", HEALTH_INTERVAL_S, "between two probe rounds of every engine")
+    health_timeout: float = _wait("--health-timeout", HEALTH_TIMEOUT_S, "one GET /health probe")
+    drain: float = _wait("--drain-timeout", DRAIN_TIMEOUT_S, "on SIGTERM, how long in-flight requests may finish")
     #: a client's side, as nginx's client_header_timeout, client_body_timeout and send_timeout:
-    client_header: float = _wait("--client-header-timeout", 60.0, "a client connection's request headers must "
-                                                                  "arrive within S (also: idle keep-alive)")
-    client_body: float = _wait("--client-body-timeout", 60.0, "a request's whole body must arrive within S of "
-                                                              "its headers (else 408)")
-    send: float = _wait("--send-timeout", 60.0, "a client that reads nothing of its stream for S is let go, its "
-                                                "engine requests aborted")
+    client_header: float = _wait("--client-header-timeout", CLIENT_HEADER_TIMEOUT_S,
+                                 "a client connection's request headers must arrive within S (also: idle keep-alive)")
+    client_body: float = _wait("--client-body-timeout", CLIENT_BODY_TIMEOUT_S,
+                               "a request's whole body must arrive within S of its headers (else 408)")
+    send: float = _wait("--send-timeout", SEND_TIMEOUT_S,
+                        "a client that reads nothing of its stream for S is let go, its engine requests aborted")
 
     def __post_init__(self) -> None:
         for name in ("connect", "request", "health_interval", "health_timeout", "drain", "client_header",

@@ -266,3 +266,14 @@ def test_vllm_router_refuses_nixl_push() -> None:
 def test_sglang_refuses_nixl_push() -> None:
     with pytest.raises(DeploymentError, match="connector 'nixl-push' does not work with engine sglang"):
         argv(engine="sglang", connector="nixl-push")
+
+
+def test_a_topology_without_timeouts_gives_the_proxy_its_own_defaults() -> None:
+    """One owner for the proxy's waits (disagg.serving): a topology's defaults are the flags' defaults,
+    so `up` passes no timeout flag unless the file sets one."""
+    from disagg.proxy.config import ProxyTimeouts
+
+    topo = parse_topology(TEXT.replace("ENGINE", "vllm").replace("CONNECTOR", "nixl").replace("KIND", "builtin"),
+                          "t.yaml", run_dir="/tmp/run")
+    assert proxy_config(build_deployment(topo)).timeouts == ProxyTimeouts()
+    assert not any(a.endswith("-timeout") or a == "--health-interval" for a in argv())
