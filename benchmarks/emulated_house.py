@@ -146,7 +146,6 @@ def calibrate(replicas: Path, classes: list[tuple[str, int, int]], key: str) -> 
     """Idle figures from the replica pool's two engines, one request at a time."""
     topo = load_topology(replicas)
     urls = {inst.host: f"http://{topo.hosts[inst.host].address}:{inst.port}" for inst in topo.role("both")}
-    tok = load_tokenizer(topo.model.path)
     model = topo.model.served_name or topo.model.embedded or topo.model.source
     longest = max(classes, key=lambda c: c[1])
     shortest = min(classes, key=lambda c: c[1])
@@ -154,6 +153,7 @@ def calibrate(replicas: Path, classes: list[tuple[str, int, int]], key: str) -> 
     run([PY, "-m", "disagg", "up", str(replicas), "--detach"], env=env)
     figures: dict[str, float] = {}
     try:
+        tok = load_tokenizer(topo.model.path)                   # up builds an embedded model on first use
         for host, url in urls.items():
             ttfts, rates, tpots = [], [], []
             for i in range(CALIBRATION_REPEATS + 1):          # the first warms the engine up
