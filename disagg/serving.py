@@ -6,6 +6,17 @@ One owner for each: :mod:`disagg.topology` validates a file against these, and
 
 from __future__ import annotations
 
+#: ``--handoff``: the proxy's KV handoff protocols, each a class of the proxy
+#: (:data:`disagg.proxy.handoff.HANDOFFS`) and named by the engine and KV adapters whose engines
+#: speak it (``disagg.engines.base.EngineAdapter.handoff``)
+VLLM_HANDOFF = "vllm"                       # vLLM, prefill then decode (NIXL pull, the socket connector)
+SGLANG_HANDOFF = "sglang"                   # SGLang's P/D router protocol
+LMCACHE_HANDOFF = "vllm-lmcache"            # vLLM + LMCache (ZMQ notices)
+STREAMING_HANDOFF = "vllm-socket-stream"    # vLLM + socket connector, the KV streamed while prefill computes
+NIXL_PUSH_HANDOFF = "vllm-nixl-push"        # vLLM + NixlPushConnector
+#: the streaming handoff's option: each ``--prefill`` URL's KV listener (``H1:P1,H2:P2``)
+KV_PEERS = "kv_peers"
+
 #: ``proxy.fallback`` / ``--fallback``: when prefill fails, decode serves alone (local) or the
 #: request fails with 503 (never)
 FALLBACKS = ("local", "never")

@@ -49,10 +49,8 @@ def _mode(topo: Topology) -> str:
     """``disagg check``'s mode line: colocated, or the connector (and the socket connector's settings)."""
     if topo.colocated:
         return "colocated (no KV transfer)"
-    if topo.connector == "socket":
-        streaming = "on: decode receives the KV while prefill computes" if topo.streaming else "off"
-        return f"disaggregated, connector socket (wire_format {topo.wire_format}, streaming {streaming})"
-    return f"disaggregated, connector {topo.connector}"
+    settings = engine_adapter(topo.engine).connector_settings(topo)
+    return f"disaggregated, connector {topo.connector}" + (f" ({settings})" if settings else "")
 
 
 def describe(dep: Deployment) -> str:

@@ -5,6 +5,13 @@ one stock engine process. ``disagg.deployment.build_deployment`` calls
 ``argv``/``env`` once per instance while building the plan that ``check``
 prints and ``up`` runs; adapters are pure (no I/O, no process start) so the
 plan can be printed, tested and sent over SSH unchanged.
+
+It also says what its engines can do with the topology's connector (the vLLM
+adapter asks that connector's :class:`disagg.kv.base.VllmKVAdapter`): the
+proxy's handoff and its options (``disagg.launch.frontend``), whether a decode
+engine can compute a prompt itself and a prefill engine serve one alone (the
+proxy's routing), the per-run secrets (``disagg.launch.launcher``) and the
+connector's settings (``disagg check``).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ class EngineAdapter(ABC):
     #: log lines (substrings) after which a starting engine never becomes ready though its
     #: process lives on; the launcher stops waiting at the first one and reports it
     stuck_start_lines: tuple[str, ...] = ()
+    #: a decode engine can compute a prompt itself (the routing paths ``local`` and ``auto``)
+    decode_prefills: bool = True
 
     @abstractmethod
     def argv(self, topo: Topology, inst: InstanceSpec, host: HostSpec, python: str) -> list[str]:
@@ -43,6 +52,29 @@ class EngineAdapter(ABC):
         """Config files written into the run directory on the instance's host before it
         starts: file name -> contents (default none)."""
         return {}
+
+    def handoff(self, topo: Topology) -> str:
+        """The proxy's handoff (``--handoff``) between this disaggregated topology's engines
+        (default: the engine's name)."""
+        return self.name
+
+    def handoff_options(self, topo: Topology) -> tuple[tuple[str, str], ...]:
+        """The proxy's ``--handoff-option`` settings for this disaggregated topology (default none)."""
+        return ()
+
+    def serves_whole(self, topo: Topology) -> bool:
+        """Whether a prefill engine of this disaggregated topology serves a plain request alone
+        (the routing path ``whole``; default no)."""
+        return False
+
+    def run_env(self, topo: Topology) -> dict[str, str]:
+        """Secrets drawn fresh for one run of this disaggregated topology, for every engine's
+        environment (never argv or the plan; default none)."""
+        return {}
+
+    def connector_settings(self, topo: Topology) -> str:
+        """The connector's own settings for ``disagg check``'s mode line (default none)."""
+        return ""
 
 
 def cpu_list(cpus: tuple[int, ...]) -> str:

@@ -33,6 +33,7 @@ from disagg.engines.base import EngineAdapter
 from disagg.engines.vllm import served_model_name
 from disagg.errors import DeploymentError
 from disagg.kv.ucx import ucx_env
+from disagg.serving import SGLANG_HANDOFF
 from disagg.topology import HostSpec, InstanceSpec, Topology
 
 LAUNCH_MODULE = "sglang.launch_server"
@@ -56,6 +57,15 @@ class SglangEngine(EngineAdapter):
 
     name = "sglang"
     health_path = "/health"
+    #: a decode server needs a prefill server's KV: every route goes through the handoff
+    decode_prefills = False
+
+    def handoff(self, topo: Topology) -> str:
+        return SGLANG_HANDOFF
+
+    def handoff_options(self, topo: Topology) -> tuple[tuple[str, str], ...]:
+        """``bootstrap_ports``: each prefill instance's bootstrap port, in ``--prefill`` order."""
+        return (("bootstrap_ports", ",".join(str(inst.kv_port) for inst in topo.role("prefill"))),)
 
     def key_env(self, topo: Topology) -> str | None:
         """None: SGLang takes a key only as ``--api-key`` on its command line (see the module docstring)."""

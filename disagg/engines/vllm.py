@@ -99,3 +99,20 @@ class VllmEngine(EngineAdapter):
         if inst.role == "both":
             return {}
         return vllm_kv_adapter(topo.connector).files(topo, inst, host)
+
+    # what the engines can do with the connector: its adapter says (disagg.kv.base.VllmKVAdapter)
+
+    def handoff(self, topo: Topology) -> str:
+        return vllm_kv_adapter(topo.connector).handoff(topo)
+
+    def handoff_options(self, topo: Topology) -> tuple[tuple[str, str], ...]:
+        return vllm_kv_adapter(topo.connector).handoff_options(topo)
+
+    def serves_whole(self, topo: Topology) -> bool:
+        return vllm_kv_adapter(topo.connector).serves_whole
+
+    def run_env(self, topo: Topology) -> dict[str, str]:
+        return vllm_kv_adapter(topo.connector).run_env(topo)
+
+    def connector_settings(self, topo: Topology) -> str:
+        return vllm_kv_adapter(topo.connector).settings_text(topo)

@@ -38,6 +38,7 @@ from disagg.errors import DeploymentError
 from disagg.kv.base import VllmKVAdapter, kv_role
 from disagg.kv.ucx import ucx_env
 from disagg.paths import host_run_dir
+from disagg.serving import LMCACHE_HANDOFF
 from disagg.topology import WILDCARD_ADDRESSES, HostSpec, InstanceSpec, Topology, iter_ports, same_place
 
 #: the one hash seed of every LMCache instance, unless the topology sets its own
@@ -176,6 +177,10 @@ class LmcacheVllmAdapter(VllmKVAdapter):
     """vLLM ``LMCacheConnectorV1`` configuration plus each instance's LMCache YAML."""
 
     name = "lmcache"
+    handoff_kind = LMCACHE_HANDOFF
+
+    def handoff_options(self, topo: Topology) -> tuple[tuple[str, str], ...]:
+        return proxy_options(topo)
 
     def transfer_config(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, Any]:
         check_ports(topo)
@@ -197,8 +202,8 @@ class LmcacheVllmAdapter(VllmKVAdapter):
 
 
 def proxy_options(topo: Topology) -> tuple[tuple[str, str], ...]:
-    """The proxy's ``--handoff-option`` values for an LMCache topology (called by
-    :func:`disagg.launch.frontend.handoff_options`): the receivers, and ``notify``, the notice
+    """The proxy's ``--handoff-option`` values for an LMCache topology
+    (:meth:`LmcacheVllmAdapter.handoff_options`): the receivers, and ``notify``, the notice
     socket's bind address, which is where the prefill instances send (:func:`notify_host`),
     never a wildcard."""
     receivers = json.dumps([receiver_ports(topo, i).option() for i in topo.role("decode")], separators=(",", ":"))

@@ -22,6 +22,7 @@ from disagg_connectors.nixl_cpu_affinity import ENV as NIXL_CPU_AFFINITY_ENV
 
 from disagg.kv.base import VllmKVAdapter, kv_role
 from disagg.kv.ucx import ucx_env
+from disagg.serving import NIXL_PUSH_HANDOFF
 from disagg.topology import HostSpec, InstanceSpec, Topology
 
 
@@ -31,6 +32,7 @@ class NixlVllmAdapter(VllmKVAdapter):
     name = "nixl"
     #: vLLM's connector class (``kv_connector``)
     connector_class: ClassVar[str] = "NixlConnector"
+    serves_whole = True
 
     def transfer_config(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, Any]:
         extra: dict[str, Any] = {"backends": ["UCX"]}
@@ -79,6 +81,8 @@ class NixlPushVllmAdapter(NixlVllmAdapter):
 
     name = "nixl-push"
     connector_class: ClassVar[str] = "NixlPushConnector"
+    handoff_kind = NIXL_PUSH_HANDOFF
+    serves_whole = False
 
     def transfer_config(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, Any]:
         config = super().transfer_config(topo, inst, host)

@@ -4,7 +4,7 @@ Pull mode like NIXL: the prefill engine keeps a finished request's blocks
 under a lease and listens on ``host.address:kv_port``; the decode engine
 fetches them over authenticated TCP. Both engines need the same shared secret
 in ``DISAGG_KV_SECRET``: ``disagg up`` generates one per run
-(``generate_secret()``) and adds it to every engine's environment when it
+(``SocketVllmAdapter.run_secrets``) and adds it to every engine's environment when it
 starts them (never to argv, which vLLM and ``ps`` show); the plan that
 ``disagg check`` prints names the variable, not a value.
 
@@ -27,11 +27,11 @@ listener in ``--prefill`` order: :func:`prefill_peer` formats it for both.
 from __future__ import annotations
 
 import ipaddress
-import secrets
 from typing import Any
 
 from disagg.errors import DeploymentError
 from disagg.kv.base import VllmKVAdapter, kv_role
+from disagg.serving import KV_PEERS, STREAMING_HANDOFF
 from disagg.topology import HostSpec, InstanceSpec, Topology
 
 #: Env var holding the shared secret, at plan time and in the engines.
@@ -39,11 +39,6 @@ SECRET_ENV = "DISAGG_KV_SECRET"
 #: The importable module vLLM loads the connector class from.
 CONNECTOR_MODULE = "disagg_connectors.socket_connector"
 CONNECTOR_CLASS = "SocketKVConnector"
-
-
-def generate_secret() -> str:
-    """A fresh per-topology secret (256 bits, hex) for ``SECRET_ENV``."""
-    return secrets.token_hex(32)
 
 
 def format_peer(address: str, port: int) -> str:
@@ -101,6 +96,8 @@ class SocketVllmAdapter(VllmKVAdapter):
     """vLLM ``SocketKVConnector`` configuration: listener on the host's link address."""
 
     name = "socket"
+    serves_whole = True
+    run_secrets = (SECRET_ENV,)
 
     def transfer_config(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, Any]:
         extra: dict[str, Any] = {"secret_env": SECRET_ENV}
@@ -131,5 +128,19 @@ class SocketVllmAdapter(VllmKVAdapter):
         return config
 
     def env(self, topo: Topology, inst: InstanceSpec, host: HostSpec) -> dict[str, str]:
-        # The secret is per run: the launcher adds SECRET_ENV when it starts the engines.
+        # The secret is per run: the launcher adds SECRET_ENV (run_secrets) when it starts the engines.
         return {}
+
+    def handoff(self, topo: Topology) -> str:
+        """The streaming handoff with ``connector.streaming``, else vLLM's."""
+        return STREAMING_HANDOFF if topo.streaming else self.handoff_kind
+
+    def handoff_options(self, topo: Topology) -> tuple[tuple[str, str], ...]:
+        """Streaming: each prefill instance's KV listener, in the order of the proxy's ``--prefill`` URLs."""
+        if not topo.streaming:
+            return ()
+        return ((KV_PEERS, ",".join(prefill_peer(topo, inst) for inst in topo.role("prefill"))),)
+
+    def settings_text(self, topo: Topology) -> str:
+        streaming = "on: decode receives the KV while prefill computes" if topo.streaming else "off"
+        return f"wire_format {topo.wire_format}, streaming {streaming}"

@@ -30,8 +30,6 @@ from pathlib import Path
 
 from disagg.deployment import Deployment
 from disagg.errors import DeploymentError, DisaggError
-from disagg.kv.lmcache import proxy_options
-from disagg.kv.socket import prefill_peer
 from disagg.planning import route_seeds
 from disagg.proxy.config import (
     DEFAULT_MAX_BODY_BYTES,
@@ -41,14 +39,9 @@ from disagg.proxy.config import (
     ProxyTimeouts,
     RoutingConfig,
 )
-from disagg.proxy.nixl_push_handoff import NixlPushHandoff
-from disagg.proxy.socket_stream_handoff import KV_PEERS, SocketStreamHandoff
+from disagg.registry import engine_adapter
 
 log = logging.getLogger("disagg")
-
-#: connectors whose prefill engines serve a plain request alone (routing path ``whole``;
-#: tests/e2e/test_nixl_whole.py and test_socket_conformance.py prove it)
-WHOLE_CONNECTORS = ("nixl", "socket")
 
 ROUTER_MODULES = {"vllm-router": "vllm_router.launch_router", "sglang-router": "sglang_router.launch_router"}
 #: proxy kind -> the engine it can route P/D requests for
@@ -56,32 +49,19 @@ ROUTER_ENGINES = {"vllm-router": "vllm", "sglang-router": "sglang"}
 
 
 def handoff_kind(dep: Deployment) -> str:
-    """The proxy's ``engine`` (the handoff protocol) for a planned topology."""
+    """The proxy's handoff for a planned topology: the engine adapter's, which asks its connector
+    (:meth:`disagg.engines.base.EngineAdapter.handoff`); colocated, the engine's name."""
     topo = dep.topology
-    if topo.engine == "vllm" and topo.connector == "lmcache" and not topo.colocated:
-        return "vllm-lmcache"
-    if topo.engine == "vllm" and topo.connector == "socket" and topo.streaming and not topo.colocated:
-        return SocketStreamHandoff.kind
-    if topo.engine == "vllm" and topo.connector == "nixl-push" and not topo.colocated:
-        return NixlPushHandoff.kind
-    return topo.engine
+    return topo.engine if topo.colocated else engine_adapter(topo.engine).handoff(topo)
 
 
 def handoff_options(dep: Deployment) -> tuple[tuple[str, str], ...]:
-    """The proxy's handoff options for a planned topology (SGLang: the prefill
-    bootstrap ports; vLLM + LMCache: decode receiver ports and the notify port;
-    the streaming socket connector: each prefill instance's KV listener, in the
-    order of the proxy's ``--prefill`` URLs)."""
+    """The proxy's handoff options for a planned topology (SGLang: the prefill bootstrap ports;
+    vLLM + LMCache: decode receiver ports and the notify port; the streaming socket connector:
+    each prefill instance's KV listener, in the order of the proxy's ``--prefill`` URLs), as the
+    engine adapter and its connector say."""
     topo = dep.topology
-    if topo.colocated:
-        return ()
-    if topo.engine == "sglang":
-        return (("bootstrap_ports", ",".join(str(e.instance.kv_port) for e in dep.role("prefill"))),)
-    if handoff_kind(dep) == "vllm-lmcache":
-        return tuple(proxy_options(topo))
-    if handoff_kind(dep) == SocketStreamHandoff.kind:
-        return ((KV_PEERS, ",".join(prefill_peer(topo, e.instance) for e in dep.role("prefill"))),)
-    return ()
+    return () if topo.colocated else engine_adapter(topo.engine).handoff_options(topo)
 
 
 def routing_config(dep: Deployment) -> RoutingConfig:
@@ -91,7 +71,8 @@ def routing_config(dep: Deployment) -> RoutingConfig:
     the model's tokenizer when it is on this machine. When the seeds cannot be worked out (a
     model whose config is not at hand), the proxy splits every prompt, and says so."""
     topo = dep.topology
-    if topo.colocated or topo.engine == "sglang":  # nothing to choose: one server, or decode cannot prefill
+    engine = engine_adapter(topo.engine)
+    if topo.colocated or not engine.decode_prefills:  # nothing to choose: one server, or decode cannot prefill
         return RoutingConfig()
     if topo.routing.policy != "auto":
         return RoutingConfig(policy=topo.routing.policy)
@@ -106,7 +87,7 @@ def routing_config(dep: Deployment) -> RoutingConfig:
         policy="auto", kv_bytes_per_token=seeds.kv_bytes_per_token, prefill_tokens_per_s=seeds.prefill_tokens_per_s,
         decode_tokens_per_s=seeds.decode_tokens_per_s, link_bytes_per_s=seeds.link_bytes_per_s,
         handoff_fixed_s=seeds.handoff_fixed_s,
-        whole=topo.engine == "vllm" and topo.connector in WHOLE_CONNECTORS,
+        whole=engine.serves_whole(topo),
         tokenizer=str(tokenizer) if tokenizer.is_file() else None,
         explore_after_s=topo.routing.explore_after_s, explore_decisions=topo.routing.explore_decisions,
         explore_within=topo.routing.explore_within, streaming_layers=seeds.streaming_layers,

@@ -58,7 +58,6 @@ from disagg.errors import (
     ProxyError,
     StateError,
 )
-from disagg.kv.socket import SECRET_ENV, generate_secret
 from disagg.launch import processes
 from disagg.launch.frontend import frontend_argv
 from disagg.launch.health import busy_ports, http_status, local_port_free
@@ -92,8 +91,9 @@ REAP_WAIT_S = 10.0
 STUCK_SCAN_BYTES = 1 << 20
 #: how the lines the launcher itself writes into a process's log begin (a restart's heading)
 OWN_LOG_LINE = "--- disagg up: "
-#: variables passed to remote engines over ssh's stdin, never on a command line
-SECRET_ENVS = frozenset({SECRET_ENV, VLLM_KEY_ENV})
+#: variables passed to remote engines over ssh's stdin, never on a command line, besides every
+#: variable the launcher adds itself (the connector's per-run secrets, the engine key)
+SECRET_ENVS = frozenset({VLLM_KEY_ENV})
 
 
 #: what a failed write raises: OSError (a full disk: ENOSPC; a file system gone read-only),
@@ -163,10 +163,9 @@ class BestEffort:
 
 
 def per_run_env(topo: Topology) -> dict[str, str]:
-    """Per-run environment for every engine: a fresh shared secret for the socket connector."""
-    if topo.connector == "socket" and not topo.colocated:
-        return {SECRET_ENV: generate_secret()}
-    return {}
+    """Per-run environment for every engine: the secrets the connector draws fresh for each run
+    (:meth:`disagg.engines.base.EngineAdapter.run_env`; the socket connector's shared secret)."""
+    return {} if topo.colocated else engine_adapter(topo.engine).run_env(topo)
 
 
 def engine_key_env(topo: Topology) -> str | None:
@@ -619,8 +618,9 @@ class Launcher:
         env = {**dict(eng.env), **self._extra_env}
         if eng.host.is_remote:
             log = host_log(self.topo, eng.host, eng.log_name)
-            secret = {k: v for k, v in env.items() if k in SECRET_ENVS}
-            public = tuple(sorted((k, v) for k, v in env.items() if k not in SECRET_ENVS))
+            hidden = SECRET_ENVS.union(self._extra_env)
+            secret = {k: v for k, v in env.items() if k in hidden}
+            public = tuple(sorted((k, v) for k, v in env.items() if k not in hidden))
             shell = EngineLaunch(eng.instance, eng.host, eng.argv, public, eng.health_path, eng.files).shell_command()
             pid = processes.start_remote(eng.host, shell, log, secret_env=secret,
                                          ssh_timeout=self.topo.timeouts.ssh_command)

@@ -32,6 +32,8 @@ from disagg.serving import (
     REQUEST_TIMEOUT_S,
     ROUTING_POLICIES,
     SEND_TIMEOUT_S,
+    STREAMING_HANDOFF,
+    VLLM_HANDOFF,
 )
 
 #: environment variable read when ``--api-key`` is not given (keeps the key out of ``ps``)
@@ -40,9 +42,6 @@ API_KEY_ENV = "DISAGG_PROXY_API_KEY"
 #: puts the run's key here, and takes it from here instead of generating one when it is set
 ENGINE_KEY_ENV = "DISAGG_ENGINE_KEY"
 
-#: the handoff that streams the KV while the prefill computes (``SocketStreamHandoff.kind``), the one
-#: ``RoutingConfig.streaming_layers`` is for
-STREAMING_HANDOFF = "vllm-socket-stream"
 #: the roles whose engines have a seed prefill rate (``RoutingConfig.measured_rates`` names some of them)
 SEED_ROLES = ("prefill", "decode")
 
@@ -258,7 +257,7 @@ class ProxyConfig:
     prefill: tuple[str, ...] = flag("--prefill", default=(), metavar="URL", help="prefill engine URLs")
     host: str = flag("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     port: int = flag("--port", default=8000, help="port to bind (default: %(default)s; 0 = any free port)")
-    handoff: str = flag("--handoff", default="vllm", aliases=("--engine",),
+    handoff: str = flag("--handoff", default=VLLM_HANDOFF, aliases=("--engine",),
                         help="the KV handoff protocol between the engines: vllm (NIXL, the socket connector), "
                              "sglang, vllm-lmcache, vllm-socket-stream (the socket connector streaming the KV "
                              "while prefill computes), vllm-nixl-push (NixlPushConnector: decode registers its "

@@ -39,6 +39,7 @@ from disagg.proxy.errors import ProxyHTTPError, UpstreamError
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.routes import CHAT, COMPLETIONS, GenerationRequest, PromptRoute
 from disagg.proxy.upstream import Upstream
+from disagg.serving import LMCACHE_HANDOFF, NIXL_PUSH_HANDOFF, SGLANG_HANDOFF, STREAMING_HANDOFF, VLLM_HANDOFF
 
 __all__ = [
     "CHAT",
@@ -161,7 +162,7 @@ class Handoff(ABC):
 class VllmHandoff(Handoff):
     """vLLM with NixlConnector (pull mode): prefill first, then decode."""
 
-    kind = "vllm"
+    kind = VLLM_HANDOFF
 
     #: kv_transfer_params sent to prefill (vLLM's NixlConnector pull protocol; docs/proxy.md)
     PREFILL_KV_PARAMS: ClassVar[dict[str, Any]] = {
@@ -266,11 +267,11 @@ class VllmHandoff(Handoff):
 
 #: ``--handoff`` value -> "module:Class" of its handoff (imported on use)
 HANDOFFS: dict[str, str] = {
-    "vllm": "disagg.proxy.handoff:VllmHandoff",
-    "sglang": "disagg.proxy.sglang_handoff:SglangHandoff",
-    "vllm-lmcache": "disagg.proxy.lmcache_handoff:LmcacheHandoff",
-    "vllm-socket-stream": "disagg.proxy.socket_stream_handoff:SocketStreamHandoff",
-    "vllm-nixl-push": "disagg.proxy.nixl_push_handoff:NixlPushHandoff",
+    VLLM_HANDOFF: "disagg.proxy.handoff:VllmHandoff",
+    SGLANG_HANDOFF: "disagg.proxy.sglang_handoff:SglangHandoff",
+    LMCACHE_HANDOFF: "disagg.proxy.lmcache_handoff:LmcacheHandoff",
+    STREAMING_HANDOFF: "disagg.proxy.socket_stream_handoff:SocketStreamHandoff",
+    NIXL_PUSH_HANDOFF: "disagg.proxy.nixl_push_handoff:NixlPushHandoff",
 }
 
 

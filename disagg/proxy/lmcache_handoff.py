@@ -61,6 +61,7 @@ from disagg.proxy.handoff import DecodeReply, PrefillFailed, VllmHandoff
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.routes import PromptRoute
 from disagg.proxy.upstream import Upstream, finish
+from disagg.serving import LMCACHE_HANDOFF
 
 log = logging.getLogger("disagg.proxy")
 
@@ -265,7 +266,7 @@ class KvNotices:
 class LmcacheHandoff(VllmHandoff):
     """Prefill pushes the KV to the chosen decode's LMCache receiver; decode runs the request."""
 
-    kind = "vllm-lmcache"
+    kind = LMCACHE_HANDOFF
 
     def __init__(self, upstream: Upstream, prefill: BackendPool, decode: BackendPool,
                  metrics: ProxyMetrics, options: Mapping[str, str] | None = None) -> None:

@@ -78,6 +78,7 @@ from disagg.proxy.headers import REQUEST_ID
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.routes import PromptRoute
 from disagg.proxy.upstream import Upstream
+from disagg.serving import NIXL_PUSH_HANDOFF
 
 log = logging.getLogger("disagg.proxy")
 
@@ -125,7 +126,7 @@ class NixlPushHandoff(ConcurrentVllmHandoff):
     """vLLM with NixlPushConnector: decode registers its blocks while prefill computes, prefill
     WRITEs into them (see the module docstring)."""
 
-    kind = "vllm-nixl-push"
+    kind = NIXL_PUSH_HANDOFF
     hold_decode = True
 
     #: ``kv_transfer_params`` prefill receives

@@ -42,6 +42,7 @@ from disagg.proxy.handoff import DecodeReply, EngineErrorReply, GenerationReques
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.routes import PromptRoute
 from disagg.proxy.upstream import Upstream, finish
+from disagg.serving import SGLANG_HANDOFF
 from disagg.sse import DONE_EVENT, SSEError, SSEEvent, SSEParser, encode_event, encode_json_event
 
 log = logging.getLogger("disagg.proxy")
@@ -187,7 +188,7 @@ class MergedResponse:
 class SglangHandoff(Handoff):
     """SGLang prefill and decode in parallel, joined by a bootstrap room."""
 
-    kind = "sglang"
+    kind = SGLANG_HANDOFF
     serves_local = False
 
     def __init__(self, upstream: Upstream, prefill: BackendPool, decode: BackendPool,

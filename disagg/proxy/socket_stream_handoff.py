@@ -47,13 +47,12 @@ from disagg.proxy.concurrent_handoff import ConcurrentVllmHandoff, Dispatch
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.routes import PromptRoute
 from disagg.proxy.upstream import Upstream
+from disagg.serving import KV_PEERS, STREAMING_HANDOFF
 
 #: the ``kv_transfer_params`` field naming a streamed transfer (prefill's and decode's)
 STREAM_KEY = "stream_key"
 #: ``transfer`` in decode's ``kv_transfer_params``: the socket connector's name for its transfers
 TRANSFER = "socket"
-#: the handoff option listing each prefill instance's KV listener
-KV_PEERS = "kv_peers"
 
 _HOST_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
 _PORT_RE = re.compile(r"[0-9]{1,5}")
@@ -113,7 +112,7 @@ def _kv_peer(entry: str, option: str, usage: str) -> KvPeer:
 class SocketStreamHandoff(ConcurrentVllmHandoff):
     """vLLM with the socket connector streaming KV: prefill and decode in parallel, joined by a key."""
 
-    kind = "vllm-socket-stream"
+    kind = STREAMING_HANDOFF
 
     def __init__(self, upstream: Upstream, prefill: BackendPool, decode: BackendPool,
                  metrics: ProxyMetrics, options: Mapping[str, str] | None = None) -> None:

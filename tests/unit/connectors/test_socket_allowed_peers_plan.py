@@ -11,7 +11,7 @@ import pytest
 from disagg_connectors.socket_connector.config import SocketSettings
 
 from disagg.deployment import build_deployment
-from disagg.kv.socket import SECRET_ENV, generate_secret
+from disagg.kv.socket import SECRET_ENV
 from disagg.topology import load_topology, parse_topology
 
 REPO = Path(__file__).resolve().parents[3]
@@ -65,7 +65,7 @@ def test_a_prefill_listener_accepts_the_decode_hosts_addresses(prefill: str, dec
     configs = extra_configs(topology(prefill, decode, other))
     extra = prefill_extra(configs)
     assert extra["allowed_peers"] == expected
-    settings = SocketSettings.load(extra, {SECRET_ENV: generate_secret()}, need_port=True)
+    settings = SocketSettings.load(extra, {SECRET_ENV: "5e" * 32}, need_port=True)
     assert settings.allowed_peers == tuple(expected)
     assert all("allowed_peers" not in e for name, e in configs.items() if name.startswith("decode"))
 
@@ -79,7 +79,7 @@ def test_a_prefill_listener_accepts_the_decode_hosts_addresses(prefill: str, dec
 def test_allowed_peers_stays_off_when_the_sources_are_not_known(prefill: str, decode: str, other: str) -> None:
     extra = prefill_extra(extra_configs(topology(prefill, decode, other)))
     assert "allowed_peers" not in extra
-    assert SocketSettings.load(extra, {SECRET_ENV: generate_secret()}, need_port=True).allowed_peers == ()
+    assert SocketSettings.load(extra, {SECRET_ENV: "5e" * 32}, need_port=True).allowed_peers == ()
 
 
 @pytest.mark.parametrize(("name", "expected"), [

@@ -9,7 +9,7 @@ import pytest
 
 from disagg.deployment import build_deployment
 from disagg.errors import DeploymentError, TopologyError
-from disagg.kv.socket import SECRET_ENV, generate_secret, prefill_peer
+from disagg.kv.socket import SECRET_ENV, SocketVllmAdapter, prefill_peer
 from disagg.registry import vllm_kv_adapter
 from disagg.topology import default_streaming, parse_topology
 
@@ -101,7 +101,7 @@ def test_every_decode_instance_may_fetch_from_every_prefill_listener() -> None:
     for e in decode:
         extra = kv_config(e)["kv_connector_extra_config"]
         assert extra["peers"] == ["198.18.0.1:5701", f"[fd00::7]:{listeners[1][1]}"]
-        settings = SocketSettings.load(extra, {SECRET_ENV: generate_secret()})
+        settings = SocketSettings.load(extra, {SECRET_ENV: "5e" * 32})
         for host, port in listeners:  # what each prefill engine advertises as remote_host/remote_port
             assert settings.peers.allows(host, port)
         assert not settings.peers.allows("198.18.0.2", 5701)
@@ -109,8 +109,9 @@ def test_every_decode_instance_may_fetch_from_every_prefill_listener() -> None:
 
 
 def test_generated_secrets_are_long_and_fresh() -> None:
-    a, b = generate_secret(), generate_secret()
-    assert a != b and len(a) == 64
+    topo = parse_topology(textwrap.dedent(TOPO), "t.yaml")
+    a, b = SocketVllmAdapter().run_env(topo), SocketVllmAdapter().run_env(topo)
+    assert a.keys() == b.keys() == {SECRET_ENV} and a != b and len(a[SECRET_ENV]) == 64
 
 
 def _fp8_topology(decode_args: str = "") -> str:
