@@ -1,19 +1,45 @@
 """Measurements other commands store for ``disagg plan`` to use, on disk.
 
-Three files, all JSON, all written atomically (temp file + rename):
+Four files, all JSON, all written atomically (temp file + rename):
 
 ``<run_dir>/measurements/prefill.json`` (written by ``disagg bench``)::
 
     {
       "<served model name>": {
-        "<host name>": {
+        "<host name>" or "<host name> [<connector>]": {
           "prompt_tokens_per_s": 11850.0,           # prefill throughput
           "dtype": "auto",                          # the topology's model.dtype it was measured with
+          "host": "gamer",                          # the host (the key without the connector)
+          "connector": "none",                      # the measured engine's KV connector (none: colocated)
           "measured_at": "2026-11-29T09:12:00+00:00",  # ISO 8601
           "source": "disagg bench ... (free text: how it was measured)"
         }
       }
     }
+
+``<run_dir>/measurements/decode.json`` (written by ``disagg bench prefill`` and ``disagg bench
+compare``: :func:`disagg.bench.prefill.probe_decode_step`), keyed the same way::
+
+    {
+      "<served model name>": {
+        "<host name>" or "<host name> [<connector>]": {
+          "fixed_s": 0.0047,                        # an idle decode step with no context KV ...
+          "per_kv_byte_s": 1.3e-10,                 # ... plus this per byte of the request's context KV
+          "points": [[2162688, 0.0049], ...],       # (context KV bytes, TPOT s) it was fitted to
+          "dtype": "auto", "host": "gamer", "connector": "none",
+          "measured_at": "2026-11-29T09:12:00+00:00",
+          "source": "disagg bench ... (free text: how it was measured)"
+        }
+      }
+    }
+
+An engine's prefill rate and decode step depend on what runs beside its compute: on a one-core CPU
+engine NIXL's progress thread spins on the same core (docs/engines.md), and the emulated house's
+gamer prefilled 1,024-token prompts at 2,862 tokens/s colocated (no connector) and 1,246 tokens/s
+as the prefill engine of a NIXL split. So both are kept per engine kind: ``connector`` is the KV
+connector the measured engine ran (``none`` for an engine of a colocated topology, ``roles.both``).
+A lookup for one kind falls back to another kind of the same host (the caller says so); an entry
+written before the field existed has the connector unknown (``""``) and serves any kind.
 
 ``<topology dir>/<topology stem>.probe.json`` (written by ``disagg probe-link``)::
 
@@ -62,7 +88,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -71,6 +97,9 @@ from typing import Any
 from disagg.errors import StateError
 
 PREFILL_FILE = Path("measurements") / "prefill.json"
+DECODE_FILE = Path("measurements") / "decode.json"
+#: the engine kind of an engine without a KV connector (a colocated topology's, ``roles.both``)
+NO_CONNECTOR = "none"
 HANDOFF_FILE = Path("measurements") / "handoff.json"
 PROBE_SUFFIX = ".probe.json"
 
@@ -129,10 +158,43 @@ class PrefillMeasurement:
     measured_at: str
     source: str
     dtype: str = "auto"
+    #: the measured engine's KV connector (:data:`NO_CONNECTOR`: none; ``""``: unknown, an old entry)
+    connector: str = ""
 
     def holds_for(self, dtype: str) -> bool:
         """Whether this rate is one of an engine running ``dtype`` (the topology's ``model.dtype``)."""
         return self.dtype == dtype
+
+    @property
+    def engine(self) -> str:
+        """What engine it was measured on, for a label: ``an engine without a KV connector``,
+        ``an engine with nixl``, or ``an engine of unknown connector``."""
+        return engine_words(self.connector)
+
+
+def engine_words(connector: str) -> str:
+    """``none`` -> ``an engine without a KV connector``; ``nixl`` -> ``an engine with nixl``."""
+    if connector == NO_CONNECTOR:
+        return "an engine without a KV connector"
+    return f"an engine with {connector}" if connector else "an engine of unknown connector"
+
+
+def engine_key(host: str, connector: str) -> str:
+    """The key of one host's engine kind in prefill.json and decode.json: the host for an engine
+    without a connector (or of unknown connector), ``host [connector]`` otherwise."""
+    return host if connector in (NO_CONNECTOR, "") else f"{host} [{connector}]"
+
+
+def _best_kind(entries: list[tuple[str, str, Any]], host: str, connector: str, dtype: str,
+               holds: Callable[[Any], bool]) -> Any | None:
+    """Of ``entries`` ((host, connector, measurement)), the one for ``host`` holding ``dtype``: of
+    the kind ``connector`` first, then of unknown connector, then of another kind; or None."""
+    mine = [(c, m) for h, c, m in entries if h == host and holds(m)]
+    for rank in (lambda c: c == connector, lambda c: c == "", lambda c: True):
+        for c, m in mine:
+            if rank(c):
+                return m
+    return None
 
 
 def prefill_path(run_dir: str | Path) -> Path:
@@ -141,7 +203,8 @@ def prefill_path(run_dir: str | Path) -> Path:
 
 
 def load_prefill(run_dir: str | Path) -> dict[str, dict[str, PrefillMeasurement]]:
-    """Every stored prefill rate, ``{model: {host: measurement}}`` ({} if none)."""
+    """Every stored prefill rate, ``{model: {key: measurement}}`` (key: :func:`engine_key`, the
+    host for an engine without a connector; {} if none)."""
     path = prefill_path(run_dir)
     data = _read_json(path)
     if data is None:
@@ -152,37 +215,149 @@ def load_prefill(run_dir: str | Path) -> dict[str, dict[str, PrefillMeasurement]
     for model, hosts in data.items():
         if not isinstance(hosts, dict):
             raise StateError(f"{path}: {model}: expected an object of host names")
-        for host, entry in hosts.items():
+        for key, entry in hosts.items():
             rate = entry.get("prompt_tokens_per_s") if isinstance(entry, dict) else None
             if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
-                raise StateError(f"{path}: {model}.{host}.prompt_tokens_per_s: expected a positive number")
-            out.setdefault(model, {})[host] = PrefillMeasurement(
-                model=model, host=host, prompt_tokens_per_s=float(rate),
+                raise StateError(f"{path}: {model}.{key}.prompt_tokens_per_s: expected a positive number")
+            out.setdefault(model, {})[key] = PrefillMeasurement(
+                model=model, host=str(entry.get("host", key)), prompt_tokens_per_s=float(rate),
                 measured_at=str(entry.get("measured_at", "")), source=str(entry.get("source", "")),
-                dtype=str(entry.get("dtype", "auto")))
+                dtype=str(entry.get("dtype", "auto")), connector=str(entry.get("connector", "")))
     return out
 
 
-def lookup_prefill(run_dir: str | Path, model: str, host: str, dtype: str = "auto") -> PrefillMeasurement | None:
-    """The stored prefill rate of ``model`` in ``dtype`` on ``host``, or None (none stored, or
-    one measured with another dtype)."""
-    found = load_prefill(run_dir).get(model, {}).get(host)
-    return found if found is not None and found.holds_for(dtype) else None
+def lookup_prefill(run_dir: str | Path, model: str, host: str, dtype: str = "auto",
+                   connector: str = NO_CONNECTOR) -> PrefillMeasurement | None:
+    """The stored prefill rate of ``model`` in ``dtype`` on an engine of ``host`` running
+    ``connector`` (:data:`NO_CONNECTOR`: none), or None (none stored for the host and dtype).
+    Without one of that kind: one of unknown connector, then one of another kind (its
+    :attr:`PrefillMeasurement.connector` says which). Called by :func:`disagg.planning.host_prefill`."""
+    stored = load_prefill(run_dir).get(model, {}).values()
+    found: PrefillMeasurement | None = _best_kind([(m.host, m.connector, m) for m in stored], host, connector,
+                                                  dtype, lambda m: m.holds_for(dtype))
+    return found
 
 
 def store_prefill(run_dir: str | Path, model: str, host: str, prompt_tokens_per_s: float,
-                  source: str, measured_at: str | None = None, dtype: str = "auto") -> Path:
+                  source: str, measured_at: str | None = None, dtype: str = "auto",
+                  connector: str = "") -> Path:
     """Record (or replace) the prefill rate of ``model`` in ``dtype`` (the topology's
-    ``model.dtype``) on ``host``; returns the file."""
+    ``model.dtype``) on an engine of ``host`` running ``connector`` (:data:`NO_CONNECTOR`: none;
+    ``""``: not known, as for ``disagg bench serve URL --prefill-host``, where the URL may be any
+    engine: it then serves every kind); returns the file."""
     if prompt_tokens_per_s <= 0:
         raise ValueError("prompt_tokens_per_s must be positive")
-    entry = {"prompt_tokens_per_s": float(prompt_tokens_per_s), "dtype": dtype,
-             "measured_at": measured_at or now_iso(), "source": source}
+    entry = {"prompt_tokens_per_s": float(prompt_tokens_per_s), "dtype": dtype, "host": host,
+             "connector": connector, "measured_at": measured_at or now_iso(), "source": source}
 
     def put(data: dict[str, Any]) -> None:
-        data.setdefault(model, {})[host] = entry
+        data.setdefault(model, {})[engine_key(host, connector)] = entry
 
     return _merge_json(prefill_path(run_dir), put)
+
+
+# --- decode step --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecodeMeasurement:
+    """A measured decode step of one model on one kind of engine of one host: a request decoding
+    alone takes ``fixed_s + per_kv_byte_s x its context's KV bytes`` per output token."""
+
+    model: str
+    host: str
+    connector: str
+    dtype: str
+    fixed_s: float
+    per_kv_byte_s: float
+    measured_at: str
+    source: str
+    points: tuple[tuple[float, float], ...] = ()    # (context KV bytes, TPOT s) it was fitted to
+
+    def step_s(self, kv_bytes: float) -> float:
+        """One decode step of a request alone whose context holds ``kv_bytes`` of KV."""
+        return self.fixed_s + self.per_kv_byte_s * kv_bytes
+
+    @property
+    def date(self) -> str:
+        """The day it was measured (``2026-11-29``)."""
+        return self.measured_at[:10]
+
+
+def decode_path(run_dir: str | Path) -> Path:
+    """Where decode steps live under a run directory."""
+    return Path(run_dir) / DECODE_FILE
+
+
+def fit_decode_step(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed_s, per_kv_byte_s): the least-squares line through ``points`` (context KV bytes, TPOT
+    seconds), fitted from at least two context lengths. A slope below 0 (noise where the KV read
+    is small beside the step's overhead) is taken as 0, the step as the mean TPOT."""
+    if len({x for x, _ in points}) < 2:
+        raise ValueError("a decode step is fitted from at least two context lengths")
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    slope = (sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points))
+    if slope < 0:
+        return my, 0.0
+    return my - slope * mx, slope
+
+
+def store_decode(run_dir: str | Path, model: str, host: str, fixed_s: float, per_kv_byte_s: float,
+                 source: str, *, points: Sequence[tuple[float, float]] = (), measured_at: str | None = None,
+                 dtype: str = "auto", connector: str = "") -> Path:
+    """Record (or replace) the decode step of ``model`` in ``dtype`` on an engine of ``host`` running
+    ``connector`` (``""``: not known): ``fixed_s + per_kv_byte_s x context KV bytes`` (:func:`fit_decode_step` over
+    ``points``); returns the file. Called by ``disagg bench prefill`` and ``disagg bench compare``."""
+    if not fixed_s > 0 or not per_kv_byte_s >= 0:
+        raise ValueError("fixed_s must be positive and per_kv_byte_s >= 0")
+    entry = {"fixed_s": float(fixed_s), "per_kv_byte_s": float(per_kv_byte_s),
+             "points": [[float(x), float(y)] for x, y in points], "dtype": dtype, "host": host,
+             "connector": connector, "measured_at": measured_at or now_iso(), "source": source}
+
+    def put(data: dict[str, Any]) -> None:
+        data.setdefault(model, {})[engine_key(host, connector)] = entry
+
+    return _merge_json(decode_path(run_dir), put)
+
+
+def load_decode(run_dir: str | Path) -> dict[str, dict[str, DecodeMeasurement]]:
+    """Every stored decode step, ``{model: {key: measurement}}`` (key: :func:`engine_key`; {} if none)."""
+    path = decode_path(run_dir)
+    data = _read_json(path)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise StateError(f"{path}: expected an object of model names")
+    out: dict[str, dict[str, DecodeMeasurement]] = {}
+    for model, hosts in data.items():
+        if not isinstance(hosts, dict):
+            raise StateError(f"{path}: {model}: expected an object of host names")
+        for key, entry in hosts.items():
+            try:
+                fixed, slope = float(entry["fixed_s"]), float(entry["per_kv_byte_s"])
+                if not fixed > 0 or not slope >= 0:
+                    raise ValueError("fixed_s must be positive, per_kv_byte_s >= 0")
+                points = tuple((float(x), float(y)) for x, y in entry.get("points", []))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise StateError(f"{path}: {model}.{key}: not a decode step ({exc})") from None
+            out.setdefault(model, {})[key] = DecodeMeasurement(
+                model=model, host=str(entry.get("host", key)), connector=str(entry.get("connector", "")),
+                dtype=str(entry.get("dtype", "auto")), fixed_s=fixed, per_kv_byte_s=slope,
+                measured_at=str(entry.get("measured_at", "")), source=str(entry.get("source", "")), points=points)
+    return out
+
+
+def lookup_decode(run_dir: str | Path, model: str, host: str, dtype: str = "auto",
+                  connector: str = NO_CONNECTOR) -> DecodeMeasurement | None:
+    """The stored decode step of ``model`` in ``dtype`` on an engine of ``host`` running
+    ``connector``, or None; without one of that kind, one of another kind of the same host (its
+    ``connector`` says which). Called by ``disagg plan``'s workload model
+    (:func:`disagg.workload_plan.engine_decode`)."""
+    stored = load_decode(run_dir).get(model, {}).values()
+    found: DecodeMeasurement | None = _best_kind([(m.host, m.connector, m) for m in stored], host, connector,
+                                                 dtype, lambda m: m.dtype == dtype)
+    return found
 
 
 # --- a pair's handoff ---------------------------------------------------------

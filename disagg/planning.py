@@ -56,7 +56,15 @@ from disagg_connectors.socket_connector.config import wire_ratio
 from disagg.errors import PlanError
 from disagg.hardware import DEVICES, PREFILL_UTILISATION, DeviceSpec, lookup_device
 from disagg.kvmath import ModelArch, human_count, kv_dtype_bytes, resolve_model
-from disagg.measurements import LinkMeasurement, load_link, load_prefill, lookup_handoff
+from disagg.measurements import (
+    NO_CONNECTOR,
+    LinkMeasurement,
+    engine_words,
+    load_link,
+    load_prefill,
+    lookup_handoff,
+    lookup_prefill,
+)
 from disagg.routecost import (
     FIRST_STEP_CPU_BYTES_PER_S,
     FIRST_STEP_CPU_SOURCE,
@@ -659,32 +667,45 @@ def prefill_estimate(topo: Topology, arch: ModelArch, run_dir: str | None = None
     topology's ``model.dtype``, else the spec estimate (``role`` decode: how fast the decode host
     prefills a prompt itself)."""
     p_inst, d_inst = pair or first_pair(topo)
-    return host_prefill(topo, arch, topo.host_of(p_inst if role == "prefill" else d_inst), run_dir)
+    inst = p_inst if role == "prefill" else d_inst
+    return host_prefill(topo, arch, topo.host_of(inst), run_dir, connector=engine_connector(topo, inst))
 
 
-def host_prefill(topo: Topology, arch: ModelArch, host: HostSpec, run_dir: str | None = None) -> PrefillEstimate:
-    """How fast one engine of ``host`` prefills: the rate ``disagg bench`` stored for the topology's
-    served model and ``model.dtype``, else the spec-sheet estimate. A host that emulates its prefill
-    speed (``emulate.prefill_rate`` or ``cpu_share``) has no estimate: its stated rate is what the
-    emulation aims at, not what the engines reach, so without a measurement this is a PlanError
-    saying how to measure it. Called by :func:`prefill_estimate` and the workload model
+def engine_connector(topo: Topology, inst: InstanceSpec) -> str:
+    """The KV connector ``inst``'s engine runs: the topology's for a prefill or decode engine,
+    :data:`disagg.measurements.NO_CONNECTOR` for a colocated one (``roles.both``). Measured prefill
+    rates and decode steps are kept per host and this (:mod:`disagg.measurements`)."""
+    return NO_CONNECTOR if inst.role == "both" else topo.connector
+
+
+def host_prefill(topo: Topology, arch: ModelArch, host: HostSpec, run_dir: str | None = None,
+                 connector: str = NO_CONNECTOR) -> PrefillEstimate:
+    """How fast one engine of ``host`` running ``connector`` (:func:`engine_connector`) prefills:
+    the rate ``disagg bench`` stored for the topology's served model and ``model.dtype`` on that
+    kind of engine (else on another kind of the same host, labelled so:
+    :func:`disagg.measurements.lookup_prefill`), else the spec-sheet estimate. A host that emulates
+    its prefill speed (``emulate.prefill_rate`` or ``cpu_share``) has no estimate: its stated rate is
+    what the emulation aims at, not what the engines reach, so without a measurement this is a
+    PlanError saying how to measure it. Called by :func:`prefill_estimate` and the workload model
     (:mod:`disagg.workload_plan`)."""
     from disagg.engines.vllm import served_model_name
 
     model = served_model_name(topo)
-    stored = load_prefill(run_dir or topo.run_dir).get(model, {}).get(host.name)
-    found = stored if stored is not None and stored.holds_for(topo.model.dtype) else None
+    found = lookup_prefill(run_dir or topo.run_dir, model, host.name, topo.model.dtype, connector)
     if found is not None:
+        other = ("" if found.connector in (connector, "") else
+                 f"; measured on {found.engine}, none stored for {engine_words(connector)}")
         return PrefillEstimate(f"measured on {host.name}: {found.prompt_tokens_per_s:,.0f} prompt tokens/s "
-                               f"({found.source}, {found.measured_at})", estimated=False, arch=arch,
+                               f"({found.source}, {found.measured_at}{other})", estimated=False, arch=arch,
                                tokens_per_s=found.prompt_tokens_per_s)
+    stored = next((m for m in load_prefill(run_dir or topo.run_dir).get(model, {}).values() if m.host == host.name),
+                  None)
     emulated = host.emulate
     if emulated is not None and (emulated.prefill_rate is not None or emulated.cpu_share is not None):
         raise PlanError(f"hosts.{host.name} is emulated ({emulated.describe()}) and its prefill rate has not "
                         f"been measured: plan never uses the stated rate; measure it on the running engines: "
-                        f"`disagg up {topo.file}`, then `disagg bench compare {topo.file}` (its prefill probe "
-                        f"stores every host's rate) or `disagg bench serve URL --prefill-host {host.name} "
-                        "--prefill-probe 3` against that host's engine")
+                        f"{MEASURE_HINT.format(file=topo.file)}; or `disagg bench serve URL --prefill-host "
+                        f"{host.name} --prefill-probe 3` against that host's engine (its prefill rate only)")
     spec = host_device(host)
     if spec is None:
         raise PlanError(f"{topo.file}: hosts.{host.name}: device: cuda but no gpu: field; add "
@@ -932,17 +953,29 @@ def route_seeds(topo: Topology) -> RouteSeeds:
                       measured_rates=tuple(role for role in ("prefill", "decode") if every_host_measured(topo, role)))
 
 
+#: how to measure an emulated host's prefill rate and every host's decode step (what plan says)
+MEASURE_HINT = ("`disagg up {file}`, then `disagg bench prefill {file}` (probes every host's prefill rate and "
+                "decode step straight to its engines, and a split pair's handoff), or `disagg bench compare "
+                "{file}` (the same probes after its sweep)")
+
+
 def every_host_measured(topo: Topology, role: str) -> bool:
     """Whether ``disagg bench`` stored a prefill rate, for the topology's ``model.dtype``, on
-    every host of ``role``. The proxy seeds every engine of a role with the first host's rate
+    every host of ``role``, measured on the kind of engine the role runs (its connector:
+    :func:`engine_connector`; one of unknown connector counts). The proxy seeds every engine of a
+    role with the first host's rate
     (:func:`prefill_estimate`), and takes it as it is only where this holds; elsewhere the seed
     counts as an estimate, scaled by what live measurements say of the estimates (the first
     host's rate says nothing sure of another host's)."""
     from disagg.engines.vllm import served_model_name
 
-    stored = load_prefill(topo.run_dir).get(served_model_name(topo), {})
-    return all(h in stored and stored[h].holds_for(topo.model.dtype)
-               for h in {topo.host_of(inst).name for inst in topo.role(role)})
+    model = served_model_name(topo)
+    for inst in topo.role(role):
+        kind = engine_connector(topo, inst)
+        found = lookup_prefill(topo.run_dir, model, inst.host, topo.model.dtype, kind)
+        if found is None or found.connector not in (kind, ""):
+            return False
+    return True
 
 
 def _prompts(span_: tuple[int, int], limit: int, fit_max: int | None = None) -> str:

@@ -120,10 +120,45 @@ def first_step_s(weight_bytes: float, kv_bytes: float, bytes_per_s: float) -> fl
 def decode_step_s(weight_bytes: float, kv_bytes: float, bytes_per_s: float) -> float:
     """One decode step on an engine whose steps are bound by memory reads (a GPU; a CPU engine at
     :data:`FIRST_STEP_CPU_BYTES_PER_S` per core): the model's active weights and the KV of every
-    request in the batch, read at ``bytes_per_s``. ``disagg plan``'s workload model
-    (:mod:`disagg.workload_plan`) builds an engine's :class:`EngineCost` decode line from it:
-    ``tpot_s`` with one request's KV, ``tpot_added_s`` the KV each further request adds."""
+    request in the batch, read at ``bytes_per_s``. The estimate behind :class:`DecodeLine` where
+    no decode step was measured on the engine's host (:meth:`DecodeLine.from_memory_rate`), and
+    behind decode's first step after a handoff (:func:`first_step_s`)."""
     return (weight_bytes + kv_bytes) / bytes_per_s
+
+
+@dataclass(frozen=True)
+class DecodeLine:
+    """How long a decode step takes on an engine: ``fixed_s`` for a step of one request with no
+    context, plus ``per_kv_byte_s`` for each byte of KV the batch's requests hold (each decoding
+    request reads its whole context's KV every step). Measured (``disagg bench prefill`` and
+    ``disagg bench compare`` fit it from a request decoding alone at two context lengths:
+    :func:`disagg.measurements.fit_decode_step`), or from a memory rate (:meth:`from_memory_rate`:
+    the weights and the KV read at ``bytes_per_s``, :func:`decode_step_s`). A measured line holds
+    what a step costs beyond its reads (on a CPU engine most of it: the tiny-kvheavy model's
+    23 MiB of weights at 3 GB/s predicted 8 ms a step where it took 5 ms with a 64-token context
+    and 9 ms with 1,000 tokens). ``disagg plan``'s workload model (:mod:`disagg.workload_plan`)
+    builds an engine's :class:`EngineCost` decode line from it: ``tpot_s`` = ``fixed_s``,
+    ``tpot_added_s`` = ``per_kv_byte_s`` x one request's KV; a further request is taken to add
+    only its KV (its own per-request overhead in a batch is not measured alone)."""
+
+    fixed_s: float
+    per_kv_byte_s: float
+    source: str
+    measured: bool = False
+
+    @classmethod
+    def from_memory_rate(cls, weight_bytes: float, bytes_per_s: float, source: str) -> DecodeLine:
+        """The estimate: the active weights and the KV read at ``bytes_per_s`` (:func:`decode_step_s`)."""
+        return cls(decode_step_s(weight_bytes, 0.0, bytes_per_s), decode_step_s(0.0, 1.0, bytes_per_s), source)
+
+    def step_s(self, kv_bytes: float) -> float:
+        """One decode step over ``kv_bytes`` of context KV (the batch's, or one request's alone)."""
+        return self.fixed_s + self.per_kv_byte_s * kv_bytes
+
+    @property
+    def kv_bytes_per_s(self) -> float:
+        """The rate its KV part reads at (inf: a measured line with no KV part)."""
+        return math.inf if self.per_kv_byte_s <= 0 else 1.0 / self.per_kv_byte_s
 
 
 def handoff_fixed_source(streaming: bool) -> str:

@@ -33,10 +33,13 @@ The model (stated in the output):
   handoff (:meth:`disagg.planning.LinkEstimate.added_s`: fixed cost, the transfer's exposed part,
   decode's first step) and the link's own M/G/1 wait (the transfers queue on it);
 - **decode**: time per output token on an engine from :func:`disagg.routecost.tpot_with_prefills_s`:
-  the decode step reads the active weights and every running request's KV at the engine's memory
-  rate (a GPU's spec sheet, an estimate; a CPU engine's
-  :data:`disagg.routecost.FIRST_STEP_CPU_BYTES_PER_S` per pinned core), and waits out the
-  prefills computed on the same engine. TPOT is the same for every class on an engine;
+  a decode step takes the engine's :class:`disagg.routecost.DecodeLine`, ``fixed + per byte x``
+  the KV of every running request: the one ``disagg bench`` measured on the host's engines
+  (:func:`disagg.measurements.lookup_decode`), else the active weights and the KV read at the
+  engine's memory rate (a GPU's spec sheet, an estimate; a CPU engine's
+  :data:`disagg.routecost.FIRST_STEP_CPU_BYTES_PER_S` per pinned core, an estimate fitted to
+  decode's first step), and waits out the prefills computed on the same engine. TPOT is the
+  same for every class on an engine;
 - **KV memory**: an engine's KV capacity (an emulated host's ``emulate.kv_memory``, the host's
   ``kv_memory_gb``, vLLM's CPU KV space, or a GPU estimate: :func:`disagg.planning.engine_memory`)
   holds at most ``capacity / KV of one conversation (prompt + output)`` requests at once
@@ -48,6 +51,11 @@ The model (stated in the output):
 - **goodput**: ``rate x`` the share of requests whose TTFT, TPOT (and E2EL) meet the SLO; without
   an SLO, the rate when not saturated. ``saturates at``: the highest rate the configuration
   sustains (bisection on the rate).
+
+- **engine kinds**: a prefill rate and a decode step are kept per host and KV connector
+  (:mod:`disagg.measurements`): colocated and replica configurations run engines without a
+  connector (a colocated topology's), split and auto ones the topology's connector; on a
+  one-core CPU engine NIXL's spinning progress thread halves its prefill rate;
 
 Not modelled: preemption and recompute (requests past the KV capacity queue instead), the
 prompts' prefix cache, a decode engine's queue ahead of a split's first step, the proxy's
@@ -69,10 +77,13 @@ from typing import Any, Protocol
 
 from disagg.errors import PlanError
 from disagg.kvmath import ModelArch, resolve_model
+from disagg.measurements import NO_CONNECTOR, engine_words, lookup_decode
 from disagg.planning import (
+    MEASURE_HINT,
     LinkEstimate,
     Plan,
     PrefillEstimate,
+    engine_connector,
     engine_memory,
     first_pair,
     host_device,
@@ -83,11 +94,11 @@ from disagg.planning import (
 from disagg.routecost import (
     FIRST_STEP_CPU_BYTES_PER_S,
     FIRST_STEP_CPU_SOURCE,
+    DecodeLine,
     EngineCost,
     LinkCost,
     Option,
     cheapest,
-    decode_step_s,
     option_costs,
     tpot_with_prefills_s,
 )
@@ -144,16 +155,25 @@ class EngineModel:
     name: str                           # the instance, e.g. prefill[0]
     host: str
     prefill: PrefillEstimate
-    weights_bytes: float                # active weights read by every decode step
-    memory_bytes_per_s: float           # the rate its decode steps read weights and KV at
-    decode_source: str
+    decode: DecodeLine                  # its decode step: measured, or the weights and KV at a memory rate
     kv_capacity_bytes: float | None     # None: unknown (not checked)
     kv_source: str
+    connector: str = NO_CONNECTOR       # the KV connector it runs (its measurements are of that kind)
 
     @property
     def idle_step_s(self) -> float:
-        """A decode step with one request of no context: the weights read."""
-        return decode_step_s(self.weights_bytes, 0.0, self.memory_bytes_per_s)
+        """A decode step with one request of no context."""
+        return self.decode.fixed_s
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        """The rate its decode steps read the batch's KV at (inf: no KV part)."""
+        return self.decode.kv_bytes_per_s
+
+    @property
+    def decode_source(self) -> str:
+        """Where its decode step comes from."""
+        return self.decode.source
 
 
 @dataclass(frozen=True)
@@ -241,12 +261,24 @@ class EngineLoad:
     prefill_share: float                # of its time (rho)
     wait: Wait
     decode_tps: float                   # decode tokens per second
-    tpot_s: float                       # time per output token there (inf: saturated)
+    tpot_s: float                       # mean time per output token there, over its tokens (inf: saturated)
     running: float                      # requests decoding at once (Little's law)
     kv_needed_bytes: float
     kv_capacity_bytes: float | None
     kv_max_requests: int | None         # conversations of its mix that fit at once
     tpot_added_s: float                 # what one more decoding request adds to a step
+    #: a step's time per byte of a request's own KV, stretched by the prefills (b / (1 - share)) ...
+    own_kv_s_per_byte: float = 0.0
+    #: ... and the mean KV of its decoding requests (token-weighted): :meth:`class_tpot_s`
+    mean_kv_bytes: float = 0.0
+
+    def class_tpot_s(self, kv_bytes: float) -> float:
+        """Time per output token of a request holding ``kv_bytes`` of KV on average while it decodes:
+        the engine's mean TPOT, less the mean request's own KV read, plus this one's (every step
+        reads each running request's own KV besides the others')."""
+        if math.isinf(self.tpot_s):
+            return math.inf
+        return self.tpot_s + (kv_bytes - self.mean_kv_bytes) * self.own_kv_s_per_byte
 
     @property
     def saturated(self) -> str | None:
@@ -284,7 +316,7 @@ def _capacity(engine: EngineModel, mix: Sequence[Mix], prefills: bool, decodes: 
         if prefills:
             cost += m.share * engine.prefill.seconds(m.prompt_tokens)
         if decodes:
-            cost += m.share * m.output_tokens * m.kv_mean_bytes / engine.memory_bytes_per_s
+            cost += m.share * m.output_tokens * m.kv_mean_bytes * engine.decode.per_kv_byte_s
     return 1.0 / cost if cost > 0 else 1.0
 
 
@@ -379,8 +411,10 @@ def evaluate(mix: Sequence[Mix], rate: float, routes: Routes) -> Outcome:
     for name, s in streams.items():
         e = engines[name]
         wait = mg1_wait(s.prefill_rps, s.prefill_s, s.prefill_s2)
-        added = s.decode_kv / s.decode_tps / e.memory_bytes_per_s if s.decode_tps > 0 else 0.0
-        cost = EngineCost(tokens_per_s=1.0, tpot_s=e.idle_step_s, tpot_added_s=added)
+        mean_kv = s.decode_kv / s.decode_tps if s.decode_tps > 0 else 0.0
+        added = mean_kv * e.decode.per_kv_byte_s
+        # a step of the mean request: the fixed part and its own KV; each other request adds its KV
+        cost = EngineCost(tokens_per_s=1.0, tpot_s=e.idle_step_s + added, tpot_added_s=added)
         tpot = tpot_with_prefills_s(cost, s.prefill_s, s.decode_tps) if s.prefill_s < 1 else math.inf
         running = s.decode_tps * tpot if s.decode_tps > 0 else 0.0
         full = s.decode_full / s.decode_tps if s.decode_tps > 0 else 0.0
@@ -393,7 +427,9 @@ def evaluate(mix: Sequence[Mix], rate: float, routes: Routes) -> Outcome:
                                  wait=wait, decode_tps=s.decode_tps, tpot_s=tpot, running=running,
                                  kv_needed_bytes=needed, kv_capacity_bytes=e.kv_capacity_bytes,
                                  kv_max_requests=kv_max,
-                                 tpot_added_s=added / max(1 - s.prefill_s, 1e-3))
+                                 tpot_added_s=added / max(1 - s.prefill_s, 1e-3),
+                                 own_kv_s_per_byte=e.decode.per_kv_byte_s / max(1 - s.prefill_s, 1e-3),
+                                 mean_kv_bytes=mean_kv)
     link_wait = mg1_wait(link_rps, link_busy, link_busy2)
     saturated = [why for load in loads.values() if (why := load.saturated) is not None]
     if link_busy >= 1:
@@ -408,14 +444,15 @@ def evaluate(mix: Sequence[Mix], rate: float, routes: Routes) -> Outcome:
             if path.prefill is None:
                 for e, f in spread(path, "both"):
                     load = loads[e.name]
-                    out.append(Branch(share * f, e.prefill.seconds(m.prompt_tokens), load.wait, load.tpot_s,
+                    out.append(Branch(share * f, e.prefill.seconds(m.prompt_tokens), load.wait,
+                                      load.class_tpot_s(m.kv_mean_bytes),
                                       path.option))
                 continue
             for p, fp in spread(path, "prefill"):
                 for d, fd in spread(path, "decode"):
                     base = p.prefill.seconds(m.prompt_tokens) + handoffs[(m.name, p.name)]
                     out.append(Branch(share * fp * fd, base, loads[p.name].wait.plus(link_wait),
-                                      loads[d.name].tpot_s, path.option))
+                                      loads[d.name].class_tpot_s(m.kv_mean_bytes), path.option))
         branches[m.name] = out
     return Outcome(loads, link_busy, link_wait, branches, tuple(saturated))
 
@@ -744,7 +781,8 @@ class WorkloadPlan:
     rate: float
     mix: tuple[Mix, ...]
     slo: dict[str, float]
-    engines: tuple[EngineModel, ...]
+    engines: tuple[EngineModel, ...]    # as the topology runs them (its KV connector): split and auto
+    plain_engines: tuple[EngineModel, ...]  # without a KV connector: colocated and replicas
     configs: tuple[ConfigPrediction, ...]
     recommendation: Recommendation
     handoff: LinkEstimate
@@ -762,11 +800,8 @@ class WorkloadPlan:
                                       "output_tokens": m.output_tokens, "share": m.share,
                                       "kv_bytes": m.kv_full_bytes, "wire_bytes": m.wire_bytes} for m in self.mix]},
             "slo": self.slo,
-            "engines": [{"engine": e.name, "host": e.host, "prefill_estimated": e.prefill.estimated,
-                         "prefill_source": e.prefill.label, "prefill_tokens_per_s_at_2048": e.prefill.rate(),
-                         "decode_idle_step_s": e.idle_step_s, "decode_bytes_per_s": e.memory_bytes_per_s,
-                         "decode_source": e.decode_source, "kv_capacity_bytes": e.kv_capacity_bytes,
-                         "kv_source": e.kv_source} for e in self.engines],
+            "engines": [_engine_json(e) for e in self.engines],
+            "plain_engines": [_engine_json(e) for e in self.plain_engines],
             "handoff": {"fixed_s": self.handoff.fixed_s, "bytes_per_s": self.handoff.bytes_per_s,
                         "source": self.handoff_source, "link": self.handoff.label},
             "configurations": [c.to_json() for c in self.configs],
@@ -776,11 +811,35 @@ class WorkloadPlan:
         }
 
 
-def engine_decode(topo: Topology, inst: InstanceSpec, notes: list[str]) -> tuple[float, str]:
-    """The memory rate ``inst``'s decode steps read at, and its source: a GPU's spec-sheet bandwidth
-    x its GPUs (an estimate), a CPU engine's :data:`FIRST_STEP_CPU_BYTES_PER_S` per core it is pinned
+def _engine_json(e: EngineModel) -> dict[str, Any]:
+    return {"engine": e.name, "host": e.host, "connector": e.connector, "prefill_estimated": e.prefill.estimated,
+            "prefill_source": e.prefill.label, "prefill_tokens_per_s_at_2048": e.prefill.rate(),
+            "decode_idle_step_s": e.idle_step_s, "decode_s_per_kv_byte": e.decode.per_kv_byte_s,
+            "decode_bytes_per_s": _finite(e.memory_bytes_per_s), "decode_measured": e.decode.measured,
+            "decode_source": e.decode_source, "kv_capacity_bytes": e.kv_capacity_bytes, "kv_source": e.kv_source}
+
+
+def engine_decode(topo: Topology, arch: ModelArch, inst: InstanceSpec, notes: list[str], run_dir: str | None = None,
+                  connector: str = NO_CONNECTOR) -> DecodeLine:
+    """The decode step of ``inst``'s engine running ``connector`` (:func:`disagg.planning.engine_connector`):
+    the one ``disagg bench prefill`` or ``bench compare`` measured on its host for the topology's
+    served model and ``model.dtype`` (:func:`disagg.measurements.lookup_decode`; one of another kind
+    of engine of that host, labelled so, where none of this kind is stored), else an estimate from
+    a memory rate (:meth:`disagg.routecost.DecodeLine.from_memory_rate`): a GPU's spec-sheet
+    bandwidth x its GPUs, a CPU engine's :data:`FIRST_STEP_CPU_BYTES_PER_S` per core it is pinned
     to (an unpinned one: one core, noted), at most its share of an emulated host's ``cpu_share``."""
+    from disagg.engines.vllm import served_model_name
+
     host = topo.host_of(inst)
+    found = lookup_decode(run_dir or topo.run_dir, served_model_name(topo), host.name, topo.model.dtype, connector)
+    if found is not None:
+        other = ("" if found.connector in (connector, "") else
+                 f"; measured on {engine_words(found.connector)}, none stored for {engine_words(connector)}")
+        return DecodeLine(found.fixed_s, found.per_kv_byte_s,
+                          f"measured on {host.name} {found.date}: {fmt_seconds(found.fixed_s)} + "
+                          f"{fmt_seconds(found.per_kv_byte_s * 1e9)} per GB of context KV ({found.source}{other})",
+                          measured=True)
+    weights = model_weight_bytes(topo, arch, arch.active_params)
     if host.device == "cpu":
         cores = float(len(inst.cpus)) if inst.cpus else 1.0
         why = f"{len(inst.cpus)} pinned core(s)" if inst.cpus else "not pinned: taken as one core"
@@ -792,28 +851,41 @@ def engine_decode(topo: Topology, inst: InstanceSpec, notes: list[str]) -> tuple
             if host.emulate.cpu_share / on_host < cores:
                 cores = host.emulate.cpu_share / on_host
                 why = f"emulate.cpu_share {host.emulate.cpu_share:g} over {on_host} engine(s)"
-        return FIRST_STEP_CPU_BYTES_PER_S * cores, f"ESTIMATE: {FIRST_STEP_CPU_SOURCE}; x {cores:g} ({why})"
+        return DecodeLine.from_memory_rate(
+            weights, FIRST_STEP_CPU_BYTES_PER_S * cores,
+            f"ESTIMATE: {FIRST_STEP_CPU_SOURCE}; x {cores:g} ({why}); {MEASURE_DECODE}")
     spec = host_device(host)
     if spec is None or spec.memory_gbps is None:
         raise PlanError(f"{topo.file}: hosts.{host.name}: its memory bandwidth is unknown, so its decode cannot "
-                        "be priced; give gpu: a known device or {tflops, memory_gb, memory_bw_gbs}")
+                        "be priced; give gpu: a known device or {tflops, memory_gb, memory_bw_gbs}, or measure "
+                        f"its decode step: {MEASURE_HINT.format(file=topo.file)}")
     gpus = max(1, len(inst.gpus))
-    return (spec.memory_gbps * 1e9 * gpus,
-            f"ESTIMATE: {'' if gpus == 1 else f'{gpus} x '}{spec.label}'s spec-sheet {spec.memory_gbps:g} GB/s")
+    return DecodeLine.from_memory_rate(
+        weights, spec.memory_gbps * 1e9 * gpus,
+        f"ESTIMATE: {'' if gpus == 1 else f'{gpus} x '}{spec.label}'s spec-sheet {spec.memory_gbps:g} GB/s; "
+        f"{MEASURE_DECODE}")
 
 
-def _engines(topo: Topology, arch: ModelArch, run_dir: str | None, notes: list[str]) -> list[EngineModel]:
+#: what an estimated decode step's source ends with
+MEASURE_DECODE = "`disagg bench prefill` measures it"
+
+
+def _engines(topo: Topology, arch: ModelArch, run_dir: str | None, notes: list[str],
+             plain: bool) -> list[EngineModel]:
+    """Every instance of ``topo`` as an engine of the model, with the measurements of its kind:
+    ``plain``, as a colocated topology runs it (no KV connector: the colocated and replica
+    configurations), else with its own connector (the split and auto ones)."""
     out: list[EngineModel] = []
-    prefills: dict[str, PrefillEstimate] = {}
-    weights = model_weight_bytes(topo, arch, arch.active_params)
+    prefills: dict[tuple[str, str], PrefillEstimate] = {}
     for inst in topo.instances:
         host = topo.host_of(inst)
-        if host.name not in prefills:
-            prefills[host.name] = host_prefill(topo, arch, host, run_dir)
-        rate, source = engine_decode(topo, inst, notes)
+        kind = NO_CONNECTOR if plain else engine_connector(topo, inst)
+        if (host.name, kind) not in prefills:
+            prefills[(host.name, kind)] = host_prefill(topo, arch, host, run_dir, connector=kind)
+        decode = engine_decode(topo, arch, inst, notes, run_dir, kind)
         mem = engine_memory(topo, arch, inst)
-        out.append(EngineModel(inst.name, host.name, prefills[host.name], weights, rate, source,
-                               mem.kv_bytes, mem.label))
+        out.append(EngineModel(inst.name, host.name, prefills[(host.name, kind)], decode, mem.kv_bytes, mem.label,
+                               kind))
     return out
 
 
@@ -870,14 +942,15 @@ def plan_workload(topo: Topology, classes: Sequence[WorkClass], rate: float, slo
     first_pair(topo)                    # a split topology
     arch = resolve_model(model or topo.model.source, local_path=None if model else topo.model.path)
     notes: list[str] = []
-    engines = _engines(topo, arch, run_dir, notes)
+    engines = _engines(topo, arch, run_dir, notes, plain=False)
+    plain = _engines(topo, arch, run_dir, notes, plain=True)
     layouts: list[Layout] = []
     hosts = list(dict.fromkeys(e.host for e in engines))
     for h in hosts:
-        mine = tuple(e for e in engines if e.host == h)
+        mine = tuple(e for e in plain if e.host == h)
         layouts.append(Layout(COLOCATED, f"colocated on {h}", both=mine))
     if len(hosts) > 1:
-        layouts.append(Layout(REPLICAS, "replicas (" + ", ".join(hosts) + ")", both=tuple(engines)))
+        layouts.append(Layout(REPLICAS, "replicas (" + ", ".join(hosts) + ")", both=tuple(plain)))
     base: Plan | None = None
     for pre, dec in assignments(topo, engines):
         by_inst = {i.name: i for i in topo.instances}
@@ -895,7 +968,7 @@ def plan_workload(topo: Topology, classes: Sequence[WorkClass], rate: float, slo
     mix = make_mix(classes, arch, dtype, wire, topo.model.max_model_len)
     configs = tuple(predict(lay, mix, rate, slo) for lay in layouts)
     own_prefill = tuple(dict.fromkeys(topo.host_of(i).name for i in topo.role("prefill")))
-    rates = {e.host: e.prefill.rate() for e in engines}
+    rates = {e.host: e.prefill.rate() for e in plain}
     rec = recommend(configs, rate, own_prefill if len(hosts) > 1 else (), rates)
     binds = []
     for e in engines:
@@ -908,7 +981,8 @@ def plan_workload(topo: Topology, classes: Sequence[WorkClass], rate: float, slo
                      f"of {worst.name}; {e.kv_source})")
     slo_dict = {} if slo is None else {k: v for k in ("ttft", "tpot", "e2el") if (v := getattr(slo, k)) is not None}
     return WorkloadPlan(topology=topo.file, model=arch, kv_dtype=dtype, rate=rate, mix=mix, slo=slo_dict,
-                        engines=tuple(engines), configs=configs, recommendation=rec, handoff=base.link,
+                        engines=tuple(engines), plain_engines=tuple(plain), configs=configs, recommendation=rec,
+                        handoff=base.link,
                         handoff_source=base.fixed_source or "the proxy's second request, assumed",
                         notes=tuple(dict.fromkeys([*notes, *base.notes])),
                         workload_source=workload_source, kv_binds=tuple(binds))

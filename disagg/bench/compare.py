@@ -2,9 +2,11 @@
 
 For each topology file in turn: ``disagg up FILE --detach`` (returns once every
 engine and the proxy are healthy), the sweep against the proxy, optionally a
-prefill-rate probe straight to an engine of each host that prefills (prefill
+probe straight to an engine of each host that prefills (prefill
 hosts, and decode hosts whose engines serve the ``auto`` routing's local
-prefills: both seed the proxy's routing) and, on a split topology of one pair, a probe of the
+prefills: both seed the proxy's routing) of its prefill rate and decode step, stored per host
+and engine kind for ``disagg plan`` (:func:`disagg.bench.prefill.probe_engine`; results.json
+keeps them under ``prefill_measured``) and, on a split topology of one pair, a probe of the
 pair's fixed handoff cost (:func:`disagg.bench.prefill.probe_handoff_fixed`, stored for
 ``disagg plan``), then ``disagg down FILE`` -- always, also when the bench fails or is interrupted -- and a copy of the
 builtin proxy's log into ``logs/LABEL-proxy.log`` of the output directory (the next
@@ -41,7 +43,7 @@ from typing import Any
 import yaml
 
 from disagg.bench.metrics import DEFAULT_PERCENTILES
-from disagg.bench.prefill import HANDOFF_PROBE_TOKENS, probe_handoff_fixed, probe_prefill_rate
+from disagg.bench.prefill import HANDOFF_PROBE_TOKENS, probe_engine, probe_handoff_fixed
 from disagg.bench.report import write_json, write_report
 from disagg.bench.runner import BenchResult, Step, Target, run_sweep
 from disagg.bench.slo import NO_SLO, SLO
@@ -50,12 +52,13 @@ from disagg.deployment import build_deployment
 from disagg.emulation import emulation_lines
 from disagg.engines.vllm import served_model_name
 from disagg.errors import DisaggError, LaunchError
-from disagg.measurements import probe_path, store_handoff, store_prefill
+from disagg.kvmath import resolve_model
+from disagg.measurements import probe_path, store_handoff
 from disagg.paths import LOGS, PROXY_LOG, run_path
-from disagg.planning import plan_topology
+from disagg.planning import engine_connector, kv_cache_dtype, plan_topology
 from disagg.proxy.handoff import handoff_class
 from disagg.serving import ROUTING_POLICIES
-from disagg.topology import Topology, load_topology
+from disagg.topology import InstanceSpec, Topology, load_topology
 
 #: ``lifecycle("up" | "down", topology_file)``; raises DisaggError on failure
 Lifecycle = Callable[[str, Path], None]
@@ -203,23 +206,25 @@ async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[S
     handoff: dict[str, Any] | None = None
     if probe_count > 0:
         longest = max(c.input_len for c in workload.classes)
+        topo = load_topology(t.file)
+        by_name = {i.name: i for i in topo.instances}
         for host, engine, url in t.prefilling_engines:
-            rate = await probe_prefill_rate(url, t.model, longest, probe_count, seed=workload.seed,
-                                            headers={"Authorization": f"Bearer {engine_key}"} if engine_key else None)
-            source = (f"disagg bench compare: {probe_count} prompts of {longest} tokens, max_tokens 1, "
-                      f"concurrency 1, straight to {engine} at {url} ({t.file})")
-            path = store_prefill(t.run_dir, t.model, host, rate, source, dtype=t.dtype)
-            measured[host] = {"prompt_tokens_per_s": rate, "file": str(path)}
+            inst = by_name[engine]
+            measured[host] = await probe_engine(
+                t.run_dir, t.model, t.dtype, host, engine, url, engine_connector(topo, inst), longest, probe_count,
+                engine_kv_bytes(topo, inst), f"disagg bench compare, {t.file}", seed=workload.seed,
+                headers={"Authorization": f"Bearer {engine_key}"} if engine_key else None,
+                max_model_len=topo.model.max_model_len)
         if t.handoff_pair is not None:
-            handoff = await _probe_handoff(t, t.handoff_pair, probe_count, workload.seed, engine_key)
+            handoff = await probe_handoff(t, t.handoff_pair, probe_count, workload.seed, engine_key)
     return result, measured, handoff
 
 
-async def _probe_handoff(t: TopologyUnderTest, pair: tuple[str, str, str], count: int, seed: int,
+async def probe_handoff(t: TopologyUnderTest, pair: tuple[str, str, str], count: int, seed: int,
                          engine_key: str | None) -> dict[str, Any]:
     """Measure and store the fixed handoff cost of ``t``'s one pair (:func:`disagg.bench.prefill.probe_handoff_fixed`),
     with the part that grows with the KV priced as ``disagg plan`` prices it; what was stored, or
-    why nothing was."""
+    why nothing was. Called after the sweep by :func:`compare` and by ``disagg bench prefill``."""
     p_host, d_host, p_url = pair
     topo = load_topology(t.file)
     try:
@@ -237,6 +242,15 @@ async def _probe_handoff(t: TopologyUnderTest, pair: tuple[str, str, str], count
               f"{per_byte * 1e3:.1f} ms for the KV as disagg plan prices it ({t.file})")
     path = store_handoff(t.run_dir, t.model, p_host, d_host, topo.connector, topo.streaming, fixed, source)
     return {"stored": True, "fixed_s": fixed, "split_minus_prefill_s": gap, "file": str(path)}
+
+
+def engine_kv_bytes(topo: Topology, inst: InstanceSpec) -> Callable[[int], float]:
+    """The KV bytes of an ``n``-token context in ``inst``'s engine (the topology's model, the
+    engine's KV cache dtype): what the decode probe fits its step against
+    (:func:`disagg.bench.prefill.fit_decode`)."""
+    arch = resolve_model(topo.model.source, local_path=topo.model.path)
+    dtype = kv_cache_dtype(topo, (inst, inst))
+    return lambda n: float(arch.kv_bytes(n, dtype))
 
 
 def kept_proxy_log(out_dir: Path, label: str) -> Path:

@@ -18,6 +18,15 @@ Stored in ``<run_dir>/measurements/prefill.json``::
 The format and its writer belong to :mod:`disagg.measurements` (it merges, so
 measurements of other models and hosts are kept); this module only measures.
 
+An engine's decode step (:func:`probe_decode_step`): prompts of two lengths (short and long), a few
+of each, sent one at a time straight to the engine, each answered with
+:data:`DECODE_PROBE_OUTPUT` tokens (``ignore_eos``), streamed; each request's TPOT is
+``(e2e - ttft) / (tokens - 1)`` at a mean context of ``prompt + tokens / 2``, and the line through
+those points (:func:`fit_decode`: TPOT against the context's KV bytes) is the engine's idle decode
+step, ``fixed + per byte x context KV``, stored by :func:`disagg.measurements.store_decode`.
+Called, with the prefill probe, by :func:`probe_engine` (``disagg bench prefill`` and
+``disagg bench compare``).
+
 A pair's handoff (:func:`probe_handoff_fixed`): the fixed cost of a handoff on one prefill ->
 decode pair, measured the way ``benchmarks/handoff_fixed_cost.py`` measured the figures that seed
 every pair (:data:`disagg.routecost.HANDOFF_FIXED_S`): prompts of one length sent one at a time,
@@ -36,7 +45,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -46,6 +57,7 @@ from disagg.bench.records import RequestRecord
 from disagg.bench.routes import scrape
 from disagg.bench.workload import PromptClass, Workload
 from disagg.errors import DisaggError
+from disagg.measurements import engine_words, fit_decode_step, store_decode, store_prefill
 
 
 def isolated(records: Sequence[RequestRecord]) -> list[RequestRecord]:
@@ -148,3 +160,102 @@ async def probe_handoff_fixed(proxy_url: str, prefill_url: str, model: str, coun
         return None
     gap = statistics.median(gaps)
     return max(0.0, gap - per_byte_s), gap
+
+
+#: the decode probe's answer length (tokens, ``ignore_eos``) and its short prompt
+DECODE_PROBE_OUTPUT = 64
+DECODE_PROBE_SHORT = 64
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    """One request of the decode probe: its prompt, its answer's tokens and its time per output token."""
+
+    prompt_tokens: int
+    output_tokens: int
+    tpot_s: float
+
+    @property
+    def context_tokens(self) -> float:
+        """The mean context of its decode steps: the step making token k (k = 2..n) reads
+        ``prompt + k - 1`` tokens of KV, ``prompt + n / 2`` on average."""
+        return self.prompt_tokens + self.output_tokens / 2
+
+
+async def probe_decode_step(base_url: str, model: str, long_tokens: int, count: int = 2,
+                            short_tokens: int = DECODE_PROBE_SHORT, output_tokens: int = DECODE_PROBE_OUTPUT,
+                            seed: int = 0, timeout_s: float = 600.0,
+                            headers: Mapping[str, str] | None = None) -> list[DecodePoint]:
+    """``count`` prompts of ``short_tokens`` and ``count`` of ``long_tokens``, in turn, one at a time
+    to ``base_url``, each answered with ``output_tokens`` tokens (``ignore_eos``, streamed): one
+    :class:`DecodePoint` per request. ``headers`` go with every request (the engine key)."""
+    if count < 1 or output_tokens < 2 or long_tokens <= short_tokens:
+        raise ValueError("the decode probe needs count >= 1, output_tokens >= 2 and long_tokens > short_tokens")
+    workload = Workload((PromptClass("short", short_tokens, output_tokens),
+                         PromptClass("long", long_tokens, output_tokens)),
+                        num_requests=2 * count, seed=seed, timeout_s=timeout_s, ignore_eos=True)
+    base = base_url.rstrip("/")
+    points = []
+    async with aiohttp.ClientSession(headers=dict(headers or {})) as session:
+        prompts = await build_prompts(session, [base], model, workload, ["short", "long"] * count,
+                                      round_index=9997)
+        for p in prompts:
+            rec = await send_request(session, base + COMPLETIONS_PATH, p, model, workload, time.perf_counter())
+            if not rec.success or rec.ttft is None or rec.e2el is None:
+                raise DisaggError(f"decode probe to {base} failed: {rec.error}")
+            if rec.output_tokens < 2:
+                raise DisaggError(f"decode probe to {base}: the answer had {rec.output_tokens} token(s), "
+                                  f"not {output_tokens} (does the server honour ignore_eos?)")
+            points.append(DecodePoint(rec.prompt_tokens, rec.output_tokens,
+                                      (rec.e2el - rec.ttft) / (rec.output_tokens - 1)))
+    return points
+
+
+def fit_decode(points: Sequence[DecodePoint],
+               kv_bytes: Callable[[int], float]) -> tuple[float, float, list[tuple[float, float]]]:
+    """(fixed seconds, seconds per byte of context KV, the (KV bytes, TPOT) points) of the line
+    through the probe's requests (:func:`disagg.measurements.fit_decode_step`); ``kv_bytes(n)``:
+    the KV cache of an ``n``-token context in the engine's KV dtype."""
+    xy = [(float(kv_bytes(round(p.context_tokens))), p.tpot_s) for p in points]
+    fixed, per_byte = fit_decode_step(xy)
+    return fixed, per_byte, xy
+
+
+async def probe_engine(run_dir: str, model: str, dtype: str, host: str, engine: str, url: str, connector: str,
+                       prefill_tokens: int, count: int, kv_bytes: Callable[[int], float], where: str,
+                       seed: int = 0, headers: Mapping[str, str] | None = None,
+                       max_model_len: int | None = None) -> dict[str, Any]:
+    """Measure one engine (``engine`` of ``host`` at ``url``, running ``connector``:
+    :data:`disagg.measurements.NO_CONNECTOR` for a colocated one) straight, with the engine key in
+    ``headers``: its prefill rate (:func:`probe_prefill_rate`, ``count`` prompts of
+    ``prefill_tokens``) and its decode step (:func:`probe_decode_step`: ``count`` short and
+    ``count`` long prompts, the long ones ``prefill_tokens`` at most ``max_model_len`` -
+    :data:`DECODE_PROBE_OUTPUT`), and store both for ``disagg plan``
+    (:func:`disagg.measurements.store_prefill`, :func:`disagg.measurements.store_decode`); ``where``
+    (the topology file) goes into their sources. Returns what was stored, for results.json.
+    Called by ``disagg bench prefill`` (:mod:`disagg.commands.bench`) and ``disagg bench compare``
+    (:mod:`disagg.bench.compare`)."""
+    kind = engine_words(connector)
+    rate = await probe_prefill_rate(url, model, prefill_tokens, count, seed=seed, headers=headers)
+    source = (f"prefill probe: {count} prompts of {prefill_tokens} tokens, max_tokens 1, concurrency 1, straight "
+              f"to {engine} at {url}, {kind} ({where})")
+    path = store_prefill(run_dir, model, host, rate, source, dtype=dtype, connector=connector)
+    out: dict[str, Any] = {"engine": engine, "connector": connector, "prompt_tokens_per_s": rate, "file": str(path)}
+    long_tokens = prefill_tokens if max_model_len is None else min(prefill_tokens,
+                                                                    max_model_len - DECODE_PROBE_OUTPUT)
+    if long_tokens <= DECODE_PROBE_SHORT:
+        out["decode"] = {"stored": False, "why": f"the long prompt ({long_tokens} tokens) is no longer than the "
+                                                 f"short one ({DECODE_PROBE_SHORT})"}
+        return out
+    points = await probe_decode_step(url, model, long_tokens, count=max(1, min(count, 2)), seed=seed,
+                                     headers=headers)
+    fixed, per_byte, xy = fit_decode(points, kv_bytes)
+    source = (f"decode probe: {len(points)} requests of {DECODE_PROBE_SHORT} and {long_tokens}-token prompts, "
+              f"{DECODE_PROBE_OUTPUT} tokens each (ignore_eos), one at a time, straight to {engine} at {url}, "
+              f"{kind} ({where})")
+    path = store_decode(run_dir, model, host, fixed, per_byte, source, points=xy, dtype=dtype, connector=connector)
+    out["decode"] = {"stored": True, "fixed_s": fixed, "per_kv_byte_s": per_byte,
+                     "points": [{"prompt_tokens": p.prompt_tokens, "output_tokens": p.output_tokens,
+                                 "kv_bytes": x, "tpot_s": p.tpot_s} for p, (x, _) in zip(points, xy, strict=True)],
+                     "file": str(path)}
+    return out

@@ -1,7 +1,9 @@
-"""``disagg bench serve URL`` (old spelling ``disagg bench URL``) and ``disagg bench compare
-TOPOLOGY.yaml ...``: two argparse subcommands sharing the workload and output option groups
-(:func:`add_workload_options`, :func:`add_output_options`). :func:`old_spelling` is the small
-pre-dispatch :func:`disagg.cli.main` runs so the old form keeps working."""
+"""``disagg bench serve URL`` (old spelling ``disagg bench URL``), ``disagg bench compare
+TOPOLOGY.yaml ...`` and ``disagg bench prefill TOPOLOGY.yaml``: argparse subcommands; serve and
+compare share the workload and output option groups (:func:`add_workload_options`,
+:func:`add_output_options`); prefill probes a running topology's engines for ``disagg plan``
+(:func:`cmd_prefill`). :func:`old_spelling` is the small pre-dispatch :func:`disagg.cli.main`
+runs so the old form keeps working."""
 
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from disagg.bench.compare import compare
+from disagg.bench.compare import TopologyUnderTest, compare, engine_kv_bytes, probe_handoff
 from disagg.bench.metrics import DEFAULT_PERCENTILES
-from disagg.bench.prefill import prefill_rate_from_runs, probe_prefill_rate
+from disagg.bench.prefill import prefill_rate_from_runs, probe_engine, probe_prefill_rate
 from disagg.bench.prompts import DEFAULT_CHARS_PER_TOKEN
 from disagg.bench.report import text_table, write_json, write_report
 from disagg.bench.runner import Step, Target, run_sweep
@@ -33,14 +35,20 @@ from disagg.bench.workload import (
     parse_classes,
     trace_workload_classes,
 )
+from disagg.deployment import build_deployment
 from disagg.errors import DisaggError
 from disagg.measurements import store_prefill
+from disagg.planning import engine_connector
 from disagg.proxy.config import ENGINE_KEY_ENV
+from disagg.proxy.handoff import handoff_class
+from disagg.registry import engine_adapter
 from disagg.serving import ROUTING_POLICIES
-from disagg.topology import DEFAULT_RUN_DIR, DTYPES
+from disagg.topology import DEFAULT_RUN_DIR, DTYPES, load_topology
 
 #: the subcommands of ``disagg bench``; anything else first is the old spelling ``disagg bench URL``
-SUBCOMMANDS = ("serve", "compare")
+SUBCOMMANDS = ("serve", "compare", "prefill")
+#: ``disagg bench prefill``'s default prompt length (cut to the model's max_model_len)
+PREFILL_PROBE_TOKENS = 2048
 
 
 def old_spelling(argv: Sequence[str]) -> list[str]:
@@ -62,7 +70,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     """Register ``bench`` with its subcommands ``serve`` and ``compare`` (called by :mod:`disagg.cli`)."""
     p = sub.add_parser(
         "bench", help="measure TTFT/TPOT/goodput of an endpoint (serve), or compare topologies (compare)",
-        usage="disagg bench {serve,compare} ... [options]\n"
+        usage="disagg bench {serve,compare,prefill} ... [options]\n"
               "       disagg bench URL [options]   (the old spelling of 'disagg bench serve URL')",
         description="Load an OpenAI-compatible endpoint with prompt classes at request rates and report "
                     "TTFT, TPOT, ITL, E2EL, throughput and goodput (vLLM bench definitions). 'serve URL' "
@@ -70,7 +78,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                     "--detach), runs the identical workload against its proxy, brings it down, and writes "
                     "one report. 'disagg bench URL ...' is the old spelling of 'disagg bench serve URL ...' "
                     "and still works.")
-    bench_sub = p.add_subparsers(dest="bench_command", metavar="{serve,compare}", required=True)
+    bench_sub = p.add_subparsers(dest="bench_command", metavar="{serve,compare,prefill}", required=True)
     serve = bench_sub.add_parser(
         "serve", help="measure one running endpoint (old spelling: disagg bench URL)",
         usage="disagg bench serve URL [options]",
@@ -112,6 +120,25 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                          "(prefill, colocated and decode engines; not SGLang's decode engines) (default 3, "
                          "0 = off); stored in each topology's run_dir")
     comp.set_defaults(handler=cmd_compare)
+
+    pre = bench_sub.add_parser(
+        "prefill", help="measure a running topology's prefill rates, decode steps and handoff for disagg plan",
+        usage="disagg bench prefill TOPOLOGY.yaml [--prompt-tokens N] [--count N] [--no-handoff] [--json FILE]",
+        description="Probe the topology that `disagg up TOPOLOGY.yaml` started: straight to the first engine of "
+                    "each host (with the run's engine key, $DISAGG_ENGINE_KEY), its prefill rate (N prompts of "
+                    "--prompt-tokens, max_tokens 1, one at a time) and its decode step (2 short and 2 long "
+                    "prompts, 64 tokens each); on a split topology of one prefill and one decode engine, the "
+                    "pair's fixed handoff cost through the proxy (when it splits every probe). All stored in the "
+                    "topology's run_dir, where `disagg plan` reads them.")
+    pre.add_argument("topology", metavar="TOPOLOGY.yaml", help="the running topology (disagg up)")
+    pre.add_argument("--prompt-tokens", type=int, default=PREFILL_PROBE_TOKENS, metavar="N",
+                     help=f"the probes' long prompt (default {PREFILL_PROBE_TOKENS}, cut to max_model_len - 64)")
+    pre.add_argument("--count", type=int, default=3, metavar="N",
+                     help="prompts per prefill probe and handoff probe (default 3)")
+    pre.add_argument("--no-handoff", dest="handoff", action="store_false",
+                     help="skip the split pair's handoff probe")
+    pre.add_argument("--json", type=Path, metavar="FILE", help="write what was measured and stored as JSON")
+    pre.set_defaults(handler=cmd_prefill)
 
 
 def add_workload_options(p: argparse.ArgumentParser) -> None:
@@ -335,4 +362,66 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.json:
         write_json(doc, args.json)
     print(f"wrote the report to {out}/ (report.md, results.json, PNG plots)", file=sys.stderr)
+    return 0
+
+
+def run_engine_key(topo_file: str, guarded: bool, environ: dict[str, str] | None = None) -> str | None:
+    """The key that lets a request reach a running topology's engines straight (sent as ``Authorization:
+    Bearer KEY``): ``$DISAGG_ENGINE_KEY``, the key ``disagg up`` started them with; None when the
+    engines are not guarded (``guarded`` False: SGLang, a Rust router in front). A guarded run
+    without the variable is a DisaggError saying how to provide it."""
+    if not guarded:
+        return None
+    key = (os.environ if environ is None else environ).get(ENGINE_KEY_ENV)
+    if not key:
+        raise DisaggError(f"the engines of a run started by `disagg up` answer only with the run's engine key, which "
+                          f"up takes from ${ENGINE_KEY_ENV} (else it draws a random one nobody else knows): set "
+                          f"{ENGINE_KEY_ENV} to the same value for `disagg up {topo_file}` and for this command (e.g. "
+                          f"export {ENGINE_KEY_ENV}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))'), "
+                          "then `disagg down` and `disagg up` again), or measure with `disagg bench compare`, which "
+                          "starts the engines with a key of its own")
+    return key
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    """``disagg bench prefill TOPOLOGY``: probe a running topology's engines and store what ``disagg
+    plan`` reads: each host's prefill rate and decode step (the first engine of each host that
+    prefills or decodes, straight, with the run's engine key: :func:`run_engine_key`), and on a split
+    topology of one pair its fixed handoff cost (:func:`disagg.bench.compare.probe_handoff`)."""
+    if args.count < 1 or args.prompt_tokens < 2:
+        raise DisaggError("--count must be at least 1 and --prompt-tokens at least 2")
+    file = Path(args.topology)
+    t = TopologyUnderTest.load(file)
+    topo = load_topology(file)
+    dep = build_deployment(topo)
+    key = run_engine_key(str(file), engine_adapter(topo.engine).key_env(topo) is not None)
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    limit = topo.model.max_model_len
+    tokens = args.prompt_tokens if limit is None else min(args.prompt_tokens, limit - 1)
+    # SGLang decode engines take only requests with a bootstrap room: not probed
+    roles = ("prefill", "both", "decode") if handoff_class(topo.engine).serves_local else ("prefill", "both")
+    probed: dict[str, dict[str, Any]] = {}
+    for eng in dep.engines:
+        if eng.instance.role not in roles or eng.host.name in probed:
+            continue
+        probed[eng.host.name] = found = asyncio.run(probe_engine(
+            topo.run_dir, t.model, t.dtype, eng.host.name, eng.name, eng.url, engine_connector(topo, eng.instance),
+            tokens, args.count, engine_kv_bytes(topo, eng.instance), f"disagg bench prefill, {file}",
+            headers=headers, max_model_len=limit))
+        decode = found["decode"]
+        step = (f"decode step {decode['fixed_s'] * 1e3:.2f} ms + {decode['per_kv_byte_s'] * 1e9 * 1e3:.3g} ms per "
+                "GB of context KV" if decode["stored"] else f"decode step not stored: {decode['why']}")
+        print(f"{eng.host.name} ({eng.name}, {found['connector']}): prefill {found['prompt_tokens_per_s']:,.0f} "
+              f"tokens/s, {step}", file=sys.stderr)
+    doc: dict[str, Any] = {"topology": str(file), "hosts": probed}
+    if args.handoff and t.handoff_pair is not None:
+        doc["handoff"] = handoff = asyncio.run(probe_handoff(t, t.handoff_pair, args.count, 0, key))
+        print(f"handoff {t.handoff_pair[0]} -> {t.handoff_pair[1]}: "
+              + (f"{handoff['fixed_s'] * 1e3:.1f} ms fixed, stored" if handoff["stored"]
+                 else f"not stored: {handoff['why']}"), file=sys.stderr)
+    elif t.handoff_pair is None and t.split:
+        doc["handoff"] = {"stored": False, "why": "not one prefill and one decode engine"}
+    if args.json:
+        write_json(doc, args.json)
+    print(f"stored in {Path(topo.run_dir) / 'measurements'}/ for disagg plan {file}", file=sys.stderr)
     return 0

@@ -27,7 +27,7 @@ from disagg.planning import (
 from disagg.routecost import handoff_fixed_source
 from disagg.topology import WIRE_FORMATS, Topology, load_topology
 from disagg.units import fmt_bytes, fmt_count, fmt_seconds
-from disagg.workload_plan import WorkloadPlan, describe_model, fmt_tpot, plan_workload
+from disagg.workload_plan import EngineModel, WorkloadPlan, describe_model, fmt_tpot, plan_workload
 
 DEFAULT_PROMPTS = "256,2048,8192"
 WIDTH = 100
@@ -279,6 +279,28 @@ def _gbs(bytes_per_s: float) -> str:
     return f"{gbs:,.0f}" if gbs >= 100 else f"{gbs:.3g}"
 
 
+def _engine_rows(wp: WorkloadPlan) -> list[tuple[str, str]]:
+    """(key, text) per engine: as the topology runs it (its KV connector: split and auto), then,
+    where its figures differ, as a colocated topology runs it (no connector: colocated, replicas)."""
+    def text(e: EngineModel, where: str) -> str:
+        kv_read = ("" if e.decode.per_kv_byte_s <= 0 else
+                   f" + KV read at {_gbs(e.memory_bytes_per_s)} GB/s")
+        return (f"on {e.host}{where}: prefill {fmt_count(round(e.prefill.rate()))} tokens/s at 2,048 "
+                f"({e.prefill.label}); decode step {fmt_seconds(e.idle_step_s)}{kv_read} ({e.decode_source}); KV "
+                + ("unknown" if e.kv_capacity_bytes is None else fmt_bytes(e.kv_capacity_bytes))
+                + f" ({e.kv_source})")
+
+    plain = {e.name: e for e in wp.plain_engines}
+    rows = []
+    for e in wp.engines:
+        alone = plain.get(e.name)
+        differs = alone is not None and (alone.prefill.label, alone.decode) != (e.prefill.label, e.decode)
+        rows.append((e.name, text(e, f", with {e.connector} (split, auto)" if differs else "")))
+        if differs and alone is not None:
+            rows.append(("", text(alone, ", without a KV connector (colocated, replicas)")))
+    return rows
+
+
 def render_workload(wp: WorkloadPlan) -> str:
     """The human-readable workload plan: the workload, each engine's figures, one block of rows per
     configuration (a row per class), the KV limits, the recommendation, the model's statement."""
@@ -289,11 +311,7 @@ def render_workload(wp: WorkloadPlan) -> str:
                   "token"),
         ("classes", ", ".join(m.label for m in wp.mix) + f"  [{wp.workload_source}]"),
         ("SLO", slo),
-        *((f"{e.name}", f"on {e.host}: prefill {fmt_count(round(e.prefill.rate()))} tokens/s at 2,048 "
-                        f"({e.prefill.label}); decode step {fmt_seconds(e.idle_step_s)} + KV read at "
-                        f"{_gbs(e.memory_bytes_per_s)} GB/s ({e.decode_source}); KV "
-                        + ("unknown" if e.kv_capacity_bytes is None else fmt_bytes(e.kv_capacity_bytes))
-                        + f" ({e.kv_source})") for e in wp.engines),
+        *_engine_rows(wp),
         ("handoff", f"{fmt_seconds(wp.handoff.fixed_s)} fixed ({wp.handoff_source}) + KV at "
                     f"{wp.handoff.bytes_per_s * 8 / 1e9:.3g} Gb/s ({wp.handoff.label})"),
     ):

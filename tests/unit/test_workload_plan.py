@@ -14,9 +14,9 @@ from disagg.bench.workload import parse_classes
 from disagg.engines.vllm import served_model_name
 from disagg.errors import PlanError
 from disagg.kvmath import BUILTIN_MODELS
-from disagg.measurements import store_prefill
+from disagg.measurements import store_decode, store_prefill
 from disagg.planning import PrefillEstimate
-from disagg.routecost import Option
+from disagg.routecost import DecodeLine, Option
 from disagg.topology import Topology, parse_topology
 from disagg.workload_plan import (
     AUTO,
@@ -41,7 +41,7 @@ LLAMA = BUILTIN_MODELS["llama-3.1-8b"]
 def engine(name: str = "both[0]", host: str = "h", rate: float = 10_000.0, weights: float = 1e9,
            bw: float = 1e11, kv: float | None = None) -> EngineModel:
     return EngineModel(name, host, PrefillEstimate("test", estimated=False, arch=LLAMA, tokens_per_s=rate),
-                       weights, bw, "test", kv, "test")
+                       DecodeLine.from_memory_rate(weights, bw, "test"), kv, "test")
 
 
 def mix(n: int = 1000, out: int = 100, kv_per_token: float = 1e5, share: float = 1.0, name: str = "c") -> Mix:
@@ -75,12 +75,13 @@ def test_rate_to_utilisation_to_ttft_on_one_engine() -> None:
 
 
 def test_tpot_follows_the_prefill_share_and_the_decode_reads() -> None:
-    """TPOT = idle step / (1 - prefill share - decode tokens/s x KV read per request per step)."""
+    """TPOT = (idle step + its own KV read) / (1 - prefill share - decode tokens/s x KV read per
+    request per step)."""
     e, m = engine(), mix()
     p = predict(Layout(COLOCATED, "x", both=(e,)), [m], 4.0, None)
     idle = 1e9 / 1e11                                   # 10 ms: the weights read
     per_request = (1000 + 50) * 1e5 / 1e11              # 1.05 ms: one request's mean KV read
-    expect = idle / (1 - 0.4 - 4.0 * 100 * per_request)
+    expect = (idle + per_request) / (1 - 0.4 - 4.0 * 100 * per_request)
     assert p.classes[0].tpot_p50_s == pytest.approx(expect)
     assert p.loads[0].running == pytest.approx(400 * expect)      # Little's law
 
@@ -180,6 +181,61 @@ def test_an_emulated_host_without_a_measurement_is_not_planned_from_its_stated_r
     text = str(info.value)
     assert "hosts.gamer is emulated" in text and "never uses the stated rate" in text
     assert "`disagg up" in text and "`disagg bench compare" in text and "--prefill-host gamer" in text
+    assert "`disagg bench prefill" in text
+
+
+def test_measured_decode_steps_and_rates_of_each_engine_kind_are_the_plan_s(tmp_path: Path) -> None:
+    """Colocated and replica configurations run engines without a KV connector, splits the
+    topology's (socket here): each gets the prefill rate and decode step measured on its kind of
+    engine (the emulated house's gamer prefilled at 2,862 tokens/s colocated and 1,246 as a NIXL
+    prefill engine on one core). A request's TPOT is the measured step with its own KV and the
+    others' (Little's law), stretched by the prefills."""
+    topo = house(tmp_path)
+    model, run = served_model_name(topo), topo.run_dir
+    for host, plain, with_socket in (("gamer", 2862.0, 1246.0), ("workstation", 299.0, 284.0)):
+        store_prefill(run, model, host, plain, "colocated probe", connector="none")
+        store_prefill(run, model, host, with_socket, "split probe", connector="socket")
+    store_decode(run, model, "gamer", 0.0045, 1e-10, "colocated decode probe", connector="none",
+                 measured_at="2026-12-05T10:00:00+00:00")
+    store_decode(run, model, "workstation", 0.005, 2e-10, "split decode probe", connector="socket",
+                 measured_at="2026-12-05T10:00:00+00:00")
+    wp = plan_workload(topo, parse_classes("long=1024:32"), 0.1)
+    by = {c.layout.label: c for c in wp.configs}
+    gamer_split = next(e for e in wp.engines if e.host == "gamer")
+    gamer_alone = next(e for e in wp.plain_engines if e.host == "gamer")
+    assert (gamer_split.prefill.tokens_per_s, gamer_alone.prefill.tokens_per_s) == (1246.0, 2862.0)
+    assert (gamer_split.connector, gamer_alone.connector) == ("socket", "none")
+    # below rho 0.5 the median waits nothing: TTFT p50 is the prefill on the colocated kind of engine
+    assert by["colocated on gamer"].classes[0].ttft_p50_s == pytest.approx(1024 / 2862, rel=1e-6)
+    # the measured step, with the request's own KV (1,024 + 16 tokens of 32 KiB) and the prefills' share
+    share, tokens_per_s = 0.1 * 1024 / 2862, 0.1 * 32
+    own = (1024 + 16) * 32 * 1024 * 1e-10
+    assert by["colocated on gamer"].classes[0].tpot_p50_s == pytest.approx(
+        (0.0045 + own) / (1 - share - tokens_per_s * own))
+    assert gamer_alone.decode.measured and gamer_alone.decode.source.startswith("measured on gamer 2026-12-05")
+    # no gamer step of the socket kind: the colocated one serves, labelled so
+    assert gamer_split.decode.fixed_s == 0.0045 and "none stored for an engine with socket" in gamer_split.decode.source
+    # the split decodes on the workstation's socket engine: its own step, no prefills there
+    ws_split = next(e for e in wp.engines if e.host == "workstation")
+    assert by["split gamer -> workstation"].classes[0].tpot_p50_s == pytest.approx(
+        (0.005 + 2 * own) / (1 - tokens_per_s * 2 * own))
+    assert ws_split.decode.source.startswith("measured on workstation") and "none stored" not in ws_split.decode.source
+    js = wp.to_json()
+    assert js["plain_engines"][0]["decode_measured"] is True and js["engines"][0]["connector"] == "socket"
+
+
+def test_each_class_decodes_with_its_own_kv() -> None:
+    """Two classes on one engine: each step reads every running request's KV, so a class's TPOT is
+    the engine's mean TPOT moved by how far its own KV is from the mean, per byte."""
+    e = engine(weights=1e9, bw=1e11)
+    short, long_ = mix(100, 10, share=0.5, name="short"), mix(1000, 10, share=0.5, name="long")
+    p = predict(Layout(COLOCATED, "x", both=(e,)), [short, long_], 1.0, None)
+    load = p.loads[0]
+    stretch = 1 / (1 - load.prefill_share)
+    gap = (long_.kv_mean_bytes - short.kv_mean_bytes) / 1e11 * stretch
+    assert p.classes[1].tpot_p50_s - p.classes[0].tpot_p50_s == pytest.approx(gap)
+    mean = (short.kv_mean_bytes + long_.kv_mean_bytes) / 2
+    assert p.classes[0].tpot_p50_s == pytest.approx(load.tpot_s + (short.kv_mean_bytes - mean) / 1e11 * stretch)
 
 
 def test_a_fast_prefill_host_whose_kv_binds_prefills_for_the_memory_rich_host(tmp_path: Path) -> None:

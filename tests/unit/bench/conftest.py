@@ -5,7 +5,7 @@ vLLM: it answers /v1/models, streaming /v1/completions and
 /v1/chat/completions with ``usage``, and vLLM's /tokenize and /detokenize with
 a character-level tokenizer (one token per character, plus one BOS). Its
 timing is programmed: TTFT = base + prompt tokens / prefill rate, then one
-token every ``tpot`` seconds, so the bench's measurements can be checked
+token every ``tpot`` (+ ``tpot_per_prompt_token`` x prompt tokens) seconds, so the bench's measurements can be checked
 against known values. Requests whose prompt contains ``FAIL`` get HTTP 500;
 ``refuse`` lists statuses (429, 503) to answer the next generation requests
 with, as the disagg proxy refuses them. With ``routes`` (the proxy's own
@@ -44,6 +44,8 @@ class StandIn:
     base_ttft: float = 0.005
     prefill_tokens_per_s: float = 100_000.0
     tpot: float = 0.002
+    #: added to ``tpot`` per prompt token (a decode step that reads the context's KV)
+    tpot_per_prompt_token: float = 0.0
     tokenize: bool = True
     bodies: list[dict[str, Any]] = field(default_factory=list)
     #: the Authorization header of each generation request (None: absent)
@@ -108,7 +110,7 @@ def _app(state: StandIn) -> web.Application:
         await asyncio.sleep(ttft)
         for i in range(n):
             if i:
-                await asyncio.sleep(state.tpot)
+                await asyncio.sleep(state.tpot + state.tpot_per_prompt_token * prompt_tokens)
             choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
             await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         if body.get("stream_options", {}).get("include_usage"):

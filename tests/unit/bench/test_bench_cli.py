@@ -71,7 +71,7 @@ def test_help_names_the_subcommands_and_the_old_form(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     out = capsys.readouterr().out
-    assert "{serve,compare}" in out and "disagg bench URL [options]" in out and "old spelling" in out
+    assert "{serve,compare,prefill}" in out and "disagg bench URL [options]" in out and "old spelling" in out
 
 
 async def test_bench_serve_with_repeats(standin, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
