@@ -17,7 +17,9 @@ longest class's prompt, TPOT <= 2 x the workstation's TPOT for the shortest clas
 also measures each box's prefill rate back (prompt tokens over TTFT), so the emulation is checked
 against what the topology states.
 
-After the bench (whose prefill probes store each host's measured rate), ``disagg plan`` predicts
+After the bench (whose probes store each box's measured prefill rate and decode step, per engine
+kind, in the ratio's own ``run_dir``; ``--measure`` measures them again with ``disagg bench
+prefill`` on the replica pool and the split), ``disagg plan`` predicts
 the same workload (``--classes``, ``--rate``, ``--slo``, ``--json``) at every rate, and the script
 prints, per configuration, rate and class, the measured and the predicted TTFT p50, TPOT p50 and
 goodput, and whether plan's goodput ranking of the five equals the bench's up to ties (differences
@@ -82,9 +84,13 @@ def run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, text=True, cwd=ROOT, check=True, **kw)
 
 
-def derive(source: Path, ratio: Ratio, out: Path) -> dict[str, Path]:
-    """The split file (the house with ``ratio`` applied) and its three colocated relatives."""
+def derive(source: Path, ratio: Ratio, out: Path, run_dir: Path | None = None) -> dict[str, Path]:
+    """The split file (the house with ``ratio`` applied) and its three colocated relatives, all with
+    ``run_dir`` (when given): the measurements bench and plan share (prefill.json, decode.json,
+    handoff.json, keyed by host) then stay with the ratio whose emulation they measured."""
     base = yaml.safe_load(source.read_text())
+    if run_dir is not None:
+        base["run_dir"] = str(run_dir)
     hosts = base["hosts"]
     if ratio.workstation_prefill_rate is not None:
         hosts[DECODE].setdefault("emulate", {})["prefill_rate"] = ratio.workstation_prefill_rate
@@ -99,7 +105,8 @@ def derive(source: Path, ratio: Ratio, out: Path) -> dict[str, Path]:
 
     def colocated(tag: str, instances: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
         used = {host for host, _ in instances}
-        return {"name": f"{name}-{tag}", "model": model, "engine": base.get("engine", "vllm"),
+        return {"name": f"{name}-{tag}", **({"run_dir": base["run_dir"]} if "run_dir" in base else {}),
+                "model": model, "engine": base.get("engine", "vllm"),
                 "link": {"type": "loopback"}, "proxy": base.get("proxy", {}),
                 "hosts": {h: {**{k: v for k, v in hosts[h].items() if k != "address"}, "address": "127.0.0.1"}
                           for h in used},
@@ -214,6 +221,24 @@ def measured(results: dict[str, Any]) -> dict[str, dict[float, dict[str, Any]]]:
                                "goodput_max": max(goodputs)}
             out.setdefault(config, {})[rate] = cell
     return out
+
+
+def measure(topologies: dict[str, Path], out: Path, env: dict[str, str]) -> None:
+    """``disagg bench prefill`` on the replica pool (each box's engine without a KV connector) and
+    on the split with ``routing: split`` (each box's engine with the connector, and the pair's
+    handoff, which counts only when the proxy splits every probe): what plan reads, measured
+    again on purpose (``--measure``)."""
+    split = yaml.safe_load(topologies["split"].read_text())
+    split["routing"] = {**(split.get("routing") or {}), "policy": "split"}
+    forced = topologies["split"].with_name(topologies["split"].stem + "-measure.yaml")
+    forced.write_text(yaml.safe_dump(split, sort_keys=False))
+    for tag, file in (("replicas", topologies["replicas"]), ("split", forced)):
+        run([PY, "-m", "disagg", "up", str(file), "--detach"], env=env)
+        try:
+            run([PY, "-m", "disagg", "bench", "prefill", str(file), "--json", str(out / f"measure-{tag}.json")],
+                env=env)
+        finally:
+            run([PY, "-m", "disagg", "down", str(file)], env=env)
 
 
 def predicted(topologies: dict[str, Path], classes_arg: str, rates: list[float], slo: str) -> dict[str, Any]:
@@ -341,6 +366,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("-n", "--num-requests", type=int, default=16)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--measure", action="store_true",
+                    help="before planning, measure each box's engines again with `disagg bench prefill` (the "
+                         "replica pool and the split); with --replan, for results benched before the probes "
+                         "stored what plan reads now")
     ap.add_argument("--replan", action="store_true",
                     help="run no engines: plan again beside the bench results already under --out")
     args = ap.parse_args()
@@ -359,7 +388,7 @@ def main() -> int:
     classes = class_lengths(args.classes)
     for ratio in ratios:
         out = args.out / ratio.name
-        tops = derive(args.topology, ratio, out / "topologies")
+        tops = derive(args.topology, ratio, out / "topologies", run_dir=out / "run")
         if args.replan:
             cal = earlier["ratios"][ratio.name]["calibration"]
             slo = earlier["ratios"][ratio.name]["slo"]
@@ -372,6 +401,8 @@ def main() -> int:
                  str(tops["replicas"]), str(tops["split"]), "--routing", "split,auto",
                  "--classes", args.classes, "--rates", args.rates, "-n", str(args.num_requests),
                  "--repeats", str(args.repeats), "--slo", slo, "--out", str(out / "bench")], env=env)
+        if args.measure:
+            measure(tops, out, env)
         results = json.loads((out / "bench" / "results.json").read_text())
         entry: dict[str, Any] = {"calibration": cal, "slo": slo, "measured": measured(results)}
         try:

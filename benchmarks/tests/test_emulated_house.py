@@ -28,6 +28,9 @@ def test_the_house_and_its_three_relatives(tmp_path: Path) -> None:
     assert pool.hosts["workstation"].emulate == ws
     names = {load_topology(p).name for p in files.values()}
     assert len(names) == 4       # four run directories, four cgroup/namespace tags
+    # one run_dir per ratio when given: the measurements plan reads stay with the emulation measured
+    shared = derive(HOUSE, Ratio.parse("base"), tmp_path / "b", run_dir=tmp_path / "b" / "run")
+    assert {load_topology(p).run_dir for p in shared.values()} == {str(tmp_path / "b" / "run")}
 
 
 def test_the_base_ratio_keeps_the_file(tmp_path: Path) -> None:
