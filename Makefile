@@ -1,10 +1,10 @@
-# The README's two commands: `make serve` and `make test`.
+# The README's two commands: `make serve` and `make test`; `make test-fast` for the edit loop.
 VENV := .venv
 PY := $(VENV)/bin/python
 TOPOLOGY ?= topologies/local-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install serve test engine-checks lint typecheck check
+.PHONY: install serve test test-fast engine-checks lint typecheck check
 
 install:
 	@bash scripts/install.sh
@@ -20,6 +20,15 @@ test: install
 	$(PY) -m mypy
 	@VENV=$(VENV) bash scripts/engine-package-checks.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The edit loop: the same checks and tests less everything that runs vLLM (tests marked
+# `e2e` or `engine` in pyproject.toml), the engine package checks and system-deps.sh (without
+# iproute2/sshd the tests that need them skip and say why).
+test-fast: install
+	$(PY) -m ruff check disagg connectors tests benchmarks scripts harness
+	$(VENV)/bin/lint-imports
+	$(PY) -m mypy
+	$(PY) -m pytest -m "not e2e and not engine" $(PYTEST_ARGS)
 
 # SGLang's and LMCache's own parsers on our argv/YAML, in small side directories
 # (.disagg/pkgcheck/) next to .venv; `test` runs this too.

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
+import pytest
 from disagg_connectors.cpu_amx_attention import ENV, FALLBACK_ISA, OFF, without_amx
 
 PROBE = (
@@ -45,6 +46,7 @@ def _isas(value: str | None) -> list[list[str]]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.engine
 def test_in_a_vllm_process_amx_is_never_chosen_with_the_variable_and_untouched_without() -> None:
     """Machine-independent: where the CPU has AMX the original answers ``amx`` for bf16 at block 128
     and the plugin ``vec``; elsewhere both answer the same."""

@@ -2,7 +2,7 @@
 
 The hold logic runs against a recording scheduler and a fake clock; :func:`register` runs in a
 subprocess against the installed vLLM's real scheduler class (the wrap must not leak into this
-process). The e2e side (an engine's prefill rate measured back) is in tests/e2e/test_emulated_host.py.
+process). The e2e side (an engine's prefill rate measured back) is in tests/e2e/test_emulated_link.py.
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ def _register_in_subprocess(value: str | None) -> subprocess.CompletedProcess[st
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.engine
 def test_register_wraps_the_real_vllm_scheduler_only_when_the_variable_is_set() -> None:
     on = _register_in_subprocess("2500")
     assert on.returncode == 0, on.stderr[-2000:]

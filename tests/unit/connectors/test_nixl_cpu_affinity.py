@@ -7,6 +7,7 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
+import pytest
 from disagg_connectors.nixl_cpu_affinity import ENABLED, ENV, own_cores_only
 
 PROBE = (
@@ -39,11 +40,13 @@ def _reserved_cores(enabled: bool) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.engine
 def test_vllm_reserves_only_the_threads_own_cores_when_enabled() -> None:
     """Through vLLM's own plugin loader and CPU platform: [[0]] for a thread on core 0."""
     assert _reserved_cores(enabled=True) == "[[0]]"
 
 
+@pytest.mark.engine
 def test_inert_without_the_environment_variable() -> None:
     cores = os.cpu_count() or 1
     assert _reserved_cores(enabled=False) != "[[0]]" or cores == 1  # vLLM's own answer: every core of the node

@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from disagg.proxy.engine_routes import VLLM_ROUTES, Disposition
 
 LIST_ROUTES = r"""
@@ -46,6 +48,7 @@ def vllm_routes() -> set[tuple[str, str]]:
     return {(m, p) for m, p in json.loads(line.removeprefix("ROUTES "))}
 
 
+@pytest.mark.engine
 def test_the_route_table_names_every_route_of_the_pinned_vllm() -> None:
     theirs = vllm_routes()
     ours = set(VLLM_ROUTES)
