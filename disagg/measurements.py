@@ -160,16 +160,48 @@ class PrefillMeasurement:
     dtype: str = "auto"
     #: the measured engine's KV connector (:data:`NO_CONNECTOR`: none; ``""``: unknown, an old entry)
     connector: str = ""
+    #: (prompt tokens, prefill seconds) at each length probed (empty: the rate alone, an old entry)
+    points: tuple[tuple[float, float], ...] = ()
 
     def holds_for(self, dtype: str) -> bool:
         """Whether this rate is one of an engine running ``dtype`` (the topology's ``model.dtype``)."""
         return self.dtype == dtype
+
+    def fit(self) -> tuple[float, float] | None:
+        """(seconds per token, seconds per token squared) through :attr:`points`
+        (:func:`fit_prefill_time`), or None with fewer than two lengths probed."""
+        if len({n for n, _ in self.points}) < 2:
+            return None
+        return fit_prefill_time(self.points)
 
     @property
     def engine(self) -> str:
         """What engine it was measured on, for a label: ``an engine without a KV connector``,
         ``an engine with nixl``, or ``an engine of unknown connector``."""
         return engine_words(self.connector)
+
+
+def fit_prefill_time(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(a, b) of ``prefill seconds = a x n + b x n^2`` for an ``n``-token prompt, least squares
+    through ``points`` ((n, seconds), at least two lengths), both at least 0: the linear part is the
+    weights' work (and, on an emulated host, the emulation's hold), the square part attention's.
+    Where the points say the time grows slower than linearly, it is taken as linear; where they
+    say the linear part is negative, as the square part alone."""
+    if len({n for n, _ in points}) < 2:
+        raise ValueError("a prefill time is fitted from at least two prompt lengths")
+    s11 = sum(n * n for n, _ in points)
+    s12 = sum(n ** 3 for n, _ in points)
+    s22 = sum(n ** 4 for n, _ in points)
+    y1 = sum(n * t for n, t in points)
+    y2 = sum(n * n * t for n, t in points)
+    det = s11 * s22 - s12 * s12
+    a = (y1 * s22 - y2 * s12) / det
+    b = (s11 * y2 - s12 * y1) / det
+    if b < 0:
+        return y1 / s11, 0.0
+    if a < 0:
+        return 0.0, y2 / s22
+    return a, b
 
 
 def engine_words(connector: str) -> str:
@@ -219,10 +251,17 @@ def load_prefill(run_dir: str | Path) -> dict[str, dict[str, PrefillMeasurement]
             rate = entry.get("prompt_tokens_per_s") if isinstance(entry, dict) else None
             if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
                 raise StateError(f"{path}: {model}.{key}.prompt_tokens_per_s: expected a positive number")
+            try:
+                points = tuple((float(n), float(t)) for n, t in entry.get("points", []))
+                if any(not (n > 0 and t > 0) for n, t in points):
+                    raise ValueError("prompt tokens and seconds must be positive")
+            except (TypeError, ValueError) as exc:
+                raise StateError(f"{path}: {model}.{key}.points: expected [[prompt tokens, seconds], ...] "
+                                 f"({exc})") from None
             out.setdefault(model, {})[key] = PrefillMeasurement(
                 model=model, host=str(entry.get("host", key)), prompt_tokens_per_s=float(rate),
                 measured_at=str(entry.get("measured_at", "")), source=str(entry.get("source", "")),
-                dtype=str(entry.get("dtype", "auto")), connector=str(entry.get("connector", "")))
+                dtype=str(entry.get("dtype", "auto")), connector=str(entry.get("connector", "")), points=points)
     return out
 
 
@@ -240,15 +279,18 @@ def lookup_prefill(run_dir: str | Path, model: str, host: str, dtype: str = "aut
 
 def store_prefill(run_dir: str | Path, model: str, host: str, prompt_tokens_per_s: float,
                   source: str, measured_at: str | None = None, dtype: str = "auto",
-                  connector: str = "") -> Path:
+                  connector: str = "", points: Sequence[tuple[float, float]] = ()) -> Path:
     """Record (or replace) the prefill rate of ``model`` in ``dtype`` (the topology's
     ``model.dtype``) on an engine of ``host`` running ``connector`` (:data:`NO_CONNECTOR`: none;
     ``""``: not known, as for ``disagg bench serve URL --prefill-host``, where the URL may be any
-    engine: it then serves every kind); returns the file."""
+    engine: it then serves every kind), with ``points`` ((prompt tokens, seconds) per length
+    probed: :meth:`PrefillMeasurement.fit`); returns the file."""
     if prompt_tokens_per_s <= 0:
         raise ValueError("prompt_tokens_per_s must be positive")
-    entry = {"prompt_tokens_per_s": float(prompt_tokens_per_s), "dtype": dtype, "host": host,
-             "connector": connector, "measured_at": measured_at or now_iso(), "source": source}
+    entry: dict[str, Any] = {"prompt_tokens_per_s": float(prompt_tokens_per_s), "dtype": dtype, "host": host,
+                             "connector": connector, "measured_at": measured_at or now_iso(), "source": source}
+    if points:
+        entry["points"] = [[float(n), float(t)] for n, t in points]
 
     def put(data: dict[str, Any]) -> None:
         data.setdefault(model, {})[engine_key(host, connector)] = entry

@@ -233,18 +233,27 @@ class PrefillEstimate:
     arch: ModelArch
     tokens_per_s: float | None = None   # measured rate
     flops_per_s: float | None = None    # effective FLOP/s for the estimate
+    #: (a, b): a measured time ``a x n + b x n^2`` for an n-token prompt, fitted on the rates probed at
+    #: two lengths (:meth:`disagg.measurements.PrefillMeasurement.fit`); None: ``n / tokens_per_s``
+    shape: tuple[float, float] | None = None
 
     def seconds(self, tokens: int) -> float:
         """Prefill time for ``tokens`` prompt tokens."""
+        if self.shape is not None:
+            a, b = self.shape
+            return a * tokens + b * tokens * tokens
         if self.tokens_per_s is not None:
             return tokens / self.tokens_per_s
         assert self.flops_per_s is not None
         return self.arch.prefill_flops(tokens) / self.flops_per_s
 
     def rate(self, tokens: int = 2048) -> float:
-        """Tokens per second: the measured rate, or the estimate's at ``tokens`` (attention
-        makes an estimated rate fall with the prompt's length)."""
-        return self.tokens_per_s if self.tokens_per_s is not None else tokens / self.seconds(tokens)
+        """Tokens per second at ``tokens``: the measured rate (from its fitted time where it was
+        probed at two lengths), or the estimate's (attention makes a rate fall with the prompt's
+        length)."""
+        if self.tokens_per_s is not None and self.shape is None:
+            return self.tokens_per_s
+        return tokens / self.seconds(tokens)
 
     def cost(self, tokens: int = 2048) -> EngineCost:
         """An idle engine at this rate, for the routing predictor."""
@@ -695,9 +704,12 @@ def host_prefill(topo: Topology, arch: ModelArch, host: HostSpec, run_dir: str |
     if found is not None:
         other = ("" if found.connector in (connector, "") else
                  f"; measured on {found.engine}, none stored for {engine_words(connector)}")
-        return PrefillEstimate(f"measured on {host.name}: {found.prompt_tokens_per_s:,.0f} prompt tokens/s "
-                               f"({found.source}, {found.measured_at}{other})", estimated=False, arch=arch,
-                               tokens_per_s=found.prompt_tokens_per_s)
+        shape = found.fit()
+        lengths = "" if shape is None else (" and " + " and ".join(f"{n:,.0f}" for n, _ in found.points[1:])
+                                             + " tokens")
+        return PrefillEstimate(f"measured on {host.name}: {found.prompt_tokens_per_s:,.0f} prompt tokens/s"
+                               f"{lengths} ({found.source}, {found.measured_at}{other})", estimated=False, arch=arch,
+                               tokens_per_s=found.prompt_tokens_per_s, shape=shape)
     stored = next((m for m in load_prefill(run_dir or topo.run_dir).get(model, {}).values() if m.host == host.name),
                   None)
     emulated = host.emulate

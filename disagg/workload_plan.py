@@ -20,11 +20,13 @@ and one recommendation with the figures that decide it (:func:`recommend`).
 The model (stated in the output):
 
 - **arrivals**: Poisson at ``rate``, each class its weight's share. Where a group of engines
-  shares a path (replicas, several prefill engines), requests spread over them in proportion
-  to what each could serve of the mix alone (:func:`_capacity`), which balancing by outstanding
-  requests approaches;
+  shares a path (replicas, several prefill engines), requests spread over them as the proxy's
+  pool sends them, to the least loaded engine, round-robin among ties (:func:`_spread`): equally
+  while every engine keeps up with an equal share, else in proportion to what each could serve
+  of the mix alone (:func:`_capacity`);
 - **prefill**: each engine's prefills form an M/G/1 queue served at the engine's prefill time
-  per class (a stored ``disagg bench`` rate, else the spec-sheet estimate; an emulated host only
+  per class (a stored ``disagg bench`` rate, ``a x n + b x n^2`` where it was probed at two
+  prompt lengths, else the spec-sheet estimate; an emulated host only
   measured: :func:`disagg.planning.host_prefill`), with priority over its decodes (vLLM schedules
   waiting prefills into every step). Mean wait (Pollaczek-Khinchine)
   ``lambda E[S^2] / (2 (1 - rho))``, ``rho = lambda E[S]``; its distribution taken as
@@ -320,9 +322,17 @@ def _capacity(engine: EngineModel, mix: Sequence[Mix], prefills: bool, decodes: 
     return 1.0 / cost if cost > 0 else 1.0
 
 
-def _spread(engines: Sequence[EngineModel], mix: Sequence[Mix], prefills: bool,
-            decodes: bool) -> list[tuple[EngineModel, float]]:
+def _spread(engines: Sequence[EngineModel], mix: Sequence[Mix], prefills: bool, decodes: bool,
+            rps: float) -> list[tuple[EngineModel, float]]:
+    """How the proxy's pool shares ``rps`` requests a second among ``engines``: each request to the
+    least loaded engine, round-robin among ties (:class:`disagg.proxy.backends.BackendPool`). While
+    every engine keeps up with an equal share, the engines are mostly idle when a request comes,
+    and the shares are equal; beyond, the faster engines free first and take more, taken as
+    shares in proportion to each engine's capacity for the mix."""
     caps = [_capacity(e, mix, prefills, decodes) for e in engines]
+    equal = 1.0 / len(engines)
+    if all(rps * equal < cap for cap in caps):
+        return [(e, equal) for e in engines]
     total = sum(caps)
     return [(e, c / total) for e, c in zip(engines, caps, strict=True)]
 
@@ -361,11 +371,17 @@ def evaluate(mix: Sequence[Mix], rate: float, routes: Routes) -> Outcome:
     link_rps = link_busy = link_busy2 = 0.0
     spreads: dict[tuple[str, int], list[tuple[EngineModel, float]]] = {}
 
+    path_rps: dict[int, float] = {}
+    for m in mix:
+        for share, path in routes[m.name]:
+            path_rps[id(path)] = path_rps.get(id(path), 0.0) + rate * m.share * share
+
     def spread(path: ServePath, side: str) -> list[tuple[EngineModel, float]]:
         key = (side, id(path))
         if key not in spreads:
             group = path.engines if side != "prefill" else (path.prefill or ())
-            spreads[key] = _spread(group, mix, prefills=side != "decode", decodes=side != "prefill")
+            spreads[key] = _spread(group, mix, prefills=side != "decode", decodes=side != "prefill",
+                                   rps=path_rps[id(path)])
         return spreads[key]
 
     def add_prefill(e: EngineModel, lam: float, m: Mix, hold_s: float) -> None:

@@ -162,6 +162,10 @@ async def probe_handoff_fixed(proxy_url: str, prefill_url: str, model: str, coun
     return max(0.0, gap - per_byte_s), gap
 
 
+#: the prefill probe's second length: the long one over this, when at least PREFILL_SHORT_MIN tokens
+PREFILL_SHORT_DIVISOR = 8
+PREFILL_SHORT_MIN = 32
+
 #: the decode probe's answer length (tokens, ``ignore_eos``) and its short prompt
 DECODE_PROBE_OUTPUT = 64
 DECODE_PROBE_SHORT = 64
@@ -228,7 +232,9 @@ async def probe_engine(run_dir: str, model: str, dtype: str, host: str, engine: 
     """Measure one engine (``engine`` of ``host`` at ``url``, running ``connector``:
     :data:`disagg.measurements.NO_CONNECTOR` for a colocated one) straight, with the engine key in
     ``headers``: its prefill rate (:func:`probe_prefill_rate`, ``count`` prompts of
-    ``prefill_tokens``) and its decode step (:func:`probe_decode_step`: ``count`` short and
+    ``prefill_tokens``, and ``count`` of an eighth of it, so that plan knows how the time grows with
+    the prompt: :meth:`disagg.measurements.PrefillMeasurement.fit`)
+    and its decode step (:func:`probe_decode_step`: ``count`` short and
     ``count`` long prompts, the long ones ``prefill_tokens`` at most ``max_model_len`` -
     :data:`DECODE_PROBE_OUTPUT`), and store both for ``disagg plan``
     (:func:`disagg.measurements.store_prefill`, :func:`disagg.measurements.store_decode`); ``where``
@@ -237,16 +243,34 @@ async def probe_engine(run_dir: str, model: str, dtype: str, host: str, engine: 
     (:mod:`disagg.bench.compare`)."""
     kind = engine_words(connector)
     rate = await probe_prefill_rate(url, model, prefill_tokens, count, seed=seed, headers=headers)
-    source = (f"prefill probe: {count} prompts of {prefill_tokens} tokens, max_tokens 1, concurrency 1, straight "
+    points = [(float(prefill_tokens), prefill_tokens / rate)]
+    short = prefill_tokens // PREFILL_SHORT_DIVISOR
+    lengths = f"{prefill_tokens} tokens"
+    if short >= PREFILL_SHORT_MIN:          # how the time grows with the prompt (attention's square part)
+        short_rate = await probe_prefill_rate(url, model, short, count, seed=seed + 1, headers=headers)
+        points.append((float(short), short / short_rate))
+        lengths = f"{prefill_tokens} and {count} of {short} tokens"
+    source = (f"prefill probe: {count} prompts of {lengths}, max_tokens 1, concurrency 1, straight "
               f"to {engine} at {url}, {kind} ({where})")
-    path = store_prefill(run_dir, model, host, rate, source, dtype=dtype, connector=connector)
-    out: dict[str, Any] = {"engine": engine, "connector": connector, "prompt_tokens_per_s": rate, "file": str(path)}
+    path = store_prefill(run_dir, model, host, rate, source, dtype=dtype, connector=connector, points=points)
+    out: dict[str, Any] = {"engine": engine, "connector": connector, "prompt_tokens_per_s": rate,
+                           "prefill_points": [list(p) for p in points], "file": str(path)}
+    decode = await _probe_decode(run_dir, model, dtype, host, engine, url, connector, prefill_tokens, count,
+                                 kv_bytes, where, kind, seed, headers, max_model_len)
+    out["decode"] = decode
+    return out
+
+
+async def _probe_decode(run_dir: str, model: str, dtype: str, host: str, engine: str, url: str, connector: str,
+                        prefill_tokens: int, count: int, kv_bytes: Callable[[int], float], where: str, kind: str,
+                        seed: int, headers: Mapping[str, str] | None,
+                        max_model_len: int | None) -> dict[str, Any]:
+    """:func:`probe_engine`'s decode part: the decode probe, fitted and stored; what was stored."""
     long_tokens = prefill_tokens if max_model_len is None else min(prefill_tokens,
                                                                     max_model_len - DECODE_PROBE_OUTPUT)
     if long_tokens <= DECODE_PROBE_SHORT:
-        out["decode"] = {"stored": False, "why": f"the long prompt ({long_tokens} tokens) is no longer than the "
-                                                 f"short one ({DECODE_PROBE_SHORT})"}
-        return out
+        return {"stored": False, "why": f"the long prompt ({long_tokens} tokens) is no longer than the "
+                                        f"short one ({DECODE_PROBE_SHORT})"}
     points = await probe_decode_step(url, model, long_tokens, count=max(1, min(count, 2)), seed=seed,
                                      headers=headers)
     fixed, per_byte, xy = fit_decode(points, kv_bytes)
@@ -254,8 +278,7 @@ async def probe_engine(run_dir: str, model: str, dtype: str, host: str, engine: 
               f"{DECODE_PROBE_OUTPUT} tokens each (ignore_eos), one at a time, straight to {engine} at {url}, "
               f"{kind} ({where})")
     path = store_decode(run_dir, model, host, fixed, per_byte, source, points=xy, dtype=dtype, connector=connector)
-    out["decode"] = {"stored": True, "fixed_s": fixed, "per_kv_byte_s": per_byte,
-                     "points": [{"prompt_tokens": p.prompt_tokens, "output_tokens": p.output_tokens,
-                                 "kv_bytes": x, "tpot_s": p.tpot_s} for p, (x, _) in zip(points, xy, strict=True)],
-                     "file": str(path)}
-    return out
+    return {"stored": True, "fixed_s": fixed, "per_kv_byte_s": per_byte,
+            "points": [{"prompt_tokens": p.prompt_tokens, "output_tokens": p.output_tokens,
+                        "kv_bytes": x, "tpot_s": p.tpot_s} for p, (x, _) in zip(points, xy, strict=True)],
+            "file": str(path)}

@@ -126,10 +126,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         usage="disagg bench prefill TOPOLOGY.yaml [--prompt-tokens N] [--count N] [--no-handoff] [--json FILE]",
         description="Probe the topology that `disagg up TOPOLOGY.yaml` started: straight to the first engine of "
                     "each host (with the run's engine key, $DISAGG_ENGINE_KEY), its prefill rate (N prompts of "
-                    "--prompt-tokens, max_tokens 1, one at a time) and its decode step (2 short and 2 long "
-                    "prompts, 64 tokens each); on a split topology of one prefill and one decode engine, the "
-                    "pair's fixed handoff cost through the proxy (when it splits every probe). All stored in the "
-                    "topology's run_dir, where `disagg plan` reads them.")
+                    "--prompt-tokens and N of an eighth of it, max_tokens 1, one at a time) and its decode "
+                    "step (2 short and 2 long prompts, 64 tokens each); on a split topology of one prefill "
+                    "and one decode engine, the pair's fixed handoff cost through the proxy (when it splits "
+                    "every probe). All stored in the topology's run_dir, where `disagg plan` reads them.")
     pre.add_argument("topology", metavar="TOPOLOGY.yaml", help="the running topology (disagg up)")
     pre.add_argument("--prompt-tokens", type=int, default=PREFILL_PROBE_TOKENS, metavar="N",
                      help=f"the probes' long prompt (default {PREFILL_PROBE_TOKENS}, cut to max_model_len - 64)")

@@ -308,3 +308,40 @@ def test_the_json_carries_every_configuration_per_class(tmp_path: Path) -> None:
     for c in data["configurations"]:
         assert [k["class"] for k in c["classes"]] == ["short", "long"]
     assert data["recommendation"]["prefill_hosts"] == ["gamer"]
+
+
+def test_the_pool_shares_equally_while_every_engine_keeps_up_then_by_capacity() -> None:
+    """The proxy's pool sends each request to the least loaded engine, round-robin among ties:
+    at light load a slow replica gets half the requests (a replica pool's TTFT p50 is not the fast
+    box's); once an equal share would overload the slow one, the shares follow capacity."""
+    fast, slow = engine("both[0]", "a", rate=10_000.0), engine("both[1]", "b", rate=1_000.0)
+    m = mix(out=10)                                     # 0.1 s on a, 1 s on b (decode reads ~1e-4 s)
+    lay = Layout(REPLICAS, "pool", both=(fast, slow))
+    light = evaluate([m], 1.0, fixed_routes(lay, [m]))
+    assert light.loads["both[0]"].prefill_rps == pytest.approx(0.5)
+    assert light.loads["both[1]"].prefill_rps == pytest.approx(0.5)
+    heavy = evaluate([m], 2.5, fixed_routes(lay, [m]))    # 1.25 req/s would overload b (about 1 req/s)
+    assert heavy.loads["both[0]"].prefill_rps > 5 * heavy.loads["both[1]"].prefill_rps
+
+
+def test_a_prefill_time_measured_at_two_lengths_grows_as_measured() -> None:
+    """A measured rate probed at 2,048 and 256 tokens: the time is a x n + b x n^2 through both
+    (attention's square part on a real engine; linear on an emulated one, which holds each step
+    for tokens / rate)."""
+    from disagg.measurements import PrefillMeasurement, fit_prefill_time
+
+    real = PrefillMeasurement("m", "h", 1787.0, "", "", points=((2048.0, 1.146), (256.0, 0.083)))
+    shape = real.fit()
+    assert shape is not None and shape[1] > 0
+    est = PrefillEstimate("x", estimated=False, arch=LLAMA, tokens_per_s=1787.0, shape=shape)
+    assert est.seconds(2048) == pytest.approx(1.146) and est.seconds(256) == pytest.approx(0.083)
+    assert est.rate(2048) == pytest.approx(2048 / 1.146)
+    # an emulated host, linear: no square part
+    a, b = fit_prefill_time([(2048.0, 2048 / 300), (256.0, 256 / 300)])
+    assert (a, b) == (pytest.approx(1 / 300), pytest.approx(0.0, abs=1e-15))
+    # a time growing slower than linearly is taken as linear through the points
+    a, b = fit_prefill_time([(2048.0, 1.0), (256.0, 0.5)])
+    assert b == 0.0 and a == pytest.approx((2048 * 1.0 + 256 * 0.5) / (2048**2 + 256**2))
+    with pytest.raises(ValueError, match="two prompt lengths"):
+        fit_prefill_time([(2048.0, 1.0)])
+    assert PrefillMeasurement("m", "h", 1787.0, "", "").fit() is None

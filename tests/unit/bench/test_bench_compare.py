@@ -116,15 +116,17 @@ async def test_compare_runs_each_topology_between_up_and_down(tmp_path: Path, st
     # identical workload: same prompts sent to both proxies
     prompts_a = [b["prompt"] for b in proxy_a.bodies]
     assert prompts_a == [b["prompt"] for b in proxy_b.bodies]
-    # the prefill probe went straight to the engines, then the decode probe (2 short and 2 long
-    # prompts, 64 tokens each); both were stored, for an engine without a KV connector (colocated)
-    assert [b["max_tokens"] for b in engine_a.bodies] == [1, 1, 1, 64, 64, 64, 64]
-    assert all(b["ignore_eos"] for b in engine_a.bodies[3:])
-    assert engine_a.authorizations == ["Bearer ek"] * 7, "engines answer only with the run's engine key"
+    # the prefill probe went straight to the engines at two lengths (the longest class's 300 tokens
+    # and 37, a warm-up each), then the decode probe (2 short and 2 long prompts, 64 tokens each);
+    # both were stored, for an engine without a KV connector (colocated)
+    assert [b["max_tokens"] for b in engine_a.bodies] == [1] * 6 + [64] * 4
+    assert all(b["ignore_eos"] for b in engine_a.bodies[6:])
+    assert engine_a.authorizations == ["Bearer ek"] * 10, "engines answer only with the run's engine key"
     assert set(proxy_a.authorizations) == {None}, "the proxy is not sent the engine key"
     stored = json.loads((tmp_path / "run" / "measurements" / "prefill.json").read_text())
     assert set(stored["tiny"]) == {"box"} and stored["tiny"]["box"]["prompt_tokens_per_s"] > 0
     assert "straight to both[0]" in stored["tiny"]["box"]["source"] and stored["tiny"]["box"]["connector"] == "none"
+    assert [n for n, _ in stored["tiny"]["box"]["points"]] == [300, 37]
     decode = json.loads((tmp_path / "run" / "measurements" / "decode.json").read_text())["tiny"]["box"]
     assert decode["connector"] == "none" and len(decode["points"]) == 4 and decode["fixed_s"] > 0
     assert doc["a"]["prefill_measured"]["box"]["decode"]["stored"] is True

@@ -189,13 +189,26 @@ async def test_bench_prefill_probes_a_running_topology_s_engines_with_the_run_s_
     report = tmp_path / "probe.json"
     assert await asyncio.to_thread(main, ["bench", "prefill", str(file), "--prompt-tokens", "300", "--count", "1",
                                           "--json", str(report)]) == 0
-    assert [b["max_tokens"] for b in standin.bodies] == [1, 1, 64, 64]          # a warm-up, the probe; 2 decodes
+    # a warm-up and the probe at 300 tokens, the same at 37; 2 decodes
+    assert [b["max_tokens"] for b in standin.bodies] == [1, 1, 1, 1, 64, 64]
     assert set(standin.authorizations) == {"Bearer ek"}
     rate = lookup_prefill(tmp_path / "run", "tiny", "box")
     decode = lookup_decode(tmp_path / "run", "tiny", "box")
     assert rate is not None and rate.connector == "none" and "disagg bench prefill" in rate.source
+    assert [n for n, _ in rate.points] == [300.0, 37.0] and rate.fit() is not None
     assert decode is not None and decode.connector == "none" and len(decode.points) == 2
     assert decode.per_kv_byte_s > 0                 # the stand-in's step grows with the prompt
     doc = json.loads(report.read_text())
     assert doc["hosts"]["box"]["decode"]["stored"] is True and "handoff" not in doc
     assert "box (both[0], none): prefill" in capsys.readouterr().err
+
+
+def test_prefill_points_are_stored_and_checked(tmp_path: Path) -> None:
+    store_prefill(tmp_path, "tiny", "gamer", 1787.0, "probe", connector="none",
+                  points=[(2048.0, 1.146), (256.0, 0.083)])
+    found = lookup_prefill(tmp_path, "tiny", "gamer")
+    assert found is not None and found.points == ((2048.0, 1.146), (256.0, 0.083))
+    path = tmp_path / "measurements" / "prefill.json"
+    path.write_text('{"tiny": {"gamer": {"prompt_tokens_per_s": 1.0, "points": [[256, -1]]}}}')
+    with pytest.raises(StateError, match=r"tiny\.gamer\.points"):
+        lookup_prefill(tmp_path, "tiny", "gamer")
