@@ -326,8 +326,12 @@ def validate(measured_: dict[str, dict[float, dict[str, Any]]], predicted_: dict
         except KeyError:
             continue
         p_split, p_local = cells["split"][klass]["ttft_p50"], cells["workstation"][klass]["ttft_p50"]
+        # a configuration plan calls saturated has no TTFT p50 (its queue grows without bound): later
+        # than any it gives; both saturated, no verdict
+        inf = float("inf")
+        p_split_s, p_local_s = (inf if p is None else p for p in (p_split, p_local))
         verdicts[klass] = {"bench_split_sooner": m_split < m_local,
-                           "plan_split_sooner": None if p_split is None or p_local is None else p_split < p_local}
+                           "plan_split_sooner": None if p_split_s == p_local_s == inf else p_split_s < p_local_s}
     return {"rows": rows, "ranking_disagreements": ranking, "verdicts": verdicts}
 
 

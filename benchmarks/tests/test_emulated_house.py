@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.emulated_house import Ratio, derive, label_of, measured, slo_of
+from benchmarks.emulated_house import PLAN_LABELS, Ratio, derive, label_of, measured, slo_of, validate
 from disagg.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,3 +59,27 @@ def test_measured_takes_medians_over_repeats() -> None:
     assert cell["ttft_p50"] == 2.0 and cell["goodput"] == 0.15
     assert (cell["goodput_min"], cell["goodput_max"]) == (0.1, 0.2)
     assert measured(doc)["auto"][0.4]["all"]["ttft_p50"] == 5.0
+
+
+def _plan(cells: dict[str, tuple[float | None, float, float]]) -> dict:
+    """A plan --json of the five: config -> (long TTFT p50 or None when saturated, goodput, saturates at)."""
+    return {"configurations": [{"label": PLAN_LABELS[c], "goodput_rps": g, "saturates_at_rps": sat,
+                                "classes": [{"class": "long", "ttft_p50_s": t, "tpot_p50_s": 0.01}]}
+                               for c, (t, g, sat) in cells.items()]}
+
+
+def test_validation_checks_ttft_below_saturation_the_ranking_and_a_saturated_verdict() -> None:
+    doc = {f"house-emulated-base-{tag}": {"runs": [_run(0.2, 0, ttft, good), _run(0.2, 1, ttft, good)]}
+           for tag, ttft, good in (("gamer", 1.0, 0.10), ("workstation", 10.0, 0.0), ("replicas", 1.5, 0.12),
+                                   ("split[split]", 3.0, 0.0), ("split[auto]", 3.2, 0.0))}
+    plan = _plan({"gamer": (1.1, 0.1, 0.5), "workstation": (None, 0.0, 0.1), "replicas": (2.5, 0.13, 0.6),
+                  "split": (2.9, 0.0, 0.3), "auto": (3.0, 0.0, 0.35)})
+    out = validate(measured(doc), {"0.2": plan}, ["long"])
+    rows = {r["config"]: r for r in out["rows"]}
+    assert rows["gamer"]["ttft_ok"] is True                   # 10% off, below 70% of saturation
+    assert rows["replicas"]["ttft_ok"] is False               # 67% off
+    assert rows["workstation"]["checked"] is False            # saturated in plan: not checked
+    assert rows["split"]["checked"] is True and rows["auto"]["checked"] is True
+    assert out["ranking_disagreements"] == {"0.2": []}
+    # the workstation alone saturates in plan: the split answers sooner, as measured
+    assert out["verdicts"]["long"] == {"bench_split_sooner": True, "plan_split_sooner": True}
