@@ -82,4 +82,8 @@ def test_validation_checks_ttft_below_saturation_the_ranking_and_a_saturated_ver
     assert rows["split"]["checked"] is True and rows["auto"]["checked"] is True
     assert out["ranking_disagreements"] == {"0.2": []}
     # the workstation alone saturates in plan: the split answers sooner, as measured
-    assert out["verdicts"]["long"] == {"bench_split_sooner": True, "plan_split_sooner": True}
+    assert out["verdicts"]["long"] == {"bench_split_sooner": True, "plan_split_sooner": True, "agree": True}
+    # overlapping repeats: a tie, which any verdict of the plan matches
+    doc["house-emulated-base-split[split]"]["runs"][1] = _run(0.2, 1, 12.0, 0.0)
+    tie = validate(measured(doc), {"0.2": plan}, ["long"])["verdicts"]["long"]
+    assert tie == {"bench_split_sooner": "tie", "plan_split_sooner": True, "agree": True}
