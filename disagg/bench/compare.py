@@ -206,15 +206,8 @@ async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[S
     handoff: dict[str, Any] | None = None
     if probe_count > 0:
         longest = max(c.input_len for c in workload.classes)
-        topo = load_topology(t.file)
-        by_name = {i.name: i for i in topo.instances}
-        for host, engine, url in t.prefilling_engines:
-            inst = by_name[engine]
-            measured[host] = await probe_engine(
-                t.run_dir, t.model, t.dtype, host, engine, url, engine_connector(topo, inst), longest, probe_count,
-                engine_kv_bytes(topo, inst), f"disagg bench compare, {t.file}", seed=workload.seed,
-                headers={"Authorization": f"Bearer {engine_key}"} if engine_key else None,
-                max_model_len=topo.model.max_model_len)
+        measured = await probe_engines(t, longest, probe_count, f"disagg bench compare, {t.file}",
+                                       seed=workload.seed, engine_key=engine_key)
         if t.handoff_pair is not None:
             handoff = await probe_handoff(t, t.handoff_pair, probe_count, workload.seed, engine_key)
     return result, measured, handoff
@@ -242,6 +235,24 @@ async def probe_handoff(t: TopologyUnderTest, pair: tuple[str, str, str], count:
               f"{per_byte * 1e3:.1f} ms for the KV as disagg plan prices it ({t.file})")
     path = store_handoff(t.run_dir, t.model, p_host, d_host, topo.connector, topo.streaming, fixed, source)
     return {"stored": True, "fixed_s": fixed, "split_minus_prefill_s": gap, "file": str(path)}
+
+
+async def probe_engines(t: TopologyUnderTest, prompt_tokens: int, count: int, where: str, seed: int = 0,
+                        engine_key: str | None = None) -> dict[str, dict[str, Any]]:
+    """Probe each of ``t.prefilling_engines`` straight (:func:`disagg.bench.prefill.probe_engine`:
+    its prefill rate and decode step, stored for ``disagg plan`` as its kind of engine), with the
+    run's ``engine_key``: host -> what was stored. Called after the sweep by :func:`compare` and by
+    ``disagg bench prefill``."""
+    topo = load_topology(t.file)
+    by_name = {i.name: i for i in topo.instances}
+    headers = {"Authorization": f"Bearer {engine_key}"} if engine_key else None
+    measured: dict[str, dict[str, Any]] = {}
+    for host, engine, url in t.prefilling_engines:
+        inst = by_name[engine]
+        measured[host] = await probe_engine(
+            t.run_dir, t.model, t.dtype, host, engine, url, engine_connector(topo, inst), prompt_tokens, count,
+            engine_kv_bytes(topo, inst), where, seed=seed, headers=headers, max_model_len=topo.model.max_model_len)
+    return measured
 
 
 def engine_kv_bytes(topo: Topology, inst: InstanceSpec) -> Callable[[int], float]:

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from disagg.bench.compare import TopologyUnderTest, compare, engine_kv_bytes, probe_handoff
+from disagg.bench.compare import TopologyUnderTest, compare, probe_engines, probe_handoff
 from disagg.bench.metrics import DEFAULT_PERCENTILES
-from disagg.bench.prefill import prefill_rate_from_runs, probe_engine, probe_prefill_rate
+from disagg.bench.prefill import prefill_rate_from_runs, probe_prefill_rate
 from disagg.bench.prompts import DEFAULT_CHARS_PER_TOKEN
 from disagg.bench.report import text_table, write_json, write_report
 from disagg.bench.runner import Step, Target, run_sweep
@@ -35,12 +35,9 @@ from disagg.bench.workload import (
     parse_classes,
     trace_workload_classes,
 )
-from disagg.deployment import build_deployment
 from disagg.errors import DisaggError
 from disagg.measurements import store_prefill
-from disagg.planning import engine_connector
 from disagg.proxy.config import ENGINE_KEY_ENV
-from disagg.proxy.handoff import handoff_class
 from disagg.registry import engine_adapter
 from disagg.serving import ROUTING_POLICIES
 from disagg.topology import DEFAULT_RUN_DIR, DTYPES, load_topology
@@ -393,25 +390,17 @@ def cmd_prefill(args: argparse.Namespace) -> int:
     file = Path(args.topology)
     t = TopologyUnderTest.load(file)
     topo = load_topology(file)
-    dep = build_deployment(topo)
     key = run_engine_key(str(file), engine_adapter(topo.engine).key_env(topo) is not None)
-    headers = {"Authorization": f"Bearer {key}"} if key else None
     limit = topo.model.max_model_len
     tokens = args.prompt_tokens if limit is None else min(args.prompt_tokens, limit - 1)
-    # SGLang decode engines take only requests with a bootstrap room: not probed
-    roles = ("prefill", "both", "decode") if handoff_class(topo.engine).serves_local else ("prefill", "both")
-    probed: dict[str, dict[str, Any]] = {}
-    for eng in dep.engines:
-        if eng.instance.role not in roles or eng.host.name in probed:
-            continue
-        probed[eng.host.name] = found = asyncio.run(probe_engine(
-            topo.run_dir, t.model, t.dtype, eng.host.name, eng.name, eng.url, engine_connector(topo, eng.instance),
-            tokens, args.count, engine_kv_bytes(topo, eng.instance), f"disagg bench prefill, {file}",
-            headers=headers, max_model_len=limit))
+    # the first engine of each host that prefills (SGLang decode engines take only requests with a
+    # bootstrap room: not probed)
+    probed = asyncio.run(probe_engines(t, tokens, args.count, f"disagg bench prefill, {file}", engine_key=key))
+    for host, found in probed.items():
         decode = found["decode"]
         step = (f"decode step {decode['fixed_s'] * 1e3:.2f} ms + {decode['per_kv_byte_s'] * 1e9 * 1e3:.3g} ms per "
                 "GB of context KV" if decode["stored"] else f"decode step not stored: {decode['why']}")
-        print(f"{eng.host.name} ({eng.name}, {found['connector']}): prefill {found['prompt_tokens_per_s']:,.0f} "
+        print(f"{host} ({found['engine']}, {found['connector']}): prefill {found['prompt_tokens_per_s']:,.0f} "
               f"tokens/s, {step}", file=sys.stderr)
     doc: dict[str, Any] = {"topology": str(file), "hosts": probed}
     if args.handoff and t.handoff_pair is not None:
