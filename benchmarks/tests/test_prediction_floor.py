@@ -41,7 +41,7 @@ def test_it_parses_the_lines_a_real_router_logs(caplog: pytest.LogCaptureFixture
             router.sent(route, stream=True, now=time.perf_counter())
             routes.append(route)
         for route, seconds in zip(routes, (0.6, 1.1, 1.7), strict=True):
-            router.first_token(route, 0.0, seconds)
+            router.first_token(route, seconds)
             router.finished(route)
     assert any(q for *_, q in expected), "a prompt was decided with work queued on its engine"
     prompts = parse(caplog.messages)

@@ -153,7 +153,6 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         try:  # a handoff checks its options and may bind sockets
             state.handoff = state.handoff_cls(state.upstream, state.prefill, state.decode, state.metrics,
                                               options=dict(state.config.handoff_options))
-            state.handoff.observer = state.router.prefill_done
         except BaseException:
             await session.close()
             raise
@@ -324,7 +323,7 @@ async def _open_reply(state: ProxyState, route: PromptRoute, stack: AsyncExitSta
     ``first_token_seen``: the router will be told of its first token (a streamed single-prompt
     reply; a batch's prompts and a reply not streamed count until their predicted end)."""
     req = route.request
-    state.router.sent(route, first_token_seen)
+    route.sent(first_token_seen)
     if route.path is RoutePath.WHOLE and state.prefill is not None:
         try:
             backend, resp = await stack.enter_async_context(
@@ -424,7 +423,7 @@ async def _serve_plan(request: web.Request, state: ProxyState, plan: RequestPlan
     """Serve ``plan`` (its slots taken): routing, then one reply or a batch's joined replies."""
     metrics, upstream, req = state.metrics, state.client(), plan.request
     rid = req.request_id
-    state.router.route(plan)
+    state.router.route(plan, started)
     label = "chat" if req.endpoint == CHAT else "completions"
     path = "error"
     try:
@@ -440,7 +439,7 @@ async def _serve_plan(request: web.Request, state: ProxyState, plan: RequestPlan
             return out
         async with AsyncExitStack() as stack:
             route = plan.routes[0]
-            timing.on_first = lambda now: state.router.first_token(route, started, now)
+            timing.on_first = route.first_token
             reply = await _open_reply(state, route, stack, first_token_seen=req.stream)
             routed = _route_header(plan)
             resp = reply.response
@@ -453,8 +452,7 @@ async def _serve_plan(request: web.Request, state: ProxyState, plan: RequestPlan
                     choices = _samples(req.body)
                     observe_stream(metrics, timing, reply.prefill_done, choices)
                     if choices == 1 and timing.first is not None and timing.last is not None:
-                        state.router.decoded(route, reply.backend, timing.token_events, timing.first,
-                                             timing.last)
+                        route.decoded(reply.backend, timing.token_events, timing.first, timing.last)
             else:
                 out = await relay_whole(upstream, reply.backend, resp, rid, routed, reply.id_suffix.encode())
             await reply.settle()
@@ -463,6 +461,6 @@ async def _serve_plan(request: web.Request, state: ProxyState, plan: RequestPlan
         return out
     finally:
         for route in plan.routes:
-            state.router.finished(route)
+            route.finished()
         metrics.requests.labels(label, path).inc()
         metrics.e2e.observe(time.perf_counter() - started)

@@ -15,7 +15,7 @@ streamed, ``n: 1``) with the dispatch's prefill ``kv_transfer_params``; decode
 (D) gets the client's request with the dispatch's decode ``kv_transfer_params``;
 both go out at once with the dispatch's headers. P's reply is read and, past
 :meth:`ConcurrentVllmHandoff.check_prefill`, dropped (its time and prompt token
-count go to the routing's observer and ``prefill_seconds``, as for
+count go to the route's learner and ``prefill_seconds``, as for
 :class:`VllmHandoff`). The client gets D's reply.
 
 Failures:
@@ -108,7 +108,7 @@ class ConcurrentVllmHandoff(VllmHandoff):
 
     def check_prefill(self, route: PromptRoute, backend: Backend, reply: Mapping[str, Any]) -> None:
         """Prefill ``backend`` answered ``route`` 200 with ``reply`` (a JSON object); raise
-        :class:`PrefillFailed` to treat it as a failure. Called before the observer is told.
+        :class:`PrefillFailed` to treat it as a failure. Called before the route's learner is told.
         Default: any such reply will do."""
 
     def pick_prefill(self, route: PromptRoute) -> Backend:

@@ -108,11 +108,6 @@ class EngineErrorReply(ProxyError):
         self.headers = headers
 
 
-#: told when a route's prefill engine answered: (route, engine, seconds, prompt tokens it counted or None);
-#: the routing (:class:`disagg.proxy.router.Router`) learns prefill rates from it
-PrefillObserver = Callable[[PromptRoute, Backend, float, "int | None"], None]
-
-
 class Handoff(ABC):
     """The P->D protocol of one engine family.
 
@@ -134,8 +129,6 @@ class Handoff(ABC):
         self.metrics = metrics
         #: the proxy's ``--handoff-option`` settings (engine-specific)
         self.options: Mapping[str, str] = dict(options or {})
-        #: set by the app: told each time a prefill engine answers (see :data:`PrefillObserver`)
-        self.observer: PrefillObserver | None = None
 
     async def aclose(self) -> None:  # noqa: B027 (optional hook, most handoffs hold nothing)
         """Release what the handoff holds beyond requests (sockets); the proxy calls it on shutdown."""
@@ -200,18 +193,18 @@ class VllmHandoff(Handoff):
 
     def prefill_answered(self, route: PromptRoute, backend: Backend, elapsed: float, reply: Mapping[str, Any]) -> None:
         """Prefill ``backend`` answered ``route`` with ``reply`` (a JSON object) after ``elapsed`` seconds:
-        the ``prefill_seconds`` metric and :attr:`observer` (with the prompt tokens it counted) learn it."""
+        the ``prefill_seconds`` metric and the route's learner (:meth:`PromptRoute.prefill_answered
+        <disagg.proxy.routes.PromptRoute.prefill_answered>`, with the prompt tokens it counted) learn it."""
         self.metrics.prefill.observe(elapsed)
-        if self.observer is not None:
-            usage = reply.get("usage")
-            counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-            self.observer(route, backend, elapsed, counted if type(counted) is int else None)
+        usage = reply.get("usage")
+        counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        route.prefill_answered(backend, elapsed, counted if type(counted) is int else None)
 
     async def run_prefill(self, route: PromptRoute, kv_transfer_params: Mapping[str, Any] | None = None,
                           headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Prefill ``route``'s prompt on its preset prefill backend if healthy, else the best one
         (recorded in ``route.prefill``); returns the ``kv_transfer_params`` it answered and tells
-        :attr:`observer` how long it took. ``headers`` replace the request's own (another
+        the route's learner how long it took. ``headers`` replace the request's own (another
         ``X-Request-Id``: :mod:`disagg.proxy.nixl_push_handoff`).
 
         Raises :class:`PrefillFailed` (fallback possible) or :class:`EngineErrorReply`.

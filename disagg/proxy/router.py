@@ -1,21 +1,23 @@
 """The routing policy at work in the proxy: decide each route, then learn from how it went.
 
 One :class:`Router` per app (built by :func:`disagg.proxy.app.build_app` from
-``ProxyConfig.routing``). The proxy calls, per client request:
+``ProxyConfig.routing``). :meth:`Router.route` decides the plan of each client request
+(:func:`~disagg.proxy.routes.plan_request`): every route free to split gets its path
+and engines from :func:`disagg.proxy.policy.decide` (``auto``) or the static policy;
+every route is counted in ``disagg_route_total``, logged at debug level, and gets the
+router as its ``learner``. From then on the route itself is the one interface through
+which the router learns (:class:`~disagg.proxy.routes.PromptRoute`, its lifecycle):
 
-1. :meth:`Router.route` on the plan (:func:`~disagg.proxy.routes.plan_request`):
-   every route free to split gets its path and engines from
-   :func:`disagg.proxy.policy.decide` (``auto``) or the static policy; every route
-   is counted in ``disagg_route_total`` and logged at debug level;
-2. :meth:`Router.sent` as a route goes out (its prefill now counts in the
-   engine's queue);
-3. :meth:`Router.prefill_done` from the handoff when a split route's prefill
-   engine answers (the handoff holds the router as its ``observer``);
-4. :meth:`Router.first_token` when a streamed single-prompt reply sends its first event;
-5. :meth:`Router.decoded` when such a reply (one choice) ended well: its time per output
+1. :meth:`Router.sent` as a route goes out (its prefill now counts in the engine's queue);
+2. :meth:`Router.prefill_done` when a split route's prefill engine answers (from the handoff);
+3. :meth:`Router.first_token` when a streamed single-prompt reply sends its first event;
+4. :meth:`Router.decoded` when such a reply (one choice) ended well: its time per output
    token is a sample of the decode line of the engine that served it, and its token count
    one of the output tokens a request is expected to decode (:func:`expected_output_tokens`);
-6. :meth:`Router.finished` when the route is over, whatever happened.
+5. :meth:`Router.finished` when the route is over, whatever happened.
+
+What the router remembers of a route while it runs (:class:`_Flight`) is the route's
+``notes``; nothing else reads it.
 
 Measurements live in :class:`~disagg.proxy.measure.Measurements` (warm-up
 samples dropped, outliers clipped: see there); what became of each sample is
@@ -134,7 +136,6 @@ class Router:
         #: the handoff streams the KV while the prefill computes: splits are no samples of the link
         self.streamed = config.streaming_layers is not None
         self.lengths = PromptLength(config.tokenizer, config.chars_per_token) if self.auto else None
-        self._flights: dict[int, _Flight] = {}
         self._counters: dict[tuple[str, str], Any] = {}     # disagg_route_total children, by labels
         self._predicted = {o: metrics.route_predicted.labels(o.value) for o in Option}
         self.explorer = explorer if explorer is not None else Explorer(config.explore_after_s,
@@ -157,10 +158,13 @@ class Router:
         return [Candidate(b, self.measurements.engine_cost(pool.role, b.url, b.outstanding))
                 for b in pool.healthy()]
 
-    def route(self, plan: RequestPlan) -> None:
-        """Set path, reason and engines of every route of ``plan`` that may split; count them all and
-        log each decision at debug level (an ``auto`` comparison with its options, any other in one line)."""
+    def route(self, plan: RequestPlan, started: float = 0.0) -> None:
+        """Set path, reason and engines of every route of ``plan`` that may split; count them all,
+        log each decision at debug level (an ``auto`` comparison with its options, any other in one
+        line), and become each route's learner; ``started``: perf_counter when the client's
+        request arrived (its routes' TTFT counts from there)."""
         for route in plan.routes:
+            route.learner, route.started = self, started
             compared = False
             if route.path is RoutePath.SPLIT and not route.reason and self.prefill is not None:
                 compared = self._decide(route)
@@ -231,7 +235,7 @@ class Router:
         streamed single-prompt reply); otherwise both count until their predicted end."""
         if not self.auto or not route.tokens:
             return
-        flight = self._flights[id(route)] = _Flight(sent=time.perf_counter() if now is None else now, stream=stream)
+        flight = route.notes = _Flight(sent=time.perf_counter() if now is None else now, stream=stream)
         if route.path is RoutePath.LOCAL:
             role, engine = "decode", route.decode
         else:                                   # split and whole prefill on a prefill engine
@@ -277,7 +281,7 @@ class Router:
 
     def prefill_done(self, route: PromptRoute, backend: Backend, seconds: float, prompt_tokens: int | None) -> None:
         """A split route's prefill engine answered after ``seconds`` (``prompt_tokens``: its count)."""
-        flight = self._flights.get(id(route))
+        flight = _notes(route)
         if prompt_tokens and self.lengths is not None and route.tokens:
             self.lengths.calibrate(route.tokens, prompt_tokens, route.request.endpoint == CHAT)
             if self.lengths.error is not None:
@@ -304,16 +308,16 @@ class Router:
                       route.request.request_id, tokens, seconds * 1e3, flight.queued_ahead,
                       flight.in_flight_at_send, outcome)
 
-    def first_token(self, route: PromptRoute, started: float, when: float) -> None:
-        """A streamed single-prompt reply sent its first event at ``when`` (``started``: request arrival)."""
+    def first_token(self, route: PromptRoute, when: float) -> None:
+        """A streamed single-prompt reply sent its first event at ``when`` (TTFT from ``route.started``)."""
         path = route.taken
-        observed = when - started
+        observed = when - route.started
         self.metrics.route_observed.labels(path).observe(observed)
         if route.predicted_s is not None and observed > 0 and route.served != "fallback":
             self.metrics.route_error.labels(path).observe(abs(route.predicted_s - observed) / observed)
             log.debug("route %s: %s, %d tokens: first token after %.1f ms, predicted %.1f ms",
                       route.request.request_id, path, route.tokens, observed * 1e3, route.predicted_s * 1e3)
-        flight = self._flights.get(id(route))
+        flight = _notes(route)
         if flight is None or route.served == "fallback":
             return
         self._settle(flight)
@@ -359,7 +363,7 @@ class Router:
         token events, the first sent at ``first`` and the last at ``last`` (perf_counter). Its mean gap
         is a sample of the engine's decode line at the mean of its requests in flight at the first
         token and now (both count this one), counted with ``fit="decode"``."""
-        flight = self._flights.get(id(route))
+        flight = _notes(route)
         if flight is None or flight.in_flight_at_first is None or route.served == "fallback":
             return
         self.measurements.observe_output(token_events)
@@ -374,7 +378,7 @@ class Router:
 
     def finished(self, route: PromptRoute) -> None:
         """The route is over (served, failed or cancelled)."""
-        flight = self._flights.pop(id(route), None)
+        flight, route.notes = _notes(route), None
         if flight is not None:
             self._settle(flight, done=False)   # still queued here: it never answered
             self._land(flight)
@@ -398,6 +402,12 @@ def expected_output_tokens(body: Mapping[str, Any], learned: float | None, chat:
             cap = float(min(value, MAX_OUTPUT_CAP))      # min first: a huge JSON integer overflows float()
             break
     return learned if cap is None else min(cap, learned)
+
+
+def _notes(route: PromptRoute) -> _Flight | None:
+    """What the router noted of ``route`` when it was sent (None: not sent, or not noted)."""
+    notes = route.notes
+    return notes if isinstance(notes, _Flight) else None
 
 
 def _engine_fit(flight: _Flight) -> str:

@@ -54,7 +54,7 @@ import enum
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from multidict import CIMultiDict
 
@@ -139,9 +139,30 @@ class RoutePath(enum.StrEnum):
     WHOLE = "whole"     # a prefill engine serves the request alone (routing policy auto)
 
 
+class RouteLearner(Protocol):
+    """What learns from routes as they run: the proxy's :class:`~disagg.proxy.router.Router`.
+
+    Told through the route's own methods (:meth:`PromptRoute.sent` and the rest), at the
+    points of its lifecycle listed there; each hook takes the route, which carries its
+    learner's record of it in ``notes``.
+    """
+
+    def sent(self, route: PromptRoute, stream: bool, now: float | None = None) -> None: ...
+
+    def prefill_done(self, route: PromptRoute, backend: Backend, seconds: float,
+                     prompt_tokens: int | None) -> None: ...
+
+    def first_token(self, route: PromptRoute, when: float) -> None: ...
+
+    def decoded(self, route: PromptRoute, backend: Backend, token_events: int, first: float,
+                last: float) -> None: ...
+
+    def finished(self, route: PromptRoute) -> None: ...
+
+
 @dataclass
 class PromptRoute:
-    """One prompt's way through the engines.
+    """One prompt's way through the engines, and the record of its lifecycle in the proxy.
 
     ``index`` is the prompt's position in the client's request (its replies'
     choice indices start at ``index * choices``). ``path`` and ``reason`` are
@@ -150,6 +171,19 @@ class PromptRoute:
     by whoever serves the route; ``served`` says how it was finally served
     (``disaggregated``, ``fallback``, ``local``, ``colocated``: the proxy's
     ``requests_total`` path labels).
+
+    The lifecycle: the routing policy (:meth:`Router.route <disagg.proxy.router.Router.route>`)
+    decides the route and becomes its ``learner``; then whoever serves it reports, on the
+    route itself, each point the policy learns from, in this order:
+
+    1. :meth:`sent` by the app as the route goes out (:func:`disagg.proxy.app._open_reply`);
+    2. :meth:`prefill_answered` by the handoff when a split's prefill engine answers;
+    3. :meth:`first_token` by the relay's timing when a streamed single-prompt reply sends
+       its first event;
+    4. :meth:`decoded` by the app when such a reply (one choice) ended well;
+    5. :meth:`finished` by the app when the route is over, whatever happened (always, once).
+
+    Without a learner (no routing policy, tests) each is a no-op.
     """
 
     index: int
@@ -163,6 +197,41 @@ class PromptRoute:
     #: the routing policy's prompt-length estimate and predicted TTFT (0 / None: not predicted)
     tokens: int = 0
     predicted_s: float | None = None
+    #: perf_counter when the client's request arrived (its TTFT is counted from there)
+    started: float = 0.0
+    #: told of each point of the lifecycle (set by the routing policy when it decides the route)
+    learner: RouteLearner | None = field(default=None, repr=False, compare=False)
+    #: the learner's own record of the route while it runs (nobody else reads it)
+    notes: Any = field(default=None, repr=False, compare=False)
+
+    def sent(self, stream: bool, now: float | None = None) -> None:
+        """The route goes out now (``now``: perf_counter, default the clock); ``stream``:
+        :meth:`first_token` will be reported (a streamed single-prompt reply)."""
+        if self.learner is not None:
+            self.learner.sent(self, stream, now)
+
+    def prefill_answered(self, backend: Backend, seconds: float, prompt_tokens: int | None) -> None:
+        """A split's prefill engine ``backend`` answered after ``seconds``, having counted
+        ``prompt_tokens`` (None: its reply did not say)."""
+        if self.learner is not None:
+            self.learner.prefill_done(self, backend, seconds, prompt_tokens)
+
+    def first_token(self, when: float) -> None:
+        """A streamed single-prompt reply sent its first event at ``when`` (perf_counter)."""
+        if self.learner is not None:
+            self.learner.first_token(self, when)
+
+    def decoded(self, backend: Backend, token_events: int, first: float, last: float) -> None:
+        """A streamed single-prompt, single-choice reply from ``backend`` ended well with
+        ``token_events`` token events, the first at ``first`` and the last at ``last``."""
+        if self.learner is not None:
+            self.learner.decoded(self, backend, token_events, first, last)
+
+    def finished(self) -> None:
+        """The route is over (served, failed or cancelled); later reports are ignored."""
+        learner, self.learner = self.learner, None
+        if learner is not None:
+            learner.finished(self)
 
     @property
     def taken(self) -> str:

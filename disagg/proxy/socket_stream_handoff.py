@@ -11,7 +11,7 @@ joins the two requests, which are sent at the same time.
 - Prefill (P) gets :meth:`VllmHandoff.prefill_body` (one token, not streamed,
   ``n: 1``) with ``kv_transfer_params = {"do_remote_decode": true,
   "do_remote_prefill": false, "stream_key": K}``. Its reply is read and
-  dropped (its time and prompt token count go to the routing's observer and
+  dropped (its time and prompt token count go to the route's learner and
   ``prefill_seconds``, as for :class:`VllmHandoff`).
 - Decode (D) gets the client's request with ``kv_transfer_params =
   {"do_remote_prefill": true, "do_remote_decode": false, "transfer": "socket",

@@ -324,7 +324,7 @@ def test_router_decides_counts_and_forgets_a_returned_engine() -> None:
         paths.append(r.path)
         router.sent(r, stream=True, now=0.0)
         if r.path is RoutePath.LOCAL:
-            router.first_token(r, 0.0, r.tokens / 200.0)
+            router.first_token(r, r.tokens / 200.0)
         router.finished(r)
     assert paths[0] is RoutePath.LOCAL and paths[-1] is RoutePath.SPLIT
     # (one prompt length: the fit cannot tell overhead from rate, but predicts that length's TTFT)
@@ -366,9 +366,9 @@ def test_router_explores_a_path_not_taken_at_a_bounded_rate_and_counts_it() -> N
         if r.path is RoutePath.SPLIT:
             assert (r.prefill, r.decode) == (p, d)
             router.prefill_done(r, p, r.tokens / 2000.0, r.tokens)
-            router.first_token(r, 0.0, time.perf_counter() + 0.03)
+            router.first_token(r, time.perf_counter() + 0.03)
         else:
-            router.first_token(r, 0.0, r.tokens / 2000.0)
+            router.first_token(r, r.tokens / 2000.0)
         router.finished(r)
         return r
 
@@ -438,7 +438,7 @@ def test_a_handoff_that_waited_for_the_decode_engines_queue_is_no_sample_of_the_
         r.reason, r.prefill, r.decode, r.tokens = "predicted", p, d, 100
         router.sent(r, stream=True)
         router.prefill_done(r, p, 0.05, 100)
-        router.first_token(r, 0.0, time.perf_counter() + 0.3)   # a 0.3 s handoff
+        router.first_token(r, time.perf_counter() + 0.3)   # a 0.3 s handoff
         router.finished(r)
         if local is not None:
             router.finished(local)
@@ -520,15 +520,15 @@ def test_a_streamed_handoff_is_priced_streamed_and_learns_its_fixed_cost_not_the
             assert r.predicted_s == pytest.approx(100 / 2000 + 0.03 + exposed)
             assert r.predicted_s < 100 / 2000 + 0.03 + x
         router.sent(r, stream=True)
-        arrival = router._flights[id(r)].streamed_arrival
+        arrival = r.notes.streamed_arrival
         assert arrival == pytest.approx(100 / 2000 + exposed)   # the prediction less the fixed cost
-        sent = router._flights[id(r)].sent
+        sent = r.notes.sent
         if i % 2:      # decode's first token before prefill's answer
-            router.first_token(r, 0.0, sent + arrival + 0.3)
+            router.first_token(r, sent + arrival + 0.3)
             router.prefill_done(r, p, 0.05, 100)
         else:          # prefill's answer, then decode's first token
             router.prefill_done(r, p, 0.05, 100)
-            router.first_token(r, 0.0, sent + arrival + 0.3)
+            router.first_token(r, sent + arrival + 0.3)
         router.finished(r)
     assert samples("link") == 0
     learned = router.measurements.link_cost(p.url, d.url)
@@ -561,7 +561,7 @@ def test_a_streamed_split_behind_a_queue_is_no_sample_and_one_to_a_busy_decode_e
     r = _route("y" * 400, 0)
     r.reason, r.prefill, r.decode, r.tokens = "predicted", p, d, 100
     router.sent(r, stream=True)
-    router.first_token(r, 0.0, router._flights[id(r)].sent + 1.2)
+    router.first_token(r, r.notes.sent + 1.2)
     router.finished(r)
     router.finished(ahead)
     text = metrics.render().decode()
@@ -575,8 +575,8 @@ def test_a_streamed_split_behind_a_queue_is_no_sample_and_one_to_a_busy_decode_e
         s = _route("y" * 400, 1 + i)
         s.reason, s.prefill, s.decode, s.tokens = "predicted", p, d, 100
         router.sent(s, stream=True)
-        flight = router._flights[id(s)]
-        router.first_token(s, 0.0, flight.sent + flight.streamed_arrival + 0.020 + 0.010 * load)
+        flight = s.notes
+        router.first_token(s, flight.sent + flight.streamed_arrival + 0.020 + 0.010 * load)
         router.finished(s)
     d.outstanding = 0
     assert sample_sum(metrics.render().decode(), "disagg_route_samples_total", fit="handoff_fixed",
@@ -605,7 +605,7 @@ def test_the_same_splits_without_streaming_sample_the_link() -> None:
             assert r.predicted_s == pytest.approx(100 / 2000 + 0.03 + 100 * 1024 / 1e9)
         router.sent(r, stream=True)
         router.prefill_done(r, p, 0.05, 100)
-        router.first_token(r, 0.0, time.perf_counter() + 0.3)
+        router.first_token(r, time.perf_counter() + 0.3)
         router.finished(r)
     text = metrics.render().decode()
     assert sample_sum(text, "disagg_route_samples_total", fit="link", outcome="discarded") == 1
@@ -639,7 +639,7 @@ def test_handoffs_count_in_transit_from_the_prefill_reply_to_the_first_token_or_
     router.prefill_done(second, p, 0.05, 100)
     assert in_transit() == 2
     idle_link = replace(m.link_cost(p.url, d.url), in_transit=0)
-    router.first_token(first, 0.0, time.perf_counter())
+    router.first_token(first, time.perf_counter())
     assert in_transit() == 1
     router.finished(first)
     router.finished(second)                          # cancelled before its first token
@@ -662,7 +662,7 @@ def test_handoffs_count_in_transit_from_the_prefill_reply_to_the_first_token_or_
     router.route(RequestPlan(quiet.request, [quiet]))
     router.sent(quiet, stream=False)
     router.prefill_done(quiet, p, 0.05, 100)
-    done_at = router._flights[id(quiet)].prefill_done
+    done_at = quiet.notes.prefill_done
     assert done_at is not None
     end = done_at + m.link_cost(p.url, d.url).seconds(100 * 1024.0)
     assert m.link_cost(p.url, d.url, now=end - 1e-6).in_transit == 1
@@ -678,13 +678,13 @@ def test_handoffs_count_in_transit_from_the_prefill_reply_to_the_first_token_or_
     assert streamed.measurements.link_cost(p.url, d.url).in_transit == 1
     streamed.prefill_done(r, p, 0.05, 100)
     assert streamed.measurements.link_cost(p.url, d.url).in_transit == 1
-    streamed.first_token(r, 0.0, time.perf_counter())
+    streamed.first_token(r, time.perf_counter())
     assert streamed.measurements.link_cost(p.url, d.url).in_transit == 0
     # ... and, not streamed, until its predicted first token
     r = _route("y" * 400, 7)
     streamed.route(RequestPlan(r.request, [r]))
     streamed.sent(r, stream=False)
-    flight = streamed._flights[id(r)]
+    flight = r.notes
     assert r.predicted_s is not None
     later = flight.sent + r.predicted_s
     assert streamed.measurements.link_cost(p.url, d.url, now=later - 1e-6).in_transit == 1
@@ -783,7 +783,7 @@ def test_router_learns_decode_lines_from_streams_and_sends_whole_while_decode_is
         load = 1 + 2 * (i % 4)                            # 1, 3, 5, 7 in flight
         d.outstanding = load
         router.sent(r, stream=True)
-        router.first_token(r, 0.0, time.perf_counter())
+        router.first_token(r, time.perf_counter())
         router.decoded(r, d, 33, 0.0, 32 * (0.030 + 0.010 * load))
         router.finished(r)
     text = metrics.render().decode()
@@ -799,7 +799,7 @@ def test_router_learns_decode_lines_from_streams_and_sends_whole_while_decode_is
     # a route never sent (no flight), or a reply with fewer than MIN_DECODE_EVENTS token events: no sample
     router.decoded(_route("z", 100), d, 33, 0.0, 1.0)
     router.sent(r, stream=True)
-    router.first_token(r, 0.0, time.perf_counter())
+    router.first_token(r, time.perf_counter())
     router.decoded(r, p, MIN_DECODE_EVENTS - 1, 0.0, 0.5)
     assert sample_sum(metrics.render().decode(), "disagg_route_samples_total", fit="decode") == 12
     router.decoded(r, p, MIN_DECODE_EVENTS, 0.0, 0.5)

@@ -22,6 +22,7 @@ from disagg.proxy.nixl_push_handoff import NixlPushHandoff, PushPeer, push_reque
 from disagg.proxy.routes import GenerationRequest, PromptRoute, RoutePath
 from disagg.proxy.upstream import Upstream, make_session
 from harness.ports import free_port
+from tests.unit.proxy.learner import PrefillAnswers
 
 #: no test may take longer than this (nothing hangs)
 LIMIT_S = 8.0
@@ -201,20 +202,21 @@ async def test_the_reply_id_is_a_colocated_servers(stream, pushes, proxy, http) 
 
 async def test_serve_records_engines_params_and_when_prefill_answered(pushes) -> None:
     """Direct use: the routing policy's presets are used while healthy; the route records the
-    engines and decode's kv_transfer_params; the observer gets prefill's time and count; the
+    engines and decode's kv_transfer_params; the route's learner gets prefill's time and count; the
     reply's prefill_done is when prefill answered (no companion: it is over)."""
     p1, p2, d = await pushes("prefill", engine_id="one"), await pushes("prefill", engine_id="two"), \
         await pushes("decode")
     metrics, prefill, decode = healthy_pools([p1.url, p2.url], [d.url])
-    seen: list[tuple[PromptRoute, str, float, int | None]] = []
+    answers = PrefillAnswers()
+    seen = answers.seen
     async with make_session(FAST) as session:
         handoff = NixlPushHandoff(Upstream(session, FAST, metrics), prefill, decode, metrics)
-        handoff.observer = lambda route, backend, s, n: seen.append((route, backend.url, s, n))
         routes = []
         for _ in range(2):
             req = GenerationRequest(endpoint=COMPLETIONS, body=BODY, encoded=json.dumps(BODY).encode(),
                                     headers={"X-Request-Id": "r"}, request_id="r")
-            route = PromptRoute(index=0, request=req, path=RoutePath.SPLIT, prefill=prefill.backends[1])
+            route = PromptRoute(index=0, request=req, path=RoutePath.SPLIT, prefill=prefill.backends[1],
+                                learner=answers)
             async with asyncio.timeout(LIMIT_S), handoff.serve(route) as reply:
                 assert reply.backend is decode.backends[0] and reply.companion is None
                 assert reply.prefill_done is not None

@@ -30,6 +30,7 @@ from disagg.proxy.socket_stream_handoff import (
 )
 from disagg.proxy.upstream import Upstream, make_session
 from harness.ports import free_port
+from tests.unit.proxy.learner import PrefillAnswers
 
 #: no test may take longer than this (nothing hangs)
 LIMIT_S = 8.0
@@ -172,19 +173,20 @@ async def test_fresh_key_per_route_and_the_peer_of_the_prefill_that_got_it(strea
     assert sorted(b["prompt"] for b in d.received if "prompt" in b) == ["a", "b"]
 
 
-async def test_serve_records_engines_and_params_and_tells_the_observer(streams) -> None:
+async def test_serve_records_engines_and_params_and_tells_the_learner(streams) -> None:
     """Direct use: the routing policy's presets are used while healthy; the route records
-    the engines and decode's kv_transfer_params; the observer gets prefill's time and count."""
+    the engines and decode's kv_transfer_params; the route's learner gets prefill's time and count."""
     p1, p2, d = await streams("prefill"), await streams("prefill"), await streams("decode")
     metrics, prefill, decode = healthy_pools([p1.url, p2.url], [d.url])
-    seen: list[tuple[PromptRoute, str, float, int | None]] = []
+    answers = PrefillAnswers()
+    seen = answers.seen
     async with make_session(FAST) as session:
         handoff = SocketStreamHandoff(Upstream(session, FAST, metrics), prefill, decode, metrics,
                                       options=dict(peers_option(p1, p2)))
-        handoff.observer = lambda route, backend, s, n: seen.append((route, backend.url, s, n))
         req = GenerationRequest(endpoint=COMPLETIONS, body=BODY, encoded=json.dumps(BODY).encode(),
                                 headers={"X-Request-Id": "r"}, request_id="r")
-        route = PromptRoute(index=0, request=req, path=RoutePath.SPLIT, prefill=prefill.backends[1])
+        route = PromptRoute(index=0, request=req, path=RoutePath.SPLIT, prefill=prefill.backends[1],
+                            learner=answers)
         async with asyncio.timeout(LIMIT_S), handoff.serve(route) as reply:
             assert reply.backend is decode.backends[0] and reply.prefill_done is None
             assert (await reply.response.json())["served_by"] == "decode"
