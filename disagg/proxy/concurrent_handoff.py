@@ -62,7 +62,7 @@ import aiohttp
 
 from disagg.proxy.backends import Backend, BackendPool
 from disagg.proxy.errors import NoHealthyBackend, UpstreamConnectError, UpstreamError
-from disagg.proxy.handoff import DecodeReply, EngineErrorReply, PrefillFailed, VllmHandoff
+from disagg.proxy.handoff import DecodeReply, PrefillFailed, VllmHandoff
 from disagg.proxy.routes import PromptRoute
 from disagg.proxy.upstream import finish
 
@@ -180,14 +180,7 @@ class ConcurrentVllmHandoff(VllmHandoff):
             raise
         progress.answered = True
         try:
-            if 400 <= resp.status < 500:
-                raise EngineErrorReply(backend.url, resp.status, await self.upstream.read(backend, resp),
-                                       resp.headers)
-            if resp.status != 200:
-                body = await self.upstream.read(backend, resp)
-                raise PrefillFailed("status", f"prefill {backend.url} answered {resp.status}: "
-                                    f"{body[:300].decode(errors='replace')}")
-            reply = await self.upstream.read_json(backend, resp)
+            reply = await self.read_prefill_reply(backend, resp)
         finally:
             finish(resp)
         answered = time.perf_counter()
@@ -198,24 +191,12 @@ class ConcurrentVllmHandoff(VllmHandoff):
     async def _decode(self, route: PromptRoute, data: bytes, headers: Mapping[str, str],
                       leases: ExitStack) -> tuple[Backend, aiohttp.ClientResponse]:
         """Decode's request, headers read, on ``route.decode`` or, while engines refuse the
-        connection, the next healthy one (recorded in ``route.decode``; its lease joins ``leases``)."""
-        req = route.request
-        backend: Backend | None = route.decode
-        tried: list[Backend] = []
-        while backend is not None:
-            with ExitStack() as attempt:
-                attempt.enter_context(self.decode.lease(backend))
-                try:
-                    resp = await self.upstream.send(backend, "POST", req.endpoint, data=data, headers=headers)
-                except UpstreamConnectError as exc:
-                    self.decode.mark_down(backend, exc.message)
-                    tried.append(backend)
-                    backend = self.decode.pick(exclude=tried)
-                    continue
-                route.decode = backend
-                leases.enter_context(attempt.pop_all())
-                return backend, resp
-        raise NoHealthyBackend(f"no healthy decode instance: {self.decode.describe()}")
+        connection, the next healthy one (:meth:`Upstream.open <disagg.proxy.upstream.Upstream.open>`;
+        recorded in ``route.decode``; its lease joins ``leases``)."""
+        backend, resp = await self.upstream.open(self.decode, "POST", route.request.endpoint, data=data,
+                                                 headers=headers, prefer=route.decode, leases=leases)
+        route.decode = backend
+        return backend, resp
 
     async def _watch(self, prefill: asyncio.Task[float], route: PromptRoute, progress: PrefillProgress) -> None:
         """After decode answered: wait for prefill; a failure now is logged, never raised (decode

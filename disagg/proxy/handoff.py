@@ -200,6 +200,20 @@ class VllmHandoff(Handoff):
         counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         route.prefill_answered(backend, elapsed, counted if type(counted) is int else None)
 
+    async def read_prefill_reply(self, backend: Backend, resp: aiohttp.ClientResponse) -> dict[str, Any]:
+        """Prefill ``backend``'s reply ``resp`` (headers read) as a JSON object; a 4xx is the client's
+        (:class:`EngineErrorReply`), any other status but 200 a :class:`PrefillFailed`; an unreadable
+        body raises :class:`~disagg.proxy.errors.UpstreamError`. :meth:`run_prefill`, and the
+        concurrent handoffs' prefill step."""
+        if 400 <= resp.status < 500:
+            body = await self.upstream.read(backend, resp)
+            raise EngineErrorReply(backend.url, resp.status, body, resp.headers)
+        if resp.status != 200:
+            body = await self.upstream.read(backend, resp)
+            raise PrefillFailed("status", f"prefill {backend.url} answered {resp.status}: "
+                                f"{body[:300].decode(errors='replace')}")
+        return await self.upstream.read_json(backend, resp)
+
     async def run_prefill(self, route: PromptRoute, kv_transfer_params: Mapping[str, Any] | None = None,
                           headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Prefill ``route``'s prompt on its preset prefill backend if healthy, else the best one
@@ -217,14 +231,7 @@ class VllmHandoff(Handoff):
                                              headers=req.headers if headers is None else headers,
                                              prefer=route.prefill) as (backend, resp):
                 route.prefill = backend
-                if 400 <= resp.status < 500:
-                    body = await self.upstream.read(backend, resp)
-                    raise EngineErrorReply(backend.url, resp.status, body, resp.headers)
-                if resp.status != 200:
-                    body = await self.upstream.read(backend, resp)
-                    raise PrefillFailed("status", f"prefill {backend.url} answered {resp.status}: "
-                                        f"{body[:300].decode(errors='replace')}")
-                reply = await self.upstream.read_json(backend, resp)
+                reply = await self.read_prefill_reply(backend, resp)
         except UpstreamError as exc:
             raise PrefillFailed(exc.kind, f"prefill {exc.message}") from exc
         except ProxyHTTPError as exc:  # no healthy prefill instance

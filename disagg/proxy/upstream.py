@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -105,35 +105,48 @@ class Upstream:
         self._metrics.upstream_errors.labels(backend.role, err.kind).inc()
         return err
 
-    @asynccontextmanager
-    async def request(self, pool: BackendPool, method: str, path: str, *, data: bytes | None,
-                      headers: Mapping[str, str],
-                      prefer: Backend | None = None) -> AsyncIterator[tuple[Backend, aiohttp.ClientResponse]]:
+    async def open(self, pool: BackendPool, method: str, path: str, *, data: bytes | None,
+                   headers: Mapping[str, str], prefer: Backend | None,
+                   leases: ExitStack) -> tuple[Backend, aiohttp.ClientResponse]:
         """Send to ``prefer`` while it is healthy (the routing policy's pick), else to the best
-        backend of ``pool``; yields ``(backend, response)``.
+        backend of ``pool``; returns ``(backend, response)`` with the response's headers read.
 
-        A backend that refuses the connection is taken out and the next one is
-        tried (the request never reached it). The backend stays leased until
-        the block exits; then the response is released, or closed (aborting
-        the engine's request) if its body was not read to the end.
+        A backend that refuses the connection is taken out and the next one is tried (the
+        request never reached it); :class:`NoHealthyBackend` when none is left. The chosen
+        backend's lease joins ``leases``; the caller owns the response (:func:`finish` it).
+        :meth:`request`, and handoffs that keep a decode reply open beyond one block
+        (:mod:`disagg.proxy.concurrent_handoff`).
         """
         tried: list[Backend] = []
         while True:
             backend = prefer if prefer is not None and prefer.healthy and not tried else pool.pick(exclude=tried)
             if backend is None:
                 raise NoHealthyBackend(f"no healthy {pool.role} instance: {pool.describe()}")
-            with pool.lease(backend):
+            with ExitStack() as attempt:
+                attempt.enter_context(pool.lease(backend))
                 try:
                     resp = await self.send(backend, method, path, data=data, headers=headers)
                 except UpstreamConnectError as exc:
                     pool.mark_down(backend, exc.message)
                     tried.append(backend)
                     continue
-                try:
-                    yield backend, resp
-                finally:
-                    finish(resp)
-                return
+                leases.enter_context(attempt.pop_all())
+                return backend, resp
+
+    @asynccontextmanager
+    async def request(self, pool: BackendPool, method: str, path: str, *, data: bytes | None,
+                      headers: Mapping[str, str],
+                      prefer: Backend | None = None) -> AsyncIterator[tuple[Backend, aiohttp.ClientResponse]]:
+        """:meth:`open` for one block: yields ``(backend, response)``; the backend stays leased
+        until the block exits, then the response is released, or closed (aborting the engine's
+        request) if its body was not read to the end."""
+        with ExitStack() as leases:
+            backend, resp = await self.open(pool, method, path, data=data, headers=headers, prefer=prefer,
+                                            leases=leases)
+            try:
+                yield backend, resp
+            finally:
+                finish(resp)
 
 
 def finish(resp: aiohttp.ClientResponse) -> None:
