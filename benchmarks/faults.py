@@ -10,7 +10,7 @@ faults, and measures what clients and the engines' own metrics see:
 (a) the prefill API server (its leader pid in state.json) SIGKILLed while 40
     requests arrive at 2 req/s: how many were answered / errored / hung, how
     long until prefill was back, and whether the proxy served disaggregated
-    requests again afterwards (``disagg_proxy_requests{path="disaggregated"}``);
+    requests again afterwards (``disagg_proxy_requests{path="split"}``);
 (b) the decode API server SIGKILLed while streaming clients read: the longest
     time from the kill to a client's error event or closed stream, the time
     until decode was back, later requests served, and whether anything of
@@ -392,7 +392,7 @@ class Prompts:
 
 def scenario_a(dep: Deployment, prompts: Prompts, rep: Report) -> None:
     """Prefill SIGKILLed while 40 requests at 2 req/s run."""
-    before = metric(dep.proxy, "disagg_proxy_requests_total", path="disaggregated") or 0.0
+    before = metric(dep.proxy, "disagg_proxy_requests_total", path="split") or 0.0
     old = dep.record(PREFILL)
     old_pid = int(old["pid"])
     bodies = [completion(prompts(200, "a"), 16) for _ in range(40)]
@@ -418,9 +418,9 @@ def scenario_a(dep: Deployment, prompts: Prompts, rep: Report) -> None:
     hung = sum(o.kind == "hung" for o in outcomes)
     back = wait_for(lambda: dep.back_after_kill(PREFILL, old_pid) and dep.proxy_backend_healthy("prefill"), 300, 0.5)
     back_s = None if back is None else time.monotonic() - killed_at[0]
-    after0 = metric(dep.proxy, "disagg_proxy_requests_total", path="disaggregated") or 0.0
+    after0 = metric(dep.proxy, "disagg_proxy_requests_total", path="split") or 0.0
     later = asyncio.run(_serve(dep, [completion(prompts(200, "a2"), 8) for _ in range(5)]))
-    after1 = metric(dep.proxy, "disagg_proxy_requests_total", path="disaggregated") or 0.0
+    after1 = metric(dep.proxy, "disagg_proxy_requests_total", path="split") or 0.0
     rec = dep.record(PREFILL)
     first_err = next((o.detail for o in outcomes if not o.ok), "")
     measured = (f"{answered}/40 answered, {errors} errors, {hung} hung"
@@ -567,7 +567,7 @@ def scenario_c(dep: Deployment, prompts: Prompts, rep: Report, lease_s: float, r
     prefilled = delta(p0, p1, "vllm:request_success_total")
     fetched = delta(d0, d1, fetched_name)
     expired = delta(p0, p1, expired_name)
-    split = delta(x0, x1, "disagg_proxy_requests_total", path="disaggregated")
+    split = delta(x0, x1, "disagg_proxy_requests_total", path="split")
     before_first = sum(n == 0 for ph in ("prefill", "handoff") for n in cut[ph])
     measured = (f"left: {len(cut['prefill'])} in prefill, {len(cut['handoff'])} between P's reply and the first "
                 f"token, {len(cut['mid-stream'])} mid-stream ({before_first} of the first two before any token; "
@@ -682,9 +682,9 @@ def scenario_e(dep: Deployment, prompts: Prompts, rep: Report, kills: int = 6) -
         def served(old: int = old_pid) -> bool:
             if not dep.back_after_kill(PREFILL, old) or not dep.proxy_backend_healthy("prefill"):
                 return False
-            n0 = metric(dep.proxy, disaggregated, path="disaggregated") or 0.0
+            n0 = metric(dep.proxy, disaggregated, path="split") or 0.0
             ok = all(o.ok for o in asyncio.run(_serve(dep, [completion(prompts(50, "e"), 4)])))
-            return ok and (metric(dep.proxy, disaggregated, path="disaggregated") or 0.0) > n0
+            return ok and (metric(dep.proxy, disaggregated, path="split") or 0.0) > n0
 
         back = wait_for(served, 300, 0.5)
         if back is None:

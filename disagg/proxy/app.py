@@ -64,6 +64,7 @@ from disagg.proxy.routes import (
     PromptRoute,
     RequestPlan,
     RoutePath,
+    Served,
     TooManyPrompts,
     plan_request,
     strip_kv_params,
@@ -330,16 +331,16 @@ async def _open_reply(state: ProxyState, route: PromptRoute, stack: AsyncExitSta
                 state.client().request(state.prefill, "POST", req.endpoint, data=req.raw, headers=req.headers,
                                        prefer=route.prefill))
             route.prefill = backend
-            route.served = "whole"
+            route.served = Served.WHOLE
             return DecodeReply(backend, resp)
         except NoHealthyBackend as exc:  # every prefill engine refused the connection, or none is healthy
             log.warning("request %s: %s; decode serves it", req.request_id, exc.message)
             state.metrics.fallbacks.labels("no_healthy_prefill").inc()
-            route.served = "fallback"
+            route.served = Served.FALLBACK
     elif route.path is RoutePath.SPLIT and state.handoff is not None:
         try:
             reply = await stack.enter_async_context(state.handoff.serve(route))
-            route.served = "disaggregated"
+            route.served = Served.SPLIT
             return reply
         except PrefillFailed as exc:
             if state.config.fallback == "never":
@@ -349,11 +350,11 @@ async def _open_reply(state: ProxyState, route: PromptRoute, stack: AsyncExitSta
             level = logging.DEBUG if exc.reason == "no_healthy_prefill" else logging.WARNING
             log.log(level, "request %s: %s; decode serves it alone", req.request_id, exc.message)
             state.metrics.fallbacks.labels(exc.reason).inc()
-            route.served = "fallback"
+            route.served = Served.FALLBACK
     elif route.reason == "colocated":
-        route.served = "colocated"
+        route.served = Served.COLOCATED
     else:
-        route.served = "local"
+        route.served = Served.LOCAL
         state.metrics.local_routes.labels(route.reason).inc()
     backend, resp = await stack.enter_async_context(
         state.client().request(state.decode, "POST", req.endpoint, data=req.raw, headers=req.headers,
@@ -372,10 +373,11 @@ def _request_path(plan: RequestPlan) -> str:
     """The ``requests_total`` path label of a served request: how its routes were served
     (``fallback`` or ``local`` if any route was, else the routes' common label)."""
     served = {r.served for r in plan.routes}
-    for label in ("fallback", "local", "whole"):
+    for label in (Served.FALLBACK, Served.LOCAL, Served.WHOLE):
         if label in served:
-            return label
-    return served.pop() if len(served) == 1 else "disaggregated"
+            return label.value
+    one = served.pop() if len(served) == 1 else Served.SPLIT
+    return (one or Served.SPLIT).value
 
 
 def _client_request(request: web.Request, raw: bytes, decode_answers_errors: bool) -> GenerationRequest:

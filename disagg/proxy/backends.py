@@ -27,7 +27,7 @@ TIMEOUT_STRIKES = 2
 class Backend:
     """One engine server: its URL, health and outstanding requests."""
 
-    __slots__ = ("healthy", "last_error", "outstanding", "returns", "role", "served", "strikes", "url")
+    __slots__ = ("healthy", "last_error", "outstanding", "returns", "role", "strikes", "url", "was_in_service")
 
     def __init__(self, role: str, url: str) -> None:
         self.role = role
@@ -35,7 +35,7 @@ class Backend:
         self.healthy = False          # until the first probe passes
         self.outstanding = 0
         self.last_error: str | None = NOT_PROBED
-        self.served = False           # it was in service at least once
+        self.was_in_service = False   # it was in service at least once (a later return is a new process)
         #: times it came back into service after being taken out (a restart, an outage)
         self.returns = 0
         #: health probes in a row that failed without certainty (timed out, connection dropped);
@@ -120,14 +120,14 @@ class BackendPool:
     def mark_up(self, backend: Backend) -> None:
         """Put ``backend`` (back) into service; a return tells the :meth:`on_return` callbacks."""
         if not backend.healthy:
-            log.info("%s %s %s", self.role, backend.url, "back in service" if backend.served else "healthy")
-            if backend.served:
+            log.info("%s %s %s", self.role, backend.url, "back in service" if backend.was_in_service else "healthy")
+            if backend.was_in_service:
                 backend.returns += 1
                 self._metrics.returns.labels(self.role, backend.url).inc()
                 for callback in self._returned:
                     callback(backend)
         backend.healthy = True
-        backend.served = True
+        backend.was_in_service = True
         backend.last_error = None
         self._metrics.healthy.labels(self.role, backend.url).set(1)
 

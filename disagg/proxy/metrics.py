@@ -4,7 +4,7 @@ several proxies in one process, as in tests, never share counters).
 Names (all prefixed ``disagg_proxy_``):
 
 - ``requests_total{endpoint, path}``: generation requests by how they were
-  served: ``disaggregated`` (prefill then decode), ``fallback`` (decode alone
+  served: ``split`` (prefill then decode), ``fallback`` (decode alone
   because prefill failed), ``colocated`` (one whole server), ``error``.
   ``local`` (decode alone by choice: see :mod:`disagg.proxy.routes`); a batch
   counts once (``fallback`` or ``local`` if any of its prompts was).
@@ -69,7 +69,7 @@ TOKEN_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
-PATHS = ("disaggregated", "fallback", "local", "whole", "colocated", "error")
+PATHS = ("split", "fallback", "local", "whole", "colocated", "error")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

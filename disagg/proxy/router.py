@@ -63,7 +63,7 @@ from disagg.proxy.measure import QUEUED_SHARE, Measurements, Transit
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.proxy.promptlen import PromptLength
-from disagg.proxy.routes import CHAT, PromptRoute, RequestPlan, RoutePath
+from disagg.proxy.routes import CHAT, PromptRoute, RequestPlan, RoutePath, Served
 from disagg.routecost import DEFAULT_HANDOFF_FIXED_S, Option
 
 log = logging.getLogger("disagg.proxy")
@@ -313,12 +313,12 @@ class Router:
         path = route.taken
         observed = when - route.started
         self.metrics.route_observed.labels(path).observe(observed)
-        if route.predicted_s is not None and observed > 0 and route.served != "fallback":
+        if route.predicted_s is not None and observed > 0 and route.served is not Served.FALLBACK:
             self.metrics.route_error.labels(path).observe(abs(route.predicted_s - observed) / observed)
             log.debug("route %s: %s, %d tokens: first token after %.1f ms, predicted %.1f ms",
                       route.request.request_id, path, route.tokens, observed * 1e3, route.predicted_s * 1e3)
         flight = _notes(route)
-        if flight is None or route.served == "fallback":
+        if flight is None or route.served is Served.FALLBACK:
             return
         self._settle(flight)
         self._land(flight)
@@ -364,7 +364,7 @@ class Router:
         is a sample of the engine's decode line at the mean of its requests in flight at the first
         token and now (both count this one), counted with ``fit="decode"``."""
         flight = _notes(route)
-        if flight is None or flight.in_flight_at_first is None or route.served == "fallback":
+        if flight is None or flight.in_flight_at_first is None or route.served is Served.FALLBACK:
             return
         self.measurements.observe_output(token_events)
         if token_events < MIN_DECODE_EVENTS:

@@ -160,6 +160,17 @@ class RouteLearner(Protocol):
     def finished(self, route: PromptRoute) -> None: ...
 
 
+class Served(enum.StrEnum):
+    """How a route was finally served: the proxy's ``requests_total`` path labels (a
+    :class:`RoutePath` as planned, or ``fallback``/``colocated``)."""
+
+    SPLIT = "split"             # the handoff served it: prefill engine, KV over the link, decode engine
+    WHOLE = "whole"             # a prefill engine alone
+    LOCAL = "local"             # the decode engine alone, by choice (a route's reason)
+    COLOCATED = "colocated"     # the proxy has no prefill pool: one whole server
+    FALLBACK = "fallback"       # the decode engine alone because the prefill side failed
+
+
 @dataclass
 class PromptRoute:
     """One prompt's way through the engines, and the record of its lifecycle in the proxy.
@@ -169,8 +180,7 @@ class PromptRoute:
     decided by :func:`plan_request` (a routing policy may change them before
     serving); ``prefill``, ``decode`` and ``kv_transfer_params`` are filled in
     by whoever serves the route; ``served`` says how it was finally served
-    (``disaggregated``, ``fallback``, ``local``, ``colocated``: the proxy's
-    ``requests_total`` path labels).
+    (:class:`Served`: the proxy's ``requests_total`` path labels).
 
     The lifecycle: the routing policy (:meth:`Router.route <disagg.proxy.router.Router.route>`)
     decides the route and becomes its ``learner``; then whoever serves it reports, on the
@@ -193,7 +203,7 @@ class PromptRoute:
     prefill: Backend | None = None
     decode: Backend | None = None
     kv_transfer_params: dict[str, Any] | None = field(default=None, repr=False)
-    served: str = ""
+    served: Served | None = None
     #: the routing policy's prompt-length estimate and predicted TTFT (0 / None: not predicted)
     tokens: int = 0
     predicted_s: float | None = None
@@ -237,7 +247,7 @@ class PromptRoute:
     def taken(self) -> str:
         """The path that serves the prompt: ``path``, or ``fallback`` where the prefill side
         failed and a decode engine serves it alone (the route header's and the observed TTFT's label)."""
-        return "fallback" if self.served == "fallback" else self.path.value
+        return Served.FALLBACK.value if self.served is Served.FALLBACK else self.path.value
 
 
 @dataclass

@@ -72,7 +72,7 @@ def test_handoff_equals_colocated_and_kv_moved(pd: Running, reference: dict[str,
     assert delta("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= tokens - 1
     assert delta("vllm:prompt_tokens_by_source_total", source="local_compute") <= 1
     # The proxy counted it as a disaggregated request and timed its prefill.
-    for metric, labels in (("disagg_proxy_requests_total", {"path": "disaggregated"}),
+    for metric, labels in (("disagg_proxy_requests_total", {"path": "split"}),
                            ("disagg_proxy_prefill_seconds_count", {})):
         grew = metric_value(proxy_after, metric, **labels) - metric_value(proxy_before, metric, **labels)
         assert grew == 1, (metric, grew)
@@ -149,8 +149,8 @@ def test_a_hung_prefill_falls_back_to_decode_until_liveness_restarts_it(
     reply = post_json(pd.proxy_url + "/v1/completions", requests_["prefill-killed"])
     assert reply["choices"][0]["text"] == reference["prefill-killed"]
     after = get_text(pd.proxy_url + "/metrics")
-    assert (metric_value(after, "disagg_proxy_requests_total", path="disaggregated")
-            - metric_value(before, "disagg_proxy_requests_total", path="disaggregated")) == 1
+    assert (metric_value(after, "disagg_proxy_requests_total", path="split")
+            - metric_value(before, "disagg_proxy_requests_total", path="split")) == 1
     assert metric_value(after, "disagg_proxy_backend_returns_total", role="prefill") == 1
     print(f"\nhung prefill: out of rotation after {out_of_rotation:.1f} s, serving again after "
           f"{time.monotonic() - stopped:.1f} s (timeouts.liveness: the default 30 s)")

@@ -103,7 +103,7 @@ def test_push_handoff_equals_colocated_and_kv_moved(push_pd: Running, reference:
             assert delta(url, "vllm:nixl_num_failed_transfers_total") == 0, name
             assert delta(url, "vllm:nixl_num_failed_notifications_total") == 0, name
         # the proxy served it through the handoff, not decode alone
-        assert delta(push_pd.proxy_url, "disagg_proxy_requests_total", path="disaggregated") == 1, name
+        assert delta(push_pd.proxy_url, "disagg_proxy_requests_total", path="split") == 1, name
         assert delta(push_pd.proxy_url, "disagg_proxy_fallbacks_total") == 0, name
     # the proxy learned the prefill engine once, serving the first route in turn; the others went at once
     log = (push_pd.run_dir / "runs" / push_pd.topology.stem / "logs" / "proxy.log").read_text()

@@ -34,7 +34,7 @@ def test_deltas_between_two_pages() -> None:
         m.route_predicted.labels(path="split").observe(0.100)
         m.route_observed.labels(path="split").observe(observed)
         m.route_error.labels(path="split").observe(abs(0.100 - observed) / observed)
-    m.requests.labels(endpoint="completions", path="disaggregated").inc(5)     # other series are ignored
+    m.requests.labels(endpoint="completions", path="split").inc(5)     # other series are ignored
     delta = route_delta(before, parse_route_counters(_page(m)))
     assert delta is not None
     assert delta["routes"] == {"local": {"predicted": 1.0}, "split": {"decode_backlog": 1.0, "predicted": 2.0}}

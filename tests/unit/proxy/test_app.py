@@ -33,7 +33,7 @@ async def test_stream_events_pass_through_as_they_arrive(colocated, standin, pro
         rest = await read_events(resp)
     assert [json.loads(e)["choices"][0]["text"] for e in rest[:-1]] == ["tok1 ", "tok2 "]
     assert rest[-1] == "[DONE]"
-    path = "colocated" if colocated else "disaggregated"
+    path = "colocated" if colocated else "split"
     registry = server.app_state.metrics.registry
     assert registry.get_sample_value("disagg_proxy_requests_total", {"endpoint": "completions", "path": path}) == 1
     assert registry.get_sample_value("disagg_proxy_ttft_seconds_count") == 1
@@ -153,7 +153,7 @@ async def test_metrics_exposition(standin, proxy, http) -> None:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/plain")
         text = await resp.text()
-    assert 'disagg_proxy_requests_total{endpoint="completions",path="disaggregated"} 1.0' in text
+    assert 'disagg_proxy_requests_total{endpoint="completions",path="split"} 1.0' in text
     assert "disagg_proxy_prefill_seconds_count 1.0" in text
     assert f'disagg_proxy_backend_in_flight{{role="decode",url="{d.url}"}} 0.0' in text
     assert f'disagg_proxy_backend_healthy{{role="prefill",url="{p.url}"}} 1.0' in text

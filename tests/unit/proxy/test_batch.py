@@ -36,7 +36,7 @@ async def test_batch_gets_one_prefill_and_one_decode_per_prompt(standin, proxy, 
     # each decode gets its own prompt's kv_transfer_params (the stand-in names the request id in them)
     assert [r.body["kv_transfer_params"]["remote_request_id"] for r in dec] == ["cmpl-rq-0", "cmpl-rq-1", "cmpl-rq-2"]
     metrics = (await (await http.get(server.url + "/metrics")).read()).decode()
-    assert sample_sum(metrics, "disagg_proxy_requests_total", path="disaggregated") == 1
+    assert sample_sum(metrics, "disagg_proxy_requests_total", path="split") == 1
 
 
 async def test_batch_stream_is_reindexed_with_one_usage_chunk_and_one_done(standin, proxy, http) -> None:

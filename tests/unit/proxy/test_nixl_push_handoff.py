@@ -155,7 +155,7 @@ async def test_first_route_in_turn_then_both_at_once_with_the_learned_coordinate
     assert p.request_ids == d.request_ids
     assert [rid.split("-push")[0] for rid in p.request_ids] == ["r1", "r2"]
     assert len(set(p.request_ids)) == 2 and all(re.fullmatch(r"r\d-push[0-9a-f]{16}", r) for r in p.request_ids)
-    assert sample(server, "disagg_proxy_requests_total", {"endpoint": "completions", "path": "disaggregated"}) == 2
+    assert sample(server, "disagg_proxy_requests_total", {"endpoint": "completions", "path": "split"}) == 2
     assert sample(server, "disagg_proxy_prefill_seconds_count") == 2
     assert sample(server, "disagg_proxy_handoff_seconds_count") == 1       # the streamed one
     for role, url in (("prefill", p.url), ("decode", d.url)):

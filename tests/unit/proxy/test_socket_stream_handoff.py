@@ -143,7 +143,7 @@ async def test_both_sides_at_once_with_one_key_and_the_chosen_prefills_listener(
     # concurrent: decode had its request before prefill answered (prefill waits for decode's connection)
     assert d.arrived[0] < p.answered[0]
     assert d.recomputed == 0 and p.aborted == d.aborted == 0
-    assert sample(server, "disagg_proxy_requests_total", {"endpoint": "completions", "path": "disaggregated"}) == 1
+    assert sample(server, "disagg_proxy_requests_total", {"endpoint": "completions", "path": "split"}) == 1
     assert sample(server, "disagg_proxy_prefill_seconds_count") == 1
     for role, url in (("prefill", p.url), ("decode", d.url)):
         assert sample(server, "disagg_proxy_backend_in_flight", {"role": role, "url": url}) == 0
@@ -274,7 +274,7 @@ async def test_prefill_failure_after_decode_answered_leaves_decode_alone(status,
     assert d.recomputed == 1 and d.aborted == 0 and len(d.received) == 1
     assert p.aborted == 0
     assert any("failed after decode" in r.getMessage() and p.url in r.getMessage() for r in caplog.records)
-    assert sample(server, "disagg_proxy_requests_total", {"endpoint": "completions", "path": "disaggregated"}) == 1
+    assert sample(server, "disagg_proxy_requests_total", {"endpoint": "completions", "path": "split"}) == 1
     assert sample(server, "disagg_proxy_fallbacks_total", {"reason": "status"}) == 0
 
 
@@ -299,7 +299,7 @@ async def test_a_prefill_still_running_when_decode_finished_is_cancelled(stream,
     assert asyncio.get_running_loop().time() - started < PEER_WAIT_S  # prefill's request was not awaited
     assert d.aborted == 0 and d.recomputed == 0 and not p.outcome  # no reader came; prefill never answered
     assert sample(server, "disagg_proxy_prefills_dropped_total") == 1
-    assert sample(server, "disagg_proxy_requests_total", {"endpoint": "completions", "path": "disaggregated"}) == 1
+    assert sample(server, "disagg_proxy_requests_total", {"endpoint": "completions", "path": "split"}) == 1
     assert any("prefill's request cancelled" in r.getMessage() and p.url in r.getMessage() for r in caplog.records)
     assert not any("failed after decode" in r.getMessage() for r in caplog.records)
 
