@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "disagg.commands.probe_link",  # probe-link
     "disagg.commands.proxy",      # proxy
     "disagg.commands.bench",      # bench, bench compare
+    "disagg.commands.watch",      # top, logs
 )
 
 
