@@ -11,7 +11,7 @@ Times, in this process (no engines, no network):
 
 Targets of the ``auto`` routing: decision p50 <= 0.1 ms; length estimate p50 <= 1 ms for 2,000 tokens.
 
-    .venv/bin/python benchmarks/routing_cost.py [--repeats 5000] [--tokens 2000] [--pairs 1]
+    .venv/bin/python benchmarks/routing_cost.py [--repeats 5000] [--tokens 2000] [--pairs 1] [--slo TTFT,TPOT]
 """
 
 from __future__ import annotations
@@ -52,11 +52,21 @@ def _steady_state(router: Router, backends: Sequence[Backend]) -> None:
             m.observe_decode(b.url, load, 0.03 + 0.005 * load)
 
 
+def _slo(text: str | None) -> dict[str, float]:
+    """``--slo TTFT,TPOT`` as RoutingConfig's fields."""
+    if text is None:
+        return {}
+    ttft, tpot = (float(v) for v in text.split(","))
+    return {"slo_ttft_s": ttft, "slo_tpot_s": tpot}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5000)
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--pairs", type=int, default=1, help="prefill and decode engines each")
+    parser.add_argument("--slo", default=None, metavar="TTFT,TPOT",
+                        help="decide with an SLO (seconds), e.g. 1.0,0.025: routing for goodput")
     args = parser.parse_args()
 
     model = build_model("tiny", Path(tempfile.mkdtemp(prefix="disagg-routing-")) / "tiny")
@@ -70,7 +80,7 @@ def main() -> int:
             pool.mark_up(b)
     config = RoutingConfig(policy="auto", kv_bytes_per_token=32768.0, prefill_tokens_per_s=2000.0,
                            link_bytes_per_s=1.25e8, handoff_fixed_s=0.016, whole=True,
-                           tokenizer=str(model / "tokenizer.json"))
+                           tokenizer=str(model / "tokenizer.json"), **_slo(args.slo))
     router = Router(config, pools[0], pools[1], metrics, local=True)
     _steady_state(router, [*pools[0].backends, *pools[1].backends])
     ids = tok.encode(prompt).ids
@@ -98,7 +108,8 @@ def main() -> int:
         p = exact_prompt(tok, n, f"err{i}")
         errors.append(abs(router.lengths.tokens({"prompt": p}, chat=False) - len(tok.encode(p).ids))
                       / len(tok.encode(p).ids))
-    print(f"routing cost, {args.repeats} repeats, {args.pairs} prefill x {args.pairs} decode engines, "
+    print(f"routing cost, {args.repeats} repeats, {args.pairs} prefill x {args.pairs} decode engines"
+          + (f", SLO {args.slo} s" if args.slo else "") + ", "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"  decision (Router.route, a token-id prompt): {_percentiles(decide)}")
     print(f"  length estimate, tokenizer, {len(ids)}-token prompt ({len(prompt)} chars): {_percentiles(estimate_tok)}")

@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "disagg.commands.proxy",      # proxy
     "disagg.commands.bench",      # bench, bench compare
     "disagg.commands.watch",      # top, logs
+    "disagg.commands.export",     # export k8s
 )
 
 

@@ -497,3 +497,91 @@ def last_true(holds: Callable[[int], bool], lo: int, hi: int) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+# --- routing for goodput under a service-level objective ------------------------------------
+
+#: the typical relative error of a prediction (TTFT or TPOT) before any is measured: what the
+#: proxy's routing assumes until it has observed its own (``disagg_route_ttft_error_ratio``)
+DEFAULT_PREDICTION_ERROR = 0.3
+
+
+@dataclass(frozen=True)
+class ServiceObjective:
+    """The user's SLO: a request is good when its TTFT and its mean time per output token are
+    within these limits (seconds; None: no limit on that one)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+
+def meet_probability(predicted_s: float, limit_s: float | None, error: float) -> float:
+    """The probability that what is predicted at ``predicted_s`` is observed within ``limit_s``.
+
+    A distribution, not a margin: the observed value is taken as the prediction times a log-normal
+    error whose typical relative size is ``error`` (``ln(observed / predicted)`` normal with
+    standard deviation ``ln(1 + error)``), ``error`` being the mean relative error the proxy has
+    measured of its own predictions (:data:`DEFAULT_PREDICTION_ERROR` before any). So a prediction
+    right at the limit meets it half the time, one ``error`` below it about 84% of the time. No
+    limit: 1; an infinite prediction (a saturated engine): 0."""
+    if limit_s is None:
+        return 1.0
+    if math.isinf(predicted_s) or limit_s <= 0:
+        return 0.0
+    if predicted_s <= 0:
+        return 1.0
+    sigma = math.log1p(max(error, 1e-3))
+    return 0.5 * math.erfc((math.log(predicted_s) - math.log(limit_s)) / (sigma * math.sqrt(2.0)))
+
+
+@dataclass(frozen=True)
+class SloValue:
+    """One option judged against the SLO: ``good`` is the expected number of requests meeting it
+    (this one, ``own``, less the running ones it makes miss, ``harm``); ``tpot_s`` this request's
+    predicted time per output token (None: its engine has no decode line yet)."""
+
+    good: float
+    own: float
+    harm: float
+    tpot_s: float | None
+
+
+def running_harm(engine: EngineCost, stall_s: float, joins: int, out_tokens: float, slo: ServiceObjective,
+                 error: float) -> float:
+    """How many of the requests decoding on ``engine`` are expected to miss the TPOT objective
+    because of what an option adds there: a prefill of ``stall_s`` seconds computed on it (each
+    running decode waits that out once, spread over its ``out_tokens`` - 1 gaps) and ``joins``
+    more requests decoding beside them (each step ``tpot_added_s`` longer for each). Their TPOT
+    now is taken as the engine's line (``tpot_s``). 0 without a TPOT objective, a decode line,
+    or running decodes."""
+    if slo.tpot_s is None or engine.tpot_s is None or engine.running <= 0:
+        return 0.0
+    gaps = max(out_tokens - 1.0, 1.0)
+    before = meet_probability(engine.tpot_s, slo.tpot_s, error)
+    after = meet_probability(engine.tpot_s + stall_s / gaps + joins * engine.tpot_added_s, slo.tpot_s, error)
+    return engine.running * max(before - after, 0.0)
+
+
+def slo_value(option: OptionCost, tokens: float, prefill: EngineCost, decode: EngineCost, out_tokens: float,
+              slo: ServiceObjective, *, ttft_error: float = DEFAULT_PREDICTION_ERROR,
+              tpot_error: float = DEFAULT_PREDICTION_ERROR) -> SloValue:
+    """``option`` (for one prompt of ``tokens`` over the pair ``prefill`` -> ``decode``) judged by
+    the requests expected to meet ``slo``: this one's chance to meet both objectives (its TTFT
+    as predicted; its TPOT the line of the engine that will decode it: the decode engine for
+    split and local, the prefill engine for whole) less the running decodes it makes miss
+    (:func:`running_harm`: on the engine that computes its prefill, the stall; on the engine
+    that decodes it, one more in the batch). ``out_tokens``: the output tokens expected
+    (below 2: one gap)."""
+    computes = decode if option.path is Option.LOCAL else prefill
+    decodes_on = prefill if option.path is Option.WHOLE else decode
+    tpot = decodes_on.tpot_s
+    own = meet_probability(option.ttft_s, slo.ttft_s, ttft_error)
+    if tpot is not None:
+        own *= meet_probability(tpot, slo.tpot_s, tpot_error)
+    stall = computes.prefill_s(tokens)
+    if computes is decodes_on:
+        harm = running_harm(computes, stall, 1, out_tokens, slo, tpot_error)
+    else:
+        harm = (running_harm(computes, stall, 0, out_tokens, slo, tpot_error)
+                + running_harm(decodes_on, 0.0, 1, out_tokens, slo, tpot_error))
+    return SloValue(own - harm, own, harm, tpot)

@@ -233,9 +233,14 @@ class RoutingSpec:
     takes the fastest (:mod:`disagg.routecost`); ``split`` sends every prompt that can
     be split through the KV handoff (the behaviour before ``routing`` existed);
     ``local`` lets the decode engines prefill every prompt themselves.
+    ``slo_ttft_s`` / ``slo_tpot_s`` (``slo: {ttft: 500ms, tpot: 25ms}``): the user's SLO;
+    ``auto`` then routes each prompt for the requests expected to meet it
+    (:mod:`disagg.proxy.policy`).
     """
 
     policy: str = "auto"
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
     #: ``explore``: re-measure a path untaken for ``after`` seconds and ``decisions`` decisions
     #: whose score is within ``within`` x the best (``explore: off``: within 0, never)
     explore_after_s: float = EXPLORE_AFTER_S
@@ -701,9 +706,10 @@ def _proxy(node: Node | None) -> ProxySpec:
 def _routing(node: Node | None, engine: str) -> RoutingSpec:
     if node is None:
         return RoutingSpec()
-    f = Fields(node, "a mapping with policy (auto, split, local) and explore")
+    f = Fields(node, "a mapping with policy (auto, split, local), explore and slo")
     policy_node = f.take("policy")
     explore_node = f.take("explore")
+    slo_node = f.take("slo")
     f.done()
     policy = "auto" if policy_node is None else policy_node.value
     if policy not in ROUTING_POLICIES:
@@ -712,7 +718,23 @@ def _routing(node: Node | None, engine: str) -> RoutingSpec:
     if policy == "local" and engine == "sglang":
         assert policy_node is not None
         raise policy_node.error("engine sglang cannot prefill on its decode servers; use auto or split")
-    return _explore(explore_node, RoutingSpec(policy=str(policy)))
+    spec = _slo(slo_node, RoutingSpec(policy=str(policy)))
+    if slo_node is not None and policy != "auto":
+        raise slo_node.error(f"an SLO steers only the auto policy; this topology's routing policy is {policy}")
+    return _explore(explore_node, spec)
+
+
+def _slo(node: Node | None, spec: RoutingSpec) -> RoutingSpec:
+    """``spec`` with ``routing.slo``: ``{ttft: 500ms, tpot: 25ms}`` (at least one of the two)."""
+    if node is None:
+        return spec
+    f = Fields(node, "a mapping with ttft and/or tpot (durations, e.g. 500ms)")
+    ttft, tpot = f.take("ttft"), f.take("tpot")
+    f.done()
+    if ttft is None and tpot is None:
+        raise node.error("expected ttft and/or tpot (durations, e.g. {ttft: 500ms, tpot: 25ms})")
+    return replace(spec, slo_ttft_s=_duration(ttft) if ttft is not None else None,
+                   slo_tpot_s=_duration(tpot) if tpot is not None else None)
 
 
 def _explore(node: Node | None, spec: RoutingSpec) -> RoutingSpec:

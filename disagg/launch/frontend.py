@@ -68,7 +68,7 @@ def routing_config(dep: Deployment) -> RoutingConfig:
     """The proxy's routing for a planned topology: ``routing.policy`` and, for ``auto``, the seed
     figures ``disagg plan`` works with (:func:`disagg.planning.route_seeds`: with the socket
     connector's ``streaming``, the model's layers, so that splits are priced as streamed) and
-    the model's tokenizer when it is on this machine. When the seeds cannot be worked out (a
+    the model's tokenizer when it is on this machine, and ``routing.slo``. When the seeds cannot be worked out (a
     model whose config is not at hand), the proxy splits every prompt, and says so."""
     topo = dep.topology
     engine = engine_adapter(topo.engine)
@@ -91,7 +91,7 @@ def routing_config(dep: Deployment) -> RoutingConfig:
         tokenizer=str(tokenizer) if tokenizer.is_file() else None,
         explore_after_s=topo.routing.explore_after_s, explore_decisions=topo.routing.explore_decisions,
         explore_within=topo.routing.explore_within, streaming_layers=seeds.streaming_layers,
-        measured_rates=seeds.measured_rates)
+        measured_rates=seeds.measured_rates, slo_ttft_s=topo.routing.slo_ttft_s, slo_tpot_s=topo.routing.slo_tpot_s)
 
 
 def proxy_config(dep: Deployment) -> ProxyConfig:

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from disagg.errors import ProxyError
 from disagg.proxy import flags
 from disagg.proxy.flags import flag
+from disagg.routecost import ServiceObjective
 from disagg.serving import (
     CLIENT_BODY_TIMEOUT_S,
     CLIENT_HEADER_TIMEOUT_S,
@@ -210,15 +211,23 @@ class RoutingConfig:
                                            help="auto: the roles (prefill, decode) whose seed rate was measured "
                                                 "on their hosts, not estimated (`disagg up` passes it)")
 
+    #: the user's SLO: ``auto`` routes for the requests expected to meet it (None: no objective)
+    slo_ttft_s: float | None = flag("--route-slo-ttft", default=None, metavar="S",
+                                    help="auto: the TTFT objective in seconds; with it (or --route-slo-tpot) "
+                                         "each prompt takes the path that maximises the requests expected to "
+                                         "meet the SLO")
+    slo_tpot_s: float | None = flag("--route-slo-tpot", default=None, metavar="S",
+                                    help="auto: the time-per-output-token objective in seconds")
+
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
             raise ProxyError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}, got {self.policy!r}")
         for name in ("kv_bytes_per_token", "prefill_tokens_per_s", "decode_tokens_per_s", "link_bytes_per_s",
-                     "handoff_fixed_s"):
+                     "handoff_fixed_s", "slo_ttft_s", "slo_tpot_s"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and value >= 0 and value < float("inf")):
                 raise ProxyError(f"routing {name} must be a number >= 0, got {value!r}")
-        for name in ("prefill_tokens_per_s", "link_bytes_per_s", "decode_tokens_per_s"):
+        for name in ("prefill_tokens_per_s", "link_bytes_per_s", "decode_tokens_per_s", "slo_ttft_s", "slo_tpot_s"):
             if getattr(self, name) == 0:
                 raise ProxyError(f"routing {name} must be > 0")
         if not self.chars_per_token > 0 or self.overhead_s < 0 or self.stall_weight < 0:
@@ -242,6 +251,13 @@ class RoutingConfig:
             if missing:
                 raise ProxyError(f"routing policy auto needs its seed figures: {', '.join(missing)} "
                                  "(--route-kv-bytes-per-token, --route-prefill-rate, --route-link-rate)")
+
+    @property
+    def slo(self) -> ServiceObjective | None:
+        """The SLO ``auto`` routes for (None: none given)."""
+        if self.slo_ttft_s is None and self.slo_tpot_s is None:
+            return None
+        return ServiceObjective(self.slo_ttft_s, self.slo_tpot_s)
 
 
 @dataclass(frozen=True)

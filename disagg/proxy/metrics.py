@@ -35,6 +35,9 @@ Routing (:mod:`disagg.proxy.policy`; named ``disagg_route_*``, without the proxy
 - ``disagg_route_predicted_ttft_seconds{path}``: the policy's prediction for the chosen path.
 - ``disagg_route_observed_ttft_seconds{path}``: the same prompts' TTFT as the proxy saw it
   (streamed single-prompt requests: arrival -> first event).
+- ``disagg_route_predicted_tpot_seconds{path}`` and ``disagg_route_tpot_error_ratio{path}``: with
+  an SLO, the predicted time per output token where the chosen path decodes, and per streamed
+  reply its relative error against the reply's own (what the SLO routing calibrates with);
 - ``disagg_route_ttft_error_ratio{path}``: per prompt, |predicted - observed| / observed TTFT
   (the prompts of both histograms above with a prediction); ``_sum / _count`` is the mean
   absolute relative error of the predictions for that path.
@@ -122,6 +125,13 @@ class ProxyMetrics:
         self.route_error = Histogram("disagg_route_ttft_error_ratio",
                                      "Per prompt |predicted - observed| / observed TTFT, by the path taken", ["path"],
                                      buckets=ERROR_BUCKETS, registry=r)
+        self.route_predicted_tpot = Histogram("disagg_route_predicted_tpot_seconds",
+                                              "Predicted time per output token where the chosen path decodes "
+                                              "(auto with an SLO, once that engine has a decode line)", ["path"],
+                                              buckets=TOKEN_BUCKETS, registry=r)
+        self.route_tpot_error = Histogram("disagg_route_tpot_error_ratio",
+                                          "Per streamed reply |predicted - observed| / observed time per output "
+                                          "token, by the path taken", ["path"], buckets=ERROR_BUCKETS, registry=r)
         self.route_samples = Counter("disagg_route_samples", "Live routing measurements by what the fits made of them",
                                      ["fit", "outcome"], registry=r)
         self.prompt_length_error = Gauge("disagg_route_prompt_length_error_ratio",

@@ -75,10 +75,28 @@ P prefill and D decode engines there are up to P x D + D - 1 other options,
 each explored at that rate at most (only those within the factor). The
 bounds are options (``routing.explore``; defaults in :mod:`disagg.serving`).
 
+With an SLO (``routing.slo`` in the topology, ``--route-slo-ttft`` / ``--route-slo-tpot``),
+``auto`` chooses, among the same options over every pair of healthy engines, the one that
+maximises the number of requests expected to meet both objectives
+(:func:`disagg.routecost.slo_value`): this prompt's chance to meet its TTFT objective (its
+predicted TTFT) and its TPOT objective (the decode line of the engine that will decode it),
+less the running decodes expected to miss their TPOT objective because of it (its prefill's
+stall on the engine that computes it, one more request in the batch of the engine that
+decodes it; :func:`disagg.routecost.running_harm`). Chances come from a distribution, not a
+safety margin: the observed value is the prediction times a log-normal error of the typical
+size the proxy has measured of its own predictions so far (``disagg_route_ttft_error_ratio``,
+``disagg_route_tpot_error_ratio``; :data:`~disagg.routecost.DEFAULT_PREDICTION_ERROR` before
+any). When no option gives this prompt an even chance, the same count picks the one that
+harms the fewest others. Options within :data:`SLO_TIE` of the best count go by the score
+above. An engine without a decode line yet (nothing streamed through it) is judged by TTFT
+alone and harms nobody. Exploration and the ``whole`` rules are unchanged.
+
 Reasons (the ``reason`` label of ``disagg_route_total``): ``policy`` for the
 static policies, ``predicted`` for an ``auto`` choice, ``explore`` for an
 ``auto`` exploration, ``decode_backlog`` / ``decode_load`` for ``whole``, and ``no_prefill`` /
-``no_decode`` when a pool has no healthy engine.
+``no_decode`` when a pool has no healthy engine; with an SLO, ``slo`` for a choice that gives
+the prompt at least an even chance of meeting it, ``slo_missed`` for one that does not (the
+option that harms the others least).
 """
 
 from __future__ import annotations
@@ -87,10 +105,25 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from disagg.routecost import EngineCost, LinkCost, Option, OptionCost, cheapest, option_costs
+from disagg.routecost import (
+    DEFAULT_PREDICTION_ERROR,
+    EngineCost,
+    LinkCost,
+    Option,
+    OptionCost,
+    ServiceObjective,
+    cheapest,
+    option_costs,
+    slo_value,
+)
 from disagg.serving import EXPLORE_AFTER_DECISIONS, EXPLORE_AFTER_S, EXPLORE_WITHIN, WHOLE_TPOT_FACTOR
 
 E = TypeVar("E")
+
+#: with an SLO, options whose expected requests meeting it are this close count as equal
+SLO_TIE = 0.01
+#: on a tie of scores: local before split before whole (as :func:`disagg.routecost.cheapest`)
+_RANK = {Option.LOCAL: 0, Option.SPLIT: 1, Option.WHOLE: 2}
 
 
 @dataclass(frozen=True)
@@ -111,6 +144,9 @@ class Decision(Generic[E]):
     decode: E | None
     predicted_s: float | None
     options: tuple[OptionCost, ...] = ()
+    #: with an SLO: the request's predicted time per output token where it will decode (None:
+    #: no SLO, or that engine has no decode line yet)
+    predicted_tpot_s: float | None = None
 
 
 def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candidate[E]],
@@ -118,11 +154,16 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
            local: bool = True, stall_weight: float = 1.0,
            stale: Callable[[Option, E | None, E], bool] | None = None,
            explore_within: float = EXPLORE_WITHIN, whole_tpot_factor: float = WHOLE_TPOT_FACTOR,
-           out_tokens: float = 0.0) -> Decision[E]:
+           out_tokens: float = 0.0, slo: ServiceObjective | None = None,
+           ttft_error: float = DEFAULT_PREDICTION_ERROR, tpot_error: float = DEFAULT_PREDICTION_ERROR,
+           slo_out_tokens: float | None = None) -> Decision[E]:
     """The route of one prompt (see the module doc). ``local`` false: decode engines cannot serve
     alone (SGLang), so only ``split`` remains. ``stale(path, prefill engine or None, decode engine)``:
     whether that option is due to be explored (None: never explore). ``out_tokens``: the output
-    tokens the request is expected to decode (0: its decode work is not priced)."""
+    tokens the request is expected to decode (0: its decode work is not priced). ``slo``: choose
+    by the requests expected to meet it (module doc, "With an SLO"), judged with the measured
+    relative prediction errors ``ttft_error`` and ``tpot_error``, the running decodes expected
+    to decode ``slo_out_tokens`` (default ``out_tokens``) each."""
     if policy == "split" or not local:
         return Decision(Option.SPLIT, "policy", None, None, None)
     if not decodes:
@@ -163,6 +204,18 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
     opt = cheapest(list(options))
     _, p, d = per_path[opt.path]
     reason = "predicted"
+    tpot: float | None = None
+    if slo is not None:
+        expected = out_tokens if slo_out_tokens is None else slo_out_tokens
+        judged = [(slo_value(o, tokens, op.cost, od.cost, expected, slo, ttft_error=ttft_error,
+                             tpot_error=tpot_error), o, op, od) for o, op, od in every]
+        # the most requests expected to meet the SLO; among options within a hundredth of a
+        # request of that, the lowest score (what the policy chooses without an SLO)
+        top = max(v.good for v, *_ in judged)
+        value, opt, p, d = min((t for t in judged if t[0].good >= top - SLO_TIE),
+                               key=lambda t: (t[1].score_s, _RANK[t[1].path]))
+        reason = "slo" if value.own >= 0.5 else "slo_missed"
+        tpot = value.tpot_s
     if stale is not None:
         chosen = _engines(opt.path, p, d)
         limit = explore_within * (opt.score_s - opt.decode_s)
@@ -177,10 +230,11 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
                 opt, p, d, reason = alt, ap, ad, "explore"
                 break
     if opt.path is Option.LOCAL:
-        return Decision(Option.LOCAL, reason, None, d.engine, opt.ttft_s, options)
+        return Decision(Option.LOCAL, reason, None, d.engine, opt.ttft_s, options, tpot)
     if opt.path is Option.WHOLE:
-        return Decision(Option.WHOLE, whole_reason[id(p)], p.engine, None, opt.ttft_s, options)
-    return Decision(Option.SPLIT, reason, p.engine, d.engine, opt.ttft_s, options)
+        return Decision(Option.WHOLE, whole_reason[id(p)] if slo is None else reason, p.engine, None,
+                        opt.ttft_s, options, tpot)
+    return Decision(Option.SPLIT, reason, p.engine, d.engine, opt.ttft_s, options, tpot)
 
 
 def decodes_slower(prefill: EngineCost, decodes: Sequence[EngineCost], factor: float) -> bool:

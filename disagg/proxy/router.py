@@ -64,7 +64,7 @@ from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.proxy.promptlen import PromptLength
 from disagg.proxy.routes import CHAT, PromptRoute, RequestPlan, RoutePath, Served
-from disagg.routecost import DEFAULT_HANDOFF_FIXED_S, Option
+from disagg.routecost import DEFAULT_HANDOFF_FIXED_S, DEFAULT_PREDICTION_ERROR, Option
 
 log = logging.getLogger("disagg.proxy")
 
@@ -138,6 +138,12 @@ class Router:
         self.lengths = PromptLength(config.tokenizer, config.chars_per_token) if self.auto else None
         self._counters: dict[tuple[str, str], Any] = {}     # disagg_route_total children, by labels
         self._predicted = {o: metrics.route_predicted.labels(o.value) for o in Option}
+        self._predicted_tpot = {o: metrics.route_predicted_tpot.labels(o.value) for o in Option}
+        #: ``auto`` with an SLO: routes for the requests expected to meet it, judged with the
+        #: relative errors its TTFT and TPOT predictions have shown so far
+        self.slo = config.slo
+        self.ttft_error = RunningError()
+        self.tpot_error = RunningError()
         self.explorer = explorer if explorer is not None else Explorer(config.explore_after_s,
                                                                        config.explore_decisions)
         self.clock = clock
@@ -197,14 +203,20 @@ class Router:
             return explorer.stale(path, p.url if p is not None else None, dd.url, now)
 
         prefills, decodes = self._candidates(self.prefill), self._candidates(self.decode)
-        out_tokens = expected_output_tokens(route.request.body, self.measurements.output_tokens(), chat)
+        learned = self.measurements.output_tokens()
+        out_tokens = expected_output_tokens(route.request.body, learned, chat)
         d = decide(policy, tokens, tokens * self.kv_bytes_per_token, prefills,
                    decodes, lambda p, dd: self.measurements.link_cost(p.url, dd.url, dd.outstanding),
                    whole=self.config.whole, local=self.local, stall_weight=self.config.stall_weight,
                    stale=stale if self.config.explore_within > 0 else None, explore_within=self.config.explore_within,
-                   out_tokens=out_tokens)
+                   out_tokens=out_tokens, slo=self.slo, ttft_error=self.ttft_error.value,
+                   tpot_error=self.tpot_error.value,
+                   slo_out_tokens=learned if learned is not None else float(COMPLETIONS_DEFAULT_MAX_TOKENS))
         route.path, route.reason = _PATHS[d.path], d.reason
         route.prefill, route.decode, route.predicted_s = d.prefill, d.decode, d.predicted_s
+        route.predicted_tpot_s = d.predicted_tpot_s
+        if d.predicted_tpot_s is not None:
+            self._predicted_tpot[d.path].observe(d.predicted_tpot_s)
         if d.options:    # an auto comparison (not a fallback for want of engines): that path is fresh now
             explorer.taken(d.path, d.prefill.url if d.prefill is not None else None,
                            d.decode.url if d.decode is not None else None, now)
@@ -314,7 +326,9 @@ class Router:
         observed = when - route.started
         self.metrics.route_observed.labels(path).observe(observed)
         if route.predicted_s is not None and observed > 0 and route.served is not Served.FALLBACK:
-            self.metrics.route_error.labels(path).observe(abs(route.predicted_s - observed) / observed)
+            error = abs(route.predicted_s - observed) / observed
+            self.metrics.route_error.labels(path).observe(error)
+            self.ttft_error.observe(error)
             log.debug("route %s: %s, %d tokens: first token after %.1f ms, predicted %.1f ms",
                       route.request.request_id, path, route.tokens, observed * 1e3, route.predicted_s * 1e3)
         flight = _notes(route)
@@ -369,9 +383,13 @@ class Router:
         self.measurements.observe_output(token_events)
         if token_events < MIN_DECODE_EVENTS:
             return
+        observed = (last - first) / (token_events - 1)
+        if route.predicted_tpot_s is not None and observed > 0:
+            error = abs(route.predicted_tpot_s - observed) / observed
+            self.metrics.route_tpot_error.labels(route.taken).observe(error)
+            self.tpot_error.observe(error)
         in_flight = (flight.in_flight_at_first + backend.outstanding) / 2
-        self._sampled("decode", self.measurements.observe_decode(backend.url, in_flight,
-                                                                 (last - first) / (token_events - 1)))
+        self._sampled("decode", self.measurements.observe_decode(backend.url, in_flight, observed))
 
     def _sampled(self, fit: str, outcome: str) -> None:
         self.metrics.route_samples.labels(fit, outcome).inc()
@@ -382,6 +400,22 @@ class Router:
         if flight is not None:
             self._settle(flight, done=False)   # still queued here: it never answered
             self._land(flight)
+
+
+class RunningError:
+    """The typical relative error of one kind of prediction: a running mean of ``|predicted -
+    observed| / observed`` that weights recent samples more (each new one by :attr:`WEIGHT`), with
+    each sample capped at :attr:`CAP` so one outlier does not swamp it; starts at
+    :data:`~disagg.routecost.DEFAULT_PREDICTION_ERROR`."""
+
+    WEIGHT = 0.05
+    CAP = 3.0
+
+    def __init__(self, start: float = DEFAULT_PREDICTION_ERROR) -> None:
+        self.value = start
+
+    def observe(self, error: float) -> None:
+        self.value += self.WEIGHT * (min(error, self.CAP) - self.value)
 
 
 def expected_output_tokens(body: Mapping[str, Any], learned: float | None, chat: bool = False) -> float:

@@ -157,3 +157,23 @@ def test_exploration_is_set_in_the_topology_and_reaches_the_proxy() -> None:
         topology("routing: {explore: sometimes}\n")
     with pytest.raises(TopologyError, match="did you mean 'decisions'"):
         topology("routing: {explore: {decision: 10}}\n")
+
+
+def test_an_slo_in_the_topology_reaches_the_proxy_and_is_checked() -> None:
+    assert topology().routing.slo_ttft_s is None and proxy_config(build_deployment(topology())).routing.slo is None
+    topo = topology("routing: {policy: auto, slo: {ttft: 2s, tpot: 50ms}}\n")
+    assert (topo.routing.slo_ttft_s, topo.routing.slo_tpot_s) == (2.0, 0.05)
+    config = proxy_config(build_deployment(topo))
+    assert (config.routing.slo_ttft_s, config.routing.slo_tpot_s) == (2.0, 0.05)
+    argv = config.to_argv()
+    assert argv[argv.index("--route-slo-tpot") + 1] == "0.05"
+    assert ProxyConfig.from_args(build_parser().parse_args(argv)).routing == config.routing
+    assert topology("routing: {slo: {tpot: 25ms}}\n").routing.slo_ttft_s is None
+    with pytest.raises(TopologyError, match=r"routing.slo: expected ttft and/or tpot"):
+        topology("routing: {slo: {}}\n")
+    with pytest.raises(TopologyError, match=r"routing.slo.ttft: expected a duration"):
+        topology("routing: {slo: {ttft: soon}}\n")
+    with pytest.raises(TopologyError, match="did you mean 'tpot'"):
+        topology("routing: {slo: {tpop: 25ms}}\n")
+    with pytest.raises(TopologyError, match="an SLO steers only the auto policy"):
+        topology("routing: {policy: split, slo: {ttft: 1s}}\n")

@@ -142,7 +142,7 @@ def test_every_setting_is_declared_once_and_round_trips_off_its_default(monkeypa
                             decode_tokens_per_s=800.0, link_bytes_per_s=1e8, handoff_fixed_s=0.02, overhead_s=0.01,
                             stall_weight=2.0, whole=True, tokenizer="/m/tokenizer.json", chars_per_token=3.5,
                             explore_after_s=5.0, explore_decisions=3, explore_within=0.0,
-                            measured_rates=("prefill", "decode"))
+                            measured_rates=("prefill", "decode"), slo_ttft_s=0.5, slo_tpot_s=0.025)
     cfg = ProxyConfig(decode=("http://d:1", "http://d:2"), prefill=("http://p:1",), host="::1", port=0,
                       handoff="sglang", api_key="a", engine_key="e", fallback="never", max_concurrency=2,
                       max_prompts=3, max_body_bytes=4,

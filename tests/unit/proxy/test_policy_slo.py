@@ -1,0 +1,149 @@
+"""``auto`` with an SLO (disagg.proxy.policy.decide, disagg.routecost.slo_value): each prompt takes
+the path that maximises the requests expected to meet both objectives, and protects the running
+decodes when its own objective is out of reach."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+from disagg.errors import ProxyError
+from disagg.prometheus_text import sample_sum
+from disagg.proxy.backends import BackendPool
+from disagg.proxy.config import RoutingConfig
+from disagg.proxy.metrics import ProxyMetrics
+from disagg.proxy.policy import Candidate, Decision, decide
+from disagg.proxy.router import Router
+from disagg.proxy.routes import COMPLETIONS, GenerationRequest, PromptRoute, RequestPlan, RoutePath
+from disagg.routecost import (
+    DEFAULT_PREDICTION_ERROR,
+    EngineCost,
+    LinkCost,
+    Option,
+    ServiceObjective,
+    meet_probability,
+    running_harm,
+)
+
+KV_PER_TOKEN = 32 * 1024.0
+#: a prefill engine with nothing decoding, and a decode engine running ten decodes at 20 ms a token
+IDLE_P = EngineCost(tokens_per_s=4000.0, tpot_s=0.015, tpot_added_s=0.001)
+BUSY_D = EngineCost(tokens_per_s=4000.0, running=10, tpot_s=0.020, tpot_added_s=0.001)
+#: a link that adds 400 ms to a split of 1,000 tokens
+SLOW_LINK = LinkCost(fixed_s=0.4, bytes_per_s=1e12)
+
+
+def route(n: int, p: EngineCost, d: EngineCost, link: LinkCost, **kw: object) -> Decision[str]:
+    return decide("auto", n, n * KV_PER_TOKEN, [Candidate("P", p)], [Candidate("D", d)], lambda _p, _d: link,
+                  out_tokens=64.0, **kw)
+
+
+def test_meeting_an_objective_is_a_distribution_around_the_prediction() -> None:
+    assert meet_probability(0.1, 0.1, 0.3) == pytest.approx(0.5)
+    # one typical error below the limit: one standard deviation of the log-normal
+    assert meet_probability(0.1 / 1.3, 0.1, 0.3) == pytest.approx(0.8413, abs=1e-3)
+    assert meet_probability(0.2, 0.1, 0.3) < 0.05
+    assert meet_probability(0.05, None, 0.3) == 1.0
+    assert meet_probability(math.inf, 10.0, 0.3) == 0.0
+    # a larger measured error makes a prediction under the limit less sure
+    assert meet_probability(0.08, 0.1, 0.6) < meet_probability(0.08, 0.1, 0.1)
+
+
+def test_a_prefill_harms_the_running_decodes_only_past_their_tpot_slack() -> None:
+    tight, loose = ServiceObjective(tpot_s=0.025), ServiceObjective(tpot_s=0.5)
+    stall = BUSY_D.prefill_s(4000)                       # one second
+    assert running_harm(BUSY_D, stall, 0, 64.0, loose, 0.1) == pytest.approx(0.0, abs=1e-6)
+    harmed = running_harm(BUSY_D, stall, 0, 64.0, tight, 0.1)
+    assert 9.0 < harmed <= 10.0                          # 20 ms + 1 s / 63 gaps = 36 ms > 25 ms: nearly all ten
+    assert running_harm(IDLE_P, stall, 0, 64.0, tight, 0.1) == 0.0      # nothing decoding there
+    assert running_harm(BUSY_D, stall, 0, 64.0, ServiceObjective(ttft_s=1.0), 0.1) == 0.0
+
+
+def test_with_a_tight_tpot_objective_a_long_prompt_leaves_the_busy_decode_engine() -> None:
+    """Without an SLO and with stalls weighted at nothing, the lowest predicted TTFT wins: the
+    decode engine prefills 1,000 tokens in 250 ms where a split takes 650 ms. Under a TPOT
+    objective of 25 ms that prefill makes its ten running decodes miss (20 ms + 250 ms / 63
+    gaps = 24 ms, at the limit), the split harms none and still meets a 1 s TTFT objective."""
+    plain = route(1000, IDLE_P, BUSY_D, SLOW_LINK, stall_weight=0.0)
+    assert plain.path is Option.LOCAL and plain.reason == "predicted"
+    slo = ServiceObjective(ttft_s=1.0, tpot_s=0.025)
+    chosen = route(1000, IDLE_P, BUSY_D, SLOW_LINK, stall_weight=0.0, slo=slo, ttft_error=0.1, tpot_error=0.1)
+    assert chosen.path is Option.SPLIT and chosen.reason == "slo"
+    assert chosen.predicted_tpot_s == BUSY_D.tpot_s               # it decodes on the decode engine
+    assert chosen.predicted_s == pytest.approx(0.25 + 0.4, rel=1e-3)
+
+
+def test_with_a_tight_ttft_objective_the_prompt_is_served_where_it_meets_it() -> None:
+    """The score weighs the stall on ten decodes (ten times the prefill) and splits; but those
+    decodes have TPOT to spare (objective 200 ms), and only the local prefill meets a 500 ms
+    TTFT objective: with the SLO the prompt stays local."""
+    assert route(1000, IDLE_P, BUSY_D, SLOW_LINK).path is Option.SPLIT
+    slo = ServiceObjective(ttft_s=0.5, tpot_s=0.2)
+    chosen = route(1000, IDLE_P, BUSY_D, SLOW_LINK, slo=slo, ttft_error=0.1, tpot_error=0.1)
+    assert chosen.path is Option.LOCAL and chosen.reason == "slo"
+
+
+def test_when_no_path_meets_the_prompts_objective_it_harms_the_fewest_others() -> None:
+    """A 10 ms TTFT objective no path meets: the prompt goes where its prefill stalls nobody."""
+    slo = ServiceObjective(ttft_s=0.010, tpot_s=0.025)
+    chosen = route(1000, IDLE_P, BUSY_D, SLOW_LINK, stall_weight=0.0, slo=slo, ttft_error=0.1, tpot_error=0.1)
+    assert chosen.path is Option.SPLIT and chosen.reason == "slo_missed"
+
+
+def test_an_slo_without_decode_lines_judges_by_ttft_alone() -> None:
+    """Engines not yet measured decoding (tpot_s None): no harm is priced and the TTFT objective
+    decides; with every option meeting it equally, the score decides as without an SLO."""
+    p, d = EngineCost(tokens_per_s=4000.0), EngineCost(tokens_per_s=4000.0, running=10)
+    loose = ServiceObjective(ttft_s=30.0, tpot_s=0.025)
+    assert route(1000, p, d, SLOW_LINK, slo=loose).path is route(1000, p, d, SLOW_LINK).path
+    chosen = route(1000, p, d, SLOW_LINK, slo=ServiceObjective(ttft_s=0.5), ttft_error=0.1)
+    assert chosen.path is Option.LOCAL and chosen.predicted_tpot_s is None
+
+
+def test_the_router_routes_for_the_slo_and_learns_the_error_of_its_tpot_predictions() -> None:
+    """Through the proxy's Router: with an SLO in its config a decision carries the SLO reason and
+    the predicted TPOT (exported), and each streamed reply's TPOT moves the error the next
+    decisions are judged with (exported too)."""
+    metrics = ProxyMetrics()
+    prefill, decode = BackendPool("prefill", ["http://p:1"], metrics), BackendPool("decode", ["http://d:1"], metrics)
+    for pool in (prefill, decode):
+        pool.mark_up(pool.backends[0])
+    config = RoutingConfig(policy="auto", kv_bytes_per_token=1024.0, prefill_tokens_per_s=2000.0,
+                           link_bytes_per_s=1e9, handoff_fixed_s=0.03, slo_ttft_s=1.0, slo_tpot_s=0.05)
+    router = Router(config, prefill, decode, metrics, local=True)
+    d = decode.backends[0]
+    for load in (1, 2, 3, 4):                  # the decode engine's line: 10 ms + 5 ms per request in flight
+        for _ in range(4):
+            router.measurements.observe_decode(d.url, load, 0.010 + 0.005 * load)
+    assert router.tpot_error.value == DEFAULT_PREDICTION_ERROR
+    body = {"prompt": "x" * 400, "stream": True}
+    req = GenerationRequest(COMPLETIONS, body, json.dumps(body).encode(), {}, "r")
+    route = PromptRoute(0, req, RoutePath.SPLIT)
+    router.route(RequestPlan(req, [route]), started=0.0)
+    assert route.reason == "slo"
+    assert route.predicted_tpot_s == pytest.approx(0.015, rel=0.2)     # one request in flight
+    text = metrics.render().decode()
+    assert sample_sum(text, "disagg_route_total", path=route.path.value, reason="slo") == 1
+    assert sample_sum(text, "disagg_route_predicted_tpot_seconds_count", path=route.path.value) == 1
+    route.sent(stream=True, now=time.perf_counter())
+    route.first_token(time.perf_counter())
+    # the reply ran at twice the predicted time per token: a 50% error
+    predicted = route.predicted_tpot_s
+    route.decoded(d, 20, 1.0, 1.0 + 19 * 2 * predicted)
+    route.finished()
+    text = metrics.render().decode()
+    assert sample_sum(text, "disagg_route_tpot_error_ratio_count", path=route.path.value) == 1
+    assert sample_sum(text, "disagg_route_tpot_error_ratio_sum", path=route.path.value) == pytest.approx(0.5)
+    assert router.tpot_error.value == pytest.approx(DEFAULT_PREDICTION_ERROR + 0.05 * (0.5 - DEFAULT_PREDICTION_ERROR))
+    route.decoded(d, 20, 1.0, 2.0)             # after finished(): nobody is told any more
+    assert sample_sum(metrics.render().decode(), "disagg_route_tpot_error_ratio_count", path=route.path.value) == 1
+
+
+def test_an_slo_is_a_routing_setting_of_its_own() -> None:
+    assert RoutingConfig().slo is None
+    assert RoutingConfig(slo_tpot_s=0.02).slo == ServiceObjective(None, 0.02)
+    with pytest.raises(ProxyError, match="slo_ttft_s"):
+        RoutingConfig(slo_ttft_s=0.0)
