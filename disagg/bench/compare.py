@@ -18,7 +18,8 @@ end the full report (JSON, Markdown, PNGs) is written to the output directory.
 With ``routing`` (``--routing auto,split``), each split topology (prefill and
 decode roles behind the builtin proxy) runs once per routing policy, from a
 derived copy of its file (:func:`routing_variant`) labelled ``NAME[POLICY]``;
-other topologies run once, unchanged. With ``repeats`` every step runs that
+other topologies run once, unchanged. The variant :data:`AUTO_SLO` is ``auto`` with the
+run's SLO as ``routing.slo`` (the proxy then routes for goodput under it). With ``repeats`` every step runs that
 many times (:func:`disagg.bench.runner.run_sweep`).
 
 The up/down steps are a :data:`Lifecycle` callable, so tests (and other
@@ -130,16 +131,16 @@ def is_split(topo: Topology) -> bool:
     return bool(topo.role("prefill")) and bool(topo.role("decode")) and topo.proxy.kind == "builtin"
 
 
-def routing_variant(file: Path, policy: str, out_dir: Path, stem: str) -> Path:
-    """Write ``out_dir/STEM-POLICY.yaml``: ``file`` with ``routing: {policy: POLICY}`` set, and
+def routing_variant(file: Path, policy: str, out_dir: Path, stem: str, slo: SLO = NO_SLO) -> Path:
+    """Write ``out_dir/STEM-POLICY.yaml``: ``file`` with ``routing: {policy: POLICY}`` set (for
+    :data:`AUTO_SLO`: ``auto`` with ``slo``'s TTFT and TPOT limits as ``routing.slo``), and
     the same deployment otherwise. What the loader resolves against the file's own directory
     is pinned: ``name`` (the file's stem by default; it names the run directory) is written out,
     a model ``path`` on disk becomes absolute, and the link measurement ``disagg probe-link``
     stored next to the file (``<stem>.probe.json``, which the proxy's routing seeds and
     ``disagg plan`` read) is copied next to the copy. ``run_dir`` and the other paths resolve
     against the working directory, as before. Comments are not kept. Returns the new file."""
-    if policy not in ROUTING_POLICIES:
-        raise DisaggError(f"unknown routing policy {policy!r}: expected one of {', '.join(ROUTING_POLICIES)}")
+    routing_slo = variant_slo(policy, slo)
     topo = load_topology(file)
     data = {"name": topo.name, **{k: v for k, v in yaml.safe_load(file.read_text(encoding="utf-8")).items()
                                   if k != "name"}}
@@ -150,7 +151,10 @@ def routing_variant(file: Path, policy: str, out_dir: Path, stem: str) -> Path:
         else:
             data["model"] = model.path
     routing = data.get("routing")
-    data["routing"] = {**(routing if isinstance(routing, dict) else {}), "policy": policy}
+    data["routing"] = {**(routing if isinstance(routing, dict) else {}), "policy": "auto" if routing_slo else policy}
+    data["routing"].pop("slo", None)
+    if routing_slo:
+        data["routing"]["slo"] = routing_slo
     out_dir.mkdir(parents=True, exist_ok=True)
     derived = out_dir / f"{stem}-{policy}.yaml"
     derived.write_text(f"# {file} with routing.policy {policy} (written by disagg bench compare --routing)\n"
@@ -164,11 +168,30 @@ def routing_variant(file: Path, policy: str, out_dir: Path, stem: str) -> Path:
     return derived
 
 
+#: the ``--routing`` variant that runs ``auto`` with the run's SLO in ``routing.slo``
+AUTO_SLO = "auto-slo"
+#: every ``--routing`` variant
+ROUTING_VARIANTS = (*ROUTING_POLICIES, AUTO_SLO)
+
+
+def variant_slo(policy: str, slo: SLO) -> dict[str, str] | None:
+    """The ``routing.slo`` mapping variant ``policy`` sets (None: a plain policy); raises
+    DisaggError for an unknown variant, or :data:`AUTO_SLO` without a TTFT or TPOT limit."""
+    if policy not in ROUTING_VARIANTS:
+        raise DisaggError(f"unknown routing policy {policy!r}: expected one of {', '.join(ROUTING_VARIANTS)}")
+    if policy != AUTO_SLO:
+        return None
+    limits = {name: f"{value!r}s" for name in ("ttft", "tpot") if (value := getattr(slo, name)) is not None}
+    if not limits:
+        raise DisaggError(f"routing {AUTO_SLO} needs an SLO with a ttft or tpot limit (--slo ttft=2s,tpot=50ms)")
+    return limits
+
+
 def plan_topologies(files: Sequence[Path], routing: Sequence[str], out_dir: Path,
-                    log: Callable[[str], None] = lambda s: None) -> list[TopologyUnderTest]:
+                    log: Callable[[str], None] = lambda s: None, slo: SLO = NO_SLO) -> list[TopologyUnderTest]:
     """What :func:`compare` runs, in order: each file once, or with ``routing`` each split
     topology once per policy (a derived copy under ``out_dir/topologies/``, labelled
-    ``NAME[POLICY]``). Loads and writes files; starts nothing."""
+    ``NAME[POLICY]``; :data:`AUTO_SLO` with ``slo``). Loads and writes files; starts nothing."""
     tops: list[TopologyUnderTest] = []
     stems: set[str] = set()
     for file in files:
@@ -187,7 +210,7 @@ def plan_topologies(files: Sequence[Path], routing: Sequence[str], out_dir: Path
             stem = f"{t.label}-{n}"
         stems.add(stem)
         for policy in routing:
-            derived = routing_variant(Path(file), policy, out_dir / "topologies", stem)
+            derived = routing_variant(Path(file), policy, out_dir / "topologies", stem, slo)
             tops.append(replace(TopologyUnderTest.load(derived), label=f"{t.label}[{policy}]", source=Path(file),
                                 routing=policy))
     return tops
@@ -303,7 +326,7 @@ def compare(files: Sequence[Path], workload: Workload, steps: Sequence[Step], ou
     ``engine_key``: the key ``lifecycle`` starts the engines with (the prefill probe goes
     straight to prefill engines, which answer only with it). ``repeats``: runs per step.
     ``routing``: policies to run each split topology with (:func:`plan_topologies`)."""
-    tops = plan_topologies(files, routing, out_dir, log)
+    tops = plan_topologies(files, routing, out_dir, log, slo)
     labels: dict[str, int] = {}
     doc: dict[str, dict[str, Any]] = {}
     for t in tops:

@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from disagg.bench.compare import TopologyUnderTest, compare, probe_engines, probe_handoff
+from disagg.bench.compare import (
+    AUTO_SLO,
+    ROUTING_VARIANTS,
+    TopologyUnderTest,
+    compare,
+    probe_engines,
+    probe_handoff,
+    variant_slo,
+)
 from disagg.bench.metrics import DEFAULT_PERCENTILES
 from disagg.bench.prefill import prefill_rate_from_runs, probe_prefill_rate
 from disagg.bench.prompts import DEFAULT_CHARS_PER_TOKEN
@@ -39,7 +47,6 @@ from disagg.errors import DisaggError
 from disagg.measurements import store_prefill
 from disagg.proxy.config import ENGINE_KEY_ENV
 from disagg.registry import engine_adapter
-from disagg.serving import ROUTING_POLICIES
 from disagg.topology import DEFAULT_RUN_DIR, DTYPES, load_topology
 
 #: the subcommands of ``disagg bench``; anything else first is the old spelling ``disagg bench URL``
@@ -106,9 +113,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                     "probe, disagg down (always); then one report in --out.")
     comp.add_argument("topologies", nargs="*", metavar="TOPOLOGY.yaml", help="the topologies, in order")
     comp.add_argument("--routing", metavar="POLICY[,POLICY...]",
-                      help=f"run each split topology once per routing policy ({', '.join(ROUTING_POLICIES)}) "
+                      help=f"run each split topology once per routing policy ({', '.join(ROUTING_VARIANTS)}) "
                            "from a copy with routing.policy set (written to OUT/topologies/), labelled "
-                           "NAME[POLICY]; other topologies run once")
+                           f"NAME[POLICY]; {AUTO_SLO}: auto with --slo's ttft and tpot as routing.slo; "
+                           "other topologies run once")
     add_workload_options(comp)
     add_output_options(comp, "(default bench-report)")
     pf = comp.add_argument_group("prefill rate (stored for disagg plan)")
@@ -329,14 +337,17 @@ def _measure_prefill(args: argparse.Namespace, base_url: str, model: str, worklo
     return {args.prefill_host: {"prompt_tokens_per_s": rate, "file": str(path)}}
 
 
-def routing_policies(text: str | None) -> list[str]:
-    """``--routing auto,split`` -> ``["auto", "split"]`` (checked against ROUTING_POLICIES, no duplicates)."""
+def routing_policies(text: str | None, slo: SLO | None = None) -> list[str]:
+    """``--routing auto,split`` -> ``["auto", "split"]`` (checked against ROUTING_VARIANTS, no duplicates;
+    ``auto-slo`` only with an ``slo`` that limits TTFT or TPOT)."""
     if text is None:
         return []
     policies = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [p for p in policies if p not in ROUTING_POLICIES]
+    bad = [p for p in policies if p not in ROUTING_VARIANTS]
     if not policies or bad or len(set(policies)) != len(policies):
-        raise DisaggError(f"bad --routing {text!r}: expected distinct policies among {', '.join(ROUTING_POLICIES)}")
+        raise DisaggError(f"bad --routing {text!r}: expected distinct policies among {', '.join(ROUTING_VARIANTS)}")
+    for p in policies:
+        variant_slo(p, slo or SLO())
     return policies
 
 
@@ -345,7 +356,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if not args.topologies:
         raise DisaggError("disagg bench compare needs at least one TOPOLOGY.yaml")
     workload, steps, slo, percentiles = plan_from_args(args)
-    routing = routing_policies(args.routing)
+    routing = routing_policies(args.routing, slo)
     out = args.out or Path("bench-report")
     probe = args.prefill_probe
     # one engine key for every `disagg up` this command runs (they inherit it), so the prefill

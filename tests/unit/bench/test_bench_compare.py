@@ -15,7 +15,9 @@ import yaml
 
 from disagg.bench.compare import TopologyUnderTest, compare, plan_topologies, routing_variant
 from disagg.bench.runner import Step
+from disagg.bench.slo import SLO
 from disagg.bench.workload import Workload, parse_classes
+from disagg.commands.bench import routing_policies
 from disagg.deployment import build_deployment
 from disagg.errors import DisaggError, LaunchError
 from disagg.launch.frontend import routing_config
@@ -308,3 +310,23 @@ def test_the_handoff_probe_is_for_a_split_topology_of_one_pair(tmp_path: Path) -
                                     connector="socket", device="cpu").replace(
         "    - {host: p, port: 18101, kv_port: 18999}\n", ""))
     assert TopologyUnderTest.load(one).handoff_pair == ("p", "d", "http://127.0.0.1:18100")
+
+
+def test_the_auto_slo_variant_routes_for_the_runs_slo(tmp_path: Path, monkeypatch) -> None:
+    """``--routing auto-slo`` is ``auto`` with the run's TTFT and TPOT limits in ``routing.slo``
+    (the proxy gets them), and needs such a limit."""
+    original = _split(tmp_path, "pd")
+    monkeypatch.chdir(tmp_path)
+    slo = SLO(ttft=2.0, tpot=0.05, e2el=30.0)
+    tops = plan_topologies([original], ("auto", "auto-slo"), tmp_path / "out", slo=slo)
+    assert [t.label for t in tops] == ["pd[auto]", "pd[auto-slo]"]
+    data = yaml.safe_load((tmp_path / "out" / "topologies" / "pd-auto-slo.yaml").read_text())
+    assert data["routing"] == {"policy": "auto", "slo": {"ttft": "2.0s", "tpot": "0.05s"}}
+    topo = load_topology(tmp_path / "out" / "topologies" / "pd-auto-slo.yaml")
+    assert (topo.routing.slo_ttft_s, topo.routing.slo_tpot_s) == (2.0, 0.05)
+    assert load_topology(tmp_path / "out" / "topologies" / "pd-auto.yaml").routing.slo_ttft_s is None
+    with pytest.raises(DisaggError, match="auto-slo needs an SLO with a ttft or tpot limit"):
+        plan_topologies([original], ("auto-slo",), tmp_path / "out", slo=SLO(e2el=30.0))
+    assert routing_policies("auto,auto-slo,split", slo) == ["auto", "auto-slo", "split"]
+    with pytest.raises(DisaggError, match="auto-slo needs an SLO"):
+        routing_policies("auto-slo", None)
