@@ -7,8 +7,11 @@ under ``--run-dir`` (default ``.disagg``).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
 
 from disagg.launch.launcher import resolve_state
 from disagg.launch.state import RunState
@@ -49,6 +52,19 @@ def _positive(text: str) -> float:
     return value
 
 
+@contextmanager
+def _stopped_by_sigterm() -> Iterator[None]:
+    """SIGTERM stops a live view as Ctrl-C does (KeyboardInterrupt), so the terminal is restored
+    and followed ``tail`` processes are ended."""
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _loader(topology: str | None, run_dir: str | None) -> Callable[[], RunState]:
     """What reads the run's state afresh (each refresh of ``top``)."""
     if topology:
@@ -58,13 +74,14 @@ def _loader(topology: str | None, run_dir: str | None) -> Callable[[], RunState]
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    """Redraw the view each ``--interval`` seconds until Ctrl-C; ``--once``: one view."""
+    """Redraw the view each ``--interval`` seconds until Ctrl-C or SIGTERM (exit 0); ``--once``: one view."""
     load = _loader(args.topology, args.run_dir)
     if args.once:
         top.emit_once(top.once(load), sys.stdout, as_json=args.json)
         return 0
     try:
-        top.live(load, sys.stdout, interval=args.interval, as_json=args.json)
+        with _stopped_by_sigterm():
+            top.live(load, sys.stdout, interval=args.interval, as_json=args.json)
     except KeyboardInterrupt:
         return 0
     return 0
@@ -78,6 +95,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if not args.follow:
         return logs.show(chosen, sys.stdout, lines=args.lines)
     try:
-        return logs.follow(chosen, sys.stdout, lines=args.lines)
+        with _stopped_by_sigterm():
+            return logs.follow(chosen, sys.stdout, lines=args.lines)
     except KeyboardInterrupt:
         return 0

@@ -8,10 +8,14 @@ login shell would, so the quoting of the remote command is tested without an ssh
 from __future__ import annotations
 
 import io
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from disagg.cli import main
@@ -108,3 +112,23 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["logs", "nosuch", "--run-dir", str(tmp_path)]) == 2
     assert "disagg: error: run logged has no process named or of role 'nosuch'" in capsys.readouterr().err
     assert main(["logs", "--run-dir", str(tmp_path), "-n", "-1"]) == 2
+
+
+def test_sigterm_ends_following_and_its_tails(tmp_path: Path) -> None:
+    make_run(tmp_path)
+    child = subprocess.Popen([sys.executable, "-m", "disagg", "logs", "-f", "-n", "1", "--run-dir", str(tmp_path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        first = child.stdout.readline()
+        assert first.endswith(" line 79\n") or first.endswith(" line 2\n") or first.endswith(" line 1\n"), first
+        tails = psutil.Process(child.pid).children()
+        assert len(tails) == 3 and all(t.name() == "tail" for t in tails)
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=20)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, err
+    assert not [t for t in tails if t.is_running() and t.status() != psutil.STATUS_ZOMBIE]

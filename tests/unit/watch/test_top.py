@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -175,3 +178,21 @@ def test_window_keeps_the_last_minute() -> None:
 def test_nothing_running_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["top", "--once", "--run-dir", str(tmp_path)]) == 2
     assert "nothing is running" in capsys.readouterr().err
+
+
+def test_sigterm_ends_the_live_view_cleanly(stand_ins: tuple[StandIns, str], tmp_path: Path) -> None:
+    _, base = stand_ins
+    run_state(tmp_path, base)
+    child = subprocess.Popen([sys.executable, "-m", "disagg", "top", "--run-dir", str(tmp_path), "--interval", "0.2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().startswith("disagg top - watched")
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=20)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, err
+    assert "Traceback" not in err
