@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from disagg import __version__
 from disagg.commands.bench import old_spelling
 from disagg.errors import DisaggError
+from disagg.yamlsrc import did_you_mean
 
 #: modules whose ``add_commands(subparsers)`` registers subcommands
 COMMAND_MODULES = (
@@ -33,9 +38,20 @@ COMMAND_MODULES = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a did-you-mean hint for a mistyped subcommand (``disagg chek``)."""
+
+    def error(self, message: str) -> NoReturn:
+        match = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if match:
+            choices = re.findall(r"'([^']*)'", match.group(2))
+            message += did_you_mean(match.group(1), choices)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="disagg",
         description="Prefill/decode disaggregated LLM serving from one topology YAML.")
     parser.add_argument("--version", action="version", version=f"disagg {__version__}")
@@ -47,7 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the process exit status."""
+    """Run the CLI; returns the process exit status. A reader that closed our stdout (``disagg
+    check ... | head``) ends the command quietly, as it would a C program (status 141, SIGPIPE's)."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # Python's advice (the signal module's docs): point stdout at devnull so that the
+        # interpreter's last flush does not fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     # `disagg bench URL` is the old spelling of `disagg bench serve URL`
     args = parser.parse_args(old_spelling(sys.argv[1:] if argv is None else argv))

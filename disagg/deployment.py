@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
+from disagg.engines.base import EngineAdapter
+from disagg.errors import ErrorSink, TopologyError
 from disagg.registry import engine_adapter
 from disagg.topology import HostSpec, InstanceSpec, Topology
 
@@ -76,9 +79,43 @@ def python_for(host: HostSpec) -> str:
     return "python3" if host.is_remote else sys.executable
 
 
+def _flag(arg: str) -> str:
+    """The flag an argv word gives (``--kv_transfer_config.kv_role=x`` -> ``--kv-transfer-config``)."""
+    return arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+
+
+def overridden_flags(adapter: EngineAdapter, topo: Topology, inst: InstanceSpec) -> list[str]:
+    """The flags of the instance's ``args`` that the adapter's argv already sets (which the engine
+    would take from whichever comes last, silently), in ``args`` order."""
+    host = topo.hosts[inst.host]
+    ours = {_flag(a) for a in adapter.argv(topo, replace(inst, args=()), host, python_for(host))
+            if a.startswith("--")} - set(adapter.additive_flags)
+    out: list[str] = []
+    for arg in inst.args:
+        if arg.startswith("--") and _flag(arg) in ours and _flag(arg) not in out:
+            out.append(_flag(arg))
+    return out
+
+
+def _check_args(adapter: EngineAdapter, topo: Topology) -> None:
+    """Refuse every instance ``args`` flag that disagg sets itself, all at once (file:line)."""
+    sink = ErrorSink()
+    for inst in topo.instances:
+        flags = sink.attempt(partial(overridden_flags, adapter, topo, inst))
+        if flags:
+            where = f"roles.{inst.name}.args"
+            sink.add(TopologyError(topo.file, topo.where(where) or inst.line or None, where,
+                                   f"{', '.join(flags)} {'is' if len(flags) == 1 else 'are'} set by disagg "
+                                   f"(from the topology: model, hosts, ports, connector); change the topology's "
+                                   "field instead of overriding it here"))
+    sink.raise_if_any()
+
+
 def build_deployment(topo: Topology) -> Deployment:
-    """Resolve every instance of ``topo`` into an :class:`EngineLaunch`."""
+    """Resolve every instance of ``topo`` into an :class:`EngineLaunch`; raises TopologyError(s)
+    for ``args`` that override what the adapter sets (:func:`overridden_flags`)."""
     adapter = engine_adapter(topo.engine)
+    _check_args(adapter, topo)
     engines = []
     for inst in topo.instances:
         host = topo.hosts[inst.host]

@@ -15,11 +15,13 @@ import ipaddress
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from disagg_connectors.socket_connector.config import WIRE_FORMATS as _CONNECTOR_WIRE_FORMATS
 
-from disagg.errors import TopologyError
+from disagg.addresses import address_problem
+from disagg.errors import ErrorSink, TopologyError
 from disagg.hardware import DeviceSpec
 from disagg.serving import (
     CLIENT_BODY_TIMEOUT_S,
@@ -316,6 +318,16 @@ class Topology:
     #: socket connector only: decode receives the KV layer by layer while prefill computes
     #: (``connector.streaming``; the proxy then sends both requests at once)
     streaming: bool = False
+    #: every field path of the file -> its line (``where``); empty for a topology built in code
+    lines: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def where(self, path: str) -> int | None:
+        """The line of a field path such as ``proxy.kind`` (or of the nearest field above it)."""
+        while path:
+            if path in self.lines:
+                return self.lines[path]
+            path = path.rsplit(".", 1)[0] if "." in path else ""
+        return None
 
     @property
     def colocated(self) -> bool:
@@ -341,38 +353,104 @@ def parse_topology(text: str, file: str = "<string>", *, run_dir: str | None = N
 
 
 def build_topology(root: Node, path: Path, *, run_dir: str | None = None) -> Topology:
-    """Build a :class:`Topology` from a parsed YAML tree."""
+    """Build a :class:`Topology` from a parsed YAML tree.
+
+    Every error of the file is reported in one run: each section, each host and each instance is
+    read on its own and the cross-field checks run on what was read (an :class:`ErrorSink`); one
+    error is raised as itself, several as :class:`TopologyErrors`. A section that needs another
+    (roles need hosts) is skipped when that one failed."""
+    sink = ErrorSink()
     top = Fields(root, "a mapping of topology fields (model, engine, hosts, roles, ...)")
-    name = _name(top.take("name"), path, root)
-    file_run_dir = top.str("run_dir", DEFAULT_RUN_DIR) or DEFAULT_RUN_DIR
+    name = sink.attempt(lambda: _name(top.take("name"), path, root))
+    file_run_dir = sink.attempt(lambda: top.str("run_dir", DEFAULT_RUN_DIR)) or DEFAULT_RUN_DIR
     resolved_run_dir = run_dir or file_run_dir
-    model = _model(top.required("model"), path, resolved_run_dir)
-    engine = top.choice("engine", ENGINES, "vllm")
+    models_home = run_dir or project_run_dir(file_run_dir, path)
+    model = sink.attempt(lambda: _model(top.required("model"), path, models_home))
+    engine = sink.attempt(lambda: top.choice("engine", ENGINES, "vllm"))
     given = root.children.get("connector")
     if given is not None and isinstance(given.value, dict):
-        connector, wire_format, streaming_given = _connector(top.required("connector"))
+        conn = sink.attempt(lambda: _connector(top.required("connector")))
     else:
-        connector, wire_format = top.choice("connector", CONNECTORS, "nixl"), "raw"
-        streaming_given = None
-    link = _link(top.take("link"), root)
-    hosts = _hosts(top.required("hosts"))
-    instances = _roles(top.required("roles"), hosts)
-    proxy = _proxy(top.take("proxy"))
-    timeouts = _timeouts(top.take("timeouts"))
-    routing = _routing(top.take("routing"), engine)
-    restart = _restart(top.take("restart"))
-    top.done()
+        conn = sink.attempt(lambda: (top.choice("connector", CONNECTORS, "nixl"), "raw", None))
+    link = sink.attempt(lambda: _link(top.take("link"), root))
+    hosts_node = sink.attempt(lambda: top.required("hosts"))
+    hosts = _hosts_each(hosts_node, sink) if hosts_node is not None else None
+    roles_node = sink.attempt(lambda: top.required("roles"))
+    instances = (sink.attempt(lambda: _roles(roles_node, hosts, sink))
+                 if roles_node is not None and hosts is not None else None)
+    proxy = sink.attempt(lambda: _proxy(top.take("proxy")))
+    timeouts = sink.attempt(lambda: _timeouts(top.take("timeouts")))
+    routing = sink.attempt(lambda: _routing(top.take("routing"), engine or "vllm"))
+    restart = sink.attempt(lambda: _restart(top.take("restart")))
+    sink.attempt(top.done)
+    if hosts is not None:
+        for host_name, host in hosts.items():
+            problem = address_problem(host.address)
+            if problem is not None:
+                sink.add(TopologyError(str(path), _line(root, f"hosts.{host_name}.address"),
+                                       f"hosts.{host_name}.address", problem))
+    if proxy is not None and (problem := address_problem(proxy.host)) is not None:
+        sink.add(TopologyError(str(path), _line(root, "proxy.host"), "proxy.host", problem))
+    sink.raise_if_any()
+    assert (name is not None and model is not None and engine is not None and conn is not None
+            and link is not None and hosts is not None and instances is not None and proxy is not None
+            and timeouts is not None and routing is not None and restart is not None)
+    connector, wire_format, streaming_given = conn
     instances = _assign_kv_ports(instances, hosts, proxy)
     streaming = (streaming_given if streaming_given is not None
                  else default_streaming(connector, engine, instances))
     topo = Topology(file=str(path), name=name, model=model, engine=engine, connector=connector,
                     link=link, hosts=hosts, instances=instances, proxy=proxy, timeouts=timeouts, routing=routing,
                     run_dir=resolved_run_dir, restart=restart, wire_format=wire_format,
-                    streaming=streaming)
-    _check_ports(topo, root)
-    _check_link(topo, root)
-    _check_emulate(topo, root)
+                    streaming=streaming, lines=_lines(root))
+    _check_ports(topo, root, sink)
+    sink.attempt(lambda: _check_link(topo, root))
+    sink.attempt(lambda: _check_emulate(topo, root))
+    sink.raise_if_any()
     return topo
+
+
+def _hosts_each(node: Node, sink: ErrorSink) -> dict[str, HostSpec] | None:
+    """:func:`_hosts`, one host at a time, so that each host's first error is reported; None when
+    any failed."""
+    if not node.is_mapping or not node.children:
+        return sink.attempt(lambda: _hosts(node))
+    hosts: dict[str, HostSpec] = {}
+    failed = False
+    for name, child in node.children.items():
+        one = Node({name: child.value}, node.line, node.path, node.file, children={name: child})
+        got = sink.attempt(partial(_hosts, one))
+        if got is None:
+            failed = True
+        else:
+            hosts.update(got)
+    return None if failed else hosts
+
+
+def _lines(root: Node) -> dict[str, int]:
+    """Every field path of the file -> its line (:meth:`Topology.where`)."""
+    out: dict[str, int] = {}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node.path:
+            out[node.path] = node.line
+        stack.extend(node.children.values())
+        stack.extend(node.items)
+    return out
+
+
+def project_run_dir(run_dir: str, path: Path) -> str:
+    """Where a relative ``run_dir`` of the file (``.disagg`` by default) holds the embedded models:
+    under the project of the topology file (the nearest directory above it with a ``.git`` or a
+    ``pyproject.toml``), so ``disagg:tiny`` means one directory from wherever disagg runs; under
+    the current directory when the file is in no project. An absolute ``run_dir`` stays."""
+    if Path(run_dir).is_absolute():
+        return run_dir
+    for directory in Path(path).resolve().parents:
+        if (directory / ".git").exists() or (directory / "pyproject.toml").exists():
+            return str(directory / run_dir)
+    return run_dir
 
 
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -629,7 +707,9 @@ def _parse_cpus(node: Node) -> tuple[int, ...]:
     return tuple(cpus)
 
 
-def _roles(node: Node, hosts: dict[str, HostSpec]) -> tuple[InstanceSpec, ...]:
+def _roles(node: Node, hosts: dict[str, HostSpec], sink: ErrorSink | None = None) -> tuple[InstanceSpec, ...]:
+    """Every role instance; with a ``sink``, each instance's error is collected there and the rest
+    are still read (the first one is then raised once all were read)."""
     f = Fields(node, "a mapping with prefill and decode (or both) lists")
     instances: list[InstanceSpec] = []
     present = {}
@@ -641,8 +721,13 @@ def _roles(node: Node, hosts: dict[str, HostSpec]) -> tuple[InstanceSpec, ...]:
             raise child.error("expected a non-empty list of instances, e.g. [{host: a, port: 8100}]")
         present[role] = child
         for index, item in enumerate(child.items):
-            instances.append(_instance(item, role, index, hosts))
+            if sink is None:
+                instances.append(_instance(item, role, index, hosts))
+            elif (inst := sink.attempt(partial(_instance, item, role, index, hosts))) is not None:
+                instances.append(inst)
     f.done()
+    if sink is not None and len(instances) < sum(len(c.items) for c in present.values()):
+        raise sink.errors.pop()  # already collected: the instances are incomplete
     if "both" in present:
         other = next((present[r] for r in ("prefill", "decode") if r in present), None)
         if other is not None:
@@ -874,15 +959,17 @@ def same_place(a: str, b: str) -> bool:
     return a == b or a in WILDCARD_ADDRESSES or b in WILDCARD_ADDRESSES
 
 
-def _check_ports(topo: Topology, root: Node) -> None:
+def _check_ports(topo: Topology, root: Node, sink: ErrorSink) -> None:
+    """Every port two listeners of the deployment would share, each reported once."""
     seen: list[tuple[str, int, str]] = []
     for address, port, where in iter_ports(topo):
         for other_addr, other_port, other_where in seen:
             if port == other_port and same_place(address, other_addr):
-                raise TopologyError(topo.file, _line(root, where), where,
+                sink.add(TopologyError(topo.file, _line(root, where), where,
                                     f"{port} is already used by {other_where.rsplit('.', 1)[0]}"
                                     + ("" if other_where.endswith(".port") and where.endswith(".port")
-                                       else f" ({other_where})"))
+                                       else f" ({other_where})")))
+                break
         seen.append((address, port, where))
 
 

@@ -3,23 +3,31 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
+from typing import cast
 
 from disagg.deployment import Deployment, build_deployment
 from disagg.emulation import cpu_share_for, emulated_link, prefill_host
-from disagg.errors import DisaggError
+from disagg.errors import DisaggError, ErrorSink, TopologyError, TopologyErrors
 from disagg.launch.frontend import frontend_argv
 from disagg.modelgen import EMBEDDED_MODELS, build_model
 from disagg.registry import engine_adapter
 from disagg.topology import Topology, load_topology
+from disagg.topology_checks import advisories, host_findings, warn
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``check`` and ``make-model``."""
     p = sub.add_parser("check", help="validate topology files and print the resolved plan")
     p.add_argument("topologies", nargs="+", metavar="TOPOLOGY.yaml")
+    p.add_argument("--here", action="store_true",
+                   help="the files are for this machine: what `up` would refuse here (an address it lacks, "
+                        "CPUs beyond its cores, a missing model path) is an error, not a warning")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per run: each file's errors, warnings and planned engines")
     p.set_defaults(handler=cmd_check)
 
     p = sub.add_parser("make-model", help="build an embedded tiny random-weight model (offline)")
@@ -30,19 +38,60 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Validate each file; print its plan. Exit 2 if any file is invalid."""
+    """Validate each file; print its plan and its warnings (``disagg.topology_checks``; with
+    ``--here`` what ``up`` would refuse on this machine is an error). Exit 2 if any file is invalid."""
+    if args.json:
+        reports = [_check_one(path, args.here) for path in args.topologies]
+        print(json.dumps({"files": reports}, indent=2))
+        return 2 if any(not r["valid"] for r in reports) else 0
     failed = 0
     for index, path in enumerate(args.topologies):
         if index:
             print()
         try:
-            print(describe(build_deployment(load_topology(path))))
+            dep = build_deployment(load_topology(path))
+            here = host_findings(dep.topology)
+            if args.here and here:
+                sink = ErrorSink()
+                for finding in here:
+                    sink.add(finding.error())
+                sink.raise_if_any()
+            print(describe(dep))
+            warn([*here, *advisories(dep.topology)])
         except DisaggError as exc:
             if len(args.topologies) == 1:
                 raise
             print(f"disagg: error: {exc}", file=sys.stderr)
             failed += 1
     return 2 if failed else 0
+
+
+def _check_one(path: str, here: bool) -> dict[str, object]:
+    """``check --json``'s report of one file."""
+    report: dict[str, object] = {"file": path, "valid": False, "errors": [], "warnings": []}
+    try:
+        dep = build_deployment(load_topology(path))
+    except TopologyErrors as exc:
+        report["errors"] = [_error_dict(e) for e in exc.errors]
+        return report
+    except TopologyError as exc:
+        report["errors"] = [_error_dict(exc)]
+        return report
+    except DisaggError as exc:
+        report["errors"] = [{"file": path, "line": None, "field": "", "message": str(exc)}]
+        return report
+    topo = dep.topology
+    found = host_findings(topo)
+    report["errors" if here else "warnings"] = [f.as_dict() for f in found]
+    report["warnings"] = [*cast("list[object]", report["warnings"]), *(f.as_dict() for f in advisories(topo))]
+    report.update(valid=not (here and found), name=topo.name, proxy_url=dep.proxy_url,
+                  engines=[{"name": e.name, "host": e.host.name, "url": e.url, "argv": list(e.argv),
+                            "env": dict(e.env)} for e in dep.engines])
+    return report
+
+
+def _error_dict(exc: TopologyError) -> dict[str, object]:
+    return {"file": exc.file, "line": exc.line, "field": exc.field, "message": exc.message}
 
 
 def _mode(topo: Topology) -> str:

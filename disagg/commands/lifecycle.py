@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import selectors
 import signal
@@ -13,14 +14,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from typing import Any, cast
 
 from disagg.deployment import build_deployment
+from disagg.errors import NotRunningError, StateError
 from disagg.launch import processes
 from disagg.launch.health import http_status
 from disagg.launch.launcher import Launcher, resolve_state, stop_run
-from disagg.launch.state import STATE_FILE, RunState, load_state, lock_holder
+from disagg.launch.state import STATE_FILE, RunState, live_states, load_state, lock_holder
 from disagg.paths import LOGS, run_path
 from disagg.topology import DEFAULT_RUN_DIR, Timeouts, load_topology
+from disagg.topology_checks import require_runnable_here
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,9 +45,11 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--grace", type=float, default=None, help="seconds between SIGTERM and SIGKILL")
     p.set_defaults(handler=cmd_down)
 
-    p = sub.add_parser("status", help="show the processes of a running topology and probe them")
+    p = sub.add_parser("status", help="show the processes of a running topology (default: every live run) "
+                                      "and probe them")
     p.add_argument("topology", nargs="?", metavar="TOPOLOGY.yaml")
     p.add_argument("--run-dir", default=None)
+    p.add_argument("--json", action="store_true", help="the same as one JSON object")
     p.set_defaults(handler=cmd_status)
 
 
@@ -117,6 +123,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.detach and args.supervisor_fd is None:
         return detach(args)
     topo = load_topology(args.topology, run_dir=args.run_dir)
+    if args.supervisor_fd is None:  # `up --detach` checked before starting the supervisor
+        require_runnable_here(topo)
     launcher = Launcher(build_deployment(topo), echo=_echo)
     signals = _Signals(launcher)
     with _handling(signals):
@@ -178,6 +186,7 @@ def detach(args: argparse.Namespace) -> int:
     during start-up (it stops what it started) and this waits for it to exit.
     """
     topo = load_topology(args.topology, run_dir=args.run_dir)  # errors here, before anything starts
+    require_runnable_here(topo)
     ready_r, ready_w = os.pipe()
     argv = [sys.executable, "-m", "disagg", "up", args.topology, "--supervisor-fd", str(ready_w)]
     if args.run_dir:
@@ -237,11 +246,16 @@ def _signal(child: subprocess.Popen[bytes], sig: int) -> None:
 
 
 def _state_for(args: argparse.Namespace) -> tuple[RunState, Timeouts]:
-    """The run state, and the topology's timeouts (the defaults when no topology file is named)."""
+    """The run state, and the topology's timeouts (the defaults when no topology file is named).
+
+    Without ``--run-dir`` a run is found from any directory: this directory's ``.disagg`` or the
+    topology's ``run_dir`` first, then this user's live runs (``disagg.launch.live``)."""
+    anywhere = args.run_dir is None
     if args.topology:
         topo = load_topology(args.topology, run_dir=args.run_dir)
-        return resolve_state(topo.run_dir, topo.name), topo.timeouts
-    return resolve_state(args.run_dir or DEFAULT_RUN_DIR, None), Timeouts()
+        return (resolve_state(topo.run_dir, topo.name, anywhere=anywhere, topology_file=topo.file),
+                topo.timeouts)
+    return resolve_state(args.run_dir or DEFAULT_RUN_DIR, None, anywhere=anywhere), Timeouts()
 
 
 def _stop_owner(run_dir: str, name: str, grace: float) -> bool:
@@ -269,9 +283,14 @@ def _stop_owner(run_dir: str, name: str, grace: float) -> bool:
 def cmd_down(args: argparse.Namespace) -> int:
     """Stop every process a run state lists, whatever state each is in; exit 2 naming what could not be stopped.
 
-    Ctrl-C while stopping skips the rest of the grace period (SIGKILL at once).
+    Ctrl-C while stopping skips the rest of the grace period (SIGKILL at once). Nothing running
+    is no error: ``down`` says so and exits 0.
     """
-    run, timeouts = _state_for(args)
+    try:
+        run, timeouts = _state_for(args)
+    except NotRunningError as exc:
+        _tell(f"{exc}; nothing to stop")
+        return 0
     grace = args.grace if args.grace is not None else timeouts.shutdown_grace
     state_file = run_path(run.run_dir, run.name) / STATE_FILE
     if _stop_owner(run.run_dir, run.name, grace):
@@ -287,16 +306,42 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Print the supervisor and each process of a run with liveness, health, restarts and the
-    last exit; exit 1 if any process is unhealthy."""
-    run, timeouts = _state_for(args)
-    print(f"{run.name}: proxy {run.proxy_url} (topology {run.topology})")
-    holder = lock_holder(run.run_dir, run.name)
-    if holder:
-        print(f"  supervisor  pid {holder}: restarts what exits (log {supervisor_log(run.run_dir, run.name)})")
+    """Print the supervisor and each process of a run (without a topology and ``--run-dir``: of every
+    live run of this user) with liveness, health, restarts and the last exit; exit 1 if any process
+    is unhealthy, 0 when nothing is running."""
+    if not args.topology and args.run_dir is None:
+        runs = []
+        for path in live_states(DEFAULT_RUN_DIR):
+            try:
+                runs.append(load_state(path))
+            except StateError as exc:
+                print(f"disagg: warning: {exc}", file=sys.stderr)
+        timeouts = Timeouts()
     else:
-        print("  supervisor  not running: nothing restarts what exits (`disagg down`, then `disagg up`)")
-    bad = 0
+        try:
+            one, timeouts = _state_for(args)
+        except NotRunningError:
+            runs = []
+        else:
+            runs = [one]
+    reports = [_run_report(run, timeouts) for run in runs]
+    bad = sum(1 for r in reports for p in cast("list[dict[str, Any]]", r["processes"]) if not p["healthy"])
+    as_json = getattr(args, "json", False)
+    if as_json:
+        print(json.dumps({"runs": reports}, indent=2))
+    elif not reports:
+        print("nothing is running")
+    for index, report in enumerate([] if as_json else reports):
+        if index:
+            print()
+        _print_run(report)
+    return 1 if bad else 0
+
+
+def _run_report(run: RunState, timeouts: Timeouts) -> dict[str, Any]:
+    """One run, probed: its supervisor and each process's state (``status`` and ``status --json``)."""
+    holder = lock_holder(run.run_dir, run.name)
+    procs = []
     for rec in run.processes:
         found = processes.liveness(rec, ssh_timeout=timeouts.ssh_check)
         alive = found is processes.Liveness.RUNNING
@@ -315,12 +360,26 @@ def cmd_status(args: argparse.Namespace) -> int:
             state = "failed: not restarted again (restart policy or restart.max)"
         else:
             state = "not running"
-        bad += code != 200
-        where = f"{rec.host} via ssh" if rec.ssh else rec.host
-        history = f"  restarts {rec.restarts}" + (f", last exit: {rec.last_exit}" if rec.last_exit else "")
-        print(f"  {rec.name:<11} {rec.address}:{rec.port:<6} pid {rec.pid:<8} {where:<12} {state}{history}"
-              f"  log {rec.log}")
-        if rec.exit_log:
-            print(f"    last lines of its log when it exited ({rec.last_exit}):")
-            print("\n".join(f"      {line}" for line in rec.exit_log.splitlines()))
-    return 1 if bad else 0
+        procs.append({"name": rec.name, "kind": rec.kind, "host": rec.host, "ssh": bool(rec.ssh),
+                      "address": rec.address, "port": rec.port, "pid": rec.pid, "state": state,
+                      "healthy": code == 200, "restarts": rec.restarts, "last_exit": rec.last_exit,
+                      "log": rec.log, "exit_log": rec.exit_log})
+    return {"name": run.name, "topology": run.topology, "run_dir": run.run_dir, "proxy_url": run.proxy_url,
+            "supervisor_pid": holder or None,
+            "supervisor_log": str(supervisor_log(run.run_dir, run.name)), "processes": procs}
+
+
+def _print_run(report: dict[str, Any]) -> None:
+    print(f"{report['name']}: proxy {report['proxy_url']} (topology {report['topology']})")
+    if report["supervisor_pid"]:
+        print(f"  supervisor  pid {report['supervisor_pid']}: restarts what exits (log {report['supervisor_log']})")
+    else:
+        print("  supervisor  not running: nothing restarts what exits (`disagg down`, then `disagg up`)")
+    for p in report["processes"]:
+        where = f"{p['host']} via ssh" if p["ssh"] else p["host"]
+        history = f"  restarts {p['restarts']}" + (f", last exit: {p['last_exit']}" if p["last_exit"] else "")
+        print(f"  {p['name']:<11} {p['address']}:{p['port']:<6} pid {p['pid']:<8} {where:<12} {p['state']}{history}"
+              f"  log {p['log']}")
+        if p["exit_log"]:
+            print(f"    last lines of its log when it exited ({p['last_exit']}):")
+            print("\n".join(f"      {line}" for line in p["exit_log"].splitlines()))

@@ -33,6 +33,9 @@ class EngineAdapter(ABC):
     stuck_start_lines: tuple[str, ...] = ()
     #: a decode engine can compute a prompt itself (the routing paths ``local`` and ``auto``)
     decode_prefills: bool = True
+    #: flags of ``argv`` that an instance's ``args`` may give again, adding to ours (an append
+    #: action); every other flag ``argv`` sets is refused in ``args`` (``disagg.deployment``)
+    additive_flags: tuple[str, ...] = ()
 
     @abstractmethod
     def argv(self, topo: Topology, inst: InstanceSpec, host: HostSpec, python: str) -> list[str]:

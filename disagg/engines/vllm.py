@@ -45,6 +45,8 @@ class VllmEngine(EngineAdapter):
     #: instance's ``kv_port``) is taken, the thread dies with this line and the engine waits for it
     #: forever, its API server up and never healthy
     stuck_start_lines = ("ZMQError: Address already in use",)
+    #: vLLM appends each ``--middleware``: an instance may add its own beside the engine guard
+    additive_flags = ("--middleware",)
 
     def key_env(self, topo: Topology) -> str | None:
         """The variable that carries the run's engine key into the engine, or None when the

@@ -54,6 +54,7 @@ from disagg.errors import (
     EngineStartError,
     HostUnreachableError,
     LaunchError,
+    NotRunningError,
     PortInUseError,
     ProxyError,
     StateError,
@@ -61,12 +62,14 @@ from disagg.errors import (
 from disagg.launch import processes
 from disagg.launch.frontend import frontend_argv
 from disagg.launch.health import busy_ports, http_status, local_port_free
+from disagg.launch.live import live_dir
 from disagg.launch.state import (
     STATE_FILE,
     ProcessRecord,
     RunLock,
     RunState,
     find_states,
+    live_states,
     load_state,
     remove_state,
     save_state,
@@ -783,14 +786,28 @@ def stop_run(run: RunState, *, grace: float, ssh_timeout: float, echo: Callable[
     out.attempt(f"the state file {path} (its removal)", lambda: remove_state(run))
 
 
-def resolve_state(run_dir: str, topology_name: str | None) -> RunState:
-    """The run state for a topology name, or the only one under ``run_dir``."""
+def resolve_state(run_dir: str, topology_name: str | None, *, anywhere: bool = False,
+                  topology_file: str | None = None) -> RunState:
+    """The run state for a topology name, or the only one under ``run_dir``.
+
+    ``anywhere``: also this user's live runs started from other directories
+    (``disagg.launch.state.live_states``); for a named topology, the one started from
+    ``topology_file`` (or of that name) when ``run_dir`` has none. NotRunningError when nothing is
+    found."""
     if topology_name is not None:
-        return load_state(run_path(run_dir, topology_name) / STATE_FILE)
-    found = find_states(run_dir)
+        path = run_path(run_dir, topology_name) / STATE_FILE
+        if anywhere and not path.exists():
+            others = [load_state(p) for p in live_states(run_dir) if p.parent.name == topology_name]
+            wanted = str(Path(topology_file).resolve()) if topology_file else None
+            same = [r for r in others if wanted is None or r.topology == wanted] or others
+            if len(same) == 1:
+                return same[0]
+        return load_state(path)
+    found = live_states(run_dir) if anywhere else find_states(run_dir)
     if not found:
-        raise StateError(f"nothing is running: no state files under {Path(run_dir) / 'runs'}")
+        where = f"{Path(run_dir) / 'runs'}" + (f" nor in {live_dir()}" if anywhere else "")
+        raise NotRunningError(f"nothing is running: no state files under {where}")
     if len(found) > 1:
-        names = ", ".join(p.parent.name for p in found)
+        names = ", ".join(f"{p.parent.name} ({p.parent})" for p in found)
         raise StateError(f"several topologies are up ({names}); name the topology file")
     return load_state(found[0])

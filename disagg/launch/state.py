@@ -5,6 +5,10 @@ One directory per topology name under ``<run_dir>/runs/<name>/`` holds
 process start, so an interrupted ``up`` still leaves enough to stop what it
 started.
 
+``save_state`` also records the run directory in the per-user list of live runs
+(``disagg.launch.live``) and ``remove_state`` takes it out, so ``status`` and ``down`` find a
+run from any directory.
+
 ``up.lock`` in the same directory is ``flock``ed by the ``disagg up`` that
 owns the run, for as long as that process lives (a foreground ``up`` until it
 exits, a detached one until it returns; the engines never inherit it), and
@@ -22,7 +26,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from disagg.errors import StateError
+from disagg.errors import NotRunningError, StateError
+from disagg.launch import live
 from disagg.paths import run_path
 
 STATE_FILE = "state.json"
@@ -105,6 +110,7 @@ def save_state(state: RunState) -> Path:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
+    live.register(directory)  # so `status` and `down` find it from any directory
     return target
 
 
@@ -113,7 +119,7 @@ def load_state(path: str | Path) -> RunState:
     try:
         return RunState.from_json(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
-        raise StateError(f"no run state at {path}: nothing was started with this topology "
+        raise NotRunningError(f"no run state at {path}: nothing was started with this topology "
                          "(or it was already stopped)") from exc
     except (OSError, ValueError, TypeError) as exc:
         raise StateError(f"run state {path} is unreadable: {exc}") from exc
@@ -122,11 +128,22 @@ def load_state(path: str | Path) -> RunState:
 def remove_state(state: RunState) -> None:
     """Delete the state file (logs stay for inspection)."""
     (run_path(state.run_dir, state.name) / STATE_FILE).unlink(missing_ok=True)
+    live.unregister(run_path(state.run_dir, state.name))
 
 
 def find_states(run_dir: str | Path) -> list[Path]:
     """Every state file under ``run_dir``."""
     return sorted((Path(run_dir) / "runs").glob(f"*/{STATE_FILE}"))
+
+
+def live_states(run_dir: str | Path) -> list[Path]:
+    """Every state file of this user's live runs: those under ``run_dir`` (the current directory's
+    ``.disagg`` when the command names none) and those in the per-user list (``disagg.launch.live``),
+    each once, in name order."""
+    found: dict[Path, Path] = {}
+    for path in [*find_states(run_dir), *(run / STATE_FILE for run in live.live_runs())]:
+        found.setdefault(path.resolve(), path)
+    return sorted(found.values(), key=lambda p: (p.parent.name, str(p)))
 
 
 class RunLock:

@@ -35,7 +35,9 @@ from tests.unit.launch.standins import ENGINE_TREE, Started, kill_all, running, 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _topology(tmp_path: Path, *, model: str = "/models/m", grace: float = 20) -> Path:
+def _topology(tmp_path: Path, *, model: str = "./m", grace: float = 20) -> Path:
+    (tmp_path / "m").mkdir(exist_ok=True)  # `up` refuses a model path that does not exist
+    (tmp_path / "m" / "config.json").write_text("{}")  # ... and one without a readable config.json
     p, d, proxy, kv_p, kv_d = free_ports(5)
     path = tmp_path / "t.yaml"
     path.write_text(textwrap.dedent(f"""\

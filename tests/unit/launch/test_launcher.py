@@ -53,15 +53,18 @@ def test_busy_port_stops_before_anything_starts(tmp_path: Path, capsys: pytest.C
     assert find_states(tmp_path / "run") == []
 
 
-def test_down_with_nothing_running(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["down", "--run-dir", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.startswith("disagg: error: nothing is running: no state files under ")
+def test_down_with_nothing_running_says_so_and_succeeds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["down", "--run-dir", str(tmp_path)]) == 0  # idempotent: a second `down` is no error
+    captured = capsys.readouterr()
+    assert captured.out.startswith("nothing is running: no state files under ")
+    assert captured.out.rstrip().endswith("; nothing to stop") and captured.err == ""
 
 
 def test_down_for_a_topology_that_is_not_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["down", str(_topology(tmp_path, 20000)), "--run-dir", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert "no run state at" in err and "nothing was started with this topology" in err
+    assert main(["down", str(_topology(tmp_path, 20000)), "--run-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "no run state at" in out and "nothing was started with this topology" in out
+    assert out.rstrip().endswith("; nothing to stop")
 
 
 def test_state_round_trip(tmp_path: Path) -> None:
