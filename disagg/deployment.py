@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from disagg.engines.base import EngineAdapter
-from disagg.errors import ErrorSink, TopologyError
-from disagg.registry import engine_adapter
+from disagg.errors import DeploymentError, ErrorSink, TopologyError
+from disagg.registry import engine_adapter, vllm_kv_adapter
 from disagg.topology import HostSpec, InstanceSpec, Topology
 
 
@@ -115,6 +115,11 @@ def build_deployment(topo: Topology) -> Deployment:
     """Resolve every instance of ``topo`` into an :class:`EngineLaunch`; raises TopologyError(s)
     for ``args`` that override what the adapter sets (:func:`overridden_flags`)."""
     adapter = engine_adapter(topo.engine)
+    if topo.engine == "vllm" and not topo.colocated:
+        try:
+            vllm_kv_adapter(topo.connector)
+        except DeploymentError as exc:  # e.g. connector mooncake, which is SGLang's
+            raise DeploymentError(f"{topo.located('connector')}: {exc}") from None
     _check_args(adapter, topo)
     engines = []
     for inst in topo.instances:

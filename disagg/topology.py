@@ -329,6 +329,12 @@ class Topology:
             path = path.rsplit(".", 1)[0] if "." in path else ""
         return None
 
+    def located(self, path: str) -> str:
+        """``file:line: path``, the prefix of an error about a field (compatibility errors raised
+        after validation: ``disagg.deployment``, the adapters, ``disagg.launch.frontend``)."""
+        line = self.where(path)
+        return f"{self.file}:{line}: {path}" if line is not None else f"{self.file}: {path}"
+
     @property
     def colocated(self) -> bool:
         """True when the roles are ``both`` (no KV transfer)."""

@@ -48,7 +48,8 @@ def transfer_backend(topo: Topology) -> str:
     try:
         return TRANSFER_BACKENDS[topo.connector]
     except KeyError:
-        raise DeploymentError(f"{topo.file}: connector {topo.connector!r} does not work with engine sglang; "
+        raise DeploymentError(f"{topo.located('connector')}: connector {topo.connector!r} does not work with "
+                              "engine sglang; "
                         f"use one of {', '.join(TRANSFER_BACKENDS)}") from None
 
 

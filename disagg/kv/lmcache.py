@@ -103,9 +103,9 @@ def notify_host(topo: Topology) -> str:
         return host
     if all(not h.is_remote for h in topo.hosts.values()):
         return "127.0.0.1"
-    raise DeploymentError(f"{topo.file}: proxy.host is {host!r}, but with connector lmcache the prefill hosts send "
-                    f"'KV sent' notices to the proxy at proxy.host:{notify_port(topo)}; set proxy.host to "
-                    "this machine's address on the link")
+    raise DeploymentError(f"{topo.located('proxy.host')}: proxy.host is {host!r}, but with connector lmcache the "
+                    f"prefill hosts send 'KV sent' notices to the proxy at proxy.host:{notify_port(topo)}; "
+                    "set proxy.host to this machine's address on the link")
 
 
 def check_ports(topo: Topology) -> None:

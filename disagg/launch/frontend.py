@@ -122,13 +122,13 @@ def router_argv(dep: Deployment, python: str | None = None) -> list[str]:
     topo = dep.topology
     kind = topo.proxy.kind
     if ROUTER_ENGINES[kind] != topo.engine:
-        raise DeploymentError(f"{topo.file}: proxy.kind {kind} routes engine {ROUTER_ENGINES[kind]}, "
+        raise DeploymentError(f"{topo.located('proxy.kind')}: proxy.kind {kind} routes engine {ROUTER_ENGINES[kind]}, "
                         f"but the topology's engine is {topo.engine}")
     if kind == "vllm-router" and not topo.colocated and topo.connector != "nixl":
-        raise DeploymentError(f"{topo.file}: proxy.kind vllm-router speaks vLLM's NIXL handoff; "
+        raise DeploymentError(f"{topo.located('proxy.kind')}: proxy.kind vllm-router speaks vLLM's NIXL handoff; "
                         f"connector {topo.connector} needs proxy.kind builtin")
     if topo.proxy.api_key:
-        raise DeploymentError(f"{topo.file}: proxy.api_key is enforced by the builtin proxy only; "
+        raise DeploymentError(f"{topo.located('proxy.api_key')}: proxy.api_key is enforced by the builtin proxy only; "
                         f"remove it or use proxy.kind builtin instead of {kind}")
     argv = [python or sys.executable, "-m", ROUTER_MODULES[kind],
             "--host", topo.proxy.host, "--port", str(topo.proxy.port)]

@@ -12,7 +12,8 @@ import pytest
 
 from disagg.addresses import address_problem, is_this_machine
 from disagg.deployment import build_deployment
-from disagg.errors import TopologyError, TopologyErrors
+from disagg.errors import DeploymentError, TopologyError, TopologyErrors
+from disagg.launch.frontend import router_argv
 from disagg.topology import Topology, parse_topology
 from disagg.topology_checks import advisories, host_findings, require_runnable_here
 
@@ -243,3 +244,31 @@ def test_an_ssh_host_at_a_loopback_address_is_warned_about() -> None:
     found = advisories(topology(two_hosts("127.0.0.1", "127.0.0.1", extra_b=", ssh: me@far")))
     assert [(f.line, f.field) for f in found] == [(4, "hosts.b.address")]
     assert advisories(topology(two_hosts("127.0.0.1", "10.0.0.2", extra_b=", ssh: me@10.0.0.2"))) == []
+
+
+# --- compatibility errors name the field's line -------------------------------------------------
+
+COMPAT = """\
+    model: disagg:tiny
+    FIELDS
+    hosts: {a: {address: 127.0.0.1}}
+    roles:
+      prefill: [{port: 8100}]
+      decode: [{port: 8200}]
+    """
+
+
+@pytest.mark.parametrize(("fields", "where"), [
+    ("connector: mooncake", "t.yaml:2: connector: connector (with engine vllm) 'mooncake' is not supported"),
+    ("engine: sglang\n    connector: lmcache", "t.yaml:3: connector: connector 'lmcache' does not work with engine"),
+])
+def test_an_engine_and_connector_that_do_not_go_together_name_the_connectors_line(fields: str, where: str) -> None:
+    with pytest.raises(DeploymentError) as err:
+        build_deployment(topology(COMPAT.replace("FIELDS", fields)))
+    assert str(err.value).startswith(where)
+
+
+def test_a_router_for_another_engine_names_the_proxy_kinds_line() -> None:
+    dep = build_deployment(topology(COMPAT.replace("FIELDS", "proxy: {kind: sglang-router}")))
+    with pytest.raises(DeploymentError, match=r"^t\.yaml:2: proxy\.kind: proxy\.kind sglang-router routes engine"):
+        router_argv(dep)
