@@ -56,18 +56,23 @@ def test_answers_like_one_vllm_server(auto_pd: Running, conformance_reference: d
 
 
 def test_every_prompt_was_routed_and_named(auto_pd: Running) -> None:
+    """Each prompt of a batch is one auto decision, counted under the path the header names."""
+    def routed(text: str, **labels: str) -> float:
+        return sample_sum(text, "disagg_route_total", **labels)
+
+    before = get_text(auto_pd.proxy_url + "/metrics")
     req = urllib.request.Request(auto_pd.proxy_url + "/v1/completions", headers={"content-type": "application/json"},
                                  data=json.dumps({"model": "tiny", "prompt": ["a b c", "d e f"], "max_tokens": 2,
                                                   "temperature": 0}).encode())
     with urllib.request.urlopen(req, timeout=120) as resp:
         paths = [p.strip() for p in resp.headers["X-Disagg-Route"].split(",")]
-    assert len(paths) == 2 and set(paths) <= {"split", "local", "whole"}
-    metrics = get_text(auto_pd.proxy_url + "/metrics")
-    routed = sum(sample_sum(metrics, "disagg_route_total", path=p) for p in ("split", "local", "whole"))
-    served = sample_sum(metrics, "disagg_proxy_requests_total") - sample_sum(
-        metrics, "disagg_proxy_requests_total", path="error")
-    assert routed >= served >= 1
-    assert sample_sum(metrics, "disagg_route_total", reason="predicted") >= 1
+    after = get_text(auto_pd.proxy_url + "/metrics")     # decisions are counted before any engine is asked
+    assert len(paths) == 2
+    assert {p: routed(after, path=p) - routed(before, path=p) for p in ("split", "local", "whole")} == \
+        {p: paths.count(p) for p in ("split", "local", "whole")}
+    auto_reasons = ("predicted", "explore", "decode_backlog", "decode_load")
+    assert sum(routed(after, reason=r) - routed(before, reason=r) for r in auto_reasons) == 2
+    assert routed(after, reason="predicted") >= 1
 
 
 def test_a_backed_up_decode_engine_sends_a_prompt_whole_to_the_idle_prefill_engine(
