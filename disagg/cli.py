@@ -33,6 +33,7 @@ COMMAND_MODULES = (
     "disagg.commands.probe_link",  # probe-link
     "disagg.commands.proxy",      # proxy
     "disagg.commands.bench",      # bench, bench compare
+    "disagg.commands.doctor",     # doctor, setup
     "disagg.commands.watch",      # top, logs
     "disagg.commands.export",     # export k8s
 )

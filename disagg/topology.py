@@ -106,7 +106,10 @@ class LinkSpec:
     type: str
     rate_bps: float | None = None       # nominal (ethernet/roce) or shaped (emulated)
     rate_text: str | None = None
-    interface: str | None = None        # NIC name for UCX_NET_DEVICES
+    interface: str | None = None        # NIC name for UCX_NET_DEVICES (a host's own ``interface`` wins)
+    #: ``link.ucx_ports``: the TCP ports UCX listens on (UCX_TCP_PORT_RANGE) for every NIXL engine;
+    #: None: each engine gets its own range derived from its kv_port (:func:`disagg.kv.ucx.ucx_port_range`)
+    ucx_ports: tuple[int, int] | None = None
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB|K|M|G|T)?\s*$")
@@ -173,6 +176,9 @@ class HostSpec:
     #: the accelerator's spec sheet when the topology gives its own (``gpu: {tflops, memory_gb}``)
     gpu_spec: DeviceSpec | None = None
     emulate: EmulationSpec | None = None  # what this host emulates (prefill rate, KV memory, CPU share)
+    venv: str | None = None             # the virtual environment ``python`` lives in (``venv:``), for setup
+    interface: str | None = None        # this host's NIC for UCX_NET_DEVICES (overrides link.interface)
+    model: str | None = None            # this host's copy of the model (overrides model.path on this host)
 
     @property
     def is_remote(self) -> bool:
@@ -346,6 +352,10 @@ class Topology:
 
     def host_of(self, instance: InstanceSpec) -> HostSpec:
         return self.hosts[instance.host]
+
+    def model_path(self, host: HostSpec) -> str:
+        """Where engines on ``host`` load the model: the host's ``model``, else ``model.path``."""
+        return host.model or self.model.path
 
 
 def load_topology(path: str | Path, *, run_dir: str | None = None) -> Topology:
@@ -582,7 +592,9 @@ def _link(node: Node | None, root: Node) -> LinkSpec:
     link_type = f.choice("type", LINK_TYPES, "loopback")
     rate_node = f.take("rate")
     interface = f.str("interface")
+    ucx_node = f.take("ucx_ports")
     f.done()
+    ucx_ports = _port_range(ucx_node) if ucx_node is not None else None
     rate_bps = rate_text = None
     if rate_node is not None:
         rate_text = str(rate_node.value)
@@ -594,7 +606,32 @@ def _link(node: Node | None, root: Node) -> LinkSpec:
         raise node.error("an emulated link needs a rate, e.g. rate: 1gbit", path="link.rate")
     if link_type == "loopback" and rate_node is not None:
         raise rate_node.error("a loopback link has no rate; use type: emulated to shape it")
-    return LinkSpec(type=link_type, rate_bps=rate_bps, rate_text=rate_text, interface=interface)
+    return LinkSpec(type=link_type, rate_bps=rate_bps, rate_text=rate_text, interface=interface,
+                    ucx_ports=ucx_ports)
+
+
+def _port_range(node: Node) -> tuple[int, int]:
+    """``LO-HI``: an inclusive range of TCP ports (``link.ucx_ports``)."""
+    match = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", str(node.value)) if isinstance(node.value, str) else None
+    if match is None:
+        raise node.error(f"expected a port range LO-HI such as 41000-41099, got {describe(node.value)}")
+    lo, hi = int(match.group(1)), int(match.group(2))
+    if not 1024 <= lo <= hi <= 65535:
+        raise node.error(f"{lo}-{hi} is not a range of ports between 1024 and 65535 (low end first)")
+    return lo, hi
+
+
+def _host_model(node: Node | None, remote: bool) -> str | None:
+    """A host's ``model``: an absolute path on that host (a remote path cannot be resolved here)."""
+    if node is None:
+        return None
+    if isinstance(node.value, (dict, list, bool)) or not str(node.value).strip():
+        raise node.error(f"expected the model's directory on this host, got {describe(node.value)}")
+    path = str(node.value)
+    if not path.startswith("/"):
+        raise node.error(f"{path!r} is not absolute; a host's model is a directory on that host, "
+                         "e.g. /data/models/qwen" + ("" if remote else " (or leave it out: model.path)"))
+    return path
 
 
 def _hosts(node: Node) -> dict[str, HostSpec]:
@@ -615,16 +652,20 @@ def _hosts(node: Node) -> dict[str, HostSpec]:
         gpu, gpu_spec = _gpu(h.take("gpu"), device)
         kv_memory_gb = h.float("kv_memory_gb")
         emulate = _emulate(h.take("emulate"), ssh is not None)
+        interface = h.str("interface")
+        host_model = _host_model(h.take("model"), ssh is not None)
         h.done()
         if venv is not None:
             if python is not None:
                 raise venv.error("give either python or venv, not both")
             python = str(Path(str(venv.value)) / "bin" / "python")
+        venv_path = str(venv.value) if venv is not None else None
         if ssh is None and (ssh_port or ssh_key or ssh_options):
             raise child.error("ssh_port/ssh_key/ssh_options need ssh: user@host", path=f"hosts.{name}.ssh")
         hosts[name] = HostSpec(name=name, address=address, ssh=ssh, ssh_port=ssh_port, ssh_key=ssh_key,
                                ssh_options=ssh_options, python=python, workdir=workdir, device=device,
-                               gpu=gpu, gpu_spec=gpu_spec, kv_memory_gb=kv_memory_gb, emulate=emulate)
+                               gpu=gpu, gpu_spec=gpu_spec, kv_memory_gb=kv_memory_gb, emulate=emulate,
+                               venv=venv_path, interface=interface, model=host_model)
     if not hosts:
         raise node.error("at least one host is required")
     return hosts

@@ -12,6 +12,7 @@ from typing import cast
 from disagg.deployment import Deployment, build_deployment
 from disagg.emulation import cpu_share_for, emulated_link, prefill_host
 from disagg.errors import DisaggError, ErrorSink, TopologyError, TopologyErrors
+from disagg.kv.ucx import UCX_PORT_RANGE_ENV
 from disagg.launch.frontend import frontend_argv
 from disagg.modelgen import EMBEDDED_MODELS, build_model
 from disagg.registry import engine_adapter
@@ -146,6 +147,10 @@ def describe(dep: Deployment) -> str:
     listens.append((topo.proxy.host, topo.proxy.port))
     lines.append(f"proxy ({topo.proxy.kind}): " + " ".join(shlex.quote(a) for a in frontend_argv(dep)))
     lines.append("ports: " + ", ".join(f"{a}:{p}" for a, p in listens))
+    ucx = sorted({(e.host.address, dict(e.env)[UCX_PORT_RANGE_ENV]) for e in dep.engines
+                  if UCX_PORT_RANGE_ENV in dict(e.env)})
+    if ucx:
+        lines.append("UCX ports (KV over TCP; open them too): " + ", ".join(f"{a}:{r}" for a, r in ucx))
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ from types import FrameType
 from typing import Any, cast
 
 from disagg.deployment import build_deployment
+from disagg.doctor import preflight
 from disagg.errors import NotRunningError, StateError
 from disagg.launch import processes
 from disagg.launch.health import http_status
@@ -125,6 +126,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     topo = load_topology(args.topology, run_dir=args.run_dir)
     if args.supervisor_fd is None:  # `up --detach` checked before starting the supervisor
         require_runnable_here(topo)
+        preflight(build_deployment(topo))
     launcher = Launcher(build_deployment(topo), echo=_echo)
     signals = _Signals(launcher)
     with _handling(signals):
@@ -187,6 +189,7 @@ def detach(args: argparse.Namespace) -> int:
     """
     topo = load_topology(args.topology, run_dir=args.run_dir)  # errors here, before anything starts
     require_runnable_here(topo)
+    preflight(build_deployment(topo))  # doctor's cheap checks on every host
     ready_r, ready_w = os.pipe()
     argv = [sys.executable, "-m", "disagg", "up", args.topology, "--supervisor-fd", str(ready_w)]
     if args.run_dir:

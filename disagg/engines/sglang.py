@@ -32,7 +32,7 @@ from __future__ import annotations
 from disagg.engines.base import EngineAdapter
 from disagg.engines.vllm import served_model_name
 from disagg.errors import DeploymentError
-from disagg.kv.ucx import ucx_env
+from disagg.kv.ucx import ucx_env, ucx_port_env
 from disagg.serving import SGLANG_HANDOFF
 from disagg.topology import HostSpec, InstanceSpec, Topology
 
@@ -75,7 +75,7 @@ class SglangEngine(EngineAdapter):
     def argv(self, topo: Topology, inst: InstanceSpec, host: HostSpec, python: str) -> list[str]:
         model = topo.model
         argv = [python, "-m", LAUNCH_MODULE,
-                "--model-path", model.path,
+                "--model-path", topo.model_path(host),
                 "--served-model-name", served_model_name(topo),
                 "--host", host.address,
                 "--port", str(inst.port),
@@ -110,5 +110,6 @@ class SglangEngine(EngineAdapter):
                 env["MC_FORCE_TCP"] = "1"
             if backend == "nixl":
                 env.update(ucx_env(topo, host))
+                env.update(ucx_port_env(topo, inst))
         env.update(dict(inst.env))
         return env

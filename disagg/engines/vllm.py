@@ -56,7 +56,7 @@ class VllmEngine(EngineAdapter):
     def argv(self, topo: Topology, inst: InstanceSpec, host: HostSpec, python: str) -> list[str]:
         model = topo.model
         argv = [python, "-m", API_SERVER_MODULE,
-                "--model", model.path,
+                "--model", topo.model_path(host),
                 "--served-model-name", served_model_name(topo),
                 "--host", host.address,
                 "--port", str(inst.port)]

@@ -21,7 +21,7 @@ from disagg_connectors.nixl_cpu_affinity import ENABLED as NIXL_CPU_AFFINITY_OWN
 from disagg_connectors.nixl_cpu_affinity import ENV as NIXL_CPU_AFFINITY_ENV
 
 from disagg.kv.base import VllmKVAdapter, kv_role
-from disagg.kv.ucx import ucx_env
+from disagg.kv.ucx import ucx_env, ucx_port_env
 from disagg.serving import NIXL_PUSH_HANDOFF
 from disagg.topology import HostSpec, InstanceSpec, Topology
 
@@ -55,6 +55,7 @@ class NixlVllmAdapter(VllmKVAdapter):
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(inst.kv_port),
         }
         env.update(ucx_env(topo, host))  # GPU buffers also need cuda_copy over TCP
+        env.update(ucx_port_env(topo, inst))  # UCX's listener within a known range (firewalls)
         if host.device == "cpu" and inst.cpus:
             # vLLM's NIXL worker moves its compute thread to the machine's last core
             # unless told otherwise; keep it on the engine's own cores
