@@ -100,11 +100,19 @@ def host_findings(topo: Topology, *, local: Iterable[str] | None = None, cpus: s
                 f"(CPUs {_ranges(usable)})")))
     model = topo.model
     written_as_path = model.embedded is None and model.source.startswith(LOCAL_PATH_PREFIXES)
-    if (written_as_path and any(not topo.hosts[i.host].is_remote for i in topo.instances)
-            and not Path(model.path).exists()):
-        path = "model.path" if "model.path" in topo.lines else "model"
-        found.append(_finding(topo, path, f"{model.path} does not exist on this machine "
-                                          "(a local engine loads the model from there)"))
+    missing: set[str] = set()
+    for name in dict.fromkeys(i.host for i in topo.instances):
+        host = topo.hosts[name]
+        if host.is_remote or (host.model is None and not written_as_path):
+            continue
+        path = topo.model_path(host)
+        if path in missing or Path(path).exists():
+            continue
+        missing.add(path)
+        field = (f"hosts.{name}.model" if host.model is not None
+                 else "model.path" if "model.path" in topo.lines else "model")
+        found.append(_finding(topo, field, f"{path} does not exist on this machine "
+                                           "(a local engine loads the model from there)"))
     return found
 
 

@@ -161,6 +161,14 @@ def test_a_missing_local_model_path_cannot_run_here(tmp_path: Path) -> None:
     assert host_findings(topo, local=HERE, cpus={0, 1}, hostname="here") == []
 
 
+def test_a_local_hosts_own_missing_model_cannot_run_here(tmp_path: Path) -> None:
+    text = two_hosts("127.0.0.1", "127.0.0.2", extra_b=f", model: {tmp_path / 'b-copy'}")
+    found = host_findings(topology(text), local=HERE, cpus={0, 1}, hostname="here")
+    assert [(f.line, f.field) for f in found] == [(4, "hosts.b.model")]
+    (tmp_path / "b-copy").mkdir()
+    assert host_findings(topology(text), local=HERE, cpus={0, 1}, hostname="here") == []
+
+
 def test_embedded_models_hub_ids_and_remote_only_models_are_not_refused() -> None:
     for model in ("disagg:tiny", "Qwen/Qwen2.5-0.5B-Instruct"):
         topo = topology(two_hosts("127.0.0.1", "127.0.0.1").replace("disagg:tiny", model))
