@@ -156,15 +156,21 @@ def _address(address: str) -> dict[str, Any]:
 
 def _interfaces(names: list[str]) -> dict[str, Any]:
     have = sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []
-    out = {}
+    rdma = sorted(os.listdir("/sys/class/infiniband")) if os.path.isdir("/sys/class/infiniband") else []
+    out: dict[str, bool | None] = {}
     for name in names:
         try:
-            with open(f"/sys/class/net/{name}/flags") as f:
-                up = bool(int(f.read().strip(), 16) & 1)
+            if ":" in name:  # an RDMA device and port as UCX names them (mlx5_0:1)
+                device, port = name.split(":", 1)
+                with open(f"/sys/class/infiniband/{device}/ports/{port}/state") as f:
+                    up = "ACTIVE" in f.read()
+            else:
+                with open(f"/sys/class/net/{name}/flags") as f:
+                    up = bool(int(f.read().strip(), 16) & 1)
         except (OSError, ValueError):
             up = None
         out[name] = up
-    return {"have": have, "state": out}
+    return {"have": have + rdma, "state": out}
 
 
 def _disk(path: str) -> dict[str, Any]:

