@@ -66,11 +66,13 @@ def _stopped_by_sigterm() -> Iterator[None]:
 
 
 def _loader(topology: str | None, run_dir: str | None) -> Callable[[], RunState]:
-    """What reads the run's state afresh (each refresh of ``top``)."""
+    """What reads the run's state afresh (each refresh of ``top``); without ``--run-dir`` a run is
+    found from any directory, as ``status`` finds it (``resolve_state(anywhere=True)``)."""
+    anywhere = run_dir is None
     if topology:
         topo = load_topology(topology, run_dir=run_dir)
-        return lambda: resolve_state(topo.run_dir, topo.name)
-    return lambda: resolve_state(run_dir or DEFAULT_RUN_DIR, None)
+        return lambda: resolve_state(topo.run_dir, topo.name, anywhere=anywhere, topology_file=topo.file)
+    return lambda: resolve_state(run_dir or DEFAULT_RUN_DIR, None, anywhere=anywhere)
 
 
 def cmd_top(args: argparse.Namespace) -> int:

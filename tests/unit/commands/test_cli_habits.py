@@ -184,3 +184,14 @@ def test_an_embedded_model_lives_in_the_files_project_not_the_current_directory(
     assert load_topology(topo, run_dir=str(tmp_path / "r")).model.path == str(tmp_path / "r" / "models" / "tiny")
     loose = _write(tmp_path / "loose.yaml")  # in no project: the current directory's .disagg
     assert load_topology(loose).model.path == str(tmp_path / ".disagg" / "models" / "tiny")
+
+
+def test_logs_finds_a_run_from_another_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    run = _started_elsewhere(tmp_path, monkeypatch)
+    log = tmp_path / "decode-0.log"
+    log.write_text("decode says hello\n")
+    run.processes[0].log = str(log)
+    save_state(run)
+    assert main(["logs", "decode"]) == 0
+    assert "decode says hello" in capsys.readouterr().out
