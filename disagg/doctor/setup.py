@@ -193,7 +193,10 @@ def copy_tar(run: AgentRun, src: Path, dest: str, what: str, say: Say, *,
         proc.stdin.close()
     except BrokenPipeError:
         pass
-    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    err = ""
+    if proc.stderr is not None:
+        err = proc.stderr.read().decode(errors="replace")
+        proc.stderr.close()
     if proc.wait() != 0:
         raise SetupError(f"{run.part.name}: copying {what} to {dest} failed: {err.strip()[-400:]}")
     return len(todo)

