@@ -45,6 +45,7 @@ REFUSED = {
     "local-emulated-1g.yaml": ("link.type", "an emulated link"),
     "replicas.yaml": ("roles.both[1]", "differs from roles.both[0] in port"),
     "sglang-1p1d.yaml": ("engine", "engine sglang"),
+    "two-machines.yaml": ("hosts.workstation.model", "a copy of the model on that host"),
 }
 
 #: a streaming socket pair over three GPU hosts (two prefill instances on two hosts): what no
