@@ -75,6 +75,7 @@ from disagg.launch.state import (
     save_state,
 )
 from disagg.launch.supervisor import Supervisor
+from disagg.launch.tracked import ABORT_GRACE_S, OWN_LOG_LINE, HealthCheck, TrackedProcesses
 from disagg.linkemu import EmulatedLink, remove_namespace
 from disagg.modelgen import ensure_model
 from disagg.paths import LOGS, PROXY_LOG, host_log, host_run_dir, run_path
@@ -84,16 +85,6 @@ from disagg.ssh import ssh_prefix
 from disagg.topology import Topology, iter_ports
 
 STOP_ORDER = {"proxy": 0, "decode": 1, "both": 2, "prefill": 3}
-#: SIGTERM -> SIGKILL when start-up is abandoned (Ctrl-C, an engine failed): nothing is served yet,
-#: so there is nothing to drain, and Ctrl-C must stop everything within a few seconds
-ABORT_GRACE_S = 2.0
-#: how long to wait for the exit status of a local leader seen dead: a multi-threaded process
-#: killed by a signal is a zombie a while before waitpid reports it (2.4 s measured for 3 GB, 49 threads)
-REAP_WAIT_S = 10.0
-#: the most of a starting engine's log read per poll in search of a stuck-start line
-STUCK_SCAN_BYTES = 1 << 20
-#: how the lines the launcher itself writes into a process's log begin (a restart's heading)
-OWN_LOG_LINE = "--- disagg up: "
 #: variables passed to remote engines over ssh's stdin, never on a command line, besides every
 #: variable the launcher adds itself (the connector's per-run secrets, the engine key)
 SECRET_ENVS = frozenset({VLLM_KEY_ENV})
@@ -206,7 +197,7 @@ class _Pending:
     record: ProcessRecord
     started: float
     healthy_at: float | None = None
-    scanned: int = 0  # bytes of its log searched for a stuck-start line (Launcher.stuck_line)
+    scanned: int = 0  # bytes of its log searched for a stuck-start line (TrackedProcesses.stuck_line)
 
 
 class Launcher:
@@ -238,7 +229,9 @@ class Launcher:
         self._interruptible = False  # inside a wait of start-up that KeyboardInterrupt may cut short
         self._raised = False         # the one KeyboardInterrupt of start-up was raised
         self._extra_env: dict[str, str] = {}  # the run's secrets, for every (re)start of an engine
-        self._exit_codes: dict[int, int] = {}  # pid -> exit code of reaped local children
+        #: the started processes (liveness, exits, logs, sweeps) and their health checks
+        self.processes = TrackedProcesses(dep.engines, self.topo.timeouts, self.say)
+        self.health = HealthCheck(dep.engines)
         self._supervisor: Supervisor | None = None
 
     # -- public -----------------------------------------------------------------
@@ -334,108 +327,7 @@ class Launcher:
             self.state = LauncherState.STOPPED
             self.release()
 
-    # -- what the supervisor uses ----------------------------------------------------
-    def sweep(self, dead: ProcessRecord, *, kill: bool = False) -> bool:
-        """Stop what an exited leader left in its group (a SIGKILLed API server's EngineCore and workers),
-        or the whole process when it still runs (a restart that never became healthy); ``kill``:
-        SIGKILL at once, no grace (a process that stopped answering, see the supervisor's liveness).
-
-        Called by the supervisor. False when it could not be stopped (its host does not answer
-        over ssh, or something survived SIGKILL)."""
-        grace = 0.0 if kill else min(self.topo.timeouts.shutdown_grace, ABORT_GRACE_S)
-        try:
-            outcome = processes.stop_process(dead, grace, ssh_timeout=self.topo.timeouts.ssh_check)
-        except LaunchError as exc:
-            self.say(f"{dead.name}: could not stop {'it' if kill else 'what it left behind'}: {exc}")
-            return False
-        if outcome is not None and outcome.others and not outcome.leader_running:
-            self.say(f"{dead.name}: stopped the {outcome.others} processes of its group it left behind")
-        return True
-
-    def alive(self, rec: ProcessRecord) -> bool:
-        """False once the recorded leader has exited (a local child is reaped, its status kept
-        for :meth:`exit_code`); a remote host that does not answer counts as alive."""
-        if not rec.ssh and rec.pid not in self._exit_codes:
-            code = processes.exit_status(rec.pid)
-            if code is not None:
-                self._exit_codes[rec.pid] = code
-        if rec.pid in self._exit_codes:
-            return False
-        return processes.is_alive(rec, ssh_timeout=self.topo.timeouts.ssh_check)
-
-    def exit_code(self, rec: ProcessRecord) -> int | None:
-        """The exit code of an exited local leader this process started (negative: a signal), else None.
-
-        A leader can be seen dead (a zombie) a while before ``waitpid`` reports it: wait up
-        to :data:`REAP_WAIT_S` for the status."""
-        if rec.ssh or rec.pid in self._exit_codes:
-            return self._exit_codes.get(rec.pid)
-        deadline = time.monotonic() + REAP_WAIT_S
-        while True:
-            try:
-                waited, status = os.waitpid(rec.pid, os.WNOHANG)
-            except ChildProcessError:
-                return None  # not a child of this process (or reaped elsewhere): unknown
-            if waited:
-                code = self._exit_codes[rec.pid] = os.waitstatus_to_exitcode(status)
-                return code
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.02)
-
-    def log_tail(self, rec: ProcessRecord) -> str:
-        """The last lines of a process's log."""
-        return processes.log_tail(rec, ssh_timeout=self.topo.timeouts.ssh_check)
-
-    def log_size(self, rec: ProcessRecord) -> int:
-        """Bytes in a local process's log now (0 for a remote one or a log not yet written): where
-        :meth:`stuck_line` starts after a restart appends to the log."""
-        if rec.ssh:
-            return 0
-        try:
-            return os.path.getsize(rec.log)
-        except OSError:
-            return 0
-
-    def stuck_line(self, rec: ProcessRecord, scanned: int) -> tuple[str | None, int]:
-        """The first line of a starting local engine's log past byte ``scanned`` that holds one of
-        its adapter's ``stuck_start_lines`` (None if none), and the byte to scan from next.
-
-        Called by :meth:`_wait_healthy` and the supervisor while an engine starts, so that an
-        engine that will never be healthy is reported at once instead of after
-        ``timeouts.startup``. Remote logs are not read (an SSH round trip per poll)."""
-        markers = () if rec.kind != "engine" else self._engine(rec.name).stuck_start_lines
-        if rec.ssh or not markers:
-            return None, scanned
-        try:
-            with open(rec.log, "rb") as fh:
-                fh.seek(scanned)
-                chunk = fh.read(STUCK_SCAN_BYTES)
-        except OSError:
-            return None, scanned
-        end = chunk.rfind(b"\n") + 1  # whole lines only; a partial last line is read again
-        for line in chunk[:end].decode(errors="replace").splitlines():
-            if not line.startswith(OWN_LOG_LINE) and any(m in line for m in markers):
-                return line.strip(), scanned + end
-        return None, scanned + (end if end or len(chunk) < STUCK_SCAN_BYTES else len(chunk))
-
-    def ready(self, rec: ProcessRecord, timeout: float = 2.0) -> bool:
-        """An engine answers its health path with 200; the proxy answers at all (its /health
-        is 503 while an engine it needs is away)."""
-        return self.unanswered(rec, timeout) is None
-
-    def unanswered(self, rec: ProcessRecord, timeout: float) -> str | None:
-        """Why ``rec`` fails its health check within ``timeout`` s (None: it passes, see :meth:`ready`).
-
-        The supervisor's liveness probe calls it from a thread of its own."""
-        path = "/health" if rec.kind == "proxy" else self._engine(rec.name).health_path
-        code = http_status(rec.url + path, timeout=timeout)
-        if code is None:
-            return f"GET {path}: no answer within {timeout:g} s"
-        if rec.kind != "proxy" and code != 200:
-            return f"GET {path} answered {code}"
-        return None
-
+    # -- what the supervisor uses besides processes and health ------------------------
     def restart(self, rec: ProcessRecord) -> None:
         """Start the process of ``rec`` again (same command line, environment and secrets, log
         appended) and record its new pid."""
@@ -444,9 +336,9 @@ class Launcher:
         if rec.kind == "proxy":
             new = self._spawn_proxy(fresh_log=False)
         else:
-            new = self._spawn_engine(self._engine(rec.name), fresh_log=False)
+            new = self._spawn_engine(self.processes.engine(rec.name), fresh_log=False)
         rec.pid, rec.create_time, rec.start_ticks = new.pid, new.create_time, new.start_ticks
-        self._exit_codes.pop(rec.pid, None)  # a pid number handed out again: not the old exit
+        self.processes.started_again(rec.pid)  # a pid number handed out again: not the old exit
         self.save()
         self.say(f"{rec.name}: started again (restart {rec.restarts}, pid {rec.pid})")
 
@@ -459,9 +351,6 @@ class Launcher:
         path = run_path(self.run.run_dir, self.run.name) / STATE_FILE
         self.unsaved = not self.out.attempt(f"the state file {path}", lambda: save_state(self.run))
         return not self.unsaved
-
-    def _engine(self, name: str) -> EngineLaunch:
-        return next(e for e in self.dep.engines if e.name == name)
 
     def _append_to_log(self, rec: ProcessRecord, line: str) -> None:
         """A line of the launcher's own in a local process's log (best-effort)."""
@@ -646,8 +535,6 @@ class Launcher:
 
     def _wait_healthy(self, pending: list[_Pending], t0: float) -> None:
         deadline = t0 + self.topo.timeouts.startup
-        health = {p.record.name: next(e.health_path for e in self.dep.engines if e.name == p.record.name)
-                  for p in pending}
         last_note = time.monotonic()
         while True:
             waiting = [p for p in pending if p.healthy_at is None]
@@ -655,24 +542,25 @@ class Launcher:
                 return
             for p in waiting:
                 rec = p.record
-                if not self.alive(rec):
+                if not self.processes.alive(rec):
                     code = processes.exit_status(rec.pid) if not rec.ssh else None
                     why = f"exited (status {code}) while starting" if code is not None else "exited while starting"
-                    raise EngineStartError(rec.name, rec.address, rec.port, why, self.log_tail(rec))
-                if http_status(rec.url + health[rec.name], timeout=2.0) == 200:
+                    raise EngineStartError(rec.name, rec.address, rec.port, why, self.processes.log_tail(rec))
+                if self.health.ready(rec):
                     p.healthy_at = time.monotonic()
                     self.say(f"{rec.name}: healthy after {p.healthy_at - p.started:.0f} s")
                     continue
-                stuck, p.scanned = self.stuck_line(rec, p.scanned)
+                stuck, p.scanned = self.processes.stuck_line(rec, p.scanned)
                 if stuck is not None:
                     raise EngineStartError(rec.name, rec.address, rec.port,
-                                           f"will not become healthy: its log says {stuck!r}", self.log_tail(rec))
+                                           f"will not become healthy: its log says {stuck!r}",
+                                           self.processes.log_tail(rec))
             now = time.monotonic()
             if now > deadline:
                 rec = next(p.record for p in pending if p.healthy_at is None)
                 raise EngineStartError(rec.name, rec.address, rec.port,
                                        f"did not become healthy within {self.topo.timeouts.startup:.0f} s "
-                                       "(timeouts.startup)", self.log_tail(rec))
+                                       "(timeouts.startup)", self.processes.log_tail(rec))
             names = ", ".join(p.record.name for p in pending if p.healthy_at is None)
             if names and now - last_note >= 15:
                 self.say(f"... loading: {names} ({now - t0:.0f} s)")
@@ -696,14 +584,14 @@ class Launcher:
         started = time.monotonic()
         with self._wait_point():
             while http_status(self.dep.proxy_url + "/health", timeout=2.0) != 200:
-                if not self.alive(record):
+                if not self.processes.alive(record):
                     raise EngineStartError("proxy", record.address, record.port, "exited while starting",
-                                           self.log_tail(record))
+                                           self.processes.log_tail(record))
                 limit = self.topo.timeouts.proxy_startup
                 if time.monotonic() - started > limit:
                     raise EngineStartError("proxy", record.address, record.port,
                                            f"did not report healthy within {limit:g} s (timeouts.proxy_startup)",
-                                           self.log_tail(record))
+                                           self.processes.log_tail(record))
                 time.sleep(0.2)
         self.say(f"proxy: healthy at {self.dep.proxy_url}")
 

@@ -5,10 +5,10 @@ leaves behind) calls :meth:`Supervisor.run` once everything is healthy. Each
 poll it looks at every recorded process:
 
 - ``running`` and exited: the exit is reported with its reason and log tail,
-  what it left in its process group is stopped (``Launcher.sweep``), and the
+  what it left in its process group is stopped (``TrackedProcesses.sweep``), and the
   topology's ``restart`` policy (:class:`RestartBudget`) decides: wait
   (``backoff``) and start it again, or give up (``failed``);
-- ``backoff`` and the wait is over: started again (``Launcher.restart``),
+- ``backoff`` and the wait is over: started again (``Supervised.restart``),
   now ``starting``;
 - ``starting``: ``running`` once healthy; an exit or ``timeouts.startup``
   without health counts as another failure;
@@ -25,12 +25,17 @@ poll it looks at every recorded process:
 
 The state file is rewritten at each change (``status``, ``restarts``,
 ``last_exit``, the new pid), which is what ``disagg status`` shows; the write
-is best-effort (``Launcher.save``: a full disk does not end supervision) and
+is best-effort (``Supervised.save``: a full disk does not end supervision) and
 retried at each poll until it works. While a
 prefill engine is away the proxy serves by local prefill; while every decode
 engine is away it answers 503 with ``Retry-After``. The run is lost, and
 :meth:`Supervisor.run` returns 1, only when the proxy or every decode engine
 has failed for good.
+
+What it supervises is a :class:`Supervised` (the launcher, :class:`disagg.launch.launcher.Launcher`):
+its tracked processes and their health checks (:mod:`disagg.launch.tracked`), and the few
+things only the launcher can do (start a process again, save the state, print a line). This
+module imports neither the launcher nor anything that imports it.
 """
 
 from __future__ import annotations
@@ -41,14 +46,33 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from disagg.errors import LaunchError
-from disagg.launch.state import ProcessRecord
-from disagg.topology import RestartSpec
+from disagg.launch.state import ProcessRecord, RunState
+from disagg.launch.tracked import HealthCheck, TrackedProcesses
+from disagg.topology import RestartSpec, Topology
 
-if TYPE_CHECKING:
-    from disagg.launch.launcher import Launcher
+
+class Supervised(Protocol):
+    """What the supervisor watches and acts through (the launcher)."""
+
+    topo: Topology
+    run: RunState
+    poll_interval: float
+    #: the last :meth:`save` failed (the supervisor saves again at the next poll)
+    unsaved: bool
+    processes: TrackedProcesses
+    health: HealthCheck
+
+    def restart(self, rec: ProcessRecord) -> None:
+        """Start ``rec``'s process again (same command line, environment and secrets) and record its pid."""
+
+    def save(self) -> bool:
+        """Rewrite the run-state file, best-effort; False when the write failed."""
+
+    def say(self, line: str) -> None:
+        """One line of output, best-effort."""
 
 
 #: how much of the log at an exit the state file keeps for `disagg status`
@@ -150,9 +174,9 @@ def essential(rec: ProcessRecord) -> bool:
 
 
 class Supervisor:
-    """Watches the processes of one :class:`Launcher` and restarts those that exit."""
+    """Watches the processes of one launcher (:class:`Supervised`) and restarts those that exit."""
 
-    def __init__(self, launcher: Launcher, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, launcher: Supervised, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.launcher = launcher
         self.spec = launcher.topo.restart
         self.clock = clock
@@ -177,7 +201,7 @@ class Supervisor:
         changed = False
         for w in self.watched:
             rec = w.record
-            if rec.status == "running" and not self.launcher.alive(rec):
+            if rec.status == "running" and not self.launcher.processes.alive(rec):
                 self._exited(w)
                 changed = True
             elif rec.status == "running":
@@ -231,14 +255,14 @@ class Supervisor:
                     return self._hung(w, silent, probe.failure)
         if w.probe is None and (w.probed is None or now - w.probed >= timeouts.health_interval):
             w.probed = now
-            w.probe = _Probe(lambda: self.launcher.unanswered(rec, timeouts.health_timeout), now)
+            w.probe = _Probe(lambda: self.launcher.health.unanswered(rec, timeouts.health_timeout), now)
         return False
 
     def _hung(self, w: _Watched, silent: float, failure: str) -> bool:
         """``w`` lives but has failed its health check for ``timeouts.liveness``: SIGKILL its
         process group, then the restart policy decides as after an exit. True when killed."""
         rec = w.record
-        if not self.launcher.sweep(rec, kill=True):
+        if not self.launcher.processes.sweep(rec, kill=True):
             self.launcher.say(f"{rec.name}: not restarted while it may still run; trying again after another "
                               f"{self.launcher.topo.timeouts.liveness:g} s without an answer")
             w.forget_probes()
@@ -253,14 +277,14 @@ class Supervisor:
         back off or give up."""
         rec = w.record
         w.forget_probes()
-        code = None if why else self.launcher.exit_code(rec)  # with a reason given it may still run
+        code = None if why else self.launcher.processes.exit_code(rec)  # with a reason given it may still run
         rec.last_exit = why or exit_reason(code)
-        tail = self.launcher.log_tail(rec)
+        tail = self.launcher.processes.log_tail(rec)
         rec.exit_log = "\n".join(tail.splitlines()[-EXIT_LOG_LINES:])[-EXIT_LOG_CHARS:]
         self.launcher.say(f"error: {rec.name} on {rec.address}:{rec.port} {rec.last_exit}; "
                           f"last lines of {rec.log}:\n" + tail)
         if not swept:
-            self.launcher.sweep(rec)
+            self.launcher.processes.sweep(rec)
         now = self.clock()
         delay = w.budget.delay(now) if w.budget.wants_restart(code) else None
         if delay is None:
@@ -281,7 +305,7 @@ class Supervisor:
         rec = w.record
         w.budget.record(self.clock())
         rec.restarts += 1
-        w.scanned = self.launcher.log_size(rec)  # the lines of its earlier runs are not this start's
+        w.scanned = self.launcher.processes.log_size(rec)  # the lines of its earlier runs are not this start's
         try:
             self.launcher.restart(rec)
         except LaunchError as exc:
@@ -296,16 +320,16 @@ class Supervisor:
     def _check_start(self, w: _Watched) -> bool:
         """``starting``: True when it changed state (healthy, exited, or out of time)."""
         rec = w.record
-        if not self.launcher.alive(rec):
+        if not self.launcher.processes.alive(rec):
             self._exited(w)
             return True
-        if self.launcher.ready(rec):
+        if self.launcher.health.ready(rec):
             rec.status = "running"
             w.forget_probes()
             self.launcher.say(f"{rec.name}: healthy again after {self.clock() - w.since:.0f} s "
                                f"(restart {rec.restarts}, pid {rec.pid})")
             return True
-        stuck, w.scanned = self.launcher.stuck_line(rec, w.scanned)
+        stuck, w.scanned = self.launcher.processes.stuck_line(rec, w.scanned)
         if stuck is not None:
             self._exited(w, f"will not become healthy after its restart: its log says {stuck!r}")
             return True

@@ -15,6 +15,7 @@ from disagg.engines.vllm import GUARD_MIDDLEWARE
 from disagg.errors import LaunchError
 from disagg.launch import launcher as launcher_mod
 from disagg.launch import processes
+from disagg.launch import tracked as tracked_mod
 from disagg.launch.launcher import SECRET_ENVS, Launcher, run_engine_key
 from disagg.proxy.config import ENGINE_KEY_ENV
 from disagg.topology import load_topology
@@ -103,6 +104,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> _Started:
     monkeypatch.setattr(processes, "stop_process", lambda rec, grace, hurry=None, **_: None)
     monkeypatch.setattr(launcher_mod, "busy_ports", lambda host, python, ports, **_: [])
     monkeypatch.setattr(launcher_mod, "http_status", lambda url, timeout=5.0: 200)
+    monkeypatch.setattr(tracked_mod, "http_status", lambda url, timeout=5.0: 200)
     return fake
 
 

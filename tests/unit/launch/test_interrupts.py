@@ -26,6 +26,7 @@ from disagg.cli import main
 from disagg.deployment import build_deployment
 from disagg.launch import launcher as launcher_mod
 from disagg.launch import processes
+from disagg.launch import tracked as tracked_mod
 from disagg.launch.launcher import Launcher
 from disagg.launch.state import ProcessRecord, RunState, lock_holder, save_state
 from disagg.topology import load_topology
@@ -212,6 +213,7 @@ def test_a_second_up_of_the_same_topology_is_refused(tmp_path: Path, capsys: pyt
 def test_the_lock_is_held_for_the_launchers_life_and_not_inherited(tmp_path: Path, trees: Started,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launcher_mod, "http_status", lambda url, timeout=2.0: 200)
+    monkeypatch.setattr(tracked_mod, "http_status", lambda url, timeout=2.0: 200)
     launcher = Launcher(build_deployment(load_topology(_topology(tmp_path), run_dir=str(tmp_path / "run"))),
                         echo=lambda _: None, poll_interval=0.01)
     launcher.up()

@@ -185,13 +185,13 @@ def test_stuck_line_reads_whole_lines_once_and_skips_the_launchers_own(tmp_path:
     rec = ProcessRecord(name="decode[0]", kind="engine", host="b", address="127.0.0.2", port=8200,
                         url="http://127.0.0.2:8200", log=str(log), pid=1)
     stuck = "zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:5601')"
-    assert launcher.stuck_line(rec, 0) == (None, 0)           # no log yet
+    assert launcher.processes.stuck_line(rec, 0) == (None, 0)           # no log yet
     log.write_text("INFO loading\n--- disagg up: restart 1 after its log says " + stuck + " ---\nzmq.error.ZMQ")
-    line, scanned = launcher.stuck_line(rec, 0)
+    line, scanned = launcher.processes.stuck_line(rec, 0)
     assert line is None and scanned == log.read_text().rindex("\n") + 1   # the partial line waits
     with log.open("a") as fh:
         fh.write("Error: Address already in use (addr='tcp://127.0.0.1:5601')\nmore\n")
-    assert launcher.stuck_line(rec, scanned) == (stuck, len(log.read_text()))
-    assert launcher.stuck_line(rec, len(log.read_text())) == (None, len(log.read_text()))
+    assert launcher.processes.stuck_line(rec, scanned) == (stuck, len(log.read_text()))
+    assert launcher.processes.stuck_line(rec, len(log.read_text())) == (None, len(log.read_text()))
     remote = ProcessRecord(**{**rec.__dict__, "ssh": ["ssh", "b"]})
-    assert launcher.stuck_line(remote, 0) == (None, 0)       # remote logs are not read per poll
+    assert launcher.processes.stuck_line(remote, 0) == (None, 0)       # remote logs are not read per poll

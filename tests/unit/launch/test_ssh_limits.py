@@ -56,8 +56,8 @@ def _limits_of_each_step(launcher: Launcher, ssh: _Ssh) -> list[float]:
     launcher._write_files(eng)        # the LMCache file: ssh_command
     launcher._spawn_engine(eng, fresh_log=True)   # setsid ...: ssh_command
     rec = _remote_record()
-    assert launcher.alive(rec)        # ssh_check
-    launcher.log_tail(rec)            # ssh_check
+    assert launcher.processes.alive(rec)   # ssh_check
+    launcher.processes.log_tail(rec)   # ssh_check
     return [limit for _, limit in ssh.calls]
 
 
