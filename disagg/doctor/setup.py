@@ -270,7 +270,12 @@ def _setup_model(run: AgentRun, dep: Deployment, fingerprint: str | None, say: S
     if got.get("ok") and fingerprint is not None and got.get("fingerprint") == fingerprint:
         say(f"  model: in place at {dest} ({fingerprint})")
         return
-    copy_tree(run, Path(topo.model.path), dest, "model", say)
+    source = Path(topo.model.path)
+    if not source.is_dir():     # a Hugging Face id here, a directory of its own on that host
+        say(f"  model: {topo.model.path} is no directory on this machine to copy; on {host.name} run: "
+            f"hf download {topo.model.path} --local-dir {dest}")
+        return
+    copy_tree(run, source, dest, "model", say)
 
 
 def run_setup(dep: Deployment, *, venv: str | None = None, say: Say = print,

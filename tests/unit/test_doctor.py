@@ -179,3 +179,27 @@ def test_setup_progress_lines(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sink.getvalue() == b"\0" * (2 << 20)
     assert said[0].startswith("  model: 1 MiB of 4 MiB (25%, ") and said[0].endswith("/s)")
     assert said[1].startswith("  model: 2 MiB of 4 MiB (50%, ")
+
+
+def test_setup_says_how_to_fetch_a_hugging_face_model_to_a_hosts_own_path() -> None:
+    """A topology loading an HF id whose remote host has its own model path: nothing to copy from
+    here; setup prints the download to run there instead of copying the id as a path."""
+    from disagg.doctor.setup import _setup_model
+    text = textwrap.dedent("""\
+        model: Qwen/Qwen3-8B
+        link: {type: ethernet, rate: 10gbit}
+        hosts:
+          a: {address: 10.0.0.1}
+          b: {address: 10.0.0.2, ssh: u@b, model: /data/qwen3-8b}
+        roles:
+          prefill: [{host: a, port: 8100}]
+          decode: [{host: b, port: 8200}]
+        """)
+    dep = build_deployment(parse_topology(text, "/tmp/t.yaml"))
+    host = dep.topology.hosts["b"]
+    run = AgentRun(Participant("b", host, "python3", True, False))
+    run.ready = {"model": {"ok": False}}
+    said: list[str] = []
+    _setup_model(run, dep, None, said.append)
+    assert said == ["  model: Qwen/Qwen3-8B is no directory on this machine to copy; on b run: "
+                    "hf download Qwen/Qwen3-8B --local-dir /data/qwen3-8b"]
