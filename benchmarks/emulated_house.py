@@ -188,10 +188,10 @@ def slo_of(cal: dict[str, float]) -> tuple[float, float]:
 
 
 def label_of(doc_label: str) -> str:
-    if doc_label.endswith("[auto]"):
-        return "auto"
-    if doc_label.endswith("[split]"):
-        return "split"
+    """The configuration a bench label names: a routing variant of the split (``...[auto]``,
+    ``...[auto-slo]``) by its policy, a derived topology by its suffix."""
+    if doc_label.endswith("]"):
+        return doc_label[doc_label.rindex("[") + 1:-1]
     return doc_label.rsplit("-", 1)[-1]
 
 
@@ -382,6 +382,11 @@ def main() -> int:
                     help="before planning, measure each box's engines again with `disagg bench prefill` (the "
                          "replica pool and the split); with --replan, for results benched before the probes "
                          "stored what plan reads now")
+    ap.add_argument("--routing", default="split,auto",
+                    help="the split's routing variants (bench compare --routing); add auto-slo for auto routing "
+                         "under the rule's SLO (it is measured, not planned)")
+    ap.add_argument("--configs", default=",".join(CONFIGS[:3]),
+                    help="the colocated configurations to bench besides the split's variants (default: all three)")
     ap.add_argument("--replan", action="store_true",
                     help="run no engines: plan again beside the bench results already under --out")
     args = ap.parse_args()
@@ -409,8 +414,8 @@ def main() -> int:
             ttft_slo, tpot_slo = slo_of(cal)
             slo = f"ttft={ttft_slo * 1000:.0f}ms,tpot={tpot_slo * 1000:.1f}ms"
             print(f"{ratio.name}: calibration {json.dumps(cal)}; SLO {slo}", file=sys.stderr, flush=True)
-            run([PY, "-m", "disagg", "bench", "compare", str(tops["gamer"]), str(tops["workstation"]),
-                 str(tops["replicas"]), str(tops["split"]), "--routing", "split,auto",
+            colocated = [str(tops[c]) for c in args.configs.split(",") if c]
+            run([PY, "-m", "disagg", "bench", "compare", *colocated, str(tops["split"]), "--routing", args.routing,
                  "--classes", args.classes, "--rates", args.rates, "-n", str(args.num_requests),
                  "--repeats", str(args.repeats), "--slo", slo, "--out", str(out / "bench")], env=env)
         if args.measure:

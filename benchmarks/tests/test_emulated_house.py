@@ -43,8 +43,9 @@ def test_slo_rule_and_labels() -> None:
     ttft, tpot = slo_of({"gamer_long_ttft_s": 1.5, "workstation_tpot_s": 0.006})
     assert (ttft, tpot) == (3.0, 0.012)
     assert [label_of(x) for x in ("house-emulated-base-gamer", "house-emulated-base-split[auto]",
-                                  "house-emulated-base-split[split]", "house-emulated-base-replicas")] == \
-        ["gamer", "auto", "split", "replicas"]
+                                  "house-emulated-base-split[split]", "house-emulated-base-replicas",
+                                  "house-emulated-base-split[auto-slo]")] == \
+        ["gamer", "auto", "split", "replicas", "auto-slo"]
 
 
 def _run(rate: float, repeat: int, ttft: float, goodput: float) -> dict:
