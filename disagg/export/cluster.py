@@ -19,26 +19,13 @@ import re
 from dataclasses import dataclass, field
 
 from disagg.topology import InstanceSpec, Topology
+from disagg.topology_checks import Finding
 from disagg.yamlsrc import Node
 
 #: the engines, connectors and front doors the export writes
 ENGINES = ("vllm",)
 CONNECTORS = ("nixl", "nixl-push", "socket")
 PROXY_KINDS = ("builtin",)
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One field of the topology file and what the export does about it."""
-
-    file: str
-    line: int | None
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        where = f"{self.file}:{self.line}" if self.line is not None else self.file
-        return f"{where}: {self.field}: {self.message}"
 
 
 @dataclass
