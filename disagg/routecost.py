@@ -445,8 +445,17 @@ def _imposed_s(tokens: float, engine: EngineCost, stall_weight: float) -> float:
 def cheapest(options: list[OptionCost]) -> OptionCost:
     """The option with the lowest score; on a tie, local before split before whole
     (no handoff beats one, and decodes belong on decode engines)."""
-    rank = {Option.LOCAL: 0, Option.SPLIT: 1, Option.WHOLE: 2}
-    return min(options, key=lambda o: (o.score_s, rank[o.path]))
+    return min(options, key=score_order)
+
+
+#: on a tie of scores: local before split before whole (:func:`cheapest`)
+TIE_RANK = {Option.LOCAL: 0, Option.SPLIT: 1, Option.WHOLE: 2}
+
+
+def score_order(option: OptionCost) -> tuple[float, int]:
+    """How options compare: by score, ties by :data:`TIE_RANK` (:func:`cheapest`, and the SLO
+    routing among options equally good for it)."""
+    return option.score_s, TIE_RANK[option.path]
 
 
 def split_gain_s(tokens: int, kv_bytes: Callable[[int], float], prefill: EngineCost, decode: EngineCost,

@@ -114,6 +114,7 @@ from disagg.routecost import (
     ServiceObjective,
     cheapest,
     option_costs,
+    score_order,
     slo_value,
 )
 from disagg.serving import EXPLORE_AFTER_DECISIONS, EXPLORE_AFTER_S, EXPLORE_WITHIN, WHOLE_TPOT_FACTOR
@@ -122,8 +123,6 @@ E = TypeVar("E")
 
 #: with an SLO, options whose expected requests meeting it are this close count as equal
 SLO_TIE = 0.01
-#: on a tie of scores: local before split before whole (as :func:`disagg.routecost.cheapest`)
-_RANK = {Option.LOCAL: 0, Option.SPLIT: 1, Option.WHOLE: 2}
 
 
 @dataclass(frozen=True)
@@ -213,7 +212,7 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
         # request of that, the lowest score (what the policy chooses without an SLO)
         top = max(v.good for v, *_ in judged)
         value, opt, p, d = min((t for t in judged if t[0].good >= top - SLO_TIE),
-                               key=lambda t: (t[1].score_s, _RANK[t[1].path]))
+                               key=lambda t: score_order(t[1]))
         reason = "slo" if value.own >= 0.5 else "slo_missed"
         tpot = value.tpot_s
     if stale is not None:
