@@ -84,11 +84,15 @@ def run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, text=True, cwd=ROOT, check=True, **kw)
 
 
-def derive(source: Path, ratio: Ratio, out: Path, run_dir: Path | None = None) -> dict[str, Path]:
-    """The split file (the house with ``ratio`` applied) and its three colocated relatives, all with
-    ``run_dir`` (when given): the measurements bench and plan share (prefill.json, decode.json,
-    handoff.json, keyed by host) then stay with the ratio whose emulation they measured."""
+def derive(source: Path, ratio: Ratio, out: Path, run_dir: Path | None = None,
+           connector: str | None = None) -> dict[str, Path]:
+    """The split file (the house with ``ratio`` applied, its KV ``connector`` replaced when given) and
+    its three colocated relatives, all with ``run_dir`` (when given): the measurements bench and plan
+    share (prefill.json, decode.json, handoff.json, keyed by host) then stay with the ratio whose
+    emulation they measured."""
     base = yaml.safe_load(source.read_text())
+    if connector is not None:
+        base["connector"] = connector
     if run_dir is not None:
         base["run_dir"] = str(run_dir)
     hosts = base["hosts"]
@@ -373,6 +377,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--topology", type=Path, default=ROOT / "topologies" / "house-emulated.yaml")
     ap.add_argument("--ratio", action="append", type=Ratio.parse, help="NAME or NAME=RATE:KV (repeatable)")
+    ap.add_argument("--connector", choices=("nixl", "socket"),
+                    help="the split's KV connector instead of the file's (socket: no progress thread polling "
+                         "the engines' one core)")
     ap.add_argument("--classes", default="short=256:256@0.5,long=2048:256@0.5")
     ap.add_argument("--rates", default="0.1,0.2,0.4")
     ap.add_argument("--repeats", type=int, default=5)
@@ -395,6 +402,7 @@ def main() -> int:
     key = os.environ.get("DISAGG_ENGINE_KEY") or secrets.token_urlsafe(24)
     env = {**os.environ, "DISAGG_ENGINE_KEY": key}
     summary: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": _cpu(),
+                               "connector": args.connector,
                                "loadavg_at_start": os.getloadavg(), "classes": args.classes, "rates": rates,
                                "repeats": args.repeats, "num_requests": args.num_requests, "ratios": {}}
     earlier = json.loads((args.out / "summary.json").read_text()) if args.replan else {}
@@ -405,7 +413,7 @@ def main() -> int:
     classes = class_lengths(args.classes)
     for ratio in ratios:
         out = args.out / ratio.name
-        tops = derive(args.topology, ratio, out / "topologies", run_dir=out / "run")
+        tops = derive(args.topology, ratio, out / "topologies", run_dir=out / "run", connector=args.connector)
         if args.replan:
             cal = earlier["ratios"][ratio.name]["calibration"]
             slo = earlier["ratios"][ratio.name]["slo"]

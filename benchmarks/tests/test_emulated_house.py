@@ -33,6 +33,13 @@ def test_the_house_and_its_three_relatives(tmp_path: Path) -> None:
     assert {load_topology(p).run_dir for p in shared.values()} == {str(tmp_path / "b" / "run")}
 
 
+def test_the_connector_is_replaced_in_the_split_only(tmp_path: Path) -> None:
+    files = derive(HOUSE, Ratio.parse("base"), tmp_path, connector="socket")
+    assert load_topology(HOUSE).connector == "nixl"
+    assert load_topology(files["split"]).connector == "socket"
+    assert all(load_topology(files[c]).colocated for c in ("gamer", "workstation", "replicas"))
+
+
 def test_the_base_ratio_keeps_the_file(tmp_path: Path) -> None:
     split = load_topology(derive(HOUSE, Ratio.parse("base"), tmp_path)["split"])
     original = load_topology(HOUSE)
