@@ -6,7 +6,7 @@ reads, per request, the proxy's prefill and handoff timings and the decode
 engine's NIXL counters (bytes, transfer seconds). Takes the topology down at
 the end, whatever happens.
 
-    .venv/bin/python benchmarks/handoff_latency.py [--topology topologies/local-cpu.yaml]
+    .venv/bin/python benchmarks/handoff_latency.py [--topology topologies/local-cpu-nixl.yaml]
         [--prompt-tokens 128,512,1500,3000] [--repeats 3]
 
 Prints a Markdown table (medians over the repeats); docs/launcher.md has the
@@ -58,7 +58,7 @@ def _measure(proxy: str, decode: str, body: dict) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--topology", default="topologies/local-cpu.yaml")
+    parser.add_argument("--topology", default="topologies/local-cpu-nixl.yaml")
     parser.add_argument("--prompt-tokens", default="128,512,1500,3000")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()

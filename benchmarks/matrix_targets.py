@@ -16,7 +16,7 @@ the bound and whether it is met (and by how much it is missed):
    ``disagg_route_ttft_error_ratio``; paths with fewer than 5 prompts skipped).
 
     .venv/bin/python benchmarks/matrix_targets.py REPORT/results.json --replicas replicas \\
-        --pair nixl=local-cpu --pair socket=local-cpu-socket [--short-class short] [--summary]
+        --pair nixl=local-cpu-nixl --pair socket=local-cpu [--short-class short] [--summary]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vllm-router (PyPI) as the front door of real vLLM 1P1D on this CPU machine:
-# topologies/local-cpu.yaml with proxy.kind vllm-router, on other ports, through
+# topologies/local-cpu-nixl.yaml with proxy.kind vllm-router, on other ports, through
 # `disagg up --detach`; greedy completions through the router must equal decode
 # alone, and decode's NIXL transfer count must grow. Holds the engine lock; takes
 # everything down on exit.   Usage: scripts/check_vllm_router_cpu.sh [PYTHON]
@@ -12,7 +12,7 @@ T=$WORK/router-cpu.yaml
 sed -e 's/port: 8000}/port: 8690, kind: vllm-router}/' \
     -e 's/port: 8100, kv_port: 5601/port: 8610, kv_port: 5681/' \
     -e 's/port: 8200, kv_port: 5602/port: 8620, kv_port: 5682/' \
-    -e "s|^model:|name: vllm-router-cpu\nrun_dir: $WORK/run\nmodel:|" "$REPO/topologies/local-cpu.yaml" > "$T"
+    -e "s|^model:|name: vllm-router-cpu\nrun_dir: $WORK/run\nmodel:|" "$REPO/topologies/local-cpu-nixl.yaml" > "$T"
 export PYTHONPATH=$REPO
 exec 9>/tmp/disagg-engines.lock
 flock 9

@@ -185,7 +185,7 @@ def test_socket_connector_sample_is_what_check_plans(capsys: pytest.CaptureFixtu
     block = _sample_block("socket-connector.md", "## Using it")
     sides = dict(re.findall(r"^([PD]): --kv-transfer-config '(.*?)'$", block, re.DOTALL | re.MULTILINE))
     assert set(sides) == {"P", "D"}
-    out = _check("local-cpu-socket.yaml", capsys, monkeypatch)
+    out = _check("local-cpu.yaml", capsys, monkeypatch)
     diff = (_matches(_template(sides["P"]), _kv_config(out, "prefill[0]"), "P")
             + _matches(_template(sides["D"]), _kv_config(out, "decode[0]"), "D"))
     assert not diff, "docs/socket-connector.md's sample drifted:\n" + "\n".join(diff)

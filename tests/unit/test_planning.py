@@ -236,7 +236,7 @@ def test_fp8_on_the_wire_moves_about_half_and_memory_stays_the_cache_s() -> None
 
 
 def test_fp8_plans_from_the_topology_and_as_a_what_if() -> None:
-    topo = load_topology("topologies/local-cpu-socket.yaml")
+    topo = load_topology("topologies/local-cpu.yaml")
     assert topo.wire_format == "raw"
     what_if = plan_topology(topo, [2048], 0, use_probe=False, wire_format="fp8")
     assert what_if.wire_format == "fp8" and not any("socket connector's" in n for n in what_if.notes)
@@ -336,7 +336,7 @@ def test_a_streamed_split_that_does_not_pay_names_the_rate_that_would() -> None:
 
 
 def _streaming_socket_topology():
-    text = Path("topologies/local-cpu-socket.yaml").read_text()
+    text = Path("topologies/local-cpu.yaml").read_text()
     assert "\nconnector: socket\n" in text
     return (parse_topology(text.replace("\nconnector: socket\n", "\nconnector: {type: socket, streaming: true}\n"),
                            "s.yaml", run_dir="/nonexistent/run"),
@@ -377,7 +377,7 @@ def test_a_sequential_handoff_adds_decodes_first_step_at_the_decode_hosts_memory
     bandwidth, or not at all (with a note) where the rate is unknown."""
     from disagg.routecost import FIRST_STEP_CPU_BYTES_PER_S, handoff_fixed_s
 
-    text = Path("topologies/local-cpu-socket.yaml").read_text()
+    text = Path("topologies/local-cpu.yaml").read_text()
     one = plan_topology(parse_topology(text, "a.yaml", run_dir="/nonexistent/run"), [2048], 0, use_probe=False)
     weights = one.model.active_params * 2                       # the tiny model, bf16
     assert one.link.first_step_fixed_s == pytest.approx(weights / FIRST_STEP_CPU_BYTES_PER_S)

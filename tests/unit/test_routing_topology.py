@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def topology(extra: str = "", connector: str = "nixl", file: str = "t.yaml"):  # type: ignore[no-untyped-def]
-    text = (ROOT / "topologies" / "local-cpu.yaml").read_text().replace("connector: nixl", f"connector: {connector}")
+    text = (ROOT / "topologies" / "local-cpu-nixl.yaml").read_text()
+    text = text.replace("connector: nixl", f"connector: {connector}")
     return parse_topology(text + extra, str(ROOT / "topologies" / file))
 
 
@@ -61,7 +62,7 @@ def test_the_proxy_is_told_which_seed_rates_were_measured(tmp_path: Path) -> Non
     store_prefill(tmp_path, served_model_name(topo), "local", 1127.0, "test")
     topo = topology(f"run_dir: {tmp_path}\n")
     seeds = route_seeds(topo)
-    assert seeds.measured_rates == ("prefill", "decode")        # local-cpu.yaml: one host plays both roles
+    assert seeds.measured_rates == ("prefill", "decode")        # local-cpu-nixl.yaml: one host plays both roles
     config = proxy_config(build_deployment(topo))
     assert config.routing.measured_rates == ("prefill", "decode")
     argv = config.to_argv(with_api_key=False)

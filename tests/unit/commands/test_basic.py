@@ -83,8 +83,8 @@ def _env_of(out: str, name: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in shlex.split(env_line.split("env:", 1)[1]))
 
 
-def test_local_cpu_plan_is_exact(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", str(ROOT / "topologies/local-cpu.yaml")]) == 0
+def test_local_cpu_nixl_plan_is_exact(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(ROOT / "topologies/local-cpu-nixl.yaml")]) == 0
     out = capsys.readouterr().out
     argv = _argv_of(out, "prefill[0]")
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
@@ -130,7 +130,7 @@ def test_python_dash_m_works(tmp_path: Path) -> None:
 
 
 def test_check_shows_the_socket_connectors_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    example = ROOT / "topologies/local-cpu-socket.yaml"
+    example = ROOT / "topologies/local-cpu.yaml"
     assert main(["check", str(example)]) == 0
     out = capsys.readouterr().out
     assert "  mode      disaggregated, connector socket (wire_format raw, streaming off)\n" in out
@@ -143,5 +143,5 @@ def test_check_shows_the_socket_connectors_settings(tmp_path: Path, capsys: pyte
     assert "  mode      disaggregated, connector socket (wire_format raw, streaming on: decode receives the KV " \
            "while prefill computes)\n" in out
     assert "--handoff vllm-socket-stream " in out and "--handoff-option kv_peers=127.0.0.1:5601 " in out
-    assert main(["check", str(ROOT / "topologies/local-cpu.yaml")]) == 0
+    assert main(["check", str(ROOT / "topologies/local-cpu-nixl.yaml")]) == 0
     assert "  mode      disaggregated, connector nixl\n" in capsys.readouterr().out

@@ -79,7 +79,7 @@ def test_bad_input_is_one_clear_line(capsys: pytest.CaptureFixture[str], argv: l
 
 def test_streaming_what_if_names_the_mode_and_shows_the_transfer_beside_the_handoff(
         capsys: pytest.CaptureFixture[str]) -> None:
-    socket = "topologies/local-cpu-socket.yaml"
+    socket = "topologies/local-cpu.yaml"
     assert main(["plan", socket, "--no-probe"]) == 0
     default = capsys.readouterr().out
     assert main(["plan", socket, "--no-probe", "--streaming", "off"]) == 0
@@ -110,14 +110,14 @@ def test_streaming_on_is_refused_for_another_connector(capsys: pytest.CaptureFix
 
 
 def test_rows_stay_within_max_model_len(capsys: pytest.CaptureFixture[str]) -> None:
-    # local-cpu.yaml: max_model_len 4,096; the default 8,192-token row is left out, and said so
-    assert main(["plan", "topologies/local-cpu.yaml", "--no-probe"]) == 0
+    # local-cpu-nixl.yaml: max_model_len 4,096; the default 8,192-token row is left out, and said so
+    assert main(["plan", "topologies/local-cpu-nixl.yaml", "--no-probe"]) == 0
     out = capsys.readouterr().out
     assert "8,192 tokens:" not in out and "2,048 tokens:" in out
     assert "default prompt lengths of 8,192 tokens left out: longer than max_model_len 4,096" in out
     assert "up to 4,096 tokens" in out
     # asked for, a prompt beyond the context limit is an error
-    assert main(["plan", "topologies/local-cpu.yaml", "--prompt-tokens", "2048,100000"]) == 2
+    assert main(["plan", "topologies/local-cpu-nixl.yaml", "--prompt-tokens", "2048,100000"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("disagg: error: --prompt-tokens 100,000: longer than the topology's max_model_len "
                           "(4,096 tokens")

@@ -83,7 +83,7 @@ def test_allowed_peers_stays_off_when_the_sources_are_not_known(prefill: str, de
 
 
 @pytest.mark.parametrize(("name", "expected"), [
-    ("local-cpu-socket.yaml", ["127.0.0.1"]),
+    ("local-cpu.yaml", ["127.0.0.1"]),
 ])
 def test_the_shipped_socket_topologies(name: str, expected: list[str]) -> None:
     topo = load_topology(REPO / "topologies" / name, run_dir="/tmp/run")

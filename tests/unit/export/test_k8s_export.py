@@ -40,7 +40,7 @@ REFUSED = {
     "house-emulated.yaml": ("model.path", "disagg:tiny-kvheavy is built on this machine"),
     "lmcache-1p1d.yaml": ("connector", "connector lmcache"),
     "local-cpu-nixl-push.yaml": ("model.path", "disagg:tiny is built on this machine"),
-    "local-cpu-socket.yaml": ("model.path", "disagg:tiny is built on this machine"),
+    "local-cpu-nixl.yaml": ("model.path", "disagg:tiny is built on this machine"),
     "local-cpu.yaml": ("model.path", "disagg:tiny is built on this machine"),
     "local-emulated-1g.yaml": ("link.type", "an emulated link"),
     "replicas.yaml": ("roles.both[1]", "differs from roles.both[0] in port"),
