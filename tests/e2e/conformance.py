@@ -3,6 +3,8 @@
 Plain functions and data, no fixtures (unit-tested in tests/unit/test_conformance_compare.py):
 
 - :func:`build_cases`: every request shape, by name (:data:`CASE_NAMES`), as exact bytes;
+- :data:`CASE_CLASS`: whether a connector takes part in a case's answer (:data:`CASE_CLASSES`):
+  the NIXL pd runs every case, other deployments only :data:`HANDOFF_CASES`;
 - :func:`send`: one HTTP request, the reply read as a client reads it (streams chunk by chunk);
 - :func:`normalise`: a reply -> :class:`Reply` (non-deterministic fields dropped, choices keyed
   by index, streams joined per choice index and checked for well-formedness);
@@ -118,6 +120,56 @@ CASE_NAMES: tuple[str, ...] = (
     "deeply-nested-json",
     "empty-body",
 )
+#: the case classes, each with why it runs where it does: the route the proxy plans for a case
+#: (disagg.proxy.routes.plan_request) says whether a connector takes part in its answer
+CASE_CLASSES: dict[str, str] = {
+    "handoff": "split routes: the prompt's KV crosses the connector, or the prefill engine's refusal comes back "
+               "through the handoff: every connector's deployment runs it",
+    "local": "sent whole to the decode engine (n > 1, prompt logprobs, a field or prompt vLLM refuses, a body "
+             "that is not a JSON object): no connector takes part, the reference and the NIXL pd run it",
+}
+#: every case's class (tests/unit/test_conformance_classes.py checks it against the proxy's plan)
+CASE_CLASS: dict[str, str] = {
+    "completion-string": "handoff",
+    "completion-token-ids": "handoff",
+    "batch-strings-equal": "handoff",
+    "batch-strings-different": "handoff",
+    "batch-token-ids-equal": "handoff",
+    "batch-token-ids-different": "handoff",
+    "n2": "local",
+    "n3-batch2": "local",
+    "n2-greedy": "local",
+    "echo": "handoff",
+    "logprobs2": "handoff",
+    "prompt-logprobs1": "local",
+    "echo-logprobs": "local",
+    "stop-string": "handoff",
+    "min-tokens": "handoff",
+    "stream-single": "handoff",
+    "stream-batch": "handoff",
+    "stream-n2": "local",
+    "stream-logprobs": "handoff",
+    "chat-single": "handoff",
+    "chat-multi-turn": "handoff",
+    "chat-stream": "handoff",
+    "chat-n2": "local",
+    "over-context": "handoff",
+    "over-context-batch-second": "handoff",
+    "over-input": "handoff",
+    "over-input-batch-second": "handoff",
+    "invalid-max-tokens": "local",
+    "invalid-temperature": "handoff",
+    "invalid-prompt": "local",
+    "batch-stream-as-string": "handoff",
+    "batch-stream-invalid": "local",
+    "unknown-model": "handoff",
+    "malformed-json": "local",
+    "deeply-nested-json": "local",
+    "empty-body": "local",
+    "kv-batch": "handoff",
+}
+#: the cases a deployment of another connector (or routing) runs besides the NIXL pd, in order
+HANDOFF_CASES: tuple[str, ...] = tuple(name for name in CASE_NAMES if CASE_CLASS.get(name) == "handoff")
 #: the batched request whose KV transfer each suite checks in the engines' metrics
 KV_CASE = "kv-batch"
 #: its prompts' token counts
