@@ -12,7 +12,11 @@ many requests were good; this says which limit the others crossed and what the
 policy was doing meanwhile, e.g. that a 1P1D misses on TPOT while one decode
 engine decodes nearly every request.
 
-    .venv/bin/python benchmarks/slo_breakdown.py REPORT_DIR [REPORT_DIR ...]
+    .venv/bin/python benchmarks/slo_breakdown.py REPORT_DIR [REPORT_DIR ...] [--slo ttft=2s,tpot=30ms]
+
+``--slo`` scores the same requests against another objective than the one the report was run
+with (a configuration whose routing took no SLO as input serves the same requests whatever the
+objective; ``auto`` with an SLO must be run with it).
 
 The definitions are the report's own (:mod:`disagg.bench.metrics`): TTFT to the
 first token chunk, TPOT over the tokens after the first, a failed request
@@ -35,7 +39,7 @@ from disagg.bench.compare import kept_proxy_log
 from disagg.bench.metrics import missed_limits, tpot
 from disagg.bench.records import RequestRecord
 from disagg.bench.report import load_json
-from disagg.bench.slo import SLO
+from disagg.bench.slo import SLO, parse_slo
 
 #: one routing decision of the router's debug log: when, path, and (newer proxies) handoffs in transit
 DECISION = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) \S+ DEBUG route \S+: \d+ tokens, [\d.]+ out -> (\w+) "
@@ -108,13 +112,13 @@ def _proxy_log(report_dir: Path, label: str, result: Mapping[str, Any]) -> Path 
     return next((p for p in candidates if p.is_file()), None)
 
 
-def read_report(report_dir: Path) -> list[RunBreakdown]:
-    """Every run of the report in ``report_dir``."""
+def read_report(report_dir: Path, rescore: SLO | None = None) -> list[RunBreakdown]:
+    """Every run of the report in ``report_dir``, against its own SLO or ``rescore``."""
     doc = load_json(report_dir / "results.json")
     rows: list[RunBreakdown] = []
     for label, result in doc.items():
         s = result.get("slo") or {}
-        slo = SLO(s.get("ttft"), s.get("tpot"), s.get("e2el"))
+        slo = rescore or SLO(s.get("ttft"), s.get("tpot"), s.get("e2el"))
         log = _proxy_log(report_dir, label, result)
         decisions = parse_decisions(log.read_text(errors="replace").splitlines()) if log is not None else []
         rows.extend(breakdown(label, run, slo, decisions) for run in result["runs"])
@@ -139,10 +143,12 @@ HEADER = ("| run | load | repeat | met SLO | missed TTFT / TPOT / E2EL / failed 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("reports", nargs="+", type=Path, help="report directories of disagg bench compare")
+    ap.add_argument("--slo", help="score against this SLO (e.g. ttft=2s,tpot=30ms) instead of each report's own")
     args = ap.parse_args(argv)
     print(HEADER)
+    rescore = parse_slo(args.slo) if args.slo else None
     for report in args.reports:
-        for b in read_report(report):
+        for b in read_report(report, rescore):
             print(row(b))
 
 

@@ -91,3 +91,13 @@ def test_the_command_prints_one_markdown_row_per_run(tmp_path: Path, capsys: pyt
     main([str(tmp_path)])
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == "| replicas | rate 4/s | 2 | 0 / 1 | 0 / 1 / 0 / 0 | 300 | - | - |"
+
+
+def test_another_slo_rescores_the_same_requests(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = {"label": "rate 4/s", "repeat": 0, "started_at": "2026-12-03T16:00:00+00:00", "duration_s": 1.0,
+           "records": [_record(0, 0.1, 0.3), _record(1, 0.1, 0.05)]}
+    (tmp_path / "results.json").write_text(json.dumps({"replicas": {"slo": {"tpot": 0.1}, "runs": [run]}}))
+    main([str(tmp_path), "--slo", "tpot=400ms"])
+    assert capsys.readouterr().out.splitlines()[-1].startswith("| replicas | rate 4/s | 0 | 2 / 2 | 0 / 0 / 0 / 0 |")
+    main([str(tmp_path)])
+    assert capsys.readouterr().out.splitlines()[-1].startswith("| replicas | rate 4/s | 0 | 1 / 2 | 0 / 1 / 0 / 0 |")
