@@ -1,7 +1,7 @@
 """disagg logs: which logs, read once or followed, local and "remote".
 
 A remote process's state record holds the ssh argv prefix that reaches its host; here that prefix
-is ``sh -c`` (or ``timeout 2 sh -c``), which runs the one command string exactly as the remote
+is ``sh -c`` (or ``timeout 60 sh -c``), which runs the one command string exactly as the remote
 login shell would, so the quoting of the remote command is tested without an sshd.
 """
 
@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import io
 import signal
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import psutil
@@ -22,6 +19,8 @@ from disagg.cli import main
 from disagg.launch.state import STATE_FILE, ProcessRecord, RunState
 from disagg.paths import LOGS, run_path
 from disagg.watch import logs
+from tests.unit.watch.child import disagg_child, sigterm_and_wait
+from tests.waiting import wait_until
 
 
 def write_state(run: RunState) -> None:
@@ -84,19 +83,28 @@ def test_show_says_which_log_it_could_not_read(tmp_path: Path) -> None:
 
 
 def test_follow_interleaves_what_is_written_with_names(tmp_path: Path) -> None:
-    run = make_run(tmp_path, ssh=["timeout", "3", "sh", "-c"])
-    run.processes[1].ssh = ["timeout", "3", "sh", "-c"]   # both end on their own after 3 s
+    run = make_run(tmp_path, ssh=["timeout", "60", "sh", "-c"])
+    run.processes[1].ssh = ["timeout", "60", "sh", "-c"]   # both end when their `timeout` goes off
     chosen = logs.sources(run, "prefill") + logs.sources(run, "decode")
-
-    def write_later() -> None:
-        time.sleep(1.0)
-        for rec in run.processes[:2]:
-            with open(rec.log, "a") as fh:
-                fh.write(f"{rec.name} news\n")
-
-    writer = threading.Thread(target=write_later)
-    writer.start()
     out = io.StringIO()
+
+    def write_then_time_out() -> None:
+        """Append a line to each log once both tails are under way; once both lines came
+        through, set off each `timeout` (SIGALRM: what its own timer sends it, exit status 124)."""
+        try:
+            wait_until(lambda: "prefill-0 line 79" in out.getvalue() and "decode-0 line 2" in out.getvalue(),
+                       20, "the last line of each log")
+            for rec in run.processes[:2]:
+                with open(rec.log, "a") as fh:
+                    fh.write(f"{rec.name} news\n")
+            wait_until(lambda: out.getvalue().count(" news\n") == 2, 20, "both new lines followed")
+        finally:
+            for proc in psutil.Process().children():
+                if proc.name() == "timeout":
+                    proc.send_signal(signal.SIGALRM)
+
+    writer = threading.Thread(target=write_then_time_out)
+    writer.start()
     assert logs.follow(chosen, out, lines=1) == 1
     writer.join()
     lines = out.getvalue().splitlines()
@@ -116,19 +124,11 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_sigterm_ends_following_and_its_tails(tmp_path: Path) -> None:
     make_run(tmp_path)
-    child = subprocess.Popen([sys.executable, "-m", "disagg", "logs", "-f", "-n", "1", "--run-dir", str(tmp_path)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with disagg_child("logs", "-f", "-n", "1", "--run-dir", str(tmp_path)) as child:
         assert child.stdout is not None
         first = child.stdout.readline()
         assert first.endswith(" line 79\n") or first.endswith(" line 2\n") or first.endswith(" line 1\n"), first
         tails = psutil.Process(child.pid).children()
         assert len(tails) == 3 and all(t.name() == "tail" for t in tails)
-        child.send_signal(signal.SIGTERM)
-        _, err = child.communicate(timeout=20)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    assert child.returncode == 0, err
+        sigterm_and_wait(child)
     assert not [t for t in tails if t.is_running() and t.status() != psutil.STATUS_ZOMBIE]

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +19,7 @@ from disagg.proxy.metrics import ProxyMetrics
 from disagg.watch import top
 from disagg.watch.scrape import scrape
 from harness.ports import free_port
+from tests.unit.watch.child import disagg_child, sigterm_and_wait
 from tests.unit.watch.test_snapshot import engine_text
 
 
@@ -183,16 +181,7 @@ def test_nothing_running_is_a_clear_error(tmp_path: Path, capsys: pytest.Capture
 def test_sigterm_ends_the_live_view_cleanly(stand_ins: tuple[StandIns, str], tmp_path: Path) -> None:
     _, base = stand_ins
     run_state(tmp_path, base)
-    child = subprocess.Popen([sys.executable, "-m", "disagg", "top", "--run-dir", str(tmp_path), "--interval", "0.2"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with disagg_child("top", "--run-dir", str(tmp_path), "--interval", "0.2") as child:
         assert child.stdout is not None
         assert child.stdout.readline().startswith("disagg top - watched")
-        child.send_signal(signal.SIGTERM)
-        _, err = child.communicate(timeout=20)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    assert child.returncode == 0, err
-    assert "Traceback" not in err
+        sigterm_and_wait(child)
