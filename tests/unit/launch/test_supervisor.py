@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,8 +30,8 @@ from disagg.errors import EngineStartError, TopologyError
 from disagg.launch import launcher as launcher_module
 from disagg.launch import processes
 from disagg.launch.launcher import BestEffort, Launcher, stop_run
-from disagg.launch.state import ProcessRecord, load_state
-from disagg.launch.supervisor import RestartBudget, exit_reason
+from disagg.launch.state import ProcessRecord, RunState, load_state
+from disagg.launch.supervisor import RestartBudget, Supervisor, exit_reason
 from disagg.topology import RestartSpec, load_topology
 from harness.ports import free_ports
 from tests.unit.launch.standins import Started, kill_all, running
@@ -385,18 +386,21 @@ def test_a_pause_shorter_than_timeouts_liveness_is_no_reason_to_restart(tmp_path
         t0 = time.monotonic()
         launcher.supervise(lambda: time.monotonic() - t0 > 1.2)   # about 2 failed probes
         os.kill(pid, signal.SIGCONT)
-        t1 = time.monotonic()
-        launcher.supervise(lambda: time.monotonic() - t1 > 4.0)   # past liveness, answering again
+        t = launcher.topo.timeouts   # had the probes gone on failing, the kill came by t0 + this:
+        past = t.liveness + t.health_timeout + t.health_interval + 0.5
+        launcher.supervise(lambda: time.monotonic() - t0 > past)   # past liveness, answering again
         assert (decode.pid, decode.status, decode.restarts) == (pid, "running", 0)
     finally:
         launcher.stop(grace=1.0)
     assert running(standins.processes()) == []
 
 
+@pytest.mark.slow
 def test_with_the_default_settings_a_hung_decode_is_restarted_after_30_to_40_s(
         tmp_path: Path, standins: Started) -> None:
     """The defaults (a probe every 2 s, 5 s each, timeouts.liveness 30 s) as shipped: killed
-    no sooner than 30 s after it stopped answering, back within 40 s."""
+    no sooner than 30 s after it stopped answering, back within 40 s. In real time (``make test``
+    only); the same arithmetic in virtual time runs in both tiers (the test below)."""
     launcher = _launcher(tmp_path, "{}")
     launcher.poll_interval = 1.0   # disagg up's own
     t = launcher.topo.timeouts
@@ -411,6 +415,149 @@ def test_with_the_default_settings_a_hung_decode_is_restarted_after_30_to_40_s(
     finally:
         launcher.stop(grace=1.0)
     assert running(standins.processes()) == []
+
+
+class VirtualClock:
+    """The supervisor's clock, moved only by the test; a probe of a hung process ends when the
+    clock has moved past its timeout, as a real probe's socket timeout would."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._moved = threading.Condition()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._moved:
+            self.now += seconds
+            self._moved.notify_all()
+
+    def wait_until(self, t: float) -> None:
+        with self._moved:
+            self._moved.wait_for(lambda: self.now >= t, timeout=30)
+
+
+class VirtualEngines:
+    """What the supervisor acts through (``Supervised``, its ``processes`` and ``health``), for
+    a prefill and a decode engine that live in virtual time: the decode engine hangs at
+    ``hung_at`` (alive, its health check unanswered); a restart starts one that answers."""
+
+    def __init__(self, topo: Any, clock: VirtualClock, hung_at: float) -> None:
+        self.topo, self.clock, self.hung_at = topo, clock, hung_at
+        self.supervisor: Any = None   # the Supervisor watching these
+        self.poll_interval = 1.0    # disagg up's own
+        self.unsaved = False
+        self.processes = self.health = self
+        self.lines: list[str] = []
+        self.killed: set[int] = set()
+        self.hung = {200}
+        self.next_pid = 300
+        self.run = RunState(topology="t.yaml", name="t", run_dir="/nonexistent", proxy_url="http://127.0.0.1:1",
+                            started_at=0.0, up_pid=1, processes=[
+                                ProcessRecord(name=name, kind="engine", host="local", address="127.0.0.1", port=1,
+                                              url="http://127.0.0.1:1", log="/nonexistent.log", pid=pid)
+                                for name, pid in (("prefill[0]", 100), ("decode[0]", 200))])
+
+    # Supervised
+    def restart(self, rec: ProcessRecord) -> None:
+        rec.pid, self.next_pid = self.next_pid, self.next_pid + 1
+
+    def save(self) -> bool:
+        return True
+
+    def say(self, line: str) -> None:
+        self.lines.append(line)
+
+    # TrackedProcesses
+    def alive(self, rec: ProcessRecord) -> bool:
+        return rec.pid not in self.killed
+
+    def exit_code(self, rec: ProcessRecord) -> int | None:
+        return None
+
+    def sweep(self, rec: ProcessRecord, *, kill: bool = False) -> bool:
+        self.killed.add(rec.pid)
+        return True
+
+    def log_tail(self, rec: ProcessRecord) -> str:
+        return ""
+
+    def log_size(self, rec: ProcessRecord) -> int:
+        return 0
+
+    def stuck_line(self, rec: ProcessRecord, scanned: int) -> tuple[str | None, int]:
+        return None, scanned
+
+    # HealthCheck
+    def answers(self, pid: int, started: float) -> bool:
+        """Whether a probe of ``pid`` started at ``started`` is answered (at once)."""
+        return pid not in self.hung or started < self.hung_at
+
+    def ready(self, rec: ProcessRecord) -> bool:
+        return self.answers(rec.pid, self.clock.now)
+
+    def unanswered(self, rec: ProcessRecord, timeout: float) -> str | None:
+        # when the supervisor started this probe (set before its thread starts: the clock may have
+        # moved on by the time the thread runs)
+        started = next(w.probed for w in self.supervisor.watched if w.record is rec)
+        assert started is not None
+        if self.answers(rec.pid, started):
+            return None
+        self.clock.wait_until(started + timeout)
+        return f"GET /health: no answer within {timeout:g} s"
+
+    def settle(self, supervisor: Any) -> None:
+        """Wait (real time) for every probe in flight whose answer is due by now to be done."""
+        for w in supervisor.watched:
+            probe = w.probe
+            if probe is None:
+                continue
+            due = self.answers(w.record.pid, probe.started) or \
+                probe.started + self.topo.timeouts.health_timeout <= self.clock.now
+            deadline = time.monotonic() + 10
+            while due and not probe.done:
+                assert time.monotonic() < deadline, "a probe's thread did not end"
+                time.sleep(0.001)
+
+
+@pytest.mark.parametrize("hung_at", [0.0, 0.5, 1.0, 1.7, 2.0, 3.2])
+def test_with_the_default_settings_a_hung_decode_is_restarted_after_30_to_40_s_in_virtual_time(
+        tmp_path: Path, hung_at: float) -> None:
+    """The shipped defaults (a probe every 2 s, 5 s each, timeouts.liveness 30 s, restart.backoff
+    1 s, disagg up's poll every second) through the supervisor on a virtual clock, the engine
+    hanging at any point of the probe cycle: killed no sooner than 30 s after it stopped
+    answering (and within one probe interval and one poll of that), back within 40 s."""
+    path = tmp_path / "t.yaml"
+    path.write_text("model: {path: /models/m}\nhosts: {local: {address: 127.0.0.1}}\n"
+                    "roles: {prefill: [{port: 8100}], decode: [{port: 8200}]}\n")
+    topo = load_topology(path)
+    t = topo.timeouts
+    assert (t.health_interval, t.health_timeout, t.liveness, topo.restart.backoff) == (2.0, 5.0, 30.0, 1.0)
+    clock = VirtualClock()
+    engines = VirtualEngines(topo, clock, hung_at)
+    supervisor = engines.supervisor = Supervisor(engines, clock=clock)  # type: ignore[arg-type]
+    prefill, decode = engines.run.processes
+    killed: float | None = None
+    try:
+        while not (decode.status == "running" and decode.pid != 200):   # Supervisor.run in virtual time
+            assert clock.now < 60, engines.lines
+            engines.settle(supervisor)
+            assert supervisor.poll() is None
+            if killed is None and decode.status != "running":
+                killed = clock.now
+            clock.advance(engines.poll_interval)
+        back = clock.now - engines.poll_interval
+    finally:
+        clock.advance(3600)   # ends the probes still waiting
+    assert killed is not None
+    assert 30.0 <= killed - hung_at < 30.0 + t.health_interval + engines.poll_interval, (killed, engines.lines)
+    assert back - hung_at < 40.0, (back, engines.lines)
+    assert decode.restarts == 1 and "(hung or stopped): killed with SIGKILL (timeouts.liveness)" in decode.last_exit
+    assert "GET /health: no answer within 5 s" in decode.last_exit
+    assert prefill.restarts == 0 and prefill.status == "running"
+    assert any(line.startswith("decode[0]: failed its health check 2 times in a row") for line in engines.lines)
+    assert any(line.startswith("decode[0]: healthy again after ") for line in engines.lines)
 
 
 # -- a full disk: best-effort writes -------------------------------------------------
