@@ -74,6 +74,8 @@ logger = logging.getLogger(__name__)
 MAX_BLOCKS_PER_MESSAGE = 1024
 #: While a stream waits for the forward pass, how often it looks whether the decode side left.
 STREAM_POLL_S = 0.25
+#: The accept loop's accept() timeout: how often it looks whether close() was called (close() waits for it).
+ACCEPT_POLL_S = 0.5
 #: At most one "over the cap" / "thread start failed" log line per this many seconds.
 _LOG_EVERY_S = 10.0
 #: accept() errors that say "not now" (out of descriptors or memory, a peer gone): wait and go on.
@@ -206,7 +208,7 @@ class KVServer:
             sock.close()
             raise OSError(exc.errno, f"socket KV connector cannot listen on {self.host}:{self.port}: {exc}") from exc
         sock.listen(64)
-        sock.settimeout(0.5)
+        sock.settimeout(ACCEPT_POLL_S)
         self.port = sock.getsockname()[1]
         self._sock = sock
         self._thread = threading.Thread(target=self._accept_loop, name=f"kv-socket-listen-{self.port}", daemon=True)
