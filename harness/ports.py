@@ -8,10 +8,12 @@ it was given. That race made a decode engine's NIXL handshake listener fail with
 already in use" on a port its own worker had just taken, and `disagg up` wait out its 900 s
 start-up timeout. Ports below the ephemeral range are never handed out by the kernel, so only an
 explicit choice can take them, and this module hands out each port once per test session.
+Sessions split by pytest-xdist (``-n``) take disjoint shares of that range, one per worker.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -31,6 +33,17 @@ def ephemeral_range() -> tuple[int, int]:
     return low, high
 
 
+def worker_share() -> tuple[int, int]:
+    """(index, count): this pytest-xdist worker's share of the ports below the ephemeral range is
+    those ``port % count == index`` (workers ``gw0`` .. ``gwN`` of ``-n N+1`` never pick the same
+    port); (0, 1), the whole range, outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 0:
+        return int(worker[2:]) % int(count), int(count)
+    return 0, 1
+
+
 def _bindable(port: int, host: str) -> bool:
     with socket.socket() as s:
         try:
@@ -46,8 +59,10 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     from binding port 0 (the old race, named in the module docstring)."""
     low, _ = ephemeral_range()
     ports: list[int] = []
-    if low - LOWEST >= 1000:
-        for port in random.sample(range(LOWEST, low), low - LOWEST):
+    index, workers = worker_share()
+    if (low - LOWEST) // workers >= 1000:
+        share = range(LOWEST + (index - LOWEST) % workers, low, workers)
+        for port in random.sample(share, len(share)):
             if len(ports) == count:
                 break
             if port not in _handed_out and _bindable(port, host):
