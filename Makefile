@@ -22,13 +22,15 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The edit loop: the same checks and tests less everything that runs vLLM (tests marked
-# `e2e` or `engine` in pyproject.toml), the engine package checks and system-deps.sh (without
-# iproute2/sshd the tests that need them skip and say why).
+# `e2e` or `engine` in pyproject.toml), the few that wait out a shipped default in real time
+# (`slow`; the same is checked in virtual time), the engine package checks and system-deps.sh
+# (without iproute2/sshd the tests that need them skip and say why). Four pytest-xdist workers,
+# since the tests mostly wait; tests/net runs on one of them (tests/xdist_schedule.py).
 test-fast: install
 	$(PY) -m ruff check disagg connectors tests benchmarks scripts harness
 	$(VENV)/bin/lint-imports
 	$(PY) -m mypy
-	$(PY) -m pytest -m "not e2e and not engine" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not e2e and not engine and not slow" -n 4 $(PYTEST_ARGS)
 
 # SGLang's and LMCache's own parsers on our argv/YAML, in small side directories
 # (.disagg/pkgcheck/) next to .venv; `test` runs this too.
