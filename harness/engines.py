@@ -278,19 +278,20 @@ def foreground_up_processes(topology: Path) -> list[psutil.Process]:
 
 
 def bring_up_socket_pd(e2e_dir: Path, model: Path, name: str, *, extra: str = "",
-                       wait_s: float = 60, wire_format: str = "raw", streaming: bool = False) -> Running:
+                       wait_s: float = 60, wire_format: str = "raw", streaming: bool = False,
+                       args: str = ENGINE_ARGS) -> Running:
     """1 prefill + 1 decode with the socket connector over loopback behind the proxy, one pinned
     core each (``<name>.yaml``, run directory ``run-<name>`` in ``e2e_dir``); ``extra``: more
     topology lines; ``wire_format``: the connector's (raw, fp8); ``streaming``: the connector's
-    streamed transfers. Starts only once no other engine on ``model`` runs (waiting up to
-    ``wait_s``), so that never more than two engines run at once."""
+    streamed transfers; ``args``: the engines' (a YAML list). Starts only once no other engine on
+    ``model`` runs (waiting up to ``wait_s``), so that never more than two engines run at once."""
     deadline = time.monotonic() + wait_s
     while (left := engine_processes(model)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, f"engines of another deployment still run: {[p.pid for p in left]}"
     proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
-    roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
-             f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
+    roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {args}}}]\n"
+             f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {args}}}]\n")
     topo = write_topology(e2e_dir / f"{name}.yaml", model, proxy_port=proxy_port, roles=roles,
                           connector=f"{{type: socket, wire_format: {wire_format}, "
                                     f"streaming: {str(streaming).lower()}}}", extra=extra)

@@ -6,6 +6,11 @@ full reply to every conformance case (tests/e2e/conformance.py), and is
 stopped; then the 1P1D deployment (two engines, one pinned core each) comes up
 for all tests that need it. A file lock keeps concurrent sessions on this
 machine from starting more engines at once.
+
+Modules that share a deployment (``SHARED_DEPLOYMENT``: the socket connector's engines, which
+the streamed handoff and routing auto use with proxies of their own) run one after the other,
+wherever their files sort (:func:`pytest_collection_modifyitems`), and every other module finds
+that deployment down (tests/e2e/shared_deployment.py).
 """
 
 from __future__ import annotations
@@ -33,8 +38,47 @@ from harness.engines import (
     write_topology,
 )
 from tests.e2e.conformance import Case, Recorded, build_cases, record
+from tests.e2e.shared_deployment import SharedDeployment
 
 LOCK_PATH = os.environ.get("DISAGG_ENGINE_LOCK", "/tmp/disagg-engines.lock")
+#: the session's shared deployment, once a module asked for it
+SHARED: pytest.StashKey[SharedDeployment] = pytest.StashKey()
+
+
+def _shared_group(item: pytest.Item) -> tuple[str, int] | None:
+    """(the shared deployment an item's module uses, its rank there: 0 in a module that uses it, 1 in
+    the module that takes it down, 2 for the test that takes it down), or None."""
+    module = getattr(item, "module", None)
+    name = getattr(module, "SHARED_DEPLOYMENT", None)
+    if name is None:
+        return None
+    takes_down = getattr(module, "TAKES_DOWN_SHARED", None)
+    if takes_down is None:
+        return str(name), 0
+    return str(name), 2 if getattr(item, "originalname", None) == takes_down else 1
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests of the modules that share a deployment run one after the other, where the first of
+    them was (one bring-up): those of the module that takes it down (``TAKES_DOWN_SHARED``: the
+    name of the test that does) last, that test at the very end; every other test keeps its
+    place. Runs after pytest's own ordering (a module's parametrised fixtures grouped)."""
+    groups: dict[str, list[pytest.Item]] = {}
+    order: list[pytest.Item | str] = []   # items, and each group's name where its first item was
+    for item in items:
+        group = _shared_group(item)
+        if group is None:
+            order.append(item)
+        elif group[0] in groups:
+            groups[group[0]].append(item)
+        else:
+            groups[group[0]] = [item]
+            order.append(group[0])
+    for members in groups.values():
+        members.sort(key=lambda it: (_shared_group(it) or ("", 0))[1])   # stable: pytest's order within a rank
+    items[:] = [member for entry in order
+                for member in (groups[entry] if isinstance(entry, str) else [entry])]
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +88,31 @@ def engine_lock() -> Iterator[None]:
         fcntl.flock(fh, fcntl.LOCK_EX)
         yield
         fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def shared_deployment(request: pytest.FixtureRequest, engine_lock: None, tiny_model: Path
+                      ) -> Iterator[SharedDeployment]:
+    """The session's shared deployment (tests/e2e/shared_deployment.py); down at the end."""
+    shared = request.config.stash[SHARED] = SharedDeployment(tiny_model)
+    yield shared
+    problems = shared.release()
+    assert not problems, problems
+
+
+def _release_shared(config: pytest.Config) -> None:
+    shared = config.stash.get(SHARED, None)
+    if shared is not None:
+        held = shared.name
+        problems = shared.release()
+        assert not problems, f"taking down the shared deployment {held}: {problems}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_deployment_only_where_shared(request: pytest.FixtureRequest) -> None:
+    """A module that does not use the shared deployment finds it down (never more than two engines)."""
+    if getattr(request.module, "SHARED_DEPLOYMENT", None) is None:
+        _release_shared(request.config)
 
 
 @pytest.fixture(scope="session")
@@ -147,13 +216,15 @@ def conformance_reference(reference: ReferenceAnswers) -> dict[str, Recorded]:
 
 
 @pytest.fixture(scope="session")
-def pd(reference: dict[str, str], e2e_dir: Path, tiny_model: Path) -> Iterator[Running]:
+def pd(request: pytest.FixtureRequest, reference: dict[str, str], e2e_dir: Path, tiny_model: Path
+       ) -> Iterator[Running]:
     """1 prefill + 1 decode with NIXL over loopback behind the proxy, up for the whole session.
 
     Started with a foreground `disagg up`, as `make serve` does; the last test stops it with Ctrl-C.
     ``routing: {policy: split}``: the tests of this deployment are about the KV handoff, which
     the default ``auto`` routing skips for most prompts on one machine.
     """
+    _release_shared(request.config)   # a session fixture: set up before a module's own release
     proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
     roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
              f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")

@@ -1,35 +1,32 @@
-"""The conformance suite against a 1P1D with our socket KV connector (`connector: socket`).
+"""The conformance suite against a 1P1D with our socket KV connector (`connector: socket`), the KV
+fetched after the prefill and streamed while it runs.
 
-The deployment is this module's own (`disagg up --detach`, `disagg down` in the last test). It
-sorts after test_pd.py, whose last test stops the session's NIXL deployment; if that did not
-happen (test_pd not selected), the fixture stops it, and it refuses to start while any other
-engine on the session's model still runs (never more than two engines at once).
+Both run on the session's shared socket deployment (tests/e2e/shared_deployment.py): `disagg up
+--detach` of the fetching topology, whose engines the streamed handoff shares through a proxy of
+its own (``connector.streaming`` is the proxy's setting: harness/own_proxy.py checks that the
+engines would start alike), as tests/e2e/test_socket_routing_auto.py does for routing ``auto``.
+That module runs first; this one takes the deployment down in its last test (`disagg down`).
+Of the conformance cases, only those the KV handoff serves run here (``HANDOFF_CASES``; the NIXL
+1P1D runs them all). The deployment comes up once test_pd.py's last test stopped the session's
+NIXL deployment; if that did not happen (test_pd not selected), the fixture stops it, and it
+refuses to start while any other engine on the session's model still runs (never more than two
+engines at once).
 """
 
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 from tokenizers import Tokenizer
 
 from disagg.prompts import exact_prompt
 from disagg.proxy.admission import REQUEST_ID_REPLACED
-from harness.engines import (
-    ENGINE_KEY,
-    SPLIT_EVERY_PROMPT,
-    Running,
-    bring_up_socket_pd,
-    busy_ports,
-    engine_processes,
-    foreground_up_processes,
-    plain_answer,
-)
-from tests.e2e.conformance import CASE_NAMES, KV_CASE, Recorded, check_case, check_kv_batch
+from harness.engines import ENGINE_KEY, Running, plain_answer
+from harness.own_proxy import own_topology, start_own_proxy
+from tests.e2e.conformance import HANDOFF_CASES, KV_CASE, Recorded, check_case, check_kv_batch
 from tests.e2e.crafted import EVIL_KV, Crafted, cases, engines_idle_and_alive, send
 from tests.e2e.front_door import (
     idle_strangers,
@@ -38,30 +35,38 @@ from tests.e2e.front_door import (
     stalled_stream_batch,
     unserved_paths_reaching_engines,
 )
+from tests.e2e.shared_deployment import SEND_TIMEOUT_S, SOCKET, SharedDeployment, socket_deployment
 
 pytestmark = pytest.mark.e2e
+#: the session's shared deployment this module uses, and takes down (tests/e2e/conftest.py)
+SHARED_DEPLOYMENT = SOCKET
+TAKES_DOWN_SHARED = "test_down_leaves_nothing"
 
-#: the deployments' ``timeouts.send``: a client reading nothing of its stream this long is let go
-SEND_TIMEOUT_S = 5
 
-
-@pytest.fixture(scope="module", params=["fetch", "stream"])
+@pytest.fixture(scope="module", params=["stream", "fetch"])
 def socket_pd(request: pytest.FixtureRequest, conformance_reference: dict[str, Recorded], e2e_dir: Path,
-              tiny_model: Path) -> Iterator[Running]:
-    """1 prefill + 1 decode with the socket connector over loopback behind the proxy: the KV fetched
-    after the prefill, then (a deployment of its own) streamed while it runs."""
-    for up in foreground_up_processes(e2e_dir / "pd.yaml"):  # the NIXL `pd`, if test_pd did not stop it
-        up.send_signal(signal.SIGINT)
-        up.wait(timeout=120)
-    streaming = request.param == "stream"
-    # a short send timeout: test_a_client_that_stops_reading_a_streamed_batch_is_let_go waits it out
-    run = bring_up_socket_pd(e2e_dir, tiny_model, f"pd-socket-{request.param}",
-                             extra=SPLIT_EVERY_PROMPT + f"timeouts: {{send: {SEND_TIMEOUT_S}}}\n", streaming=streaming)
-    try:
+              tiny_model: Path, shared_deployment: SharedDeployment) -> Iterator[Running]:
+    """The socket 1P1D with the KV streamed while the prefill runs (the shared engines behind a
+    proxy of this module's own, ``streaming: true``), then fetched after it (the shared deployment
+    as `disagg up` started it, whose last test takes it down)."""
+    run = socket_deployment(shared_deployment, e2e_dir, tiny_model)
+    if request.param == "fetch":
         yield run
-    finally:  # test_down_leaves_nothing normally did this already
-        if (run.run_dir / "runs" / run.topology.stem / "state.json").exists():
-            run.down()
+        return
+    own = start_own_proxy(run, own_topology(run, e2e_dir / "pd-socket-stream.yaml",
+                                            {"connector": {"streaming": True}}))
+    try:
+        yield own
+    finally:
+        assert own.stop() == []
+
+
+@pytest.fixture(scope="module")
+def socket_engines(conformance_reference: dict[str, Recorded], e2e_dir: Path, tiny_model: Path,
+                   shared_deployment: SharedDeployment) -> Running:
+    """The shared socket deployment, for the tests that go straight to its engines (both handoffs
+    use the same two: such a test runs once)."""
+    return socket_deployment(shared_deployment, e2e_dir, tiny_model)
 
 
 def test_deployment_uses_the_socket_connector(socket_pd: Running) -> None:
@@ -79,7 +84,7 @@ def test_batched_request_moves_every_prompts_kv(socket_pd: Running,
     check_kv_batch(socket_pd.proxy_url, socket_pd.engines["decode[0]"], conformance_reference[KV_CASE], "socket")
 
 
-@pytest.mark.parametrize("name", CASE_NAMES)
+@pytest.mark.parametrize("name", HANDOFF_CASES)
 def test_answers_like_one_vllm_server(socket_pd: Running, conformance_reference: dict[str, Recorded],
                                       name: str) -> None:
     check_case(socket_pd.proxy_url, name, conformance_reference[name])
@@ -96,11 +101,17 @@ VLLM_API_500 = {
 
 @pytest.mark.parametrize("case", CRAFTED, ids=[c.name for c in CRAFTED])
 def test_crafted_input_gets_a_clear_answer(socket_pd: Running, case: Crafted) -> None:
-    """To the proxy: its answer; straight to each engine without the key: refused. With the key
-    (a stand-in for a client past the key): never a 5xx, the connector declines bad params."""
+    """To the proxy (each handoff): its answer; the engines stay idle and alive."""
     answer = send(socket_pd.proxy_url, case)
     assert answer.status in case.proxy_status, (case.name, answer.status, answer.body[:300])
-    for name, url in socket_pd.engines.items():
+    assert engines_idle_and_alive(socket_pd.engines) == [], case.name
+
+
+@pytest.mark.parametrize("case", CRAFTED, ids=[c.name for c in CRAFTED])
+def test_crafted_input_straight_to_an_engine(socket_engines: Running, case: Crafted) -> None:
+    """Straight to each engine without the key: refused. With the key (a stand-in for a client past
+    the key): never a 5xx, the connector declines bad params. Once: both handoffs share the engines."""
+    for name, url in socket_engines.engines.items():
         direct = send(url, case)
         assert direct.status in case.engine_status, (case.name, name, direct.status, direct.body[:300])
         keyed = send(url, case, key=ENGINE_KEY)
@@ -108,9 +119,9 @@ def test_crafted_input_gets_a_clear_answer(socket_pd: Running, case: Crafted) ->
         assert engines_idle_and_alive({name: url}) == [], (case.name, name)
 
 
-def test_crafted_kv_params_with_the_key_are_declined_by_decode(socket_pd: Running) -> None:
+def test_crafted_kv_params_with_the_key_are_declined_by_decode(socket_engines: Running) -> None:
     """The engine key let it through; the connector's validation declines it and decode computes."""
-    decode = socket_pd.engines["decode[0]"]
+    decode = socket_engines.engines["decode[0]"]
     for params in (EVIL_KV, {**EVIL_KV, "remote_port": "not-a-port"}, {**EVIL_KV, "remote_block_ids": [-1]}):
         case = Crafted("keyed", "/v1/completions",
                        json.dumps({"model": "tiny", "prompt": "The river runs past the mill and", "max_tokens": 4,
@@ -120,14 +131,15 @@ def test_crafted_kv_params_with_the_key_are_declined_by_decode(socket_pd: Runnin
         assert json.loads(answer.body)["choices"][0]["finish_reason"] == "length"
 
 
-def test_prefill_engine_serves_a_plain_request_alone(socket_pd: Running, reference: dict[str, str],
+def test_prefill_engine_serves_a_plain_request_alone(socket_engines: Running,
+                                                    reference: dict[str, str],
                                                     requests_: dict[str, dict]) -> None:
     """The routing's ``whole`` path: a kv_producer prefill engine with the socket connector answers
     the client's own request (no kv_transfer_params) like one vLLM server, streamed or not."""
     for name in ("socket-whole-completion", "socket-whole-chat"):
-        assert plain_answer(socket_pd.engines["prefill[0]"], requests_[name]) == reference[name]
+        assert plain_answer(socket_engines.engines["prefill[0]"], requests_[name]) == reference[name]
     streamed = {**requests_["socket-whole-stream"], "stream": True}
-    assert plain_answer(socket_pd.engines["prefill[0]"], streamed) == reference["socket-whole-stream"]
+    assert plain_answer(socket_engines.engines["prefill[0]"], streamed) == reference["socket-whole-stream"]
 
 
 def test_no_dot_segment_or_unserved_path_reaches_an_engine(socket_pd: Running) -> None:
@@ -179,14 +191,8 @@ def test_engines_alive_and_idle_after_crafted_inputs(socket_pd: Running) -> None
     assert engines_idle_and_alive(socket_pd.engines) == []
 
 
-def test_down_leaves_nothing(socket_pd: Running, tiny_model: Path) -> None:
-    procs = socket_pd.process_tree()
-    assert len(procs) >= 3, "engines and proxy should still be running before `disagg down`"
-    ports = [r.port for r in socket_pd.state().processes]
-    done = socket_pd.down()
-    assert done.returncode == 0, done.stderr
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    assert not alive, f"left running after disagg down: {[p.pid for p in alive]}"
-    assert busy_ports(ports) == [], ports
-    assert not (socket_pd.run_dir / "runs" / socket_pd.topology.stem / "state.json").exists()
-    assert not engine_processes(tiny_model)
+def test_down_leaves_nothing(socket_engines: Running, shared_deployment: SharedDeployment) -> None:
+    """`disagg down` of the shared deployment leaves nothing of it: processes, ports, state file,
+    engines (the streamed handoff's own proxy was stopped and checked gone at its fixture's end)."""
+    assert shared_deployment.run is socket_engines
+    assert shared_deployment.release() == []

@@ -2,8 +2,12 @@
 connector whose proxy picks each prompt's path; every answer is still the one a single vLLM server
 gives, whichever path served it, and the paths taken are named in the header and the metrics.
 
-The deployment is this module's own; it sorts after the other socket modules and starts only
-once no other engine on the session's model runs (never more than two engines at once).
+The routing policy is the proxy's setting: this module runs the session's shared socket deployment
+(tests/e2e/shared_deployment.py; test_socket_conformance.py takes it down after this module) behind a proxy of its
+own, the one `disagg up` starts for the same topology without ``routing`` and ``timeouts``
+(harness/own_proxy.py, which checks that the engines would start alike), stopped at the module's
+end and checked gone. Of the conformance cases, those the KV handoff serves run (``HANDOFF_CASES``:
+the others never reach the routing policy).
 """
 
 from __future__ import annotations
@@ -23,33 +27,36 @@ from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt
 from harness.engines import (
     Running,
-    bring_up_socket_pd,
-    engine_processes,
     get_text,
     open_stream,
     plain_answer,
     routed_stream,
     settled_metrics,
 )
-from tests.e2e.conformance import CASE_NAMES, Recorded, check_case
+from harness.own_proxy import own_topology, start_own_proxy
+from tests.e2e.conformance import HANDOFF_CASES, Recorded, check_case
+from tests.e2e.shared_deployment import SOCKET, SharedDeployment, socket_deployment
 
 pytestmark = pytest.mark.e2e
+#: the session's shared deployment this module uses (tests/e2e/conftest.py)
+SHARED_DEPLOYMENT = SOCKET
 
 
 @pytest.fixture(scope="module")
-def auto_pd(conformance_reference: dict[str, Recorded], e2e_dir: Path, tiny_model: Path) -> Iterator[Running]:
-    """1 prefill + 1 decode, socket connector, loopback, the topology's default routing."""
-    run = bring_up_socket_pd(e2e_dir, tiny_model, "pd-socket-auto")
-    assert "routing" not in run.topology.read_text()
+def auto_pd(conformance_reference: dict[str, Recorded], e2e_dir: Path, tiny_model: Path,
+            shared_deployment: SharedDeployment) -> Iterator[Running]:
+    """1 prefill + 1 decode, socket connector, loopback, the topology's default routing: the shared
+    socket engines behind a proxy of this module's own."""
+    run = socket_deployment(shared_deployment, e2e_dir, tiny_model)
+    own = start_own_proxy(run, own_topology(run, e2e_dir / "pd-socket-auto.yaml", {"routing": None, "timeouts": None}))
+    assert "routing" not in own.topology.read_text() and "--routing-policy auto" in " ".join(own.process.args)
     try:
-        yield run
+        yield own
     finally:
-        done = run.down()
-        assert done.returncode == 0, done.stderr
-        assert not engine_processes(tiny_model)
+        assert own.stop() == []
 
 
-@pytest.mark.parametrize("name", CASE_NAMES)
+@pytest.mark.parametrize("name", HANDOFF_CASES)
 def test_answers_like_one_vllm_server(auto_pd: Running, conformance_reference: dict[str, Recorded],
                                       name: str) -> None:
     check_case(auto_pd.proxy_url, name, conformance_reference[name])
