@@ -13,13 +13,17 @@ install:
 serve: install
 	$(PY) -m disagg up $(TOPOLOGY)
 
+# Everything: the tests that start no vLLM on four pytest-xdist workers (as test-fast, the slow
+# ones included), then those that do (`e2e`, `engine`) in one process, in order: their session
+# fixtures start each deployment once and never more than two engines at a time.
 test: install
 	@bash scripts/system-deps.sh
 	$(PY) -m ruff check disagg connectors tests benchmarks scripts harness
 	$(VENV)/bin/lint-imports
 	$(PY) -m mypy
 	@VENV=$(VENV) bash scripts/engine-package-checks.sh
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not e2e and not engine" -n 4 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "e2e or engine" $(PYTEST_ARGS)
 
 # The edit loop: the same checks and tests less everything that runs vLLM (tests marked
 # `e2e` or `engine` in pyproject.toml), the few that wait out a shipped default in real time
