@@ -8,7 +8,6 @@ split would go untested on the other connectors: this test fails then.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from multidict import CIMultiDict
 
 from disagg.modelgen import build_model
 from disagg.prompts import load_tokenizer
+from disagg.proxy.app import _json_object
 from disagg.proxy.routes import GenerationRequest, RoutePath, plan_request
 from tests.e2e.conformance import CASE_CLASS, CASE_CLASSES, CASE_NAMES, HANDOFF_CASES, KV_CASE, Case, build_cases
 
@@ -30,12 +30,9 @@ def planned_paths(case: Case) -> list[RoutePath]:
     """The paths the proxy (routing policy split) plans for the case's routes, its body read as
     the proxy reads it (a body that is not a JSON object goes on unparsed)."""
     raw = case.payload()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        body = None
+    body = _json_object(raw)
     headers: CIMultiDict[str] = CIMultiDict()
-    if not isinstance(body, dict):
+    if body is None:
         req = GenerationRequest(case.endpoint, {}, raw, headers, "r", parsed=False)
     else:
         req = GenerationRequest(case.endpoint, body, raw, headers, "r")
