@@ -232,9 +232,10 @@ def settled_metrics(engine: str, timeout: float = 30) -> str:
         time.sleep(0.3)
 
 
-def wait_proxy_healthy(url: str, timeout: float = 60) -> None:
+def wait_proxy_healthy(url: str, timeout: float = 60, process: subprocess.Popen[bytes] | None = None) -> None:
     """Wait until ``GET url/health`` answers 200 (a proxy takes an engine back within one probe
-    interval of its restart; until then it answers 503 with Retry-After)."""
+    interval of its restart; until then it answers 503 with Retry-After); with ``process`` (the
+    proxy's), fail as soon as it has exited."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -243,6 +244,8 @@ def wait_proxy_healthy(url: str, timeout: float = 60) -> None:
                     return
         except OSError:  # HTTPError (503), refused, timeout
             pass
+        exited = process.poll() if process is not None else None
+        assert exited is None, f"the proxy exited ({exited}) before {url}/health answered"
         assert time.monotonic() < deadline, f"{url}/health did not answer 200 within {timeout:.0f} s"
         time.sleep(0.2)
 

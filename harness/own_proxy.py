@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from disagg.errors import StateError
 from disagg.launch.frontend import frontend_argv
 from disagg.launch.state import RunState
 from disagg.topology import load_topology
-from harness.engines import ENGINE_ENV, ROOT, Running, busy_ports, get_text
+from harness.engines import ENGINE_ENV, ROOT, Running, busy_ports, wait_proxy_healthy
 from harness.ports import free_port
 
 
@@ -122,15 +121,10 @@ def start_own_proxy(base: Running, topology: Path, timeout_s: float = 120) -> Ow
         proc = subprocess.Popen(frontend_argv(dep), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env={**os.environ, **ENGINE_ENV}, start_new_session=True)
     own = OwnProxy(topology, base.run_dir, dep.proxy_url, dict(base.engines), "", proc, base=base, log=log)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            get_text(dep.proxy_url + "/health", timeout=5)
-            return own
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            own.stop()
-            raise AssertionError(f"{sys.executable} -m disagg proxy did not come up "
-                                 f"(exit {proc.poll()}):\n{own.output()[-3000:]}")
-        time.sleep(0.2)
+    try:
+        wait_proxy_healthy(dep.proxy_url, timeout_s, process=proc)
+    except AssertionError as exc:
+        own.stop()
+        raise AssertionError(f"{sys.executable} -m disagg proxy did not come up ({exc}):\n"
+                             f"{own.output()[-3000:]}") from None
+    return own
