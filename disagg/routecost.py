@@ -27,6 +27,12 @@ prefill and its first step). ``rate`` is the engine's prefill rate in tokens
 per second, ``overhead`` its per-request cost (HTTP, scheduling, the first
 decode step) so that ``ttft = overhead + (queued + n) / rate``.
 
+An engine whose KV cache is full admits no new prompt until the requests it holds free
+enough of it (vLLM schedules a waiting prompt only once its blocks fit): ``wait(E)`` is
+also never shorter than that (:func:`kv_wait_s`: the engine's free KV tokens now and when
+the requests holding the rest are expected to end), and a split's first token waits for
+room on the decode engine as well. Where the KV cache is not known, nothing waits for it.
+
 Besides its own TTFT, a prompt prefilled on an engine stalls the decodes
 running there for about its prefill time, and holds up the prompts that will
 queue behind it there: :func:`option_costs` adds ``(stall_weight x running +
@@ -199,6 +205,10 @@ class EngineCost:
     tpot_s: float | None = None
     busy_s: float = 0.0
     tpot_added_s: float = 0.0
+    #: KV cache tokens free on the engine now (inf: its capacity is not known)
+    kv_free_tokens: float = math.inf
+    #: (seconds from now, KV tokens) the requests holding the rest are expected to free, in any order
+    kv_frees: tuple[tuple[float, float], ...] = ()
 
     def wait_s(self) -> float:
         """Queue wait: the outstanding prefill tokens at this engine's rate."""
@@ -215,8 +225,34 @@ class EngineCost:
         the queue estimate missed that work), so where a queue is estimated it covers the same
         time, and their sum counted it twice. Summed, a prefill engine with 7-10 requests in
         flight predicted splits at 7.9 s where they took 4.7 s on average (MAE 79%; 39% with the
-        longer of the two), and past saturation the policy sent every prompt to the decode engine."""
-        return max(self.wait_s(), self.busy_s) + self.prefill_s(tokens)
+        longer of the two), and past saturation the policy sent every prompt to the decode engine.
+        A prompt that finds the engine's KV cache full waits as well for the room its ``tokens``
+        need (:meth:`kv_wait_s`); the longest of the three delays counts."""
+        return max(self.wait_s(), self.busy_s, self.kv_wait_s(tokens)) + self.prefill_s(tokens)
+
+    def kv_wait_s(self, tokens: float) -> float:
+        """How long a prompt of ``tokens`` waits for room in the engine's KV cache
+        (:func:`kv_wait_s`); 0 where the capacity is not known."""
+        return kv_wait_s(tokens, self.kv_free_tokens, self.kv_frees)
+
+
+def kv_wait_s(tokens: float, free_tokens: float, frees: tuple[tuple[float, float], ...]) -> float:
+    """Seconds until an engine's KV cache has room for ``tokens`` more: 0 when ``free_tokens``
+    already hold them, else the moment the requests expected to end soonest (``frees``: seconds
+    from now and the KV tokens each frees) have freed enough; ``math.inf`` when even all of
+    them would not (a prompt larger than the cache: the engine refuses it, so no path through
+    it is good). vLLM's scheduler admits a waiting prompt once its blocks fit, first come first
+    served, and a running request frees its blocks when it ends; the holders are counted at the
+    size they are expected to reach (prompt and output), so growth that would preempt a
+    newcomer is counted as taken."""
+    short = tokens - free_tokens
+    if short <= 0:
+        return 0.0
+    for seconds, freed in sorted(frees):
+        short -= freed
+        if short <= 0:
+            return max(seconds, 0.0)
+    return math.inf
 
 
 def exposed_transfer_s(transfer_s: float, prefill_s: float, layers: int | None) -> float:
@@ -310,9 +346,15 @@ def split_ttft(tokens: float, kv_bytes: float, prefill: EngineCost, link: LinkCo
     """Predicted TTFT of a split: prefill on P, then the handoff (fixed + the transfer the prefill
     does not hide: all of it, or with ``link.streaming_layers`` what :func:`exposed_transfer_s`
     leaves of it next to P's ``tokens / rate``), but no earlier than the end of the prefill
-    work queued on the decode engine (``decode``)."""
+    work queued on the decode engine (``decode``), nor before that engine has room in its KV
+    cache for the prompt (:meth:`EngineCost.kv_wait_s`) and the handoff that follows."""
     arrived = prefill.ttft_s(tokens) + link.after_prefill_s(kv_bytes, tokens / prefill.tokens_per_s)
-    return max(arrived, decode.wait_s()) if decode is not None else arrived
+    if decode is None:
+        return arrived
+    room = decode.kv_wait_s(tokens)
+    if room > 0:          # the KV moves only once the decode engine has room for it
+        room += link.seconds(kv_bytes)
+    return max(arrived, decode.wait_s(), room)
 
 
 def prefill_tokens_share(prompt_tokens_per_s: float, engine: EngineCost) -> float:

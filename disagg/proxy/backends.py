@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import aiohttp
 
+from disagg.prometheus_text import sample_label
 from disagg.proxy.errors import CLIENT_ERRORS
 from disagg.proxy.metrics import ProxyMetrics
 
@@ -27,7 +28,8 @@ TIMEOUT_STRIKES = 2
 class Backend:
     """One engine server: its URL, health and outstanding requests."""
 
-    __slots__ = ("healthy", "last_error", "outstanding", "returns", "role", "strikes", "url", "was_in_service")
+    __slots__ = ("healthy", "kv_capacity_tokens", "last_error", "outstanding", "returns", "role", "strikes", "url",
+                 "was_in_service")
 
     def __init__(self, role: str, url: str) -> None:
         self.role = role
@@ -41,6 +43,9 @@ class Backend:
         #: health probes in a row that failed without certainty (timed out, connection dropped);
         #: reset by any answer and by a refused connection
         self.strikes = 0
+        #: tokens its KV cache holds (``vllm:cache_config_info``: blocks x block size), read by the
+        #: :class:`HealthProber` each time it comes into service; None: not known
+        self.kv_capacity_tokens: float | None = None
 
     def __repr__(self) -> str:
         state = "healthy" if self.healthy else f"unhealthy: {self.last_error}"
@@ -131,6 +136,12 @@ class BackendPool:
         backend.last_error = None
         self._metrics.healthy.labels(self.role, backend.url).set(1)
 
+    def set_kv_capacity(self, backend: Backend, tokens: float | None) -> None:
+        """``backend``'s KV cache holds ``tokens`` (None: not known); exported as
+        ``disagg_proxy_backend_kv_capacity_tokens`` (0 when not known)."""
+        backend.kv_capacity_tokens = tokens
+        self._metrics.kv_capacity.labels(self.role, backend.url).set(tokens or 0)
+
     def describe(self) -> str:
         """One line per backend, for error messages."""
         return "; ".join(repr(b) for b in self.backends)
@@ -144,8 +155,11 @@ class HealthProber:
     cancelled. This is readiness only: it decides which engines get requests; restarting an
     engine that stopped answering is the launcher's supervisor's (``timeouts.liveness``).
 
-    A probe answered 200 within ``timeout`` puts a backend (back) into service. What takes it
-    out depends on how certain the failure is:
+    A probe answered 200 within ``timeout`` puts a backend (back) into service, and each time
+    it comes into service (a new process may have another) the prober reads the size of its KV
+    cache from its ``/metrics`` (:func:`read_kv_capacity`, ``Backend.kv_capacity_tokens``, which
+    the routing policy uses to price the wait for room there); an engine that does not say stays
+    unknown. What takes it out depends on how certain the failure is:
 
     - an answer other than 200, or a refused connection (nothing listens on the port): at once;
     - a probe that times out, or whose connection drops without an answer: only at the
@@ -168,7 +182,10 @@ class HealthProber:
                 await resp.read()
                 backend.strikes = 0
                 if resp.status == 200:
+                    coming = not backend.healthy
                     pool.mark_up(backend)
+                    if coming:
+                        await self._read_kv_capacity(pool, backend)
                 else:
                     pool.mark_down(backend, f"GET /health answered {resp.status}")
         except aiohttp.ClientConnectorError as exc:   # refused, unreachable: certain
@@ -182,6 +199,10 @@ class HealthProber:
                 return
             pool.mark_down(backend, _failed(exc))
 
+    async def _read_kv_capacity(self, pool: BackendPool, backend: Backend) -> None:
+        """Read the KV cache size of a backend that came into service (:meth:`BackendPool.set_kv_capacity`)."""
+        pool.set_kv_capacity(backend, await read_kv_capacity(self._session, backend.url, self._timeout))
+
     async def probe_all(self) -> None:
         """Probe every backend once, concurrently."""
         await asyncio.gather(*(self.probe(pool, b) for pool in self._pools for b in pool.backends))
@@ -191,6 +212,39 @@ class HealthProber:
         while True:
             await asyncio.sleep(self._interval)
             await self.probe_all()
+
+
+#: the engine metric whose labels say how large its KV cache is (vLLM: ``num_gpu_blocks`` x ``block_size``)
+CACHE_INFO = "vllm:cache_config_info"
+
+
+async def read_kv_capacity(session: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout) -> float | None:
+    """The KV cache of the engine at ``url`` in tokens, from ``GET /metrics`` (open on every
+    engine the launcher starts: the engine guard lets read-only probes through), or None when it
+    cannot be read or does not say (another engine kind, an older vLLM, a malformed answer)."""
+    try:
+        async with session.get(url + "/metrics", timeout=timeout) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except CLIENT_ERRORS as exc:
+        log.debug("%s: KV cache size not read: %s", url, exc)
+        return None
+    return kv_capacity_tokens(text)
+
+
+def kv_capacity_tokens(metrics_text: str) -> float | None:
+    """Tokens of KV cache an engine's Prometheus text declares (``vllm:cache_config_info``'s
+    ``num_gpu_blocks`` x ``block_size``), or None when it declares none or nonsense."""
+    try:
+        blocks = sample_label(metrics_text, CACHE_INFO, "num_gpu_blocks")
+        size = sample_label(metrics_text, CACHE_INFO, "block_size")
+    except (ValueError, TypeError, IndexError):      # not Prometheus text
+        return None
+    if blocks is None or size is None or not blocks.isdigit() or not size.isdigit():
+        return None
+    tokens = int(blocks) * int(size)
+    return float(tokens) if tokens > 0 else None
 
 
 def _failed(exc: BaseException) -> str:

@@ -113,6 +113,9 @@ class ProxyMetrics:
                              ["role", "url"], registry=r)
         self.returns = Counter("disagg_proxy_backend_returns", "Times a backend came back into service",
                                ["role", "url"], registry=r)
+        self.kv_capacity = Gauge("disagg_proxy_backend_kv_capacity_tokens",
+                                 "Tokens each backend's KV cache holds, as it declares (0: not known)",
+                                 ["role", "url"], registry=r)
 
         self.route = Counter("disagg_route", "Prompts by the path the routing chose and why",
                              ["path", "reason"], registry=r)

@@ -54,11 +54,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from disagg.proxy.backends import Backend, BackendPool
 from disagg.proxy.config import RoutingConfig
+from disagg.proxy.kvledger import KvHold, KvLedger
 from disagg.proxy.measure import QUEUED_SHARE, Measurements, Transit
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.policy import Candidate, Explorer, decide
@@ -108,6 +109,10 @@ class _Flight:
     #: split: its handoff in transit on the link, (prefill URL, decode URL, handle), until its first token
     transit: tuple[str, str, Transit] | None = None
     stream: bool = True                    # the reply is streamed (a first token will be seen)
+    #: KV booked for it (:class:`~disagg.proxy.kvledger.KvLedger`): on the engine that decodes it, and
+    #: a split's on its prefill engine until the decode engine has the KV
+    kv_decode: KvHold | None = None
+    kv_prefill: KvHold | None = None
 
 
 class Router:
@@ -146,6 +151,8 @@ class Router:
         self.tpot_error = RunningError()
         self.explorer = explorer if explorer is not None else Explorer(config.explore_after_s,
                                                                        config.explore_decisions)
+        #: what each engine's KV cache holds for the routes in flight (the wait for room there)
+        self.kv = KvLedger()
         self.clock = clock
         for pool in (prefill, decode):
             if pool is not None:
@@ -155,14 +162,22 @@ class Router:
         """``backend`` came back into service (a new process): what was measured about it goes."""
         self.measurements.forget(backend.url)
         self.explorer.forget(backend.url)
+        self.kv.forget(backend.url)
 
     # --- deciding --------------------------------------------------------------------
 
     def _candidates(self, pool: BackendPool | None) -> list[Candidate[Backend]]:
         if pool is None:
             return []
-        return [Candidate(b, self.measurements.engine_cost(pool.role, b.url, b.outstanding))
-                for b in pool.healthy()]
+        now = time.perf_counter()
+        out = []
+        for b in pool.healthy():
+            cost = self.measurements.engine_cost(pool.role, b.url, b.outstanding, now)
+            if b.kv_capacity_tokens is not None:
+                free, frees = self.kv.room(b.url, b.kv_capacity_tokens, now)
+                cost = replace(cost, kv_free_tokens=free, kv_frees=frees)
+            out.append(Candidate(b, cost))
+        return out
 
     def route(self, plan: RequestPlan, started: float = 0.0) -> None:
         """Set path, reason and engines of every route of ``plan`` that may split; count them all,
@@ -205,6 +220,7 @@ class Router:
         prefills, decodes = self._candidates(self.prefill), self._candidates(self.decode)
         learned = self.measurements.output_tokens()
         out_tokens = expected_output_tokens(route.request.body, learned, chat)
+        route.expected_out = out_tokens if learned is not None else output_cap(route.request.body, chat) or 0.0
         d = decide(policy, tokens, tokens * self.kv_bytes_per_token, prefills,
                    decodes, lambda p, dd: self.measurements.link_cost(p.url, dd.url, dd.outstanding),
                    whole=self.config.whole, local=self.local, stall_weight=self.config.stall_weight,
@@ -270,6 +286,34 @@ class Router:
             self._depart(flight, engine.url, route.decode.url,
                          float("inf") if stream else flight.sent + (route.predicted_s or 0.0))
         flight.pending = self.measurements.dispatch(role, engine.url, route.tokens, until, now=flight.sent)
+        self._book_kv(route, flight)
+
+    def _book_kv(self, route: PromptRoute, flight: _Flight) -> None:
+        """Book the KV the route will hold (:mod:`disagg.proxy.kvledger`): the prompt and its expected
+        output on the engine that decodes it, until its predicted first token and its decode at that
+        engine's time per output token; a split's prompt on its prefill engine until its first token."""
+        serving = route.prefill if route.path is RoutePath.WHOLE else route.decode
+        first = flight.sent + (route.predicted_s or 0.0)
+        if serving is not None:
+            flight.kv_decode = self.kv.hold(serving.url, route.tokens + route.expected_out,
+                                            first + self._decode_s(route, serving))
+        if route.path is RoutePath.SPLIT and route.prefill is not None:
+            flight.kv_prefill = self.kv.hold(route.prefill.url, route.tokens, first)
+
+    def _decode_s(self, route: PromptRoute, backend: Backend) -> float:
+        """How long the route is expected to decode on ``backend`` (0 while its decode line is unknown)."""
+        tpot = self.measurements.tpot_s(backend.url, backend.outstanding + 1)
+        return route.expected_out * tpot if tpot is not None else 0.0
+
+    def _unbook_kv(self, flight: _Flight, *, prefill_only: bool = False) -> None:
+        """The flight's KV leaves its prefill engine (``prefill_only``: the decode engine has it) or
+        every engine (the route is over)."""
+        if flight.kv_prefill is not None:
+            self.kv.release(flight.kv_prefill)
+            flight.kv_prefill = None
+        if not prefill_only and flight.kv_decode is not None:
+            self.kv.release(flight.kv_decode)
+            flight.kv_decode = None
 
     def _depart(self, flight: _Flight, prefill_url: str, decode_url: str, until: float) -> None:
         """The flight's handoff begins moving KV over the pair's link (counted in transit there until
@@ -336,9 +380,12 @@ class Router:
             return
         self._settle(flight)
         self._land(flight)
+        self._unbook_kv(flight, prefill_only=True)
         answering = route.prefill if route.path is RoutePath.WHOLE else route.decode
         if answering is not None:
             flight.in_flight_at_first = answering.outstanding
+            if flight.kv_decode is not None:
+                self.kv.retime(flight.kv_decode, when + self._decode_s(route, answering))
         if route.path is RoutePath.SPLIT:
             if self.streamed:   # a sample of the fixed cost, not of the link's rate (module doc)
                 self._streamed_split_sample(route, flight, when - flight.sent)
@@ -400,6 +447,7 @@ class Router:
         if flight is not None:
             self._settle(flight, done=False)   # still queued here: it never answered
             self._land(flight)
+            self._unbook_kv(flight)
 
 
 class RunningError:
@@ -428,14 +476,22 @@ def expected_output_tokens(body: Mapping[str, Any], learned: float | None, chat:
     judges anything else), and none above :data:`MAX_OUTPUT_CAP` matters."""
     if learned is None:
         return 0.0
+    cap = output_cap(body, chat)
+    return learned if cap is None else min(cap, learned)
+
+
+def output_cap(body: Mapping[str, Any], chat: bool = False) -> float | None:
+    """The most output tokens a request asks for (None: a chat request without a cap): for chat
+    ``max_completion_tokens``, else ``max_tokens``; for completions ``max_tokens``, 16 when absent.
+    Only a positive number is read as a cap, and none above :data:`MAX_OUTPUT_CAP`. What
+    :func:`expected_output_tokens` caps its mean with, and what the router books as a request's
+    output in the KV cache before any reply has been measured."""
     keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    cap: float | None = None if chat else float(COMPLETIONS_DEFAULT_MAX_TOKENS)
     for key in keys:
         value = body.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-            cap = float(min(value, MAX_OUTPUT_CAP))      # min first: a huge JSON integer overflows float()
-            break
-    return learned if cap is None else min(cap, learned)
+            return float(min(value, MAX_OUTPUT_CAP))      # min first: a huge JSON integer overflows float()
+    return None if chat else float(COMPLETIONS_DEFAULT_MAX_TOKENS)
 
 
 def _notes(route: PromptRoute) -> _Flight | None:

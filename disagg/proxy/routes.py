@@ -207,6 +207,8 @@ class PromptRoute:
     #: the routing policy's prompt-length estimate and predicted TTFT (0 / None: not predicted)
     tokens: int = 0
     predicted_s: float | None = None
+    #: the output tokens the routing policy expects it to decode (its KV booking; 0: not predicted)
+    expected_out: float = 0.0
     #: with an SLO: the predicted time per output token where it will decode (None: not predicted)
     predicted_tpot_s: float | None = None
     #: perf_counter when the client's request arrived (its TTFT is counted from there)

@@ -20,6 +20,7 @@ from disagg.routecost import (
     first_step_s,
     handoff_fixed_s,
     held_up_s,
+    kv_wait_s,
     link_held_up_s,
     local_ttft,
     max_transfer_s,
@@ -313,3 +314,26 @@ def test_tpot_rises_with_the_prefill_load_and_the_decode_load() -> None:
     assert tpot_with_prefills_s(engine, 0.5, 5000.0) == float("inf")
     with pytest.raises(ValueError, match="no decode line"):
         tpot_with_prefills_s(EngineCost(tokens_per_s=1.0), 0.1)
+
+
+def test_a_prompt_waits_for_room_in_a_full_kv_cache_soonest_frees_first() -> None:
+    assert kv_wait_s(100, 200, ()) == 0.0
+    assert kv_wait_s(100, 20, ((3.0, 50.0), (1.0, 50.0))) == 3.0      # 1 s frees 50 (30 short), 3 s the rest
+    assert kv_wait_s(100, 20, ((3.0, 50.0), (1.0, 100.0))) == 1.0
+    assert kv_wait_s(100, -50, ((1.0, 100.0),)) == float("inf")        # all of it would not hold the prompt
+    full = EngineCost(tokens_per_s=1000.0, kv_free_tokens=0.0, kv_frees=((2.0, 4096.0),))
+    assert full.kv_wait_s(1000) == 2.0
+    assert full.ttft_s(1000) == pytest.approx(2.0 + 1.0)
+    # the longest of the delays before the prompt starts counts: here the queue's 3 s
+    assert replace(full, queued_tokens=3000.0).ttft_s(1000) == pytest.approx(3.0 + 1.0)
+    # a capacity not known: nothing waits for KV
+    assert EngineCost(tokens_per_s=1000.0).ttft_s(1000) == pytest.approx(1.0)
+
+
+def test_a_split_waits_for_room_on_the_decode_engine_too() -> None:
+    prefill = EngineCost(tokens_per_s=1000.0)
+    decode = EngineCost(tokens_per_s=100.0, kv_free_tokens=0.0, kv_frees=((5.0, 2000.0),))
+    link = LinkCost(fixed_s=0.01, bytes_per_s=1e9)
+    assert split_ttft(1000, 1e6, prefill, link, decode) == pytest.approx(5.0 + 0.01 + 0.001)
+    room = replace(decode, kv_free_tokens=1000.0)
+    assert split_ttft(1000, 1e6, prefill, link, room) == pytest.approx(1.0 + 0.01 + 0.001)

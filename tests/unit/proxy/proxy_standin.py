@@ -182,6 +182,7 @@ class StandInEngine:
     gate: asyncio.Event | None = None       # stream: wait for it after the first event
     prompt_text: bool = False               # tokens carry the (string) prompt: ``<prompt>:tok0 ``
     keep_bodies: bool = True                # False: record requests without their bodies (large batches)
+    kv_blocks: int | None = None            # /metrics declares a KV cache of this many 16-token blocks
     fail_on_prompt: str | None = None       # answer 400 to a request whose prompt is this string
     received: list[Received] = field(default_factory=list)
     running: int = 0                        # generation requests in progress
@@ -199,6 +200,7 @@ class StandInEngine:
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/version", self._version)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/tokenize", self._echo)
         app.router.add_post("/detokenize", self._echo)
         app.router.add_route("*", "/v1/{tail:.*}", self._echo)
@@ -232,6 +234,15 @@ class StandInEngine:
         await self._record(request)
         return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model",
                                                                "owned_by": self.name}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """The proxy's health prober reads the KV cache size here as an engine comes into service
+        (not recorded: every test's prober asks)."""
+        text = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
+        if self.kv_blocks is not None:
+            text += ("# TYPE vllm:cache_config_info gauge\n"
+                     f'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="{self.kv_blocks}"}} 1.0\n')
+        return web.Response(text=text, content_type="text/plain")
 
     async def _version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": "0.32.0-standin"})

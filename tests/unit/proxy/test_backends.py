@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from proxy_standin import FAST, wait_for
 
-from disagg.proxy.backends import BackendPool, HealthProber
+from disagg.proxy.backends import BackendPool, HealthProber, kv_capacity_tokens
 from disagg.proxy.metrics import ProxyMetrics
 
 
@@ -227,3 +227,36 @@ async def test_a_busy_backend_with_an_error_status_goes_at_once(standin, http) -
     with p.lease(b):
         await prober.probe(p, b)
     assert not b.healthy and b.last_error == "GET /health answered 503"
+
+
+async def test_the_prober_reads_an_engines_kv_cache_size_each_time_it_comes_into_service(standin, http) -> None:
+    """The routing prices the wait for room in an engine's KV cache: the prober reads its size from
+    ``vllm:cache_config_info`` as the engine comes into service, and again when it comes back (a
+    new process may have another), not at every probe."""
+    a, b = await standin("A"), await standin("B")
+    a.kv_blocks = 384                          # b declares none
+    metrics = ProxyMetrics()
+    p = BackendPool("decode", [a.url, b.url], metrics)
+    prober = HealthProber([p], http, interval=60.0, timeout=0.5)
+    await prober.probe_all()
+    ba, bb = p.backends
+    assert (ba.kv_capacity_tokens, bb.kv_capacity_tokens) == (384 * 16, None)
+    gauge = "disagg_proxy_backend_kv_capacity_tokens"
+    assert metrics.registry.get_sample_value(gauge, {"role": "decode", "url": a.url}) == 384 * 16
+    assert metrics.registry.get_sample_value(gauge, {"role": "decode", "url": b.url}) == 0
+    a.kv_blocks = 20
+    await prober.probe(p, ba)                  # still in service: not read again
+    assert ba.kv_capacity_tokens == 384 * 16
+    p.mark_down(ba, "restarted")
+    await prober.probe(p, ba)
+    assert ba.healthy and ba.kv_capacity_tokens == 20 * 16
+
+
+def test_kv_capacity_comes_only_from_a_well_formed_declaration() -> None:
+    info = 'vllm:cache_config_info{{block_size="{}",engine="0",num_gpu_blocks="{}"}} 1.0\n'
+    assert kv_capacity_tokens("# TYPE vllm:cache_config_info gauge\n" + info.format(128, 48)) == 6144.0
+    assert kv_capacity_tokens(info.format(128, "None")) is None          # before the engine sized it
+    assert kv_capacity_tokens(info.format(128, 0)) is None
+    assert kv_capacity_tokens(info.format("-16", 48)) is None
+    assert kv_capacity_tokens("vllm:num_requests_running 0.0\n") is None
+    assert kv_capacity_tokens("<html>not metrics {{{") is None

@@ -876,3 +876,44 @@ def test_the_router_prices_each_prompts_decode_work_at_its_cap(monkeypatch: pyte
         r = PromptRoute(0, req, RoutePath.SPLIT)
         router.route(RequestPlan(req, [r]))
     assert seen == [8.0, 40.0]
+
+
+def test_the_router_books_each_routes_kv_and_prices_the_wait_for_room() -> None:
+    """A route sent books its prompt and expected output on the engine that decodes it until its
+    expected end (a split's prompt also on its prefill engine until the first token); a prompt
+    that finds the decode engine's KV cache full is predicted to wait for that end; the route
+    over, the room is free again."""
+    metrics, prefill, decode, config = _auto_pools()
+    p, d = prefill.backends[0], decode.backends[0]
+    decode.set_kv_capacity(d, 150.0)
+    router = Router(config, prefill, decode, metrics, local=True)
+    for _ in range(SEED_SAMPLES + 1):           # a decode line of 0.1 s per output token (warm-up dropped)
+        router.measurements.observe_decode(d.url, 1.0, 0.1)
+    first = _route("x" * 400)                   # 100 tokens, no max_tokens: 16 output tokens booked
+    router.route(RequestPlan(first.request, [first]))
+    assert first.path is RoutePath.LOCAL and first.predicted_s == pytest.approx(0.05)
+    sent = time.perf_counter()
+    router.sent(first, stream=True, now=sent)
+    assert router.kv.held_tokens(d.url) == 100 + 16
+    second = _route("y" * 400, 1)
+    router.route(RequestPlan(second.request, [second]))
+    # 34 tokens free: it waits for the first one's end, 0.05 + 16 x 0.1 s after it was sent, on
+    # either path (a split's KV needs room on the decode engine too: then its 30 ms handoff)
+    wait = sent + 0.05 + 1.6 - time.perf_counter()
+    assert second.path is RoutePath.SPLIT
+    assert second.predicted_s == pytest.approx(wait + 0.03, abs=0.01)
+    router.finished(first)
+    assert router.kv.held_tokens(d.url) == 0
+    third = _route("z" * 400, 2)
+    router.route(RequestPlan(third.request, [third]))
+    assert third.predicted_s == pytest.approx(0.05)
+    # a split books its prompt on the prefill engine until its first token
+    split = _route("s" * 400, 3)
+    router.route(RequestPlan(split.request, [split]))
+    split.path, split.prefill, split.decode = RoutePath.SPLIT, p, d
+    router.sent(split, stream=True)
+    assert (router.kv.held_tokens(p.url), router.kv.held_tokens(d.url)) == (100, 116)
+    router.first_token(split, time.perf_counter())
+    assert (router.kv.held_tokens(p.url), router.kv.held_tokens(d.url)) == (0, 116)
+    router.finished(split)
+    assert router.kv.held_tokens(d.url) == 0
