@@ -5,7 +5,7 @@ Times, in this process (no engines, no network):
 - the decision: ``Router.route`` on a one-prompt plan, as the proxy calls it per request
   (candidates from the live measurements, every option of every prefill x decode pair,
   the metric and the route written), with ``--pairs`` prefill and decode engines, once
-  every engine's lines have samples (``_steady_state``);
+  every engine's lines have samples and its KV cache holds routes (``_steady_state``);
 - the prompt-length estimate of a ``--tokens``-token prompt: with the embedded model's
   ``tokenizer.json`` (the ``tokenizers`` library) and from characters.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from disagg.modelgen import build_model
 from disagg.prompts import exact_prompt, load_tokenizer
-from disagg.proxy.backends import Backend, BackendPool
+from disagg.proxy.backends import BackendPool
 from disagg.proxy.config import RoutingConfig
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.promptlen import SAMPLE_CHARS, PromptLength
@@ -39,11 +39,23 @@ def _percentiles(samples: list[float]) -> str:
     return f"p50 {statistics.median(samples) * 1e3:.4f} ms, p90 {q[89] * 1e3:.4f} ms, p99 {q[98] * 1e3:.4f} ms"
 
 
-def _steady_state(router: Router, backends: Sequence[Backend]) -> None:
+#: KV cache each engine declares, and the routes booked on each (what a loaded engine holds)
+KV_CAPACITY_TOKENS, KV_BOOKED = 6144.0, 8
+
+
+def _steady_state(router: Router, pools: Sequence[BackendPool]) -> None:
     """Every line a serving proxy has learned, with samples at several loads: each engine's prefill
     line and busy line, and its time per output token, so the decision asks all of them as it does
-    while serving (the decode lines are what the ``decode_load`` rule compares)."""
+    while serving (the decode lines are what the ``decode_load`` rule compares); and each engine's
+    KV cache size with routes booked in it, so the wait for room is priced as under load."""
     m = router.measurements
+    now = time.perf_counter()
+    backends = [b for pool in pools for b in pool.backends]
+    for pool in pools:
+        for b in pool.backends:
+            pool.set_kv_capacity(b, KV_CAPACITY_TOKENS)
+            for i in range(KV_BOOKED):
+                router.kv.hold(b.url, 2304.0, now + 1.0 + i)
     for b in backends:
         for i in range(12):
             load = 1 + i % 6
@@ -82,7 +94,7 @@ def main() -> int:
                            link_bytes_per_s=1.25e8, handoff_fixed_s=0.016, whole=True,
                            tokenizer=str(model / "tokenizer.json"), **_slo(args.slo))
     router = Router(config, pools[0], pools[1], metrics, local=True)
-    _steady_state(router, [*pools[0].backends, *pools[1].backends])
+    _steady_state(router, pools)
     ids = tok.encode(prompt).ids
     # the decision alone: a prompt of token ids has an exact length that costs nothing to read
     by_ids = GenerationRequest(COMPLETIONS, {"prompt": ids, "max_tokens": 16}, b"{}", {}, "bench")
