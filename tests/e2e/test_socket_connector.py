@@ -34,6 +34,9 @@ LEASE_S = 6
 IO_TIMEOUT_S = 5
 SHORT = "The quick brown fox jumps over the lazy dog. "
 LONG = " ".join(f"Item {i}: the river carries stones, songs and {i % 7} old boats." for i in range(50))
+#: the engines' arguments: no torch.compile, as every engine of the e2e tests (harness.engines.ENGINE_ARGS);
+#: compiling costs each bring-up of this pair about 15 s and changes none of its answers
+PAIR_ARGS = ["-O0"]
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
@@ -63,11 +66,11 @@ def pair(engine_lock: None, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     try:
         p = start_engine("prefill", str(model), 0,
                          kv_config("kv_producer", {"host": "127.0.0.1", "port": kv_port, "kv_lease_duration": LEASE_S}),
-                         env, root)
+                         env, root, args=PAIR_ARGS)
         p.extra.update(kv_port=kv_port, secret=secret)
         engines.append(p)
         d_extra = {"streams": 2, "io_timeout_s": IO_TIMEOUT_S, "peers": [f"127.0.0.1:{kv_port}"]}
-        d = start_engine("decode", str(model), 1, kv_config("kv_consumer", d_extra), env, root)
+        d = start_engine("decode", str(model), 1, kv_config("kv_consumer", d_extra), env, root, args=PAIR_ARGS)
         engines.append(d)
         wait_healthy(engines)
         yield p, d

@@ -27,7 +27,7 @@ import pytest
 from disagg.modelgen import build_model
 from harness.ports import free_port
 from harness.vllm_pair import Engine, metric, start_engine, wait_healthy
-from tests.e2e.test_socket_connector import LONG, SHORT, complete, kv_config, wait_for
+from tests.e2e.test_socket_connector import LONG, PAIR_ARGS, SHORT, complete, kv_config, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -64,11 +64,12 @@ def pair(engine_lock: None, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         p = start_engine("prefill", str(model), 0,
                          kv_config("kv_producer", {"host": "127.0.0.1", "port": kv_port, "kv_lease_duration": LEASE_S,
                                                    "stream_wait_s": STREAM_WAIT_S}),
-                         env, root, prefix_caching=True, args=["--max-num-batched-tokens", str(CHUNK_TOKENS)])
+                         env, root, prefix_caching=True,
+                         args=[*PAIR_ARGS, "--max-num-batched-tokens", str(CHUNK_TOKENS)])
         p.extra.update(kv_port=kv_port, secret=secret)
         engines.append(p)
         d_extra = {"io_timeout_s": IO_TIMEOUT_S, "peers": [f"127.0.0.1:{kv_port}"]}
-        d = start_engine("decode", str(model), 1, kv_config("kv_consumer", d_extra), env, root)
+        d = start_engine("decode", str(model), 1, kv_config("kv_consumer", d_extra), env, root, args=PAIR_ARGS)
         engines.append(d)
         wait_healthy(engines)
         yield p, d
