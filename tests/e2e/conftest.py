@@ -41,6 +41,11 @@ from tests.e2e.conformance import Case, Recorded, build_cases, record
 from tests.e2e.shared_deployment import SharedDeployment
 
 LOCK_PATH = os.environ.get("DISAGG_ENGINE_LOCK", "/tmp/disagg-engines.lock")
+#: the NIXL ``pd`` deployment's ``timeouts.liveness``: test_pd's hung prefill engine is killed and
+#: restarted once it has failed every probe this long. Above the 10-15 s the proxy takes to put it
+#: out of rotation (two timed-out probes), so the proxy sees it hung, not dead; below the default
+#: 30 s, so the test waits 10 s less.
+PD_LIVENESS_S = 20
 #: the session's shared deployment, once a module asked for it
 SHARED: pytest.StashKey[SharedDeployment] = pytest.StashKey()
 
@@ -222,14 +227,15 @@ def pd(request: pytest.FixtureRequest, reference: dict[str, str], e2e_dir: Path,
 
     Started with a foreground `disagg up`, as `make serve` does; the last test stops it with Ctrl-C.
     ``routing: {policy: split}``: the tests of this deployment are about the KV handoff, which
-    the default ``auto`` routing skips for most prompts on one machine.
+    the default ``auto`` routing skips for most prompts on one machine; ``timeouts.liveness``:
+    :data:`PD_LIVENESS_S`.
     """
     _release_shared(request.config)   # a session fixture: set up before a module's own release
     proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
     roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
              f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
     topo = write_topology(e2e_dir / "pd.yaml", tiny_model, proxy_port=proxy_port, roles=roles,
-                          extra=SPLIT_EVERY_PROMPT)
+                          extra=SPLIT_EVERY_PROMPT + f"timeouts: {{liveness: {PD_LIVENESS_S}}}\n")
     run = bring_up_foreground(topo, e2e_dir / "run-pd")
     yield run
     if run.process is not None and run.process.poll() is None:

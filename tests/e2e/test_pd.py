@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from disagg.prometheus_text import sample_label as metric_label
 from disagg.prometheus_text import sample_sum as metric_value
 from disagg.prompts import exact_prompt
+from disagg.topology import load_topology
 from harness.engines import Running, busy_ports, get_text, open_stream, post_json, settled_metrics
 
 pytestmark = pytest.mark.e2e
@@ -153,7 +154,7 @@ def test_a_hung_prefill_falls_back_to_decode_until_liveness_restarts_it(
             - metric_value(before, "disagg_proxy_requests_total", path="split")) == 1
     assert metric_value(after, "disagg_proxy_backend_returns_total", role="prefill") == 1
     print(f"\nhung prefill: out of rotation after {out_of_rotation:.1f} s, serving again after "
-          f"{time.monotonic() - stopped:.1f} s (timeouts.liveness: the default 30 s)")
+          f"{time.monotonic() - stopped:.1f} s (timeouts.liveness: {load_topology(pd.topology).timeouts.liveness:g} s)")
 
 
 def test_ctrl_c_leaves_nothing(pd: Running) -> None:
