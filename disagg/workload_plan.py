@@ -21,9 +21,12 @@ The model (stated in the output):
 
 - **arrivals**: Poisson at ``rate``, each class its weight's share. Where a group of engines
   shares a path (replicas, several prefill engines), requests spread over them as the proxy's
-  pool sends them, to the least loaded engine, round-robin among ties (:func:`_spread`): equally
-  while every engine keeps up with an equal share, else in proportion to what each could serve
-  of the mix alone (:func:`_capacity`);
+  pool sends them, to the engine with the fewest in flight, round-robin among ties (:func:`_spread`):
+  each engine's count in flight taken as Poisson of its rate x the time it holds a request
+  (queue, prefill, decode at its load), the shares where those counts give them back
+  (:func:`least_outstanding_shares`), so an engine that holds requests longer gets fewer even at
+  light load; in proportion to what each could serve of the mix alone (:func:`_capacity`) where
+  those shares would still overload one;
 - **prefill**: each engine's prefills form an M/G/1 queue served at the engine's prefill time
   per class (a stored ``disagg bench`` rate, ``a x n + b x n^2`` where it was probed at two
   prompt lengths, else the spec-sheet estimate; an emulated host only
@@ -31,7 +34,9 @@ The model (stated in the output):
   waiting prefills into every step). Mean wait (Pollaczek-Khinchine)
   ``lambda E[S^2] / (2 (1 - rho))``, ``rho = lambda E[S]``; its distribution taken as
   ``P(wait > t) = rho exp(-t rho / E[wait])`` (a wait with probability rho, exponential beyond):
-  TTFT p50 and the share of a class meeting the TTFT SLO come from it. A split's TTFT adds the
+  TTFT p50 and the share of a class meeting the TTFT SLO come from it. A prefill (and a handed-over
+  request's first step) on an engine that is decoding joins its running batch: it waits out the
+  step in progress and its own step reads the batch's KV (:func:`batch_join`). A split's TTFT adds the
   handoff (:meth:`disagg.planning.LinkEstimate.added_s`: fixed cost, the transfer's exposed part,
   decode's first step) and the link's own M/G/1 wait (the transfers queue on it);
 - **decode**: time per output token on an engine from :func:`disagg.routecost.tpot_with_prefills_s`:
@@ -74,7 +79,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import combinations
+from functools import partial
+from itertools import combinations, product
 from typing import Any, Protocol
 
 from disagg.errors import PlanError
@@ -273,6 +279,18 @@ class EngineLoad:
     own_kv_s_per_byte: float = 0.0
     #: ... and the mean KV of its decoding requests (token-weighted): :meth:`class_tpot_s`
     mean_kv_bytes: float = 0.0
+    #: the chance a new request finds the engine decoding (:func:`batch_join`) ...
+    decoding_p: float = 0.0
+    #: ... and what its first token then waits besides its prefill: the step in progress and its
+    #: own step's read of the running batch's KV
+    join_s: float = 0.0
+
+    def first_step(self) -> list[tuple[float, float]]:
+        """(chance, added seconds) of a new request's first token here: none while the engine is
+        idle, :attr:`join_s` while it decodes."""
+        if self.decoding_p <= 0:
+            return [(1.0, 0.0)]
+        return [(1 - self.decoding_p, 0.0), (self.decoding_p, self.join_s)]
 
     def class_tpot_s(self, kv_bytes: float) -> float:
         """Time per output token of a request holding ``kv_bytes`` of KV on average while it decodes:
@@ -322,17 +340,131 @@ def _capacity(engine: EngineModel, mix: Sequence[Mix], prefills: bool, decodes: 
     return 1.0 / cost if cost > 0 else 1.0
 
 
+def _holding_s(engine: EngineModel, mix: Sequence[Mix], prefills: bool, decodes: bool, rps: float) -> float:
+    """How long a request of ``mix`` stays in flight on ``engine`` (the proxy counts it from its
+    send to its reply's end) when ``rps`` requests a second come to it: its prefill queue's mean
+    M/G/1 wait and its prefill (``prefills``), and its output at the engine's TPOT under that load
+    (``decodes``: :func:`disagg.routecost.tpot_with_prefills_s`); inf where the engine cannot keep up."""
+    busy = busy2 = 0.0
+    if prefills:
+        for m in mix:
+            t = engine.prefill.seconds(m.prompt_tokens)
+            busy += m.share * t
+            busy2 += m.share * t * t
+        if rps * busy >= 1:
+            return math.inf
+    held = busy + (rps * busy2 / (2 * (1 - rps * busy)) if prefills else 0.0)
+    if decodes:
+        tokens = sum(m.share * m.output_tokens for m in mix)
+        if tokens > 0:
+            mean_kv = sum(m.share * m.output_tokens * m.kv_mean_bytes for m in mix) / tokens
+            added = mean_kv * engine.decode.per_kv_byte_s
+            cost = EngineCost(tokens_per_s=1.0, tpot_s=engine.idle_step_s + added, tpot_added_s=added)
+            held += tokens * tpot_with_prefills_s(cost, rps * busy, rps * tokens)
+    return held
+
+
+#: the most requests in flight an engine's count is followed to (:func:`least_outstanding_shares`)
+IN_FLIGHT_CAP = 200.0
+#: rounds of the pool's fixed point (:func:`least_outstanding_shares`)
+POOL_ROUNDS = 60
+
+
+def _poisson(mean: float, top: int) -> list[float]:
+    """P(N = k) for k = 0..top of a Poisson count of ``mean``."""
+    out = [math.exp(-mean)]
+    for k in range(1, top + 1):
+        out.append(out[-1] * mean / k)
+    return out
+
+
+def least_outstanding_picks(in_flight: Sequence[float]) -> list[float]:
+    """The share of arrivals each engine of a pool gets when each goes to the engine with the fewest
+    requests in flight, round-robin (equal shares) among ties (:meth:`disagg.proxy.backends.BackendPool.pick`),
+    and each engine's count is Poisson of its mean ``in_flight`` (a request stays its own time,
+    the others' decode beside it: an infinite-server count), the engines taken as independent."""
+    n = len(in_flight)
+    means = [min(max(x, 0.0), IN_FLIGHT_CAP) for x in in_flight]
+    top = int(max(means) + 10 * math.sqrt(max(means)) + 10)
+    pmf = [_poisson(x, top) for x in means]
+    above = []                                  # P(N > k)
+    for p in pmf:
+        acc, tail = 1.0, []
+        for q in p:
+            acc -= q
+            tail.append(max(acc, 0.0))
+        above.append(tail)
+    picks = []
+    for i in range(n):
+        total = 0.0
+        for k in range(top + 1):
+            if pmf[i][k] < 1e-15:
+                continue
+            ties = [1.0]                        # P(x of the others tie at k, the rest have more)
+            for j in range(n):
+                if j == i:
+                    continue
+                nxt = [0.0] * (len(ties) + 1)
+                for x, w in enumerate(ties):
+                    nxt[x] += w * above[j][k]
+                    nxt[x + 1] += w * pmf[j][k]
+                ties = nxt
+            total += pmf[i][k] * sum(w / (1 + x) for x, w in enumerate(ties))
+        picks.append(total)
+    s = sum(picks)
+    return [p / s for p in picks] if s > 0 else [1.0 / n] * n
+
+
+def least_outstanding_shares(holding: Sequence[Callable[[float], float]], rps: float) -> list[float]:
+    """The shares of ``rps`` requests a second a least-outstanding pool settles at: each engine's
+    mean count in flight is its rate x its holding time at that rate (Little's law; ``holding[i]``
+    maps the engine's rate to it, :func:`_holding_s`), and the shares are where
+    :func:`least_outstanding_picks` of those counts gives them back. An engine that holds its
+    requests longer (a slower prefill, a longer decode) has more in flight when a request comes,
+    so it gets less than an equal share even at light load. Two engines: the first's share by
+    bisection (its picks fall as its share grows); more: the average of the picks round after
+    round (each round's picks at the shares so far, moving them by 1/(round + 2))."""
+    n = len(holding)
+
+    def picks(shares: Sequence[float]) -> list[float]:
+        counts = [rps * s * h(rps * s) for s, h in zip(shares, holding, strict=True)]
+        return least_outstanding_picks([c if math.isfinite(c) else IN_FLIGHT_CAP for c in counts])
+
+    if n == 2:
+        lo, hi = 0.0, 1.0
+        for _ in range(POOL_ROUNDS):
+            mid = (lo + hi) / 2
+            if picks([mid, 1 - mid])[0] > mid:
+                lo = mid
+            else:
+                hi = mid
+            if hi - lo < 1e-6:
+                break
+        mid = (lo + hi) / 2
+        return [mid, 1 - mid]
+    shares = [1.0 / n] * n
+    for k in range(POOL_ROUNDS):
+        step = 1.0 / (k + 2)
+        shares = [(1 - step) * s + step * p for s, p in zip(shares, picks(shares), strict=True)]
+    return shares
+
+
 def _spread(engines: Sequence[EngineModel], mix: Sequence[Mix], prefills: bool, decodes: bool,
             rps: float) -> list[tuple[EngineModel, float]]:
     """How the proxy's pool shares ``rps`` requests a second among ``engines``: each request to the
-    least loaded engine, round-robin among ties (:class:`disagg.proxy.backends.BackendPool`). While
-    every engine keeps up with an equal share, the engines are mostly idle when a request comes,
-    and the shares are equal; beyond, the faster engines free first and take more, taken as
-    shares in proportion to each engine's capacity for the mix."""
+    engine with the fewest requests in flight, round-robin among ties
+    (:class:`disagg.proxy.backends.BackendPool`): :func:`least_outstanding_shares`, which gives a
+    slow engine less than an equal share at any load, since its requests stay longer. Where those
+    shares would still overload an engine (past what it could serve of the mix alone,
+    :func:`_capacity`), the faster engines free first and take the rest: shares in proportion to
+    each engine's capacity."""
+    if len(engines) == 1:
+        return [(engines[0], 1.0)]
     caps = [_capacity(e, mix, prefills, decodes) for e in engines]
-    equal = 1.0 / len(engines)
-    if all(rps * equal < cap for cap in caps):
-        return [(e, equal) for e in engines]
+    shares = least_outstanding_shares(
+        [partial(_holding_s, e, mix, prefills, decodes) for e in engines], rps)
+    if all(rps * s < cap for s, cap in zip(shares, caps, strict=True)):
+        return list(zip(engines, shares, strict=True))
     total = sum(caps)
     return [(e, c / total) for e, c in zip(engines, caps, strict=True)]
 
@@ -445,7 +577,7 @@ def evaluate(mix: Sequence[Mix], rate: float, routes: Routes) -> Outcome:
                                  kv_max_requests=kv_max,
                                  tpot_added_s=added / max(1 - s.prefill_s, 1e-3),
                                  own_kv_s_per_byte=e.decode.per_kv_byte_s / max(1 - s.prefill_s, 1e-3),
-                                 mean_kv_bytes=mean_kv)
+                                 mean_kv_bytes=mean_kv, **batch_join(e.decode, running, mean_kv))
     link_wait = mg1_wait(link_rps, link_busy, link_busy2)
     saturated = [why for load in loads.values() if (why := load.saturated) is not None]
     if link_busy >= 1:
@@ -460,17 +592,40 @@ def evaluate(mix: Sequence[Mix], rate: float, routes: Routes) -> Outcome:
             if path.prefill is None:
                 for e, f in spread(path, "both"):
                     load = loads[e.name]
-                    out.append(Branch(share * f, e.prefill.seconds(m.prompt_tokens), load.wait,
-                                      load.class_tpot_s(m.kv_mean_bytes),
-                                      path.option))
+                    for chance, join in load.first_step():
+                        out.append(Branch(share * f * chance, e.prefill.seconds(m.prompt_tokens) + join, load.wait,
+                                          load.class_tpot_s(m.kv_mean_bytes), path.option))
                 continue
             for p, fp in spread(path, "prefill"):
                 for d, fd in spread(path, "decode"):
                     base = p.prefill.seconds(m.prompt_tokens) + handoffs[(m.name, p.name)]
-                    out.append(Branch(share * fp * fd, base, loads[p.name].wait.plus(link_wait),
-                                      loads[d.name].class_tpot_s(m.kv_mean_bytes), path.option))
+                    # its prefill joins P's running batch (if any), its first step D's
+                    for (cp, jp), (cd, jd) in product(loads[p.name].first_step(), loads[d.name].first_step()):
+                        out.append(Branch(share * fp * fd * cp * cd, base + jp + jd,
+                                          loads[p.name].wait.plus(link_wait),
+                                          loads[d.name].class_tpot_s(m.kv_mean_bytes), path.option))
         branches[m.name] = out
     return Outcome(loads, link_busy, link_wait, branches, tuple(saturated))
+
+
+def batch_join(decode: DecodeLine, running: float, mean_kv_bytes: float) -> dict[str, float]:
+    """What a new request's first token waits for on an engine with ``running`` requests decoding
+    on average (Little's law), each holding ``mean_kv_bytes``: as :class:`EngineLoad`'s
+    ``decoding_p`` and ``join_s``. vLLM runs one step at a time and puts a new prefill (or a
+    handed-over request's first step) into the next step together with the running decodes, so
+    while the engine decodes the request waits out the step in progress (half a step on average)
+    and its own step also reads the batch's KV. The count decoding is taken as Poisson
+    (requests decode side by side): the engine decodes with chance ``p = 1 - exp(-running)``, then
+    ``n = running / p`` requests on average, each step ``fixed + n x KV x per byte``, so
+
+        join = fixed / 2 + 1.5 x n x KV x per byte
+
+    (idle: nothing added; the prefill's own time already holds an idle step)."""
+    if running <= 0 or not math.isfinite(running):
+        return {"decoding_p": 0.0, "join_s": 0.0}
+    p = 1 - math.exp(-running)
+    batch_read = running / p * mean_kv_bytes * decode.per_kv_byte_s
+    return {"decoding_p": p, "join_s": decode.fixed_s / 2 + 1.5 * batch_read}
 
 
 def _kv_per_request(s: _Streams) -> float:
@@ -1007,7 +1162,9 @@ def plan_workload(topo: Topology, classes: Sequence[WorkClass], rate: float, slo
 def describe_model() -> str:
     """The model's statement, printed under every workload plan."""
     return ("Model: Poisson arrivals; per engine an M/G/1 prefill queue (prefill first), its wait taken as "
-            "P(wait > t) = rho exp(-t rho / mean wait); a split adds the handoff (fixed + transfer + decode's "
+            "P(wait > t) = rho exp(-t rho / mean wait); on an engine that is decoding a new request joins the "
+            "running batch (half a step in progress, its own step reading the batch's KV); a pool sends each "
+            "request to the engine with the fewest in flight; a split adds the handoff (fixed + transfer + decode's "
             "first step) and the link's own M/G/1 wait; TPOT = idle step / (1 - prefill share - decode tokens/s "
             "x KV read per request per step) (routecost.tpot_with_prefills_s); a configuration saturates where "
             "an engine's prefills or decode reads take all its time, its requests' KV reaches its capacity, or "

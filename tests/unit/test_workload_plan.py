@@ -27,8 +27,11 @@ from disagg.workload_plan import (
     Layout,
     Mix,
     Wait,
+    batch_join,
     evaluate,
     fixed_routes,
+    least_outstanding_picks,
+    least_outstanding_shares,
     mg1_wait,
     plan_workload,
     predict,
@@ -61,8 +64,9 @@ def test_mg1_wait_is_pollaczek_khinchine_and_unbounded_at_saturation() -> None:
 
 def test_rate_to_utilisation_to_ttft_on_one_engine() -> None:
     """One engine prefilling 1,000 tokens in 0.1 s: at 6 req/s rho is 0.6, the mean wait
-    6 x 0.01 / (2 x 0.4) = 75 ms, and the median TTFT 0.1 s + (mean / rho) ln(2 rho)."""
-    e, m = engine(), mix(out=10)
+    6 x 0.01 / (2 x 0.4) = 75 ms, and the median TTFT 0.1 s + (mean / rho) ln(2 rho). (The
+    requests ask for no output, so no decode batch is there for a prefill to join.)"""
+    e, m = engine(), mix(out=0)
     out = evaluate([m], 6.0, {"c": [(1.0, fixed_routes(Layout(COLOCATED, "x", both=(e,)), [m])["c"][0][1])]})
     load = out.loads["both[0]"]
     assert load.prefill_share == pytest.approx(0.6)
@@ -116,8 +120,13 @@ def test_slo_share_counts_ttft_and_tpot() -> None:
     e, m = engine(), mix(out=10)
     lay = Layout(COLOCATED, "x", both=(e,))
     p = predict(lay, [m], 6.0, parse_slo("ttft=200ms"))
-    # P(TTFT <= 0.2 s) = 1 - rho exp(-(0.2 - 0.1) rho / mean wait)
-    assert p.classes[0].meets == pytest.approx(1 - 0.6 * math.exp(-0.1 * 0.6 / 0.075))
+    # P(TTFT <= 0.2 s) = 1 - rho exp(-(0.2 - 0.1 - join) rho / mean wait), join 0 while the engine is
+    # not decoding and join_s while it is (batch_join)
+    load = p.loads[0]
+    assert 0 < load.decoding_p < 1 and load.join_s > 0
+    meets = sum(chance * (1 - 0.6 * math.exp(-(0.1 - join) * 0.6 / 0.075))
+                for chance, join in ((1 - load.decoding_p, 0.0), (load.decoding_p, load.join_s)))
+    assert p.classes[0].meets == pytest.approx(meets)
     assert p.goodput_rps == pytest.approx(6.0 * p.classes[0].meets)
     strict = predict(lay, [m], 6.0, parse_slo("ttft=10s,tpot=1ms"))     # TPOT above 1 ms: no request meets it
     assert strict.classes[0].meets == 0.0 and strict.goodput_rps == 0.0
@@ -310,18 +319,56 @@ def test_the_json_carries_every_configuration_per_class(tmp_path: Path) -> None:
     assert data["recommendation"]["prefill_hosts"] == ["gamer"]
 
 
-def test_the_pool_shares_equally_while_every_engine_keeps_up_then_by_capacity() -> None:
-    """The proxy's pool sends each request to the least loaded engine, round-robin among ties:
-    at light load a slow replica gets half the requests (a replica pool's TTFT p50 is not the fast
-    box's); once an equal share would overload the slow one, the shares follow capacity."""
+def test_least_outstanding_picks_the_engine_with_fewer_in_flight() -> None:
+    """Each request to the engine with the fewest in flight, round-robin among ties, the counts
+    Poisson: equal means, equal shares; against an engine with one in flight on average, an idle
+    one gets P(N > 0) + P(N = 0) / 2 = 1 - exp(-1) / 2 of the requests."""
+    assert least_outstanding_picks([0.7, 0.7]) == [pytest.approx(0.5), pytest.approx(0.5)]
+    assert least_outstanding_picks([0.0, 1.0])[0] == pytest.approx(1 - math.exp(-1) / 2)
+    three = least_outstanding_picks([0.0, 0.0, 0.0])
+    assert three == [pytest.approx(1 / 3)] * 3
+    # the shares are a fixed point: an engine holding each request 3 s against one holding 1 s
+    shares = least_outstanding_shares([lambda lam: 1.0, lambda lam: 3.0], 1.0)
+    assert shares[0] > 0.5 and sum(shares) == pytest.approx(1.0)
+    assert least_outstanding_picks([shares[0] * 1.0, shares[1] * 3.0])[0] == pytest.approx(shares[0], abs=1e-6)
+
+
+def test_the_pool_gives_the_slow_engine_less_at_any_load_then_shares_by_capacity() -> None:
+    """The proxy's pool sends each request to the engine with the fewest in flight, round-robin
+    among ties: a slow replica holds its requests longer, so even at light load it gets less than
+    half (a replica pool's TTFT p50 leans to the fast box), and less still as its queue grows."""
     fast, slow = engine("both[0]", "a", rate=10_000.0), engine("both[1]", "b", rate=1_000.0)
     m = mix(out=10)                                     # 0.1 s on a, 1 s on b (decode reads ~1e-4 s)
     lay = Layout(REPLICAS, "pool", both=(fast, slow))
-    light = evaluate([m], 1.0, fixed_routes(lay, [m]))
-    assert light.loads["both[0]"].prefill_rps == pytest.approx(0.5)
-    assert light.loads["both[1]"].prefill_rps == pytest.approx(0.5)
-    heavy = evaluate([m], 2.5, fixed_routes(lay, [m]))    # 1.25 req/s would overload b (about 1 req/s)
-    assert heavy.loads["both[0]"].prefill_rps > 5 * heavy.loads["both[1]"].prefill_rps
+    light = evaluate([m], 0.2, fixed_routes(lay, [m]))
+    a, b = light.loads["both[0]"].prefill_rps, light.loads["both[1]"].prefill_rps
+    assert a + b == pytest.approx(0.2) and 0.5 < a / 0.2 < 0.7
+    # an equal 1.25 req/s would overload b (about 1 req/s): its queue keeps more in flight there,
+    # so the pool sends it less, short of its capacity
+    heavy = evaluate([m], 2.5, fixed_routes(lay, [m]))
+    assert heavy.loads["both[1]"].prefill_share < 0.8 and not heavy.saturated
+    assert heavy.loads["both[1]"].prefill_rps / 2.5 < b / 0.2
+
+
+def test_a_new_request_joins_the_running_batch() -> None:
+    """While an engine decodes, a new prefill waits out the step in progress and shares its own step
+    with the batch's KV reads: with 1 request decoding on average (Poisson), the engine decodes with
+    chance 1 - exp(-1), then 1 / (1 - exp(-1)) requests on average; join = fixed / 2 + 1.5 x that x
+    KV x per byte. Idle: nothing added."""
+    line = DecodeLine(0.01, 1e-11, "test")
+    p = 1 - math.exp(-1)
+    got = batch_join(line, 1.0, 1e8)
+    assert got["decoding_p"] == pytest.approx(p)
+    assert got["join_s"] == pytest.approx(0.005 + 1.5 * (1 / p) * 1e8 * 1e-11)
+    assert batch_join(line, 0.0, 1e8) == {"decoding_p": 0.0, "join_s": 0.0}
+    # an engine busy decoding (running >> 1) at a light prefill load (rho 0.1 < 0.5): the median
+    # TTFT is the prefill and the join, no queue wait
+    e, m = engine(), mix(out=100)
+    pred = predict(Layout(COLOCATED, "x", both=(e,)), [m], 1.0, None)
+    load = pred.loads[0]
+    assert load.running > 1 and load.decoding_p > 0.5
+    assert load.join_s == pytest.approx(batch_join(e.decode, load.running, load.mean_kv_bytes)["join_s"])
+    assert pred.classes[0].ttft_p50_s == pytest.approx(0.1 + load.join_s, rel=1e-6)
 
 
 def test_a_prefill_time_measured_at_two_lengths_grows_as_measured() -> None:
