@@ -45,16 +45,21 @@ The model (stated in the output):
   (:func:`disagg.measurements.lookup_decode`), else the active weights and the KV read at the
   engine's memory rate (a GPU's spec sheet, an estimate; a CPU engine's
   :data:`disagg.routecost.FIRST_STEP_CPU_BYTES_PER_S` per pinned core, an estimate fitted to
-  decode's first step), and waits out the prefills computed on the same engine. TPOT is the
-  same for every class on an engine;
+  decode's first step), and waits out the prefills computed on the same engine. A class's TPOT
+  reads its own KV besides the others' (:meth:`EngineLoad.class_tpot_s`); one request's TPOT
+  spreads with the count decoding beside it over its decode (:func:`others_at_most`), which the
+  share meeting a TPOT limit counts (the TPOT p50 is the mean's);
 - **KV memory**: an engine's KV capacity (an emulated host's ``emulate.kv_memory``, the host's
   ``kv_memory_gb``, vLLM's CPU KV space, or a GPU estimate: :func:`disagg.planning.engine_memory`)
   holds at most ``capacity / KV of one conversation (prompt + output)`` requests at once
   ("KV binds: at most N requests at once"); the requests decoding there (Little's law: decode
-  tokens per second x TPOT) and those prefilling or handing off must fit;
+  tokens per second x TPOT) and those prefilling or handing off must fit on average. A prompt
+  waits for room where its KV and the running requests' (a Poisson count per class) exceed it,
+  until one ends (:func:`kv_room_waits`), and holds the engine's prefill queue meanwhile;
 - **saturation**: a configuration saturates where an engine's prefills take all its time
-  (rho >= 1), its decodes' reads leave no time, the KV its requests hold reaches its capacity, or
-  the link's transfers take all its time: it is reported "saturated" (why), with goodput 0;
+  (rho >= 1), its decodes' reads leave no time, the KV its requests hold reaches its capacity or
+  its prompts' waits for room and its prefills hold its queue all the time, or the link's
+  transfers take all its time: it is reported "saturated" (why), with goodput 0;
 - **goodput**: ``rate x`` the share of requests whose TTFT, TPOT (and E2EL) meet the SLO; without
   an SLO, the rate when not saturated. ``saturates at``: the highest rate the configuration
   sustains (bisection on the rate).
@@ -78,7 +83,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import combinations, product
 from typing import Any, Protocol
@@ -226,6 +231,36 @@ class _Streams:
     decode_tps: float = 0.0             # decode tokens per second
     decode_kv: float = 0.0              # decode tokens per second x mean KV per request
     decode_full: float = 0.0            # decode tokens per second x full KV per request
+    #: per class: its decode tokens per second here, its mean KV while decoding, its output tokens
+    decodes: dict[str, tuple[float, float, int]] = field(default_factory=dict)
+    #: per (class, whether they queue for its prefills): requests per second that need room for
+    #: their prompt's KV here (a prefill; a handed-over prompt, which does not queue) and their
+    #: prefill seconds
+    rooms: dict[tuple[str, bool], tuple[float, float]] = field(default_factory=dict)
+
+
+def _add_prefill(s: _Streams, e: EngineModel, lam: float, m: Mix, hold_s: float) -> None:
+    """``lam`` prompts a second of ``m`` prefill on ``e``, holding their KV ``hold_s`` past the prefill."""
+    t = e.prefill.seconds(m.prompt_tokens)
+    s.prefill_rps += lam
+    s.prefill_s += lam * t
+    s.prefill_s2 += lam * t * t
+    s.held_bytes += lam * (t + hold_s) * m.kv_prompt_bytes
+    s.rooms[(m.name, True)] = (s.rooms.get((m.name, True), (0.0, t))[0] + lam, t)
+
+
+def _add_decode(s: _Streams, lam: float, m: Mix) -> None:
+    """``lam`` requests a second of ``m`` decode on the engine of ``s``."""
+    s.decode_tps += lam * m.output_tokens
+    s.decode_kv += lam * m.output_tokens * m.kv_mean_bytes
+    s.decode_full += lam * m.output_tokens * m.kv_full_bytes
+    tps = s.decodes.get(m.name, (0.0, 0.0, 0))[0]
+    s.decodes[m.name] = (tps + lam * m.output_tokens, m.kv_mean_bytes, m.output_tokens)
+
+
+def _add_handed(s: _Streams, lam: float, m: Mix) -> None:
+    """``lam`` prompts a second of ``m`` handed over to the engine of ``s`` (they need room, not its prefill)."""
+    s.rooms[(m.name, False)] = (s.rooms.get((m.name, False), (0.0, 0.0))[0] + lam, 0.0)
 
 
 @dataclass(frozen=True)
@@ -246,6 +281,10 @@ class Wait:
     def plus(self, other: Wait) -> Wait:
         """Two waits in a row, as one of the same form (means add, either may wait)."""
         return Wait(1 - (1 - self.p) * (1 - other.p), self.mean_s + other.mean_s)
+
+
+#: no wait at all
+NO_WAIT = Wait(0.0, 0.0)
 
 
 def mg1_wait(rate: float, busy_s: float, busy_s2: float) -> Wait:
@@ -284,6 +323,15 @@ class EngineLoad:
     #: ... and what its first token then waits besides its prefill: the step in progress and its
     #: own step's read of the running batch's KV
     join_s: float = 0.0
+    #: rate x (prefill + the wait for room in the KV cache) of the prompts queueing here: the share
+    #: of its time its prefill queue is held (>= 1: the queue grows without bound)
+    queue_share: float = 0.0
+    #: per class, the wait for room in its KV cache (:func:`kv_room_waits`)
+    kv_waits: dict[str, Wait] = field(default_factory=dict)
+
+    def kv_wait(self, klass: str) -> Wait:
+        """The wait of a ``klass`` prompt for room in this engine's KV cache (none: no wait)."""
+        return self.kv_waits.get(klass, NO_WAIT)
 
     def first_step(self) -> list[tuple[float, float]]:
         """(chance, added seconds) of a new request's first token here: none while the engine is
@@ -305,6 +353,9 @@ class EngineLoad:
         """Why this engine cannot keep up, or None."""
         if self.prefill_share >= 1:
             return f"{self.engine} on {self.host}: prefills take {self.prefill_share:.0%} of its time"
+        if self.queue_share >= 1:
+            return (f"{self.engine} on {self.host}: KV binds: its prompts wait for room in its KV cache; with its "
+                    f"prefills they hold its queue {self.queue_share:.0%} of the time")
         if math.isinf(self.tpot_s):
             return f"{self.engine} on {self.host}: its prefills and decode reads leave its decodes no time"
         if self.kv_capacity_bytes is not None and self.kv_needed_bytes >= self.kv_capacity_bytes:
@@ -321,7 +372,9 @@ class EngineLoad:
                 "decode_tokens_per_s": self.decode_tps, "tpot_s": _finite(self.tpot_s),
                 "running": _finite(self.running), "kv_needed_bytes": _finite(self.kv_needed_bytes),
                 "kv_capacity_bytes": self.kv_capacity_bytes, "kv_max_requests": self.kv_max_requests,
-                "saturated": self.saturated}
+                "queue_share": _finite(self.queue_share),
+                "kv_wait_mean_s": {k: _finite(w.mean_s) for k, w in self.kv_waits.items()},
+                "decoding_p": self.decoding_p, "join_s": self.join_s, "saturated": self.saturated}
 
 
 def _finite(x: float) -> float | None:
@@ -342,25 +395,25 @@ def _capacity(engine: EngineModel, mix: Sequence[Mix], prefills: bool, decodes: 
 
 def _holding_s(engine: EngineModel, mix: Sequence[Mix], prefills: bool, decodes: bool, rps: float) -> float:
     """How long a request of ``mix`` stays in flight on ``engine`` (the proxy counts it from its
-    send to its reply's end) when ``rps`` requests a second come to it: its prefill queue's mean
-    M/G/1 wait and its prefill (``prefills``), and its output at the engine's TPOT under that load
-    (``decodes``: :func:`disagg.routecost.tpot_with_prefills_s`); inf where the engine cannot keep up."""
-    busy = busy2 = 0.0
-    if prefills:
-        for m in mix:
-            t = engine.prefill.seconds(m.prompt_tokens)
-            busy += m.share * t
-            busy2 += m.share * t * t
-        if rps * busy >= 1:
-            return math.inf
-    held = busy + (rps * busy2 / (2 * (1 - rps * busy)) if prefills else 0.0)
-    if decodes:
-        tokens = sum(m.share * m.output_tokens for m in mix)
-        if tokens > 0:
-            mean_kv = sum(m.share * m.output_tokens * m.kv_mean_bytes for m in mix) / tokens
-            added = mean_kv * engine.decode.per_kv_byte_s
-            cost = EngineCost(tokens_per_s=1.0, tpot_s=engine.idle_step_s + added, tpot_added_s=added)
-            held += tokens * tpot_with_prefills_s(cost, rps * busy, rps * tokens)
+    send to its reply's end) when ``rps`` requests a second come to it (:func:`_engine_load`): its
+    prefill queue's mean wait, its wait for room in the KV cache and its prefill (``prefills``),
+    and its output at its TPOT there (``decodes``); inf where the engine cannot keep up. (A
+    prefill engine's part of a handoff after the prefill is not counted.)"""
+    s = _Streams()
+    for m in mix:
+        if prefills:
+            _add_prefill(s, engine, rps * m.share, m, 0.0)
+        if decodes:
+            _add_decode(s, rps * m.share, m)
+    load = _engine_load(engine, s, {m.name: m.kv_prompt_bytes for m in mix})
+    if load.saturated or math.isinf(load.wait.mean_s):
+        return math.inf
+    held = load.wait.mean_s if prefills else 0.0
+    for m in mix:
+        if prefills:
+            held += m.share * (engine.prefill.seconds(m.prompt_tokens) + load.kv_wait(m.name).mean_s)
+        if decodes:
+            held += m.share * m.output_tokens * load.class_tpot_s(m.kv_mean_bytes)
     return held
 
 
@@ -430,6 +483,10 @@ def least_outstanding_shares(holding: Sequence[Callable[[float], float]], rps: f
         counts = [rps * s * h(rps * s) for s, h in zip(shares, holding, strict=True)]
         return least_outstanding_picks([c if math.isfinite(c) else IN_FLIGHT_CAP for c in counts])
 
+    equal = [1.0 / n] * n
+    at_equal = [rps * s * h(rps * s) for s, h in zip(equal, holding, strict=True)]
+    if all(c == at_equal[0] for c in at_equal):
+        return equal                            # alike engines
     if n == 2:
         lo, hi = 0.0, 1.0
         for _ in range(POOL_ROUNDS):
@@ -442,7 +499,7 @@ def least_outstanding_shares(holding: Sequence[Callable[[float], float]], rps: f
                 break
         mid = (lo + hi) / 2
         return [mid, 1 - mid]
-    shares = [1.0 / n] * n
+    shares = equal
     for k in range(POOL_ROUNDS):
         step = 1.0 / (k + 2)
         shares = [(1 - step) * s + step * p for s, p in zip(shares, picks(shares), strict=True)]
@@ -472,13 +529,24 @@ def _spread(engines: Sequence[EngineModel], mix: Sequence[Mix], prefills: bool, 
 @dataclass(frozen=True)
 class Branch:
     """One way a class's requests go (an engine, or a prefill and a decode engine): its share of
-    the class, its TTFT without queueing, its queue wait and its TPOT."""
+    the class, its TTFT without queueing, its queue wait and its mean TPOT; ``others``, the mean
+    count decoding beside it on its decode engine, each adding ``per_other_s`` to its TPOT
+    (:meth:`tpot_within`)."""
 
     share: float
     base_s: float
     wait: Wait
     tpot_s: float
     option: Option
+    others: float = 0.0
+    per_other_s: float = 0.0
+
+    def tpot_within(self, limit: float) -> float:
+        """The chance its TPOT is at most ``limit``: ``tpot_s + (N - others) x per_other_s`` with N
+        the time-averaged count decoding beside it (:func:`others_at_most`)."""
+        if self.per_other_s <= 0 or self.others <= 0:
+            return 1.0 if self.tpot_s <= limit else 0.0
+        return others_at_most(self.others, self.others + (limit - self.tpot_s) / self.per_other_s)
 
 
 @dataclass(frozen=True)
@@ -516,21 +584,9 @@ def evaluate(mix: Sequence[Mix], rate: float, routes: Routes) -> Outcome:
                                    rps=path_rps[id(path)])
         return spreads[key]
 
-    def add_prefill(e: EngineModel, lam: float, m: Mix, hold_s: float) -> None:
-        s = streams.setdefault(e.name, _Streams())
+    def stream(e: EngineModel) -> _Streams:
         engines[e.name] = e
-        t = e.prefill.seconds(m.prompt_tokens)
-        s.prefill_rps += lam
-        s.prefill_s += lam * t
-        s.prefill_s2 += lam * t * t
-        s.held_bytes += lam * (t + hold_s) * m.kv_prompt_bytes
-
-    def add_decode(e: EngineModel, lam: float, m: Mix) -> None:
-        s = streams.setdefault(e.name, _Streams())
-        engines[e.name] = e
-        s.decode_tps += lam * m.output_tokens
-        s.decode_kv += lam * m.output_tokens * m.kv_mean_bytes
-        s.decode_full += lam * m.output_tokens * m.kv_full_bytes
+        return streams.setdefault(e.name, _Streams())
 
     handoffs: dict[tuple[str, str], float] = {}
     for m in mix:
@@ -540,8 +596,8 @@ def evaluate(mix: Sequence[Mix], rate: float, routes: Routes) -> Outcome:
                 continue
             if path.prefill is None:
                 for e, f in spread(path, "both"):
-                    add_prefill(e, lam * f, m, 0.0)
-                    add_decode(e, lam * f, m)
+                    _add_prefill(stream(e), e, lam * f, m, 0.0)
+                    _add_decode(stream(e), lam * f, m)
                 continue
             assert path.link is not None
             x = m.wire_bytes / path.link.bytes_per_s
@@ -551,33 +607,13 @@ def evaluate(mix: Sequence[Mix], rate: float, routes: Routes) -> Outcome:
             for p, f in spread(path, "prefill"):
                 hand = path.link.added_s(m.wire_bytes, p.prefill.seconds(m.prompt_tokens), path.streaming_layers)
                 handoffs[(m.name, p.name)] = hand
-                add_prefill(p, lam * f, m, hand)
+                _add_prefill(stream(p), p, lam * f, m, hand)
             for d, f in spread(path, "decode"):
-                add_decode(d, lam * f, m)
+                _add_decode(stream(d), lam * f, m)
+                _add_handed(stream(d), lam * f, m)
 
-    loads: dict[str, EngineLoad] = {}
-    for name, s in streams.items():
-        e = engines[name]
-        wait = mg1_wait(s.prefill_rps, s.prefill_s, s.prefill_s2)
-        mean_kv = s.decode_kv / s.decode_tps if s.decode_tps > 0 else 0.0
-        added = mean_kv * e.decode.per_kv_byte_s
-        # a step of the mean request: the fixed part and its own KV; each other request adds its KV
-        cost = EngineCost(tokens_per_s=1.0, tpot_s=e.idle_step_s + added, tpot_added_s=added)
-        tpot = tpot_with_prefills_s(cost, s.prefill_s, s.decode_tps) if s.prefill_s < 1 else math.inf
-        running = s.decode_tps * tpot if s.decode_tps > 0 else 0.0
-        full = s.decode_full / s.decode_tps if s.decode_tps > 0 else 0.0
-        # a prompt waiting in the queue holds no KV yet; one prefilling or handing off does
-        needed = running * full + s.held_bytes if math.isfinite(running) else math.inf
-        per_request = _kv_per_request(s)
-        kv_max = (None if e.kv_capacity_bytes is None or per_request <= 0
-                  else int(e.kv_capacity_bytes // per_request))
-        loads[name] = EngineLoad(engine=name, host=e.host, prefill_rps=s.prefill_rps, prefill_share=s.prefill_s,
-                                 wait=wait, decode_tps=s.decode_tps, tpot_s=tpot, running=running,
-                                 kv_needed_bytes=needed, kv_capacity_bytes=e.kv_capacity_bytes,
-                                 kv_max_requests=kv_max,
-                                 tpot_added_s=added / max(1 - s.prefill_s, 1e-3),
-                                 own_kv_s_per_byte=e.decode.per_kv_byte_s / max(1 - s.prefill_s, 1e-3),
-                                 mean_kv_bytes=mean_kv, **batch_join(e.decode, running, mean_kv))
+    prompt_bytes = {m.name: m.kv_prompt_bytes for m in mix}
+    loads = {name: _engine_load(engines[name], st, prompt_bytes) for name, st in streams.items()}
     link_wait = mg1_wait(link_rps, link_busy, link_busy2)
     saturated = [why for load in loads.values() if (why := load.saturated) is not None]
     if link_busy >= 1:
@@ -593,17 +629,21 @@ def evaluate(mix: Sequence[Mix], rate: float, routes: Routes) -> Outcome:
                 for e, f in spread(path, "both"):
                     load = loads[e.name]
                     for chance, join in load.first_step():
-                        out.append(Branch(share * f * chance, e.prefill.seconds(m.prompt_tokens) + join, load.wait,
-                                          load.class_tpot_s(m.kv_mean_bytes), path.option))
+                        out.append(Branch(share * f * chance, e.prefill.seconds(m.prompt_tokens) + join,
+                                          load.wait.plus(load.kv_wait(m.name)),
+                                          load.class_tpot_s(m.kv_mean_bytes), path.option,
+                                          _finite(load.running) or 0.0, load.tpot_added_s))
                 continue
             for p, fp in spread(path, "prefill"):
                 for d, fd in spread(path, "decode"):
                     base = p.prefill.seconds(m.prompt_tokens) + handoffs[(m.name, p.name)]
                     # its prefill joins P's running batch (if any), its first step D's
                     for (cp, jp), (cd, jd) in product(loads[p.name].first_step(), loads[d.name].first_step()):
-                        out.append(Branch(share * fp * fd * cp * cd, base + jp + jd,
-                                          loads[p.name].wait.plus(link_wait),
-                                          loads[d.name].class_tpot_s(m.kv_mean_bytes), path.option))
+                        waits = (loads[p.name].wait.plus(loads[p.name].kv_wait(m.name)).plus(link_wait)
+                                 .plus(loads[d.name].kv_wait(m.name)))
+                        out.append(Branch(share * fp * fd * cp * cd, base + jp + jd, waits,
+                                          loads[d.name].class_tpot_s(m.kv_mean_bytes), path.option,
+                                          _finite(loads[d.name].running) or 0.0, loads[d.name].tpot_added_s))
         branches[m.name] = out
     return Outcome(loads, link_busy, link_wait, branches, tuple(saturated))
 
@@ -626,6 +666,104 @@ def batch_join(decode: DecodeLine, running: float, mean_kv_bytes: float) -> dict
     p = 1 - math.exp(-running)
     batch_read = running / p * mean_kv_bytes * decode.per_kv_byte_s
     return {"decoding_p": p, "join_s": decode.fixed_s / 2 + 1.5 * batch_read}
+
+
+#: a KV cache's held requests counted one by one up to this many on average, as a normal beyond
+KV_ENUMERATE_MAX = 12.0
+
+
+def _kv_exceeds(rooms: Sequence[float], parts: Sequence[tuple[float, float]]) -> list[float]:
+    """P(the KV held > room) for each of ``rooms``, where each part (mean count, bytes each) is a
+    Poisson count of requests holding that much: their sums enumerated (merged at 1/512 of the
+    largest room) while the requests are few on average, else the sum's normal approximation
+    (mean sum n x kv, variance sum n x kv^2)."""
+    parts = [(min(mean, IN_FLIGHT_CAP), size) for mean, size in parts if mean > 0 and size > 0]
+    if not parts:
+        return [1.0 if r < 0 else 0.0 for r in rooms]
+    if sum(mean for mean, _ in parts) > KV_ENUMERATE_MAX:
+        mu = sum(mean * size for mean, size in parts)
+        sd = math.sqrt(sum(mean * size * size for mean, size in parts))
+        return [0.5 * math.erfc((r - mu) / (sd * math.sqrt(2))) for r in rooms]
+    limit = max(rooms)
+    grain = max(limit, 1.0) / 512
+    states = {0.0: 1.0}
+    over = 0.0                                  # P(held > limit)
+    for mean, size in parts:
+        pmf = _poisson(mean, int(mean + 10 * math.sqrt(mean) + 10))
+        nxt: dict[float, float] = {}
+        for held, p in states.items():
+            below = 0.0
+            for n, q in enumerate(pmf):
+                v = held + n * size
+                if v > limit:
+                    break
+                below += q
+                if q > 1e-12:
+                    key = round(v / grain) * grain
+                    nxt[key] = nxt.get(key, 0.0) + p * q
+            over += p * max(1.0 - below, 0.0)
+        states = nxt
+    return [1.0 if r < 0 else min(1.0, over + sum(p for v, p in states.items() if v > r)) for r in rooms]
+
+
+def kv_room_waits(room_bytes: float, decoding: Sequence[tuple[float, float, float]],
+                  needs: dict[str, float]) -> dict[str, Wait]:
+    """Per class, a prompt's wait for room in an engine's KV cache: vLLM schedules a waiting prompt
+    once its KV (``needs``, bytes) fits beside the running requests' (first come, first served:
+    it holds the prompts behind it). ``room_bytes``: the capacity less what prefills and handoffs
+    hold on average; ``decoding``: per class (mean count decoding, the KV each holds on average,
+    its decode seconds), each count Poisson. A prompt waits with the chance those requests' KV and
+    its own exceed the room, for a running request to end and free its KV: the class that frees it
+    taken in proportion to the KV each holds, and the first of its ``n`` running requests to end,
+    each with a remaining decode uniform over its decode D (their starts are Poisson), after
+    ``D / (n + 1)`` on average (n at its mean)."""
+    held = sum(n * kv for n, kv, _ in decoding)
+    if held <= 0 or not needs:
+        return {k: NO_WAIT for k in needs}
+    frees_s = sum(n * kv * d / (n + 1) for n, kv, d in decoding) / held
+    chances = _kv_exceeds([room_bytes - need for need in needs.values()], [(n, kv) for n, kv, _ in decoding])
+    return {k: Wait(p, p * frees_s) if p > 0 else NO_WAIT for k, p in zip(needs, chances, strict=True)}
+
+
+def _engine_load(e: EngineModel, s: _Streams, prompt_bytes: dict[str, float]) -> EngineLoad:
+    """What the streams ``s`` put on ``e``: its TPOT (:func:`disagg.routecost.tpot_with_prefills_s`),
+    requests decoding (Little's law), KV needed, each class's wait for room in its KV cache
+    (:func:`kv_room_waits`), and the M/G/1 wait of its prefill queue, which a prompt waiting for
+    room holds (``prompt_bytes``: each class's prompt KV)."""
+    mean_kv = s.decode_kv / s.decode_tps if s.decode_tps > 0 else 0.0
+    added = mean_kv * e.decode.per_kv_byte_s
+    # a step of the mean request: the fixed part and its own KV; each other request adds its KV
+    cost = EngineCost(tokens_per_s=1.0, tpot_s=e.idle_step_s + added, tpot_added_s=added)
+    tpot = tpot_with_prefills_s(cost, s.prefill_s, s.decode_tps) if s.prefill_s < 1 else math.inf
+    running = s.decode_tps * tpot if s.decode_tps > 0 else 0.0
+    full = s.decode_full / s.decode_tps if s.decode_tps > 0 else 0.0
+    # a prompt waiting in the queue holds no KV yet; one prefilling or handing off does
+    needed = running * full + s.held_bytes if math.isfinite(running) else math.inf
+    per_request = _kv_per_request(s)
+    kv_max = (None if e.kv_capacity_bytes is None or per_request <= 0
+              else int(e.kv_capacity_bytes // per_request))
+    stretch = e.decode.per_kv_byte_s / max(1 - s.prefill_s, 1e-3)
+    kv_waits: dict[str, Wait] = {}
+    queue_s, queue_s2 = s.prefill_s, s.prefill_s2
+    if e.kv_capacity_bytes is not None and math.isfinite(tpot) and s.decodes:
+        decoding = []                           # (mean count, KV each, decode seconds) per class
+        for tps, kv, tokens in s.decodes.values():
+            class_tpot = tpot + (kv - mean_kv) * stretch
+            decoding.append((tps * class_tpot, kv, tokens * class_tpot))
+        kv_waits = kv_room_waits(e.kv_capacity_bytes - s.held_bytes, decoding,
+                                 {klass: prompt_bytes[klass] for klass, _ in s.rooms})
+        for (klass, queues), (lam, t) in s.rooms.items():
+            kw = kv_waits[klass]
+            if queues:                          # the waiting prompt holds the engine's queue (FCFS)
+                cond = kw.mean_s / kw.p if kw.p > 0 else 0.0
+                queue_s += lam * kw.mean_s
+                queue_s2 += lam * (2 * t * kw.mean_s + 2 * kw.p * cond * cond)
+    return EngineLoad(engine=e.name, host=e.host, prefill_rps=s.prefill_rps, prefill_share=s.prefill_s,
+                      wait=mg1_wait(s.prefill_rps, queue_s, queue_s2), decode_tps=s.decode_tps, tpot_s=tpot,
+                      running=running, kv_needed_bytes=needed, kv_capacity_bytes=e.kv_capacity_bytes,
+                      kv_max_requests=kv_max, tpot_added_s=added / max(1 - s.prefill_s, 1e-3),
+                      own_kv_s_per_byte=stretch, mean_kv_bytes=mean_kv, **batch_join(e.decode, running, mean_kv),
+                      queue_share=queue_s, kv_waits=kv_waits)
 
 
 def _kv_per_request(s: _Streams) -> float:
@@ -679,25 +817,59 @@ def _weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
     return pairs[-1][1]
 
 
+#: the most requests overlapping a decode counted by the Irwin-Hall sum (:func:`others_at_most`)
+IRWIN_HALL_MAX = 12
+
+
+def _irwin_hall_cdf(k: int, x: float) -> float:
+    """P(the sum of ``k`` uniforms on [0, 1] <= x)."""
+    if x <= 0:
+        return 1.0 if k == 0 else 0.0
+    if x >= k:
+        return 1.0
+    if k > IRWIN_HALL_MAX:                      # a normal, mean k/2, variance k/12
+        return 0.5 * math.erfc(-(x - k / 2) / math.sqrt(k / 6))
+    total = sum((1 if j % 2 == 0 else -1) * math.comb(k, j) * (x - j) ** k for j in range(math.floor(x) + 1))
+    return min(max(total / math.factorial(k), 0.0), 1.0)
+
+
+def others_at_most(running: float, x: float) -> float:
+    """The chance that a decoding request shares its steps with at most ``x`` others on average over
+    its decode, where ``running`` requests decode on the engine on average (Poisson arrivals). Taking
+    every decode as long as its own (D): the others overlapping it are those arriving within D
+    before or after its start, a Poisson count of mean 2 x running, each beside it for a share of
+    its decode uniform on [0, 1]; so the time-averaged count is a sum of that many uniforms (mean
+    ``running``, variance 2/3 x ``running``), not the count at its start (variance ``running``)."""
+    if x < 0:
+        return 0.0
+    if running <= 0:
+        return 1.0
+    mean = 2 * running
+    top = int(mean + 10 * math.sqrt(mean) + 10)
+    pmf = _poisson(min(mean, 2 * IN_FLIGHT_CAP), top)
+    return min(1.0, sum(q * _irwin_hall_cdf(k, x) for k, q in enumerate(pmf) if q > 1e-12))
+
+
 def predict_class(m: Mix, branches: Sequence[Branch], slo: Objective | None) -> ClassPrediction:
     """TTFT p50, TPOT p50 and the share meeting ``slo`` of one (not saturated) class."""
     total = sum(b.share for b in branches) or 1.0
     routes: dict[str, float] = {}
     for b in branches:
         routes[str(b.option)] = routes.get(str(b.option), 0.0) + b.share / total
-    norm = [Branch(b.share / total, b.base_s, b.wait, b.tpot_s, b.option) for b in branches]
+    norm = [replace(b, share=b.share / total) for b in branches]
     meets = 0.0
     for b in norm:
         bound = math.inf
+        within = 1.0
         if slo is not None:
-            if slo.tpot is not None and b.tpot_s > slo.tpot:
-                continue
+            if slo.tpot is not None:
+                within = b.tpot_within(slo.tpot)
             if slo.ttft is not None:
                 bound = slo.ttft
             if slo.e2el is not None:
                 bound = min(bound, slo.e2el - max(m.output_tokens - 1, 0) * b.tpot_s)
-        meets += b.share * (1.0 if math.isinf(bound) else
-                            0.0 if bound < b.base_s else 1 - b.wait.exceeds(bound - b.base_s))
+        meets += b.share * within * (1.0 if math.isinf(bound) else
+                                     0.0 if bound < b.base_s else 1 - b.wait.exceeds(bound - b.base_s))
     return ClassPrediction(m.name, _quantile(norm, 0.5), _weighted_median([(b.share, b.tpot_s) for b in norm]),
                            meets, routes)
 
@@ -1163,11 +1335,14 @@ def describe_model() -> str:
     """The model's statement, printed under every workload plan."""
     return ("Model: Poisson arrivals; per engine an M/G/1 prefill queue (prefill first), its wait taken as "
             "P(wait > t) = rho exp(-t rho / mean wait); on an engine that is decoding a new request joins the "
-            "running batch (half a step in progress, its own step reading the batch's KV); a pool sends each "
-            "request to the engine with the fewest in flight; a split adds the handoff (fixed + transfer + decode's "
-            "first step) and the link's own M/G/1 wait; TPOT = idle step / (1 - prefill share - decode tokens/s "
-            "x KV read per request per step) (routecost.tpot_with_prefills_s); a configuration saturates where "
-            "an engine's prefills or decode reads take all its time, its requests' KV reaches its capacity, or "
+            "running batch (half a step in progress, its own step reading the batch's KV); a prompt waits for "
+            "room in a KV cache the running requests fill (Poisson counts) until one ends, holding the queue; "
+            "a pool sends each request to the engine with the fewest in flight; a split adds the handoff "
+            "(fixed + transfer + decode's first step) and the link's own M/G/1 wait; TPOT = idle step / "
+            "(1 - prefill share - decode tokens/s x KV read per request per step) "
+            "(routecost.tpot_with_prefills_s), each request's spread with the requests decoding beside it; a "
+            "configuration saturates where an engine's prefills or decode reads take all its time, its "
+            "requests' KV reaches its capacity, its prompts' waits for room hold its queue all the time, or "
             "the link's transfers take all its time (goodput 0). auto: the router's own costs "
             f"(routecost.option_costs, stall weight {STALL_WEIGHT:g}) at the load its choices make. Not modelled: "
             "preemption, prefix cache, the proxy's exploration; figures near saturation are the roughest.")

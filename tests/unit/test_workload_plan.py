@@ -30,9 +30,11 @@ from disagg.workload_plan import (
     batch_join,
     evaluate,
     fixed_routes,
+    kv_room_waits,
     least_outstanding_picks,
     least_outstanding_shares,
     mg1_wait,
+    others_at_most,
     plan_workload,
     predict,
     saturation_rate,
@@ -369,6 +371,61 @@ def test_a_new_request_joins_the_running_batch() -> None:
     assert load.running > 1 and load.decoding_p > 0.5
     assert load.join_s == pytest.approx(batch_join(e.decode, load.running, load.mean_kv_bytes)["join_s"])
     assert pred.classes[0].ttft_p50_s == pytest.approx(0.1 + load.join_s, rel=1e-6)
+
+
+def test_a_prompt_waits_for_room_in_a_full_kv_cache() -> None:
+    """vLLM schedules a prompt once its KV fits beside the running requests': with a Poisson count of
+    mean 1 decoding, each holding 6 units of a 10-unit room, a 5-unit prompt waits when one or more
+    run (1 - e^-1), a 3-unit one when two or more do (1 - 2/e); until the first running one ends,
+    its remaining decode uniform over its 8 s: 8 / (1 + 1) s with one running on average."""
+    waits = kv_room_waits(10.0, [(1.0, 6.0, 8.0)], {"big": 5.0, "small": 3.0, "none": 0.0})
+    assert waits["big"].p == pytest.approx(1 - math.exp(-1))
+    assert waits["big"].mean_s == pytest.approx((1 - math.exp(-1)) * 4.0)
+    assert waits["small"].p == pytest.approx(1 - 2 * math.exp(-1))
+    assert waits["none"].p == pytest.approx(1 - 2 * math.exp(-1))         # 2 or more: 12 > 10
+    assert kv_room_waits(10.0, [], {"big": 5.0})["big"] == Wait(0.0, 0.0)
+    # many requests at once: the normal approximation of the held sum (mean 40, sd sqrt(20 x 4)),
+    # the first of 20 to end after 1 / 21 of a decode
+    many = kv_room_waits(40.0, [(20.0, 2.0, 1.0)], {"x": 0.0})["x"]
+    assert many.p == pytest.approx(0.5) and many.mean_s == pytest.approx(0.5 / 21)
+
+
+def test_a_prompt_waiting_for_room_holds_the_engine_s_queue() -> None:
+    """A prompt that waits for room holds the prompts behind it (first come, first served): the same
+    engine with a KV cache that fills has a longer prefill queue, and each class's TTFT carries its
+    own wait for room besides."""
+    m = mix(out=100)
+    lay_free = Layout(COLOCATED, "x", both=(engine(),))
+    lay_full = Layout(COLOCATED, "x", both=(engine(kv=400e6),))         # 3 conversations of 110 MB
+    free = evaluate([m], 3.0, fixed_routes(lay_free, [m]))
+    full = evaluate([m], 3.0, fixed_routes(lay_full, [m]))
+    load = full.loads["both[0]"]
+    assert 0 < load.kv_wait("c").p < 1
+    assert load.queue_share > load.prefill_share
+    assert load.wait.mean_s > free.loads["both[0]"].wait.mean_s
+    assert all(b.wait.p >= load.kv_wait("c").p for b in full.branches["c"])
+    assert not free.loads["both[0]"].kv_waits or free.loads["both[0]"].kv_wait("c") == Wait(0.0, 0.0)
+
+
+def test_a_request_s_tpot_spreads_with_the_requests_beside_it() -> None:
+    """A request's TPOT is its steps' mean: the others overlapping its decode are a Poisson count of
+    mean 2 x running, each beside it for a uniform share of it, so the share meeting a TPOT limit
+    at the mean TPOT is about a half, not all or nothing."""
+    assert others_at_most(1.0, 0.0) == pytest.approx(math.exp(-2))          # nobody overlaps it
+    assert others_at_most(1.0, 50.0) == pytest.approx(1.0)
+    assert others_at_most(0.0, 0.0) == 1.0 and others_at_most(1.0, -0.1) == 0.0
+    # k overlapping (Poisson, mean 2) are beside it for at most half its decode in all with the
+    # Irwin-Hall chance 0.5^k / k!
+    half = sum(math.exp(-2) * 2**k / math.factorial(k) * 0.5**k / math.factorial(k) for k in range(30))
+    assert others_at_most(1.0, 0.5) == pytest.approx(half)
+    e, m = engine(), mix(out=100)
+    lay = Layout(COLOCATED, "x", both=(e,))
+    mean = predict(lay, [m], 1.0, None)
+    tpot, load = mean.classes[0].tpot_p50_s, mean.loads[0]
+    assert tpot is not None and load.running > 1
+    at_mean = predict(lay, [m], 1.0, parse_slo(f"tpot={tpot * 1000}ms")).classes[0].meets
+    assert at_mean == pytest.approx(others_at_most(load.running, load.running))
+    assert 0.4 < at_mean < 0.6
 
 
 def test_a_prefill_time_measured_at_two_lengths_grows_as_measured() -> None:
