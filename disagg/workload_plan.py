@@ -88,6 +88,8 @@ from functools import partial
 from itertools import combinations, product
 from typing import Any, Protocol
 
+import numpy as np
+
 from disagg.errors import PlanError
 from disagg.kvmath import ModelArch, resolve_model
 from disagg.measurements import NO_CONNECTOR, engine_words, lookup_decode
@@ -672,11 +674,16 @@ def batch_join(decode: DecodeLine, running: float, mean_kv_bytes: float) -> dict
 KV_ENUMERATE_MAX = 12.0
 
 
+#: the grid a KV cache's held bytes are counted on (:func:`_kv_exceeds`): this many steps up to the room
+KV_GRID = 1024
+
+
 def _kv_exceeds(rooms: Sequence[float], parts: Sequence[tuple[float, float]]) -> list[float]:
     """P(the KV held > room) for each of ``rooms``, where each part (mean count, bytes each) is a
-    Poisson count of requests holding that much: their sums enumerated (merged at 1/512 of the
-    largest room) while the requests are few on average, else the sum's normal approximation
-    (mean sum n x kv, variance sum n x kv^2)."""
+    Poisson count of requests holding that much: the sum's distribution on a grid of
+    :data:`KV_GRID` steps up to the largest room (each size rounded to a step, at least one) while
+    the requests are few on average, else its normal approximation (mean sum n x kv, variance sum
+    n x kv^2)."""
     parts = [(min(mean, IN_FLIGHT_CAP), size) for mean, size in parts if mean > 0 and size > 0]
     if not parts:
         return [1.0 if r < 0 else 0.0 for r in rooms]
@@ -685,25 +692,22 @@ def _kv_exceeds(rooms: Sequence[float], parts: Sequence[tuple[float, float]]) ->
         sd = math.sqrt(sum(mean * size * size for mean, size in parts))
         return [0.5 * math.erfc((r - mu) / (sd * math.sqrt(2))) for r in rooms]
     limit = max(rooms)
-    grain = max(limit, 1.0) / 512
-    states = {0.0: 1.0}
-    over = 0.0                                  # P(held > limit)
+    if limit < 0:
+        return [1.0 for _ in rooms]
+    grain = max(limit, 1e-9) / KV_GRID
+    dist = np.zeros(KV_GRID + 1)
+    dist[0] = 1.0
     for mean, size in parts:
-        pmf = _poisson(mean, int(mean + 10 * math.sqrt(mean) + 10))
-        nxt: dict[float, float] = {}
-        for held, p in states.items():
-            below = 0.0
-            for n, q in enumerate(pmf):
-                v = held + n * size
-                if v > limit:
-                    break
-                below += q
-                if q > 1e-12:
-                    key = round(v / grain) * grain
-                    nxt[key] = nxt.get(key, 0.0) + p * q
-            over += p * max(1.0 - below, 0.0)
-        states = nxt
-    return [1.0 if r < 0 else min(1.0, over + sum(p for v, p in states.items() if v > r)) for r in rooms]
+        step = max(1, round(size / grain))
+        counts = min(KV_GRID // step, int(mean + 10 * math.sqrt(mean) + 10))
+        held = np.zeros(KV_GRID + 1)
+        for n, q in enumerate(_poisson(mean, counts)):
+            if q > 1e-13:
+                held[n * step:] += q * dist[:KV_GRID + 1 - n * step]
+        dist = held
+    below = np.cumsum(dist)
+    return [1.0 if r < 0 else min(1.0, max(0.0, 1.0 - float(below[min(KV_GRID, math.floor(r / grain))])))
+            for r in rooms]
 
 
 def kv_room_waits(room_bytes: float, decoding: Sequence[tuple[float, float, float]],
