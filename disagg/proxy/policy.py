@@ -86,17 +86,24 @@ decodes it; :func:`disagg.routecost.running_harm`). Chances come from a distribu
 safety margin: the observed value is the prediction times a log-normal error of the typical
 size the proxy has measured of its own predictions so far (``disagg_route_ttft_error_ratio``,
 ``disagg_route_tpot_error_ratio``; :data:`~disagg.routecost.DEFAULT_PREDICTION_ERROR` before
-any). When no option gives this prompt an even chance, the same count picks the one that
-harms the fewest others. Options within :data:`SLO_TIE` of the best count go by the score
-above. An engine without a decode line yet (nothing streamed through it) is judged by TTFT
-alone and harms nobody. Exploration and the ``whole`` rules are unchanged.
+any). When no option gives this prompt an even chance, the count no longer tells the options
+apart: the running decodes an option would push past the objective may be past it already (a
+saturated engine whose queued prompts raise its decode line above the objective harms nobody
+by that count, so every hopeless prompt looked free there: on the emulated house at 1-1.5
+requests/s, 51-69% of the prompts went to prefill on the slow host, behind a queue of 24-37 s).
+The score above decides then, as without an SLO: its own predicted TTFT plus the delay it
+imposes on the others (the decodes it stalls, the prompts it holds up, its decode work).
+Otherwise, options within :data:`SLO_TIE` of the best count go by the score above. An engine
+without a decode line yet (nothing streamed through it) is judged by TTFT alone and harms
+nobody. Exploration and the ``whole`` rules are unchanged.
 
 Reasons (the ``reason`` label of ``disagg_route_total``): ``policy`` for the
 static policies, ``predicted`` for an ``auto`` choice, ``explore`` for an
 ``auto`` exploration, ``decode_backlog`` / ``decode_load`` for ``whole``, and ``no_prefill`` /
 ``no_decode`` when a pool has no healthy engine; with an SLO, ``slo`` for a choice that gives
 the prompt at least an even chance of meeting it, ``slo_missed`` for one that does not (the
-option that harms the others least).
+option that harms the others least by the count, or, where none gives it an even chance, by
+the score).
 """
 
 from __future__ import annotations
@@ -210,9 +217,14 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
                              tpot_error=tpot_error), o, op, od) for o, op, od in every]
         # the most requests expected to meet the SLO; among options within a hundredth of a
         # request of that, the lowest score (what the policy chooses without an SLO)
-        top = max(v.good for v, *_ in judged)
-        value, opt, p, d = min((t for t in judged if t[0].good >= top - SLO_TIE),
-                               key=lambda t: score_order(t[1]))
+        if max(v.own for v, *_ in judged) < 0.5:
+            # no option gives it an even chance: the count no longer tells them apart (the decodes
+            # an option would harm may be lost already), so the score decides (module doc)
+            value, opt, p, d = min(judged, key=lambda t: score_order(t[1]))
+        else:
+            top = max(v.good for v, *_ in judged)
+            value, opt, p, d = min((t for t in judged if t[0].good >= top - SLO_TIE),
+                                   key=lambda t: score_order(t[1]))
         reason = "slo" if value.own >= 0.5 else "slo_missed"
         tpot = value.tpot_s
     if stale is not None:

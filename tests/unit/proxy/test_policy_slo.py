@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -25,7 +26,9 @@ from disagg.routecost import (
     Option,
     ServiceObjective,
     meet_probability,
+    option_costs,
     running_harm,
+    slo_value,
 )
 
 KV_PER_TOKEN = 32 * 1024.0
@@ -86,11 +89,33 @@ def test_with_a_tight_ttft_objective_the_prompt_is_served_where_it_meets_it() ->
     assert chosen.path is Option.LOCAL and chosen.reason == "slo"
 
 
-def test_when_no_path_meets_the_prompts_objective_it_harms_the_fewest_others() -> None:
-    """A 10 ms TTFT objective no path meets: the prompt goes where its prefill stalls nobody."""
+def test_when_no_path_meets_the_prompts_objective_the_score_decides() -> None:
+    """A 10 ms TTFT objective no path meets: the prompt goes where auto without an SLO sends it,
+    whatever the count of decodes each option would harm says (here, with the stall unweighted,
+    the decode engine's local prefill, which the count would avoid for its ten decodes)."""
     slo = ServiceObjective(ttft_s=0.010, tpot_s=0.025)
-    chosen = route(1000, IDLE_P, BUSY_D, SLOW_LINK, stall_weight=0.0, slo=slo, ttft_error=0.1, tpot_error=0.1)
-    assert chosen.path is Option.SPLIT and chosen.reason == "slo_missed"
+    for weight in (0.0, 1.0):
+        chosen = route(1000, IDLE_P, BUSY_D, SLOW_LINK, stall_weight=weight, slo=slo, ttft_error=0.1,
+                       tpot_error=0.1)
+        assert chosen.reason == "slo_missed"
+        assert chosen.path is route(1000, IDLE_P, BUSY_D, SLOW_LINK, stall_weight=weight).path
+    assert route(1000, IDLE_P, BUSY_D, SLOW_LINK, stall_weight=0.0, slo=slo).path is Option.LOCAL
+
+
+def test_a_saturated_engine_does_not_look_free_to_a_hopeless_prompt() -> None:
+    """The decode engine's line is far past the TPOT objective (its queue of prompts), so by the
+    count its decodes cannot be harmed any more, while a prefill on the prefill engine would push
+    its four decodes past it; the prompt meets its TTFT objective nowhere. The count alone sends
+    it to prefill behind the slow engine's queue (which only grows); the score splits it."""
+    saturated = EngineCost(tokens_per_s=300.0, queued_tokens=9000.0, running=8, waiting=6, tpot_s=0.2,
+                           tpot_added_s=0.01)
+    decoding_p = replace(IDLE_P, running=4)
+    slo = ServiceObjective(ttft_s=0.5, tpot_s=0.031)
+    judged = {o.path: slo_value(o, 2048, decoding_p, saturated, 16, slo, ttft_error=0.1, tpot_error=0.1)
+              for o in option_costs(2048, 0.0, decoding_p, saturated, SLOW_LINK, stall_weight=1.0)}
+    assert judged[Option.LOCAL].good > judged[Option.SPLIT].good + 1      # what the count alone prefers
+    chosen = route(2048, decoding_p, saturated, SLOW_LINK, slo=slo, ttft_error=0.1, tpot_error=0.1)
+    assert chosen.reason == "slo_missed" and chosen.path is Option.SPLIT
 
 
 def test_an_slo_without_decode_lines_judges_by_ttft_alone() -> None:
