@@ -37,17 +37,24 @@ NO_PREFIX_CACHE_ARGS = ENGINE_ARGS[:-1] + ', "--no-enable-prefix-caching"]'
 
 
 def down_problems(run: Running, model: Path) -> list[str]:
-    """`disagg down` of ``run``: what it left (processes of the run, its ports, its state file, any
-    engine on ``model``); [] when nothing."""
+    """`disagg down` of ``run``: what it left (processes of the run, its detached supervisor, its
+    ports, its state file, any engine on ``model``); [] when nothing."""
     procs = run.process_tree()
     try:
-        ports = [r.port for r in run.state().processes]
+        state = run.state()
     except (OSError, StateError) as exc:
         return [f"no state to take down: {exc}"]
+    ports = [r.port for r in state.processes]
     problems = [] if len(procs) >= 3 else [f"engines and proxy were not all running before down: {procs}"]
+    try:
+        procs.append(psutil.Process(state.up_pid))   # `up --detach`'s supervisor: `down` asks it to stop
+    except psutil.Error:
+        problems.append(f"the supervisor (pid {state.up_pid}) was not running before down")
     done = run.down()
     if done.returncode != 0:
         problems.append(f"disagg down exited {done.returncode}: {done.stderr[-2000:]}")
+    if "still owns this run; asking it to stop" not in done.stdout:
+        problems.append(f"disagg down did not stop the supervisor first: {done.stdout[-2000:]}")
     _, alive = psutil.wait_procs(procs, timeout=10)
     if alive:
         problems.append(f"left running after disagg down: {[p.pid for p in alive]}")
