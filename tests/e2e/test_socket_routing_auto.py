@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from disagg.prometheus_text import sample_sum
+from disagg.prometheus_text import sample_label, sample_sum
 from disagg.prompts import exact_prompt
 from harness.engines import (
     Running,
@@ -80,6 +80,18 @@ def test_every_prompt_was_routed_and_named(auto_pd: Running) -> None:
     auto_reasons = ("predicted", "explore", "decode_backlog", "decode_load")
     assert sum(routed(after, reason=r) - routed(before, reason=r) for r in auto_reasons) == 2
     assert routed(after, reason="predicted") >= 1
+
+
+def test_the_proxy_knows_each_engines_kv_cache_size(auto_pd: Running) -> None:
+    """The wait for room in a full KV cache is priced with each engine's own cache size, which the
+    proxy reads from the engine's metrics as the engine comes into service."""
+    proxy = get_text(auto_pd.proxy_url + "/metrics")
+    for name, url in auto_pd.engines.items():
+        engine = get_text(url + "/metrics")
+        blocks = int(sample_label(engine, "vllm:cache_config_info", "num_gpu_blocks") or 0)
+        size = int(sample_label(engine, "vllm:cache_config_info", "block_size") or 0)
+        assert blocks * size > 0, name
+        assert sample_sum(proxy, "disagg_proxy_backend_kv_capacity_tokens", url=url) == blocks * size, name
 
 
 def test_a_backed_up_decode_engine_sends_a_prompt_whole_to_the_idle_prefill_engine(
