@@ -75,7 +75,7 @@ from disagg.launch.state import (
     save_state,
 )
 from disagg.launch.supervisor import Supervisor
-from disagg.launch.tracked import ABORT_GRACE_S, OWN_LOG_LINE, HealthCheck, TrackedProcesses
+from disagg.launch.tracked import OWN_LOG_LINE, HealthCheck, TrackedProcesses
 from disagg.linkemu import EmulatedLink, remove_namespace
 from disagg.modelgen import ensure_model
 from disagg.paths import LOGS, PROXY_LOG, host_log, host_run_dir, run_path
@@ -274,7 +274,7 @@ class Launcher:
             self.state = LauncherState.STOPPING
             self.say("interrupted: stopping everything that was started" if isinstance(exc, KeyboardInterrupt)
                       else "startup failed: stopping everything that was started")
-            self.stop(grace=min(self.topo.timeouts.shutdown_grace, ABORT_GRACE_S))
+            self.stop(grace=min(self.topo.timeouts.shutdown_grace, processes.ABORT_GRACE_S))
             raise
         self.state = LauncherState.RUNNING
         return self.run

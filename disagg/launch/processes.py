@@ -44,6 +44,11 @@ LOG_TAIL_LINES = 30
 SSH_FAILED = 255
 #: how long the last SIGKILL may take to clear a group before stopping reports a failure
 KILL_WAIT_S = 10.0
+#: SIGTERM -> SIGKILL where nothing is served, so there is nothing to drain: start-up abandoned
+#: (Ctrl-C, an engine failed), or a group whose leader has exited (an engine's API server gone:
+#: its engine core and workers serve nobody, and one still loading outlived SIGTERM, so `disagg
+#: down` waited the whole shutdown grace, 20 s, for it)
+ABORT_GRACE_S = 2.0
 
 
 class Liveness(enum.Enum):
@@ -333,11 +338,13 @@ def kill_local(rec: ProcessRecord, members: list[psutil.Process]) -> None:
 
 
 def stop_local(rec: ProcessRecord, grace: float, hurry: Callable[[], bool] | None = None) -> StopOutcome:
-    """SIGTERM the engine's group, session and descendants, wait up to ``grace`` s
-    (less once ``hurry()`` is true), then SIGKILL what is left."""
+    """SIGTERM the engine's group, session and descendants, wait up to ``grace`` s (at most
+    :data:`ABORT_GRACE_S` when its leader has exited already; less once ``hurry()`` is true),
+    then SIGKILL what is left."""
     outcome, members = terminate_local(rec)
     if members:
-        kill_local(rec, _wait_members(members, grace, hurry))
+        wait = grace if outcome.leader_running else min(grace, ABORT_GRACE_S)
+        kill_local(rec, _wait_members(members, wait, hurry))
     return outcome
 
 

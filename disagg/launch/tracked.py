@@ -26,9 +26,6 @@ from disagg.launch.health import http_status
 from disagg.launch.state import ProcessRecord
 from disagg.topology import Timeouts
 
-#: SIGTERM -> SIGKILL when start-up is abandoned (Ctrl-C, an engine failed) or a dead leader's
-#: group is swept: nothing is served there, so there is nothing to drain
-ABORT_GRACE_S = 2.0
 #: how long to wait for the exit status of a local leader seen dead: a multi-threaded process
 #: killed by a signal is a zombie a while before waitpid reports it (2.4 s measured for 3 GB, 49 threads)
 REAP_WAIT_S = 10.0
@@ -94,7 +91,7 @@ class TrackedProcesses:
 
         False when it could not be stopped (its host does not answer over ssh, or something
         survived SIGKILL)."""
-        grace = 0.0 if kill else min(self._timeouts.shutdown_grace, ABORT_GRACE_S)
+        grace = 0.0 if kill else min(self._timeouts.shutdown_grace, processes.ABORT_GRACE_S)
         try:
             outcome = processes.stop_process(dead, grace, ssh_timeout=self._timeouts.ssh_check)
         except LaunchError as exc:

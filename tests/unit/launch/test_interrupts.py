@@ -158,7 +158,7 @@ def test_a_second_signal_while_stopping_kills_at_once(tmp_path: Path, trees: Sta
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """With a 60 s grace an interrupted start-up still stops within 5 s: the start-up grace is
     capped, and a second Ctrl-C during the stop sends SIGKILL at once."""
-    monkeypatch.setattr(launcher_mod, "ABORT_GRACE_S", 60.0)
+    monkeypatch.setattr(processes, "ABORT_GRACE_S", 60.0)
     sent = _sigint_when(_trees_up(trees, 2))
     main_thread = threading.main_thread().ident
     returned = threading.Event()

@@ -48,6 +48,21 @@ def test_a_sigkilled_leader_leaves_its_group_running_and_stop_sweeps_it(tmp_path
         kill_all(tree)
 
 
+def test_a_dead_leaders_group_gets_no_more_than_the_abort_grace(tmp_path: Path) -> None:
+    """Nothing is served by a group whose leader (the API server) has exited, so its stubborn child
+    (one ignores SIGTERM, as a loading engine core did) is SIGKILLed after ABORT_GRACE_S, not
+    after the shutdown grace asked for (60 s here)."""
+    rec, tree = start_tree(tmp_path)
+    try:
+        _sigkill_leader(rec)
+        started = time.monotonic()
+        processes.stop_process(rec, grace=60.0)
+        assert time.monotonic() - started < processes.ABORT_GRACE_S + processes.KILL_WAIT_S
+        wait_until(lambda: running(tree) == [], 5, "the whole tree gone after stop_process")
+    finally:
+        kill_all(tree)
+
+
 def test_a_running_leader_is_stopped_with_everything_it_started(tmp_path: Path) -> None:
     rec, tree = start_tree(tmp_path)
     try:
