@@ -46,8 +46,7 @@ SSH_FAILED = 255
 KILL_WAIT_S = 10.0
 #: SIGTERM -> SIGKILL where nothing is served, so there is nothing to drain: start-up abandoned
 #: (Ctrl-C, an engine failed), or a group whose leader has exited (an engine's API server gone:
-#: its engine core and workers serve nobody, and one still loading outlived SIGTERM, so `disagg
-#: down` waited the whole shutdown grace, 20 s, for it)
+#: its engine core and workers serve nobody)
 ABORT_GRACE_S = 2.0
 
 
