@@ -17,6 +17,7 @@ import textwrap
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,21 +66,27 @@ class Running:
     def process_tree(self) -> list[psutil.Process]:
         """Every live process of this run (recorded pids and their descendants); none when the
         run has no state file any more."""
-        procs: list[psutil.Process] = []
         try:
             records = self.state().processes
         except (OSError, StateError):
-            return procs
-        for rec in records:
-            try:
-                root = psutil.Process(rec.pid)
-                procs += [root, *root.children(recursive=True)]
-            except psutil.Error:
-                continue
-        return procs
+            return []
+        return process_trees(rec.pid for rec in records)
 
     def down(self) -> subprocess.CompletedProcess[str]:
         return disagg("down", str(self.topology), "--run-dir", str(self.run_dir), timeout=180)
+
+
+def process_trees(pids: Iterable[int]) -> list[psutil.Process]:
+    """Each of ``pids`` that still runs, followed by its descendants (the processes a deployment,
+    a proxy or a stand-in tree left to check or stop)."""
+    procs: list[psutil.Process] = []
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs += [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+    return procs
 
 
 def write_topology(path: Path, model: Path, *, proxy_port: int, roles: str, connector: str = "nixl",

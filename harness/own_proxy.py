@@ -29,7 +29,7 @@ from disagg.errors import StateError
 from disagg.launch.frontend import frontend_argv
 from disagg.launch.state import RunState
 from disagg.topology import load_topology
-from harness.engines import ENGINE_ENV, ROOT, Running, busy_ports, wait_proxy_healthy
+from harness.engines import ENGINE_ENV, ROOT, Running, busy_ports, process_trees, wait_proxy_healthy
 from harness.ports import free_port
 
 
@@ -47,19 +47,12 @@ class OwnProxy(Running):
 
     def process_tree(self) -> list[psutil.Process]:
         """This proxy's processes, then the base deployment's engines (never the base's proxy)."""
-        procs: list[psutil.Process] = []
         roots = [self.process.pid] if self.process is not None and self.process.poll() is None else []
         try:
             roots += [r.pid for r in self.state().processes if r.kind == "engine"]
         except (OSError, StateError):   # the base deployment is down
             pass
-        for pid in roots:
-            try:
-                root = psutil.Process(pid)
-                procs += [root, *root.children(recursive=True)]
-            except psutil.Error:
-                continue
-        return procs
+        return process_trees(roots)
 
     def stop(self, grace_s: float = 20) -> list[str]:
         """SIGTERM to the proxy's process group, SIGKILL after ``grace_s``; what is left of it (none

@@ -19,6 +19,7 @@ import psutil
 from disagg.launch import processes
 from disagg.launch.state import ProcessRecord
 from disagg.topology import Topology, load_topology
+from harness.engines import process_trees
 
 #: the stand-in "API server": three children like EngineCore and workers, one ignoring SIGTERM,
 #: one moved to a process group of its own (still in the session), one grandchild
@@ -73,14 +74,7 @@ class Started:
 
     def processes(self) -> list[psutil.Process]:
         """Each started root with its descendants, while they exist."""
-        out = []
-        for pid in self.pids:
-            try:
-                root = psutil.Process(pid)
-                out += [root, *root.children(recursive=True)]
-            except psutil.Error:
-                continue
-        return out
+        return process_trees(self.pids)
 
 
 def running(procs: list[psutil.Process]) -> list[psutil.Process]:
