@@ -22,8 +22,8 @@ test: install
 	$(VENV)/bin/lint-imports
 	$(PY) -m mypy
 	@VENV=$(VENV) bash scripts/engine-package-checks.sh
-	$(PY) -m pytest -m "not e2e and not engine" -n 4 $(PYTEST_ARGS)
-	$(PY) -m pytest -m "e2e or engine" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not e2e" -n 4 $(PYTEST_ARGS)
+	$(PY) -m pytest -m e2e $(PYTEST_ARGS)
 
 # The edit loop: the same checks and tests less everything that runs vLLM (tests marked
 # `e2e` or `engine` in pyproject.toml), the few that wait out a shipped default in real time
