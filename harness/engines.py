@@ -277,16 +277,6 @@ def engine_processes(model: Path) -> list[psutil.Process]:
     return found
 
 
-def foreground_up_processes(topology: Path) -> list[psutil.Process]:
-    """Live `disagg up TOPOLOGY` processes (e.g. the session's foreground NIXL deployment)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info.get("cmdline") or []
-        if "disagg" in cmd and "up" in cmd and str(topology) in cmd:
-            found.append(proc)
-    return found
-
-
 def bring_up_socket_pd(e2e_dir: Path, model: Path, name: str, *, extra: str = "",
                        wait_s: float = 60, wire_format: str = "raw", streaming: bool = False,
                        args: str = ENGINE_ARGS) -> Running:

@@ -3,22 +3,19 @@
 Order within a session: the colocated reference server runs first (one engine,
 both cores), records the greedy answer to every request in `requests_` and the
 full reply to every conformance case (tests/e2e/conformance.py), and is
-stopped; then the 1P1D deployment (two engines, one pinned core each) comes up
-for all tests that need it. A file lock keeps concurrent sessions on this
-machine from starting more engines at once.
-
-Modules that share a deployment (``SHARED_DEPLOYMENT``: the socket connector's engines, which
-the streamed handoff and routing auto use with proxies of their own, and on which the detached
-supervisor restarts a killed decode engine) run one after the other, wherever their files sort
-(:func:`pytest_collection_modifyitems`), and every other module finds that deployment down
-(tests/e2e/shared_deployment.py).
+stopped. Deployments that several modules use (``SHARED_DEPLOYMENT``: the NIXL 1P1D of ``pd``,
+and the socket connector's engines, which the streamed handoff and routing auto use with proxies
+of their own, and on which the detached supervisor restarts a killed decode engine) come up once
+each: their modules run one after the other, wherever their files sort
+(:func:`pytest_collection_modifyitems`), and every other module finds them down
+(tests/e2e/shared_deployment.py). A file lock keeps concurrent sessions on this machine from
+starting more engines at once.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,23 +27,16 @@ from disagg.prompts import exact_prompt, load_tokenizer
 from harness.engines import (
     ENGINE_ARGS,
     ENGINE_KEY,
-    SPLIT_EVERY_PROMPT,
     Running,
     bring_up,
-    bring_up_foreground,
     free_ports,
     post_json,
     write_topology,
 )
 from tests.e2e.conformance import Case, Recorded, build_cases, record
-from tests.e2e.shared_deployment import SharedDeployment
+from tests.e2e.shared_deployment import SharedDeployment, nixl_deployment
 
 LOCK_PATH = os.environ.get("DISAGG_ENGINE_LOCK", "/tmp/disagg-engines.lock")
-#: the NIXL ``pd`` deployment's ``timeouts.liveness``: test_pd's hung prefill engine is killed and
-#: restarted once it has failed every probe this long. Above the 10-15 s the proxy takes to put it
-#: out of rotation (two timed-out probes), so the proxy sees it hung, not dead; below the default
-#: 30 s, so the test waits 10 s less.
-PD_LIVENESS_S = 20
 #: the session's shared deployment, once a module asked for it
 SHARED: pytest.StashKey[SharedDeployment] = pytest.StashKey()
 
@@ -200,12 +190,15 @@ def _answer(url: str, body: dict) -> str:
 
 
 @pytest.fixture(scope="session")
-def reference(engine_lock: None, e2e_dir: Path, tiny_model: Path, requests_: dict[str, dict],
-              conformance_cases: dict[str, Case]) -> ReferenceAnswers:
+def reference(request: pytest.FixtureRequest, engine_lock: None, e2e_dir: Path, tiny_model: Path,
+              requests_: dict[str, dict], conformance_cases: dict[str, Case]) -> ReferenceAnswers:
     """Greedy answers of one ordinary (colocated) vLLM server, which is then stopped.
 
     Also records that server's whole reply (status, normalised body) to every conformance case.
+    A session fixture is set up before a module's own release of the shared deployment: it
+    releases it first.
     """
+    _release_shared(request.config)
     proxy_port, port = free_ports(2)
     topo = write_topology(e2e_dir / "reference.yaml", tiny_model, proxy_port=proxy_port,
                           roles=f"both: [{{port: {port}, cpus: [0, 1], args: {ENGINE_ARGS}}}]\n")
@@ -225,24 +218,9 @@ def conformance_reference(reference: ReferenceAnswers) -> dict[str, Recorded]:
     return reference.conformance
 
 
-@pytest.fixture(scope="session")
-def pd(request: pytest.FixtureRequest, reference: dict[str, str], e2e_dir: Path, tiny_model: Path
-       ) -> Iterator[Running]:
-    """1 prefill + 1 decode with NIXL over loopback behind the proxy, up for the whole session.
-
-    Started with a foreground `disagg up`, as `make serve` does; the last test stops it with Ctrl-C.
-    ``routing: {policy: split}``: the tests of this deployment are about the KV handoff, which
-    the default ``auto`` routing skips for most prompts on one machine; ``timeouts.liveness``:
-    :data:`PD_LIVENESS_S`.
-    """
-    _release_shared(request.config)   # a session fixture: set up before a module's own release
-    proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
-    roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
-             f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
-    topo = write_topology(e2e_dir / "pd.yaml", tiny_model, proxy_port=proxy_port, roles=roles,
-                          extra=SPLIT_EVERY_PROMPT + f"timeouts: {{liveness: {PD_LIVENESS_S}}}\n")
-    run = bring_up_foreground(topo, e2e_dir / "run-pd")
-    yield run
-    if run.process is not None and run.process.poll() is None:
-        run.process.send_signal(signal.SIGINT)
-        run.process.wait(timeout=120)
+@pytest.fixture(scope="module")
+def pd(reference: dict[str, str], e2e_dir: Path, tiny_model: Path, shared_deployment: SharedDeployment
+       ) -> Running:
+    """The shared NIXL 1P1D (tests/e2e/shared_deployment.py :func:`nixl_deployment`), up once the
+    reference server is down; test_pd's last test stops it with Ctrl-C."""
+    return nixl_deployment(shared_deployment, e2e_dir, tiny_model)

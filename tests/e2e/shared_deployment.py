@@ -1,12 +1,15 @@
-"""One deployment shared by several e2e modules, up at most once at a time on the session's model.
+"""Deployments shared by several e2e modules, one up at a time on the session's model.
 
 The ``shared_deployment`` fixture (tests/e2e/conftest.py) holds a :class:`SharedDeployment`:
 :meth:`~SharedDeployment.get` brings a deployment up by name (stopping the one it held, if
-another), or returns the one that runs; :meth:`~SharedDeployment.release` takes it down with
-`disagg down` and returns what it left behind (:func:`down_problems`). Modules that use it set
-``SHARED_DEPLOYMENT`` to its name, and the module whose test releases it ``TAKES_DOWN_SHARED``
-to that test's name; conftest runs them one after the other, that module last and that test at
-the end, and releases it before any other module, so that never more than two engines run.
+another), or returns the one that runs; :meth:`~SharedDeployment.release` stops it the way it was
+started (`disagg down` for a detached run, Ctrl-C for a foreground one) and returns what it left
+behind. Two are shared: the NIXL 1P1D (:func:`nixl_deployment`, a foreground `disagg up` as
+`make serve` runs it) and the socket 1P1D (:func:`socket_deployment`, detached). Modules that use
+one set ``SHARED_DEPLOYMENT`` to its name, and the module whose test releases it
+``TAKES_DOWN_SHARED`` to that test's name; conftest runs each deployment's modules one after the
+other, that module last and that test at the end, and releases the deployment before any module
+that does not use it, so that never more than two engines run, whatever the files' names.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeAlias
 
 import psutil
 
@@ -22,14 +26,21 @@ from harness.engines import (
     ENGINE_ARGS,
     SPLIT_EVERY_PROMPT,
     Running,
+    bring_up_foreground,
     bring_up_socket_pd,
     busy_ports,
     engine_processes,
-    foreground_up_processes,
+    free_ports,
+    write_topology,
 )
 
-#: the shared socket deployment's name
-SOCKET = "socket"
+#: the shared deployments' names
+NIXL, SOCKET = "nixl", "socket"
+#: the NIXL deployment's ``timeouts.liveness``: test_pd's hung prefill engine is killed and
+#: restarted once it has failed every probe this long. Above the 10-15 s the proxy takes to put it
+#: out of rotation (two timed-out probes), so the proxy sees it hung, not dead; below the default
+#: 30 s, so the test waits 10 s less.
+PD_LIVENESS_S = 20
 #: its ``timeouts.send``: a client reading nothing of its stream this long is let go
 SEND_TIMEOUT_S = 5
 #: its engines' arguments: the tests' own, without prefix caching (see :func:`socket_deployment`)
@@ -67,6 +78,33 @@ def down_problems(run: Running, model: Path) -> list[str]:
     return problems
 
 
+def ctrl_c_problems(run: Running, model: Path) -> list[str]:
+    """Ctrl-C (SIGINT) to the foreground `disagg up` of ``run``: what it left (its exit status if
+    not 0, processes of the run, its ports, its state file, any engine on ``model``); [] when nothing."""
+    if run.process is None or run.process.poll() is not None:
+        return [f"the foreground disagg up was not running before Ctrl-C: {run.process}"]
+    procs = run.process_tree()
+    problems = [] if len(procs) >= 3 else [f"engines and proxy were not all running before Ctrl-C: {procs}"]
+    ports = [r.port for r in run.state().processes]
+    run.process.send_signal(signal.SIGINT)
+    if (status := run.process.wait(timeout=120)) != 0:
+        problems.append(f"disagg up exited {status} on Ctrl-C")
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    if alive:
+        problems.append(f"left running after Ctrl-C: {[p.pid for p in alive]}")
+    if busy := busy_ports(ports):
+        problems.append(f"ports still taken: {busy}")
+    if (run.run_dir / "runs" / run.topology.stem / "state.json").exists():
+        problems.append("the state file is still there")
+    if left := engine_processes(model):
+        problems.append(f"engines on the model still run: {[p.pid for p in left]}")
+    return problems
+
+
+#: how a shared deployment is stopped: the run and the session's model -> what it left
+Stop: TypeAlias = Callable[[Running, Path], list[str]]
+
+
 class SharedDeployment:
     """At most one deployment on ``model``, by name."""
 
@@ -74,23 +112,40 @@ class SharedDeployment:
         self.model = model
         self.name: str | None = None
         self.run: Running | None = None
+        self._stop: Stop = down_problems
 
-    def get(self, name: str, start: Callable[[], Running]) -> Running:
-        """The deployment ``name``: the running one, or ``start()``'s once the one held (if any) is down."""
+    def get(self, name: str, start: Callable[[], Running], stop: Stop = down_problems) -> Running:
+        """The deployment ``name``: the running one, or ``start()``'s once the one held (if any) is
+        down; :meth:`release` stops it with ``stop``."""
         if self.run is not None and self.name == name:
             return self.run
         held = self.name
         problems = self.release()
         assert not problems, f"taking down the shared deployment {held}: {problems}"
-        self.run, self.name = start(), name
+        self.run, self.name, self._stop = start(), name, stop
         return self.run
 
     def release(self) -> list[str]:
-        """Take the held deployment down (`disagg down`); what it left. Nothing held: []."""
+        """Stop the held deployment the way it was started; what it left. Nothing held: []."""
         if self.run is None:
             return []
         run, self.run, self.name = self.run, None, None
-        return down_problems(run, self.model)
+        return self._stop(run, self.model)
+
+
+def nixl_deployment(shared: SharedDeployment, e2e_dir: Path, model: Path) -> Running:
+    """The shared NIXL 1P1D: 1 prefill + 1 decode with NIXL over loopback, one pinned core each,
+    behind the proxy a foreground `disagg up` starts (as `make serve` does); released with Ctrl-C.
+    ``routing: {policy: split}``: its tests are about the KV handoff, which the default ``auto``
+    routing skips for most prompts on one machine; ``timeouts.liveness``: :data:`PD_LIVENESS_S`."""
+    def start() -> Running:
+        proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
+        roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
+                 f"decode: [{{port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {ENGINE_ARGS}}}]\n")
+        topo = write_topology(e2e_dir / "pd.yaml", model, proxy_port=proxy_port, roles=roles,
+                              extra=SPLIT_EVERY_PROMPT + f"timeouts: {{liveness: {PD_LIVENESS_S}}}\n")
+        return bring_up_foreground(topo, e2e_dir / "run-pd")
+    return shared.get(NIXL, start, stop=ctrl_c_problems)
 
 
 def socket_deployment(shared: SharedDeployment, e2e_dir: Path, model: Path) -> Running:
@@ -102,9 +157,6 @@ def socket_deployment(shared: SharedDeployment, e2e_dir: Path, model: Path) -> R
     caching: each proxy sends them the same conformance prompts, and each must move their KV in full
     (with it, the second time round the decode engine's cache held the prompts' full blocks)."""
     def start() -> Running:
-        for up in foreground_up_processes(e2e_dir / "pd.yaml"):  # the NIXL `pd`, if test_pd did not stop it
-            up.send_signal(signal.SIGINT)
-            up.wait(timeout=120)
         return bring_up_socket_pd(e2e_dir, model, "pd-socket-fetch", args=NO_PREFIX_CACHE_ARGS,
                                   extra=SPLIT_EVERY_PROMPT + f"timeouts: {{send: {SEND_TIMEOUT_S}}}\n")
     return shared.get(SOCKET, start)

@@ -19,8 +19,10 @@ import pytest
 from harness.engines import Running
 from tests.e2e.crafted import cases, engines_idle_and_alive, send
 from tests.e2e.front_door import large_batch_memory, served_during_slowloris, unserved_paths_reaching_engines
+from tests.e2e.shared_deployment import NIXL
 
 pytestmark = pytest.mark.e2e
+SHARED_DEPLOYMENT = NIXL
 
 CASES = cases()
 

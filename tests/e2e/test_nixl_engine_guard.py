@@ -24,8 +24,10 @@ import pytest
 
 from disagg.prometheus_text import sample_sum
 from harness.engines import ENGINE_KEY, Running, get_text
+from tests.e2e.shared_deployment import NIXL
 
 pytestmark = pytest.mark.e2e
+SHARED_DEPLOYMENT = NIXL
 
 COMPLETION = {"model": "tiny", "prompt": "The river runs past the mill and", "max_tokens": 1, "temperature": 0}
 #: what a crafted request sends to hang or kill a P/D engine: a pull from nowhere

@@ -15,9 +15,11 @@ from tokenizers import Tokenizer
 from disagg.prompts import exact_prompt
 from disagg.watch.metrics import exported_names
 from harness.engines import Running, disagg, get_text, routed_stream
+from tests.e2e.shared_deployment import NIXL
 from tests.unit.watch.dashboard import metric_names, queries
 
 pytestmark = pytest.mark.e2e
+SHARED_DEPLOYMENT = NIXL
 
 #: dashboard names only another KV connector exports (checked against its source by the unit test)
 OTHER_CONNECTORS = {"vllm:socket_kv_bytes_received_total"}

@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 
 from harness.engines import Running, plain_answer, post_json
+from tests.e2e.shared_deployment import NIXL
 
 pytestmark = pytest.mark.e2e
+SHARED_DEPLOYMENT = NIXL
 
 
 def test_prefill_engine_serves_a_plain_request_alone(pd: Running, reference: dict[str, str],

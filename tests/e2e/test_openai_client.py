@@ -8,8 +8,10 @@ import openai
 import pytest
 
 from harness.engines import Running
+from tests.e2e.shared_deployment import NIXL
 
 pytestmark = pytest.mark.e2e
+SHARED_DEPLOYMENT = NIXL
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -14,8 +14,10 @@ import pytest
 
 from harness.engines import Running
 from tests.e2e.conformance import CASE_NAMES, KV_CASE, Recorded, check_case, check_kv_batch, claim_problems
+from tests.e2e.shared_deployment import NIXL
 
 pytestmark = pytest.mark.e2e
+SHARED_DEPLOYMENT = NIXL
 
 
 @pytest.mark.parametrize("name", [*CASE_NAMES, KV_CASE])

@@ -1,8 +1,9 @@
 """1P1D with NIXL through `disagg up`: greedy equality with a colocated server,
 the engines' own counters proving the KV moved, a hung prefill, and Ctrl-C.
 
-Tests in this module run in file order; the last two change the deployment
-(hang the prefill engine until liveness restarts it, then Ctrl-C the foreground `disagg up`).
+Tests in this module run in file order, after every other module on the shared NIXL 1P1D; the
+last two change the deployment (hang the prefill engine until liveness restarts it, then Ctrl-C
+the foreground `disagg up`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from disagg.prometheus_text import sample_label as metric_label
 from disagg.prometheus_text import sample_sum as metric_value
 from disagg.prompts import exact_prompt
 from disagg.topology import load_topology
-from harness.engines import Running, busy_ports, get_text, open_stream, post_json, settled_metrics
+from harness.engines import Running, get_text, open_stream, post_json, settled_metrics
+from tests.e2e.shared_deployment import NIXL, SharedDeployment
 
 pytestmark = pytest.mark.e2e
+SHARED_DEPLOYMENT = NIXL
+TAKES_DOWN_SHARED = "test_ctrl_c_leaves_nothing"
 KV_BYTES_PER_TOKEN = 1024  # the embedded tiny model, bf16
 
 
@@ -157,14 +161,8 @@ def test_a_hung_prefill_falls_back_to_decode_until_liveness_restarts_it(
           f"{time.monotonic() - stopped:.1f} s (timeouts.liveness: {load_topology(pd.topology).timeouts.liveness:g} s)")
 
 
-def test_ctrl_c_leaves_nothing(pd: Running) -> None:
-    assert pd.process is not None and pd.process.poll() is None
-    procs = pd.process_tree()
-    assert len(procs) >= 3, "engines and proxy should still be running before Ctrl-C"
-    ports = [r.port for r in pd.state().processes]
-    pd.process.send_signal(signal.SIGINT)
-    assert pd.process.wait(timeout=120) == 0
-    _, alive = psutil.wait_procs(procs, timeout=5)
-    assert not alive, f"left running after Ctrl-C: {[p.pid for p in alive]}"
-    assert busy_ports(ports) == [], ports
-    assert not (pd.run_dir / "runs" / pd.topology.stem / "state.json").exists()
+def test_ctrl_c_leaves_nothing(pd: Running, shared_deployment: SharedDeployment) -> None:
+    """Ctrl-C to the foreground `disagg up` exits 0 and leaves nothing: processes, ports, state
+    file, engines on the model (shared_deployment.ctrl_c_problems)."""
+    assert shared_deployment.run is pd
+    assert shared_deployment.release() == []

@@ -14,7 +14,6 @@ into them when it finishes).
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +28,6 @@ from harness.engines import (
     Running,
     bring_up,
     engine_processes,
-    foreground_up_processes,
     free_ports,
     get_text,
     plain_answer,
@@ -47,9 +45,6 @@ NAMES = ("short", "sync-completion-stream", "sync-chat-stream", "async-chat", "l
 @pytest.fixture(scope="module")
 def push_pd(reference: dict[str, str], e2e_dir: Path, tiny_model: Path) -> Iterator[Running]:
     """1 prefill + 1 decode with NixlPushConnector over loopback behind the proxy, one pinned core each."""
-    for up in foreground_up_processes(e2e_dir / "pd.yaml"):  # the NIXL `pd`, if test_pd did not stop it
-        up.send_signal(signal.SIGINT)
-        up.wait(timeout=120)
     assert not engine_processes(tiny_model), "engines of another deployment still run"
     proxy_port, p_port, d_port, p_kv, d_kv = free_ports(5)
     roles = (f"prefill: [{{port: {p_port}, kv_port: {p_kv}, cpus: [0], args: {ENGINE_ARGS}}}]\n"
