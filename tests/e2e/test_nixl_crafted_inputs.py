@@ -7,9 +7,6 @@ every engine is healthy and idle. NIXL's stock connector cannot validate
 `kv_transfer_params`, so for NIXL the proxy's stripping and the engine key are
 the defence; the socket connector's own validation is tested with the key in
 tests/e2e/test_socket_conformance.py.
-
-The file name sorts after the modules that start engines of their own (test_emulated_link,
-test_launch_failures: `pd` must not run then) and before test_pd.py, whose last tests stop `pd`.
 """
 
 from __future__ import annotations

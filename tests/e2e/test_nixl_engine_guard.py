@@ -7,10 +7,6 @@ leaves open (/invocations, /tokenize: the engine guard) with 401, and nothing
 reaches the engine: its finished-request counter stays put; the read-only
 probes stay open. The proxy holds the key, so clients keep being served, and
 a client's own Authorization header is not what the engine sees.
-
-Runs after the modules that start engines of their own (test_emulated_link,
-test_launch_failures) and before test_pd.py (file order), whose last tests take the
-deployment down.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Watching the session's NIXL 1P1D (`pd`): the Grafana dashboard's queries read only metrics the
 live proxy and engines export, and `disagg top --once --json` and `disagg logs` see the run.
 
-Uses the session's NIXL 1P1D; sorts after the modules that start engines of their own and before
-test_pd (whose last tests stop `pd`). Starts no engine.
+Uses the shared NIXL 1P1D; starts no engine.
 """
 
 from __future__ import annotations

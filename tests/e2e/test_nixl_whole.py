@@ -1,8 +1,5 @@
 """The routing's ``whole`` path on NIXL: the session's prefill engine (a kv_producer) answers the
 client's own request alone, like one vLLM server, streamed or not, and stays usable for the handoff.
-
-Uses the session's NIXL 1P1D (`pd`); sorts after the modules that start engines of their own and
-before test_pd (whose last tests stop `pd`).
 """
 
 from __future__ import annotations

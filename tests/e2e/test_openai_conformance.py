@@ -3,9 +3,6 @@
 Every case of tests/e2e/conformance.py goes to the proxy; its reply must equal what one
 colocated vLLM server answered to the same bytes (recorded by the `reference` fixture before
 any 1P1D started). Plus: a batched request hands every prompt's KV to the decode engine.
-
-The file name sorts after test_emulated_link/test_launch_failures (which start engines of
-their own and must not find `pd` running) and before test_pd (whose last tests stop `pd`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """1P1D with vLLM's NIXL connector in push mode (``connector: nixl-push``) through `disagg up`:
 greedy equality with a colocated server, and the engines' own counters proving the KV moved.
 
-The deployment is this module's own (`disagg up --detach`, stopped when the module ends). It
-sorts after test_pd.py, whose last test stops the session's NIXL deployment; if that did not
-happen (test_pd not selected), the fixture stops it, and it refuses to start while any other
-engine on the session's model still runs (never more than two engines at once).
+The deployment is this module's own (`disagg up --detach`, stopped when the module ends); the
+shared deployments are down while it runs (tests/e2e/shared_deployment.py), and it refuses to start
+while any other engine on the session's model still runs (never more than two engines at once).
 
 The proxy's push handoff (disagg/proxy/nixl_push_handoff.py) serves the first split in turn
 (prefill first: it learns the prefill engine's NIXL engine id from the reply), every later one
