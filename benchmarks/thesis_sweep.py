@@ -33,7 +33,7 @@ It prints one row per grid point, then for each factor value how many points hol
 
 (``DIR``: the run directory ``benchmarks/emulated_house.py`` gave the ratio, whose probes stored
 the measurements.) Pure arithmetic, no engines; the default grid (192 points, 2 workloads, 9
-rates) takes about 35 s. The model's limits are ``disagg plan``'s (docs/the-one-question.md): its
+rates) takes about 30 s. The model's limits are ``disagg plan``'s (docs/the-one-question.md): its
 ``auto`` is the router without an SLO input, and on the house its TTFT p50 was off by a median ~29%.
 """
 
