@@ -572,7 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         links = [None if b is None else b * 1e9 for b in args.link]
         points = grid(house.base, args.compute, args.memory, args.kv, links)
         results = sweep(house, points, args.rates, slo, args.threshold, args.min_goodput)
-    except (DisaggError, ValueError) as exc:
+    except (DisaggError, ValueError, OSError, yaml.YAMLError) as exc:
         print(f"thesis_sweep: error: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -200,6 +200,10 @@ def test_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert w["points"][1]["compute_ratio"] == 20 and w["tally"]["compute"]["20x"]["points"] == 1
     assert main([*argv[:2], "--workload", "bad"]) == 2
     assert "thesis_sweep: error:" in capsys.readouterr().err
+    assert main(["--topology", str(tmp_path / "none.yaml")]) == 2
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    assert main(["--topology", str(tmp_path / "list.yaml")]) == 2
+    assert capsys.readouterr().err.count("thesis_sweep: error:") == 2
     with pytest.raises(SystemExit) as exc:
         main(["--kv", "lots"])
     assert exc.value.code == 2
