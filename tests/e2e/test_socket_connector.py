@@ -1,114 +1,72 @@
-"""Real vLLM CPU engines handing KV over the socket connector (1P1D on loopback).
+"""Real vLLM CPU engines handing KV over the socket connector, pulled and streamed (1P1D on loopback, by hand).
 
-The engines start once per module: P (kv_producer, core 0, lease 6 s) and D
-(kv_consumer, core 1, kv_load_failure_policy recompute, I/O timeout 5 s, peers:
-P's listener), both without prefix caching so the decode engine's own request
-(no kv_transfer_params) is a colocated reference computed locally on the same
-weights. The handoff is done by hand as the proxy does it: P with
-``do_remote_decode`` and ``max_tokens: 1``, then D with P's
-``kv_transfer_params`` verbatim. The last test kills P.
+One pair for the whole module (tests/e2e/socket_pair.py: its settings, and which tests read
+each). Pulled handoffs are done as the proxy's fetching handoff does them, streamed ones as its
+streaming handoff does (P and D at once, joined by a ``stream_key``), by hand, to reach every
+failure path. Handoffs are checked as everywhere: D's greedy text equals D's own answer to the
+plain request (the colocated reference) AND D's counters show the prompt's KV arrived over the
+socket.
+
+Order: the tests that leave P as it was first; then those that freeze P (SIGSTOP, then SIGCONT),
+pulled and streamed; last the one test that kills P, mid-stream and with a pulled lease
+outstanding.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import signal
 import socket
 import time
 from collections.abc import Iterator
 
 import aiohttp
-import psutil
 import pytest
 
-from disagg.modelgen import build_model
-from harness.ports import free_port
-from harness.vllm_pair import Engine, metric, start_engine, wait_healthy
+from harness.vllm_pair import Engine, metric
+from tests.e2e.socket_pair import (
+    CHUNK_TOKENS,
+    IO_TIMEOUT_S,
+    LEASE_S,
+    LONG,
+    REMOTE_DECODE,
+    SHORT,
+    STREAM_COMPLETED,
+    STREAM_WAIT_S,
+    Counters,
+    block_size,
+    complete,
+    decline_lines,
+    fresh,
+    handoff,
+    huge,
+    log_lines,
+    start_pair,
+    stop_group,
+    stream_params,
+    streamed,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
-MODULE = "disagg_connectors.socket_connector"
-LEASE_S = 6
-IO_TIMEOUT_S = 5
-SHORT = "The quick brown fox jumps over the lazy dog. "
-LONG = " ".join(f"Item {i}: the river carries stones, songs and {i % 7} old boats." for i in range(50))
-#: the engines' arguments: no torch.compile, as every engine of the e2e tests (harness.engines.ENGINE_ARGS);
-#: compiling costs each bring-up of this pair about 15 s and changes none of its answers
-PAIR_ARGS = ["-O0"]
-REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
-
-
-def kv_config(role: str, extra: dict) -> dict:
-    cfg = {"kv_connector": "SocketKVConnector", "kv_connector_module_path": MODULE, "kv_role": role,
-           "kv_connector_extra_config": extra}
-    if role == "kv_consumer":
-        cfg["kv_load_failure_policy"] = "recompute"
-    return cfg
+#: how long after sending both requests of a streamed handoff a test cuts one short (P is then mid-prompt)
+CUT_AFTER_S = 0.15
 
 
 @pytest.fixture(scope="module")
 def pair(engine_lock: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
-    """P and D engines sharing a fresh secret; both process groups killed at the end.
+    """P and D (tests/e2e/socket_pair.py); both process groups killed at the end.
 
     ``engine_lock`` (tests/e2e/conftest.py) holds the machine-wide engine lock:
     run this module with plain pytest, not under an outer ``flock``.
     """
-    root = tmp_path_factory.mktemp("socket-e2e")
-    model = root / "tiny"
-    build_model("tiny", model)
-    secret = secrets.token_hex(32)
-    kv_port = free_port()
-    env = {"DISAGG_KV_SECRET": secret}
-    engines: list[Engine] = []
-    try:
-        p = start_engine("prefill", str(model), 0,
-                         kv_config("kv_producer", {"host": "127.0.0.1", "port": kv_port, "kv_lease_duration": LEASE_S}),
-                         env, root, args=PAIR_ARGS)
-        p.extra.update(kv_port=kv_port, secret=secret)
-        engines.append(p)
-        d_extra = {"streams": 2, "io_timeout_s": IO_TIMEOUT_S, "peers": [f"127.0.0.1:{kv_port}"]}
-        d = start_engine("decode", str(model), 1, kv_config("kv_consumer", d_extra), env, root, args=PAIR_ARGS)
-        engines.append(d)
-        wait_healthy(engines)
-        yield p, d
-    finally:
-        for eng in engines:
-            eng.stop()
+    with start_pair(tmp_path_factory.mktemp("socket-e2e")) as engines:
+        yield engines
 
 
-async def complete(session: aiohttp.ClientSession, eng: Engine, prompt: str, max_tokens: int,
-                   kv_params: dict | None = None) -> dict:
-    body: dict = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                  "ignore_eos": True}
-    if kv_params is not None:
-        body["kv_transfer_params"] = kv_params
-    async with session.post(eng.url + "/v1/completions", json=body,
-                            timeout=aiohttp.ClientTimeout(total=120)) as r:
-        data = await r.json()
-        assert r.status == 200, f"{eng.name}: HTTP {r.status}: {data}\n{eng.log_tail()}"
-        return data
-
-
-async def handoff(session: aiohttp.ClientSession, p: Engine, d: Engine, prompt: str,
-                  max_tokens: int) -> tuple[dict, dict]:
-    """Prefill on P (max_tokens 1), then decode on D with P's kv_transfer_params verbatim."""
-    pre = await complete(session, p, prompt, 1, dict(REMOTE_DECODE))
-    params = pre.get("kv_transfer_params")
-    assert params and params.get("do_remote_prefill"), f"P returned no handoff params: {pre}"
-    dec = await complete(session, d, prompt, max_tokens, params)
-    return pre, dec
-
-
-async def wait_for(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.5)
-
+# Pulled and streamed handoffs answer like one engine and move the KV.
 
 @pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["short", "long"])
 async def test_decode_matches_colocated_without_recompute(pair: tuple[Engine, Engine], prompt: str) -> None:
@@ -133,6 +91,54 @@ async def test_decode_matches_colocated_without_recompute(pair: tuple[Engine, En
     await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S - 2, "P to free the blocks")
 
 
+@pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["short", "long"])
+async def test_a_streamed_handoff_answers_like_one_engine_and_moves_the_kv(pair: tuple[Engine, Engine],
+                                                                          prompt: str) -> None:
+    p, d = pair
+    async with aiohttp.ClientSession() as session:
+        reference = await complete(session, d, prompt, 16)
+        counters = Counters(d)
+        streams_before = len(log_lines(p, STREAM_COMPLETED))
+        dec = await streamed(session, p, d, prompt, 16)
+    n = reference["usage"]["prompt_tokens"]
+    assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert dec["usage"] == reference["usage"] and dec["choices"][0]["finish_reason"] == "length"
+    moved = counters.delta()
+    assert moved["ext"] >= n - 1 and moved["local"] <= 1 and moved["failed"] == 0, moved
+    assert moved["bytes"] >= (n - 1) * 1024, moved        # tiny model: 1 KiB of KV per token
+    assert len(log_lines(p, STREAM_COMPLETED)) == streams_before + 1
+    # The stream's end freed P's blocks: no lease waits for a release.
+    await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S - 2, "P to free the blocks")
+
+
+async def test_a_prompt_prefilled_chunk_by_chunk_and_then_from_the_prefix_cache_streams_whole(
+        pair: tuple[Engine, Engine]) -> None:
+    """A fresh LONG (none of it in P's prefix cache: earlier tests sent LONG) takes several of P's
+    256-token steps (the stream follows each); sent again, P serves every full block from its prefix
+    cache, which no forward writes: they must arrive all the same."""
+    p, d = pair
+    prompt = fresh(LONG)
+    async with aiohttp.ClientSession() as session:
+        reference = await complete(session, d, prompt, 8)
+        n = reference["usage"]["prompt_tokens"]
+        assert n > 3 * CHUNK_TOKENS, n
+        hits: dict[str, float] = {}
+        for attempt in ("computed", "cached"):
+            hits_before = metric(p.url, "vllm:prefix_cache_hits_total")
+            counters = Counters(d)
+            dec = await streamed(session, p, d, prompt, 8)
+            moved = counters.delta()
+            hits[attempt] = metric(p.url, "vllm:prefix_cache_hits_total") - hits_before
+            assert dec["choices"][0]["text"] == reference["choices"][0]["text"], attempt
+            assert moved["ext"] >= n - 1 and moved["failed"] == 0, (attempt, moved)
+    assert hits["computed"] == 0, f"P's first prefill was served from its cache: {hits}"
+    # every full block before the last prompt token (which vLLM always computes)
+    block = block_size(p)
+    assert hits["cached"] >= (n - 1) // block * block > 0, f"P's second prefill missed its cache: {hits}, {block=}"
+
+
+# Leases nobody reads.
+
 async def test_lease_expiry_frees_blocks(pair: tuple[Engine, Engine]) -> None:
     p, _ = pair
     expired_before = metric(p.url, "vllm:socket_kv_expired_reqs_total")
@@ -143,6 +149,19 @@ async def test_lease_expiry_frees_blocks(pair: tuple[Engine, Engine]) -> None:
     await wait_for(lambda: metric(p.url, "vllm:socket_kv_expired_reqs_total") == expired_before + 1, 10,
                    "the expiry to be counted")
 
+
+async def test_a_lease_nobody_streams_expires(pair: tuple[Engine, Engine]) -> None:
+    p, _ = pair
+    expired_before = metric(p.url, "vllm:socket_kv_expired_reqs_total")
+    async with aiohttp.ClientSession() as session:
+        await complete(session, p, LONG, 1, stream_params(p)[0])
+    assert metric(p.url, "vllm:kv_cache_usage_perc") > 0, "P should hold the blocks for the stream"
+    await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S + 10, "the lease to expire")
+    await wait_for(lambda: metric(p.url, "vllm:socket_kv_expired_reqs_total") == expired_before + 1, 10,
+                   "the expiry to be counted")
+
+
+# Refused and declined input.
 
 async def test_wrong_secret_and_unknown_request_are_refused(pair: tuple[Engine, Engine]) -> None:
     from disagg_connectors.socket_connector.auth import AuthError, client_handshake, listener_id
@@ -166,11 +185,6 @@ async def test_wrong_secret_and_unknown_request_are_refused(pair: tuple[Engine, 
     await wait_for(lambda: metric(p.url, "vllm:socket_kv_refused_total") >= refused_before + 2, 10,
                    "refusals to be counted")
     assert "refused unauthenticated connection" in p.log_path.read_text(errors="replace")
-
-
-def decline_lines(eng: Engine) -> list[str]:
-    return [line for line in eng.log_path.read_text(errors="replace").splitlines()
-            if "declining kv_transfer_params" in line]
 
 
 async def test_crafted_kv_transfer_params_are_declined_and_computed_locally(pair: tuple[Engine, Engine]) -> None:
@@ -216,8 +230,8 @@ async def test_crafted_kv_transfer_params_are_declined_and_computed_locally(pair
             assert r.status == 200
         # Fresh params: the first genuine lease (LEASE_S) may have run out during the loop on a loaded
         # machine (CI saw it: D then recomputed, rightly, and the counter did not move).
-        fresh = (await complete(session, p, SHORT, 1, dict(REMOTE_DECODE)))["kv_transfer_params"]
-        dec = await complete(session, d, SHORT, 8, fresh)
+        fresh_params = (await complete(session, p, SHORT, 1, dict(REMOTE_DECODE)))["kv_transfer_params"]
+        dec = await complete(session, d, SHORT, 8, fresh_params)
         assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
         assert metric(d.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > ext_before
         assert metric(d.url, "vllm:socket_kv_failed_transfers_total") == failed_before
@@ -234,24 +248,81 @@ async def test_crafted_kv_transfer_params_are_declined_and_computed_locally(pair
     assert p.alive() and d.alive()
 
 
-def stop_group(pgid: int, timeout_s: float = 10.0) -> None:
-    """SIGSTOP a process group and wait until every member is stopped (the signal lands
-    asynchronously; on a loaded machine a member may still answer for a moment)."""
-    os.killpg(pgid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        members = []
-        for proc in psutil.process_iter():
-            try:
-                if os.getpgid(proc.pid) == pgid:
-                    members.append(proc.status())
-            except (psutil.Error, ProcessLookupError):
-                continue
-        if members and all(st == psutil.STATUS_STOPPED for st in members):
-            return
-        assert time.monotonic() < deadline, f"process group {pgid} not stopped: {members}"
-        time.sleep(0.05)
+# Streams that never start, or are cut short by a client.
 
+async def test_a_key_the_prefill_engine_never_sees_is_recomputed_after_the_wait(pair: tuple[Engine, Engine]) -> None:
+    """P never got its request (the proxy's prefill failed before it reached P): D waits
+    ``stream_wait_s`` for it, then computes the prompt itself."""
+    p, d = pair
+    async with aiohttp.ClientSession() as session:
+        reference = await complete(session, d, SHORT, 8)
+        counters = Counters(d)
+        started = time.monotonic()
+        dec = await complete(session, d, SHORT, 8, stream_params(p)[1])
+        elapsed = time.monotonic() - started
+    assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert counters.delta()["failed"] == 1
+    assert STREAM_WAIT_S <= elapsed < STREAM_WAIT_S + 10, elapsed
+
+
+async def test_a_prefill_reaching_a_key_after_decode_gave_up_holds_no_lease(pair: tuple[Engine, Engine]) -> None:
+    """D waited ``stream_wait_s`` for P (whose queue was long), then computed the prompt itself. When
+    P reaches the request, its listener remembers the abandoned key: P answers and frees the blocks
+    at once, instead of holding them for the lease (LEASE_S) for a reader that never comes."""
+    p, d = pair
+    async with aiohttp.ClientSession() as session:
+        reference = await complete(session, d, LONG, 8)
+        p_params, d_params = stream_params(p)
+        counters = Counters(d)
+        dec = await complete(session, d, LONG, 8, d_params)      # P has not got it yet: D gives up
+        assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
+        assert counters.delta()["failed"] == 1
+        expired_before = metric(p.url, "vllm:socket_kv_expired_reqs_total")
+        started = time.monotonic()
+        await complete(session, p, LONG, 1, p_params)            # P reaches it late
+        await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S - 3, "P to free the blocks")
+    assert time.monotonic() - started < LEASE_S, "P held the blocks for the lease"
+    assert metric(p.url, "vllm:socket_kv_expired_reqs_total") == expired_before
+
+
+async def test_a_prefill_request_aborted_mid_stream_ends_it_and_decode_recomputes(pair: tuple[Engine, Engine]) -> None:
+    p, d = pair
+    prompt = huge()
+    async with aiohttp.ClientSession() as session:
+        reference = await complete(session, d, prompt, 8)
+        assert reference["usage"]["prompt_tokens"] > 20 * CHUNK_TOKENS
+        counters = Counters(d)
+        p_params, d_params = stream_params(p)
+        decode = asyncio.create_task(complete(session, d, prompt, 8, d_params))
+        prefill = asyncio.create_task(complete(session, p, prompt, 1, p_params))
+        await asyncio.sleep(CUT_AFTER_S)
+        assert not prefill.done(), "P finished before it could be cut short"
+        prefill.cancel()                         # the client left: aiohttp closes P's connection, vLLM aborts
+        dec = await decode
+    assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert counters.delta()["failed"] == 1
+    await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, 10, "P to free the blocks")
+    # the stream ended with the abort (or, had P not scheduled it yet, was never opened)
+    assert log_lines(p, "ended after") or log_lines(p, "no stream"), "P's listener never saw the stream end"
+
+
+async def test_a_decode_request_aborted_mid_stream_frees_both_sides(pair: tuple[Engine, Engine]) -> None:
+    p, d = pair
+    prompt = huge()
+    async with aiohttp.ClientSession() as session:
+        p_params, d_params = stream_params(p)
+        decode = asyncio.create_task(complete(session, d, prompt, 64, d_params))
+        prefill = asyncio.create_task(complete(session, p, prompt, 1, p_params))
+        await asyncio.sleep(CUT_AFTER_S)
+        decode.cancel()
+        await prefill                            # P finishes its prefill; the cut stream frees it
+    await wait_for(lambda: metric(d.url, "vllm:kv_cache_usage_perc") == 0, IO_TIMEOUT_S + 5, "D to free its blocks")
+    # P frees at once when the cut stream had begun, else when its lease expires.
+    await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S + 10, "P to free its blocks")
+    assert p.alive() and d.alive()
+
+
+# P frozen (SIGSTOP, then SIGCONT): it serves again afterwards.
 
 async def test_frozen_prefill_times_out_to_local_recompute_without_leaking(pair: tuple[Engine, Engine]) -> None:
     """P stops answering (SIGSTOP) after the prefill: D gives up after its I/O timeout and recomputes."""
@@ -274,19 +345,82 @@ async def test_frozen_prefill_times_out_to_local_recompute_without_leaking(pair:
     await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S + 20, "P to free the blocks")
 
 
-async def test_prefill_killed_leads_to_local_recompute(pair: tuple[Engine, Engine]) -> None:
-    """Runs last: P dies after the prefill; D must recompute locally, not hang."""
+async def test_a_frozen_prefill_mid_stream_times_out_to_local_recompute(pair: tuple[Engine, Engine]) -> None:
+    """P stops (SIGSTOP) while streaming: D gives up after its I/O timeout and recomputes; once P runs
+    again it finds the stream's reader gone and frees the blocks."""
     p, d = pair
+    prompt = huge()
     async with aiohttp.ClientSession() as session:
-        reference = await complete(session, d, LONG, 8)
-        failed_before = metric(d.url, "vllm:socket_kv_failed_transfers_total")
-        pre = await complete(session, p, LONG, 1, dict(REMOTE_DECODE))
-        p.stop()
+        reference = await complete(session, d, prompt, 8)
+        counters = Counters(d)
+        completed_before = len(log_lines(p, STREAM_COMPLETED))
+        p_params, d_params = stream_params(p)
+        decode = asyncio.create_task(complete(session, d, prompt, 8, d_params))
+        prefill = asyncio.create_task(complete(session, p, prompt, 1, p_params))
+        await asyncio.sleep(CUT_AFTER_S)
+        assert not prefill.done(), "P finished before it could be frozen"
+        await asyncio.to_thread(stop_group, p.proc.pid)
+        try:
+            started = time.monotonic()
+            dec = await decode
+            elapsed = time.monotonic() - started
+        finally:
+            os.killpg(p.proc.pid, signal.SIGCONT)
+        await prefill
+    # the premise: P had not sent the whole stream when it froze (else D had every layer in time)
+    assert len(log_lines(p, STREAM_COMPLETED)) == completed_before, "P completed the stream before it froze"
+    assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
+    # the failure reaches /metrics with the engine core's stats, which may trail the reply
+    await wait_for(lambda: counters.delta()["failed"] == 1, 10, "D to count the failed stream")
+    assert IO_TIMEOUT_S - 1 <= elapsed < IO_TIMEOUT_S + 30, elapsed
+    await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S + 10, "P to free the blocks")
+
+
+# Last: P killed.
+
+async def test_prefill_killed_mid_stream_and_after_a_prefill_leads_to_local_recompute(
+        pair: tuple[Engine, Engine]) -> None:
+    """Runs last: P dies while streaming one prompt and with another's pulled lease outstanding
+    (prefilled, not yet fetched); D recomputes both, no hang."""
+    p, d = pair
+    prompt = huge()
+    async with aiohttp.ClientSession() as session:
+        pulled_reference = await complete(session, d, LONG, 8)
+        reference = await complete(session, d, prompt, 8)
+        pre = await complete(session, p, LONG, 1, dict(REMOTE_DECODE))   # fetched once P is dead
+        counters = Counters(d)
+        completed_before = len(log_lines(p, STREAM_COMPLETED))
+        p_params, d_params = stream_params(p)
+        decode = asyncio.create_task(complete(session, d, prompt, 8, d_params))
+        prefill = asyncio.create_task(complete(session, p, prompt, 1, p_params))
+        await asyncio.sleep(CUT_AFTER_S)
+        assert not prefill.done(), "P finished before it could be killed"
+        # SIGTERM kills P's engine at once; its HTTP server then waits for the open prefill request
+        # (which the client leaves once D answered), else for Engine.stop's 15 s before SIGKILL
+        stopping = asyncio.create_task(asyncio.to_thread(p.stop))
+        started = time.monotonic()
+        dec = await decode
+        elapsed = time.monotonic() - started
+        prefill.cancel()
+        await stopping
+        assert not p.alive()
+        # the premise: P had not sent the whole stream when it died (else D had every layer and nothing failed)
+        assert len(log_lines(p, STREAM_COMPLETED)) == completed_before, "P completed the stream before it died"
+        assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
+        # the failure reaches /metrics with the engine core's stats, which may trail the reply
+        try:
+            await wait_for(lambda: counters.delta()["failed"] == 1, 10, "D to count the failed stream")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; D's counters moved by {counters.delta()}") from None
+        assert elapsed < 30, elapsed
+        # The pulled lease of the dead P: D's fetch fails and D recomputes the prompt.
         started = time.monotonic()
         dec = await complete(session, d, LONG, 8, pre["kv_transfer_params"])
         elapsed = time.monotonic() - started
-    assert dec["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert dec["choices"][0]["text"] == pulled_reference["choices"][0]["text"]
     assert elapsed < 60, elapsed
-    assert metric(d.url, "vllm:socket_kv_failed_transfers_total") == failed_before + 1
+    try:
+        await wait_for(lambda: counters.delta()["failed"] == 2, 10, "D to count the failed fetch")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; D's counters moved by {counters.delta()}") from None
     assert d.alive()
-
