@@ -15,6 +15,16 @@ hand out a pid again while a process group or session with that id has a
 member. Only when the pid is taken by a new process (another create time) is
 nothing swept, because by then nothing of the engine's group can be left.
 
+An engine's leader that is the last of its group still running
+(:data:`LONE_LEADER_S`) is sent SIGTERM again: vLLM's API server loses a
+SIGTERM that arrives while it waits for its EngineCore's handshake (vLLM's
+``zmq_socket_ctx`` swallows the ``KeyboardInterrupt`` its start-up handler
+raises) and then waits ``VLLM_ENGINE_READY_TIMEOUT_S`` (600 s) for an
+EngineCore the same SIGTERM stopped. Once serving, its handler ignores a
+repeat. The rest of the group gets one SIGTERM (a second would cut an
+EngineCore's teardown short, vLLM restores the default action for it), and so
+does the proxy (a second stops its drain).
+
 An SSH failure (ssh's own exit status 255, or no answer in time) is not
 evidence that a remote process exited: :func:`liveness` says
 ``UNREACHABLE`` and stopping raises :class:`HostUnreachableError`.
@@ -48,6 +58,11 @@ KILL_WAIT_S = 10.0
 #: (Ctrl-C, an engine failed), or a group whose leader has exited (an engine's API server gone:
 #: its engine core and workers serve nobody)
 ABORT_GRACE_S = 2.0
+#: an engine's leader still running this long after every other process of its group that does
+#: not ignore SIGTERM has exited gets SIGTERM again (and again each as long): see the module
+#: docstring; a process that ignores SIGTERM (multiprocessing's resource tracker) waits for the
+#: leader, not the other way round
+LONE_LEADER_S = 1.0
 
 
 class Liveness(enum.Enum):
@@ -289,22 +304,72 @@ def exit_status(pid: int) -> int | None:
     return os.waitstatus_to_exitcode(status)
 
 
+def _in_group(pid: int, pgid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pgid
+    except OSError:
+        return False
+
+
 def _signal_members(rec: ProcessRecord, members: list[psutil.Process], sig: signal.Signals) -> None:
+    """``sig`` once to each member: to the group, then to each member outside it. A second SIGTERM
+    means more than the first (the proxy stops draining), so none gets two."""
+    grouped = False
     if rec.pid not in _ourselves() and rec.pid not in (os.getpgrp(), os.getsid(0)):
         try:
             os.killpg(rec.pid, sig)  # works while the group has members, leader or not
+            grouped = True
         except (ProcessLookupError, PermissionError):
             pass
     for proc in members:
+        if grouped and _in_group(proc.pid, rec.pid):
+            continue
         try:
             proc.send_signal(sig)
         except psutil.Error:
             pass
 
 
+def ignores_sigterm(pid: int) -> bool:
+    """Whether local process ``pid`` ignores SIGTERM (``SigIgn`` in ``/proc/PID/status``); False
+    when that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            mask = next((line.split(":", 1)[1] for line in status if line.startswith("SigIgn:")), "0")
+        return bool(int(mask.strip(), 16) & (1 << (signal.SIGTERM - 1)))
+    except (OSError, ValueError):
+        return False
+
+
+class _LoneLeader:
+    """Sends an engine's leader SIGTERM again while it outlives the rest of its group (see
+    :data:`LONE_LEADER_S`); ``_wait_members`` calls it with what is still alive."""
+
+    def __init__(self, rec: ProcessRecord) -> None:
+        self.rec = rec
+        self.since: float | None = None   # when the leader was first seen alone, since the last SIGTERM
+
+    def __call__(self, alive: list[psutil.Process]) -> None:
+        leader = next((p for p in alive if p.pid == self.rec.pid), None)
+        if leader is None or any(p.pid != self.rec.pid and not ignores_sigterm(p.pid) for p in alive):
+            self.since = None
+            return
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        elif now - self.since >= LONE_LEADER_S:
+            try:
+                leader.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+            self.since = now
+
+
 def _wait_members(members: list[psutil.Process], timeout: float,
-                  hurry: Callable[[], bool] | None = None) -> list[psutil.Process]:
-    """Wait until the members are gone (reaping our own children); those still alive."""
+                  hurry: Callable[[], bool] | None = None,
+                  each: Callable[[list[psutil.Process]], None] | None = None) -> list[psutil.Process]:
+    """Wait until the members are gone (reaping our own children); those still alive.
+    ``each`` is shown what is alive at every look (20 a second)."""
     deadline = time.monotonic() + timeout
     while True:
         for proc in members:
@@ -312,6 +377,8 @@ def _wait_members(members: list[psutil.Process], timeout: float,
         alive = [p for p in members if _running(p)]
         if not alive or time.monotonic() >= deadline or (hurry is not None and hurry()):
             return alive
+        if each is not None:
+            each(alive)
         time.sleep(0.05)
 
 
@@ -339,25 +406,44 @@ def kill_local(rec: ProcessRecord, members: list[psutil.Process]) -> None:
 def stop_local(rec: ProcessRecord, grace: float, hurry: Callable[[], bool] | None = None) -> StopOutcome:
     """SIGTERM the engine's group, session and descendants, wait up to ``grace`` s (at most
     :data:`ABORT_GRACE_S` when its leader has exited already; less once ``hurry()`` is true),
-    then SIGKILL what is left."""
+    then SIGKILL what is left. An engine's leader left alone gets SIGTERM again
+    (:data:`LONE_LEADER_S`)."""
     outcome, members = terminate_local(rec)
     if members:
         wait = grace if outcome.leader_running else min(grace, ABORT_GRACE_S)
-        kill_local(rec, _wait_members(members, wait, hurry))
+        nudge = _LoneLeader(rec) if outcome.leader_running and rec.kind == "engine" else None
+        kill_local(rec, _wait_members(members, wait, hurry, nudge))
     return outcome
 
 
 def _remote_signal(pid: int, sig: str) -> str:
-    return f"kill -{sig} -- -{pid} 2>/dev/null; for q in $(m); do kill -{sig} $q 2>/dev/null; done; "
+    """``sig`` to the group, then to each member outside it, or to each member when the group
+    signal failed (see :func:`_signal_members`). ``kill -s SIG -- -PGID``: dash's ``kill`` takes
+    ``--`` only after ``-s``."""
+    return (f"if kill -s {sig} -- -{pid} 2>/dev/null; then g={pid}; else g=; fi; for q in $(m); do "
+            f"[ \"$(ps -o pgid= -p $q 2>/dev/null | tr -d ' ')\" = \"$g\" ] || kill -s {sig} $q 2>/dev/null; done; ")
 
 
-def _remote_stop(pid: int, grace: float) -> str:
-    """TERM the group and session, wait up to ``grace``, KILL, wait; print ``disagg-stop LEADER FOUND LEFT``."""
+def _remote_others(pid: int) -> str:
+    """Shell function ``o``: how many members other than ``pid`` do not ignore SIGTERM (``SigIgn``
+    in ``/proc/PID/status``, its last 4 hex digits; one that cannot be read counts)."""
+    return (f"o() {{ n=0; for q in $(m); do [ \"$q\" = {pid} ] && continue; "
+            "z=$(sed -n 's/^SigIgn:[[:space:]]*//p' /proc/$q/status 2>/dev/null); y=${z#\"${z%????}\"}; "
+            "if [ -n \"$y\" ] && [ $((0x$y & 16384)) -ne 0 ]; then continue; fi; n=$((n+1)); done; echo $n; }; ")
+
+
+def _remote_stop(pid: int, grace: float, lone: bool = False) -> str:
+    """TERM the group and session, wait up to ``grace``, KILL, wait; print ``disagg-stop LEADER FOUND LEFT``.
+    ``lone``: a leader left alone for :data:`LONE_LEADER_S` gets TERM again, as locally."""
     ticks = max(1, int(grace * 5))
-    wait = 'i=0; while [ -n "$(m)" ] && [ $i -lt {n} ]; do sleep 0.2; i=$((i+1)); done; '
-    return (_remote_members(pid) + "if l; then L=1; else L=0; fi; C=$(m | wc -l); "
-            + _remote_signal(pid, "TERM") + wait.format(n=ticks) + _remote_signal(pid, "KILL")
-            + wait.format(n=50) + "echo disagg-stop $L $C $(m | wc -l)")
+    wait = 'i=0; while [ -n "$(m)" ] && [ $i -lt {n} ]; do sleep 0.2; i=$((i+1)); {each}done; '
+    nudge = (f'if l && [ "$(o)" = 0 ]; then a=$((a+1)); '
+             f'if [ $a -ge {max(1, round(LONE_LEADER_S * 5))} ]; then kill -s TERM {pid} 2>/dev/null; a=0; fi; '
+             'else a=0; fi; ')
+    return (_remote_members(pid) + (_remote_others(pid) + "a=0; " if lone else "")
+            + "if l; then L=1; else L=0; fi; C=$(m | wc -l); "
+            + _remote_signal(pid, "TERM") + wait.format(n=ticks, each=nudge if lone else "")
+            + _remote_signal(pid, "KILL") + wait.format(n=50, each="") + "echo disagg-stop $L $C $(m | wc -l)")
 
 
 def _remote_kill(pid: int) -> str:
@@ -366,14 +452,15 @@ def _remote_kill(pid: int) -> str:
 
 def stop_remote(rec: ProcessRecord, grace: float, hurry: Callable[[], bool] | None = None, *,
                 ssh_timeout: float = Timeouts.ssh_check) -> StopOutcome:
-    """Stop a remote engine on its host: TERM its group and session, wait, KILL (one ssh call).
+    """Stop a remote engine on its host: TERM its group and session, wait (TERM again to a leader
+    left alone, see :data:`LONE_LEADER_S`), KILL (one ssh call).
 
     Once ``hurry()`` is true a second ssh call (limit ``ssh_timeout``) SIGKILLs at once. Raises
     :class:`HostUnreachableError` when ssh cannot reach the host, and
     LaunchError when something is still running there after SIGKILL.
     """
     assert rec.ssh is not None
-    script = _remote_stop(int(rec.pid), grace)
+    script = _remote_stop(int(rec.pid), grace, lone=rec.kind == "engine")
     timeout = grace + 40
     try:
         proc = subprocess.Popen([*rec.ssh, script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
