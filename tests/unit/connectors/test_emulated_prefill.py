@@ -65,6 +65,88 @@ def test_a_machine_slower_than_the_rate_is_never_held() -> None:
     assert hold.hold(step) == 0.0 and clock.slept == []
 
 
+def test_the_estimate_fits_a_line_so_short_prompts_do_not_overstate_a_long_ones_compute() -> None:
+    est = ep.ComputeEstimate()
+    assert est.predict(100) is None
+    for n in (100, 400, 100, 400):                   # 30 ms fixed + 0.5 ms per token
+        est.add(n, 0.03 + 0.0005 * n)
+    assert est.predict(2000) == pytest.approx(1.03)
+    same = ep.ComputeEstimate()
+    same.add(8, 0.032)                               # one size only: seconds per token of those steps
+    same.add(8, 0.032)
+    assert same.predict(16) == pytest.approx(0.064)
+
+
+def _learned(rate: float, tokens: int, compute: float) -> tuple[FakeClock, ep.StepHold]:
+    """A StepHold that has measured one step of ``tokens`` prompt tokens taking ``compute`` seconds."""
+    clock = FakeClock()
+    hold = ep.StepHold(rate, clock=clock, sleep=clock.sleep)
+    first = object()
+    assert hold.started(first, {"warm": tokens}) == 0.0    # no estimate yet: nothing held before
+    assert clock.slept == []
+    clock.now += compute
+    hold.hold(first)
+    clock.slept.clear()
+    return clock, hold
+
+
+def test_the_first_step_is_held_only_after_its_forward() -> None:
+    clock = FakeClock()
+    hold = ep.StepHold(1000.0, clock=clock, sleep=clock.sleep)
+    step = object()
+    assert hold.started(step, {"r": 1000}) == 0.0 and clock.slept == []
+    clock.now += 0.2
+    assert hold.hold(step) == pytest.approx(0.8)
+    assert hold.pre_held_s == 0.0 and hold.held_s == pytest.approx(0.8)
+    assert hold.estimate.predict(1000) == pytest.approx(0.2)
+
+
+def test_once_estimated_a_step_is_held_before_its_forward_so_its_work_ends_near_the_rate() -> None:
+    clock, hold = _learned(1000.0, 1000, 0.2)        # 1,000 prompt tokens: 1 s at the rate, 0.2 s of compute
+    step = object()
+    scheduled = clock.now
+    assert hold.started(step, {"r": 1000, "d": 1}) == pytest.approx(1.0 - 1.25 * 0.2)
+    clock.now += 0.2                                 # the forward: a streamed KV leaves by its end
+    forward_end = clock.now - scheduled
+    assert 0.8 <= forward_end < 1.0
+    assert hold.hold(step) == pytest.approx(1.0 - forward_end)
+    assert clock.now - scheduled == pytest.approx(1.0)
+    assert hold.pre_held_s == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("compute", [0.1, 0.16, 0.2, 0.25, 0.6, 1.3])
+def test_an_estimated_step_lasts_the_longer_of_its_compute_and_its_tokens_at_the_rate(compute: float) -> None:
+    clock, hold = _learned(1000.0, 1000, 0.2)
+    step = object()
+    scheduled = clock.now
+    pre = hold.started(step, {"r": 1000})
+    clock.now += compute
+    hold.hold(step)
+    # within MARGIN x the estimate (0.25 s) exactly max(compute, 1 s); beyond it longer by the excess
+    assert clock.now - scheduled == pytest.approx(max(compute, 1.0, pre + compute))
+    if compute <= 1.25 * 0.2:
+        assert clock.now - scheduled == pytest.approx(1.0)
+
+
+def test_decode_only_steps_are_untouched_and_teach_the_estimate_nothing() -> None:
+    clock, hold = _learned(1000.0, 1000, 0.2)
+    decode = object()
+    assert hold.started(decode, {"r1": 1, "r2": 1}) == 0.0
+    clock.now += 0.05
+    assert hold.hold(decode) == 0.0
+    assert clock.slept == [] and hold.estimate.predict(1000) == pytest.approx(0.2)
+
+
+def test_a_step_slower_than_the_rate_is_never_held_before_or_after() -> None:
+    clock, hold = _learned(10_000.0, 1000, 0.25)     # 0.1 s at the rate, 0.25 s of compute
+    for compute in (0.25, 0.3):
+        step = object()
+        assert hold.started(step, {"r": 1000}) == 0.0
+        clock.now += compute
+        assert hold.hold(step) == 0.0
+    assert clock.slept == [] and hold.held_s == 0.0
+
+
 @dataclass
 class Output:
     num_scheduled_tokens: dict[str, int]
@@ -98,6 +180,26 @@ def test_wrapped_scheduler_holds_between_schedule_and_update_and_passes_everythi
     sched.update_from_output(out2, "model2")
     assert clock.slept == [pytest.approx(0.5)]
     assert sched.seen == [(out, "model"), (out2, "model2")]
+
+
+def test_the_wrapped_schedule_holds_a_prefill_step_before_returning_it() -> None:
+    clock = FakeClock()
+    cls = type("Sched", (RecordingScheduler,), {})
+    ep.wrap_scheduler(cls, ep.StepHold(1000.0, clock=clock, sleep=clock.sleep))
+    sched = cls(steps=[{"a": 1000}, {"a": 1000}, {"a": 1, "b": 1}])
+    first = sched.schedule()
+    assert clock.slept == []                         # nothing learned yet
+    clock.now += 0.2
+    sched.update_from_output(first, "m1")
+    assert clock.slept == [pytest.approx(0.8)]
+    second = sched.schedule()                        # learned 0.2 s: held 1 - 1.25 x 0.2 before the forward
+    assert clock.slept == [pytest.approx(0.8), pytest.approx(0.75)]
+    clock.now += 0.2
+    sched.update_from_output(second, "m2")
+    assert clock.slept == [pytest.approx(0.8), pytest.approx(0.75), pytest.approx(0.05)]
+    decode = sched.schedule(throttle_prefills=True)
+    sched.update_from_output(decode, "m3")
+    assert len(clock.slept) == 3
 
 
 def _register_in_subprocess(value: str | None) -> subprocess.CompletedProcess[str]:
