@@ -30,9 +30,9 @@ Why these choices:
   long prompt 1.8 s after it came where its prefill alone was held 3.4 s (emulated 600
   tokens/s), and the proxy cancelled the held prefill request, which the engine then never counts
   in its histogram; hence the rate is measured on a prompt sent to the prefill engine alone. NIXL
-  across an emulated link (UCX over a veth between namespaces) is then tested nowhere, nor the
-  socket connector's KV fetched after the prefill across one: every other NIXL and socket e2e
-  deployment runs over loopback.
+  across an emulated link (UCX over a veth between namespaces) is tested by
+  test_pd_nixl_push.py (push mode); the socket connector's KV fetched after the prefill runs over
+  loopback only.
 - Model: ``disagg:tiny-kvheavy`` (32 KiB of KV per token). A prompt prefilled on the decode engine
   stalls every decode running there for the whole prefill: with ``BUSY`` decodes a local prefill
   scores ``(1 + BUSY) x`` its prefill time on the decode host, a split its prefill on the prefill
