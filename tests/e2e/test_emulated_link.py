@@ -25,11 +25,11 @@ Why these choices:
   as a line in the decode engine's requests in flight, which keeps a 2-token prompt's split
   dearer than its local prefill on the busy decode engine. With the KV fetched after the prefill
   (``streaming: false``) the proxy priced the handoff near its 16 ms seed while one into the busy
-  decode engine took 550-590 ms, and split the short prompt (2 runs of 7). Streamed, the KV leaves as the prefill
-  engine computes at its core's speed, before the emulation holds the step: decode answered the
-  long prompt 1.8 s after it came where its prefill alone was held 3.4 s (emulated 600
-  tokens/s), and the proxy cancelled the held prefill request, which the engine then never counts
-  in its histogram; hence the rate is measured on a prompt sent to the prefill engine alone. NIXL
+  decode engine took 550-590 ms, and split the short prompt (2 runs of 7). Streamed, the KV leaves while the
+  prefill engine computes; the emulation holds such a step mostly before its forward once the
+  engine has an estimate of its own compute (connectors/emulated_prefill.py), and the proxy may
+  cancel the prefill request once decode answered: the rate is measured on a prompt sent to the
+  prefill engine alone, once it is idle, so that its histogram counts that one request. NIXL
   across an emulated link (UCX over a veth between namespaces) is tested by
   test_pd_nixl_push.py (push mode); the socket connector's KV fetched after the prefill runs over
   loopback only.
@@ -351,10 +351,11 @@ roles:
         assert long_text == plain_answer(decode, {**body(LONG, "long", max_tokens=LONG_OUT), "cache_salt": "alone"})
         decode_rate = _prefill_rate(d_before, _prefilled(decode, d_before))
         # the prefill host's rate, measured back by the engine: its prefill time for a prompt of the
-        # long one's length sent to it alone (module doc: a streamed split's prefill is not held).
+        # long one's length sent to it alone, once idle (module doc).
         # The emulation only ever slows an engine down: on a core slower than the emulated rate it
         # holds nothing, and the prefill engine's core is no slower than the decode engine's under
         # its quota, so the floor is the lower of the emulated rate and the decode engine's
+        _idle(prefill)   # the split's prefill request finished (or cancelled) and counted
         p_before = get_text(prefill + "/metrics")
         plain_answer(prefill, body(LONG, "rate", max_tokens=1))
         prefill_rate = _prefill_rate(p_before, _prefilled(prefill, p_before))
