@@ -217,12 +217,24 @@ def _register_in_subprocess(value: str | None) -> subprocess.CompletedProcess[st
 
 @pytest.mark.engine
 def test_register_wraps_the_real_vllm_scheduler_only_when_the_variable_is_set() -> None:
-    on = _register_in_subprocess("2500")
-    assert on.returncode == 0, on.stderr[-2000:]
-    assert on.stdout.split() == ["True", "True"]
-    off = _register_in_subprocess(None)
-    assert off.returncode == 0, off.stderr[-2000:]
-    assert off.stdout.split() == ["False", "False"]
+    """One process (one import of vLLM): ``register`` without the variable leaves the real
+    scheduler alone; with it, it wraps it."""
+    code = ("import os\n"
+            "from disagg_connectors.emulated_prefill import ENV, register\n"
+            "from vllm.v1.core.sched.scheduler import Scheduler\n"
+            "from vllm.v1.core.sched.async_scheduler import AsyncScheduler\n"
+            "def wrapped():\n"
+            "    return [hasattr(Scheduler.schedule, '__wrapped__'),\n"
+            "            hasattr(AsyncScheduler.update_from_output, '__wrapped__')]\n"
+            "register()\n"
+            "print(*wrapped())\n"
+            "os.environ[ENV] = '2500'\n"
+            "register()\n"
+            "print(*wrapped())\n")
+    env = {k: v for k, v in os.environ.items() if k != ep.ENV}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-2:] == ["False False", "True True"], done.stdout
 
 
 def test_register_stops_the_process_on_a_bad_rate() -> None:
