@@ -200,6 +200,12 @@ class _Pending:
     scanned: int = 0  # bytes of its log searched for a stuck-start line (TrackedProcesses.stuck_line)
 
 
+#: how often a start-up of local engines looks at them (health, exit, log): a quarter second, so
+#: that `up` (and a restart) says ready within that of the engine's own readiness; remote engines
+#: (an ssh command per look) keep the launcher's ``poll_interval``
+STARTUP_POLL_S = 0.25
+
+
 class Launcher:
     """Owns the processes of one deployment from ``up()`` until ``stop()``."""
 
@@ -565,7 +571,8 @@ class Launcher:
             if names and now - last_note >= 15:
                 self.say(f"... loading: {names} ({now - t0:.0f} s)")
                 last_note = now
-            time.sleep(self.poll_interval)
+            remote = any(p.record.ssh for p in pending)   # each look at a remote engine is an ssh command
+            time.sleep(self.poll_interval if remote else min(self.poll_interval, STARTUP_POLL_S))
 
     def _proxy_argv(self) -> list[str]:
         return frontend_argv(self.dep)
