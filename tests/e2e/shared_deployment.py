@@ -66,9 +66,17 @@ def down_problems(run: Running, model: Path) -> list[str]:
         problems.append(f"disagg down exited {done.returncode}: {done.stderr[-2000:]}")
     if "still owns this run; asking it to stop" not in done.stdout:
         problems.append(f"disagg down did not stop the supervisor first: {done.stdout[-2000:]}")
-    _, alive = psutil.wait_procs(procs, timeout=10)
+    return problems + _left_behind(run, model, procs, ports, "disagg down", wait_s=10)
+
+
+def _left_behind(run: Running, model: Path, procs: list[psutil.Process], ports: list[int], stop: str,
+                 wait_s: float) -> list[str]:
+    """What a stop (``stop``: how it was asked) left of ``run``: processes of ``procs`` still
+    running after ``wait_s``, ports of ``ports`` still taken, its state file, engines on ``model``."""
+    problems = []
+    _, alive = psutil.wait_procs(procs, timeout=wait_s)
     if alive:
-        problems.append(f"left running after disagg down: {[p.pid for p in alive]}")
+        problems.append(f"left running after {stop}: {[p.pid for p in alive]}")
     if busy := busy_ports(ports):
         problems.append(f"ports still taken: {busy}")
     if (run.run_dir / "runs" / run.topology.stem / "state.json").exists():
@@ -89,16 +97,7 @@ def ctrl_c_problems(run: Running, model: Path) -> list[str]:
     run.process.send_signal(signal.SIGINT)
     if (status := run.process.wait(timeout=120)) != 0:
         problems.append(f"disagg up exited {status} on Ctrl-C")
-    _, alive = psutil.wait_procs(procs, timeout=5)
-    if alive:
-        problems.append(f"left running after Ctrl-C: {[p.pid for p in alive]}")
-    if busy := busy_ports(ports):
-        problems.append(f"ports still taken: {busy}")
-    if (run.run_dir / "runs" / run.topology.stem / "state.json").exists():
-        problems.append("the state file is still there")
-    if left := engine_processes(model):
-        problems.append(f"engines on the model still run: {[p.pid for p in left]}")
-    return problems
+    return problems + _left_behind(run, model, procs, ports, "Ctrl-C", wait_s=5)
 
 
 #: how a shared deployment is stopped: the run and the session's model -> what it left

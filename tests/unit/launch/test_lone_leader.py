@@ -108,7 +108,9 @@ def test_a_leader_whose_group_is_busy_shutting_down_is_left_to_wait(tmp_path: Pa
         print(f"stopped in {took:.2f} s")
         core_exit = float(re.findall(r"core: exited at ([\d.]+)", Path(rec.log).read_text())[0])
         first, second = _terms(rec)
-        assert core_exit - first >= 3.0
+        # the stand-ins stamp their own clocks: the core's receipt of the group's SIGTERM may come
+        # a few ms before the leader's handler stamps its own
+        assert core_exit - first >= 3.0 - 0.1
         assert second - core_exit >= processes.LONE_LEADER_S * 0.9
         assert 3.0 <= took < 3.0 + processes.LONE_LEADER_S + 4
         wait_until(lambda: running(tree) == [], 5, "the leader and both children gone")
