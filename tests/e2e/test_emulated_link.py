@@ -79,7 +79,6 @@ than two engines on this machine.
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 import time
 import urllib.request
@@ -96,6 +95,7 @@ from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
 from disagg.topology import load_topology
 from harness.engines import ENGINE_ARGS, Running, bring_up, free_ports, get_text, plain_answer, routed_stream
+from tests.e2e.emulated_links import left_of, namespace_listed, received_bytes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns,
               pytest.mark.skipif(netns_unavailable_reason() is not None, reason=str(netns_unavailable_reason()))]
@@ -118,14 +118,6 @@ LONG = 2048
 LONG_OUT = 16
 
 _REASONS = ("predicted", "explore", "no_prefill", "no_decode", "decode_backlog", "decode_load", "policy")
-
-
-def _rx_bytes(interface: str) -> int:
-    return int(Path(f"/sys/class/net/{interface}/statistics/rx_bytes").read_text())
-
-
-def _netns() -> str:
-    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
 def _cache_blocks(metrics: str) -> tuple[int, int]:
@@ -278,7 +270,7 @@ roles:
     run = bring_up(topo_path, run_dir)
     phases["up"] = time.monotonic()
     try:
-        assert link.a.namespace in _netns()
+        assert namespace_listed(link)
         proxy, decode, prefill = run.proxy_url, run.engines["decode[0]"], run.engines["prefill[0]"]
         # the decode host's KV cache is the emulated size (whole blocks of 32 KiB per token) ...
         blocks, block_size = _cache_blocks(get_text(decode + "/metrics"))
@@ -320,9 +312,9 @@ roles:
                 busy.append(_LongDecode(proxy, {**body(8, f"busy{i}", max_tokens=4000), "ignore_eos": True}))
                 assert busy[-1].route in ("local", "split"), busy[-1].route
                 assert busy[-1].first.wait(120), "a long decode never started"
-            rx_before, d_before = _rx_bytes(link.b.interface), get_text(decode + "/metrics")
+            rx_before, d_before = received_bytes(link), get_text(decode + "/metrics")
             long_route, long_text, long_counted = _decided(run, body(LONG, "long", max_tokens=LONG_OUT))
-            rx_after, d_after = _rx_bytes(link.b.interface), get_text(decode + "/metrics")
+            rx_after, d_after = received_bytes(link), get_text(decode + "/metrics")
             short_route, short_text, short_counted = _decided(run, body(2, "short"))
             after = get_text(proxy + "/metrics")
         finally:
@@ -374,5 +366,4 @@ roles:
                                   for name, a, b in zip(list(phases)[1:], marks[:-1], marks[1:], strict=True)))
     assert done.returncode == 0, done.stderr
     assert not cgroup.exists()
-    assert link.a.namespace not in _netns()
-    assert not Path(f"/sys/class/net/{link.b.interface}").exists()
+    assert left_of(link) == []

@@ -17,7 +17,6 @@ into them when it finishes).
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from disagg.emulation import emulated_link
-from disagg.linkemu import EmulatedLink, netns_unavailable_reason
+from disagg.linkemu import netns_unavailable_reason
 from disagg.prometheus_text import sample_label as metric_label
 from disagg.prometheus_text import sample_sum as metric_value
 from disagg.topology import load_topology
@@ -39,6 +38,7 @@ from harness.engines import (
     get_text,
     plain_answer,
 )
+from tests.e2e.emulated_links import left_of, namespace_listed, received_bytes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns,
               pytest.mark.skipif(netns_unavailable_reason() is not None, reason=str(netns_unavailable_reason()))]
@@ -47,15 +47,6 @@ KV_BYTES_PER_TOKEN = 1024  # the embedded tiny model, bf16 (as in test_pd.py)
 #: the requests of conftest's ``requests_`` served here, in order: the first goes in turn, the
 #: rest at once (completion and chat, streamed and not, 50 to 1,500 prompt tokens)
 NAMES = ("short", "sync-completion-stream", "sync-chat-stream", "async-chat", "long")
-
-
-def _netns() -> str:
-    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-
-
-def _rx_bytes(link: EmulatedLink) -> int:
-    """Bytes the root namespace's end of the veth received (from the prefill host's namespace)."""
-    return int(Path(f"/sys/class/net/{link.b.interface}/statistics/rx_bytes").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +71,11 @@ roles:
 {SPLIT_EVERY_PROMPT}""")
     link = emulated_link(load_topology(topo))
     run = bring_up(topo, e2e_dir / "run-pd-nixl-push")
-    assert link.a.namespace in _netns()
+    assert namespace_listed(link)
     yield run                                            # pytest runs what follows however the tests went
     stopped = run.down()
     assert stopped.returncode == 0 and not engine_processes(tiny_model), stopped.stderr
-    assert link.a.namespace not in _netns()
-    assert not Path(f"/sys/class/net/{link.b.interface}").exists()
+    assert left_of(link) == []
 
 
 def test_push_handoff_equals_colocated_and_kv_moved(push_pd: Running, reference: dict[str, str],
@@ -95,7 +85,7 @@ def test_push_handoff_equals_colocated_and_kv_moved(push_pd: Running, reference:
     assert any("--handoff vllm-nixl-push" in c for c in cmdlines), cmdlines
     prefill, decode = push_pd.engines["prefill[0]"], push_pd.engines["decode[0]"]
     link = emulated_link(load_topology(push_pd.topology))   # the fixture's, derived from the same file
-    rx_before, moved_in_all = _rx_bytes(link), 0.0
+    rx_before, moved_in_all = received_bytes(link), 0.0
     for name in NAMES:
         body = requests_[name]
         before = {url: get_text(url + "/metrics") for url in (prefill, decode, push_pd.proxy_url)}
@@ -135,7 +125,7 @@ def test_push_handoff_equals_colocated_and_kv_moved(push_pd: Running, reference:
         assert delta(push_pd.proxy_url, "disagg_proxy_requests_total", path="split") == 1, name
         assert delta(push_pd.proxy_url, "disagg_proxy_fallbacks_total") == 0, name
     # the KV crossed the link: the decode host's end of the veth received at least what P wrote
-    assert _rx_bytes(link) - rx_before >= moved_in_all, (_rx_bytes(link) - rx_before, moved_in_all)
+    assert received_bytes(link) - rx_before >= moved_in_all, (received_bytes(link) - rx_before, moved_in_all)
     # the proxy learned the prefill engine once, serving the first route in turn; the others went at once
     log = (push_pd.run_dir / "runs" / push_pd.topology.stem / "logs" / "proxy.log").read_text()
     assert log.count(": NIXL engine ") == 1, log[-2000:]
