@@ -20,6 +20,7 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -53,6 +54,18 @@ pytestmark = pytest.mark.e2e
 
 #: how long after sending both requests of a streamed handoff a test cuts one short (P is then mid-prompt)
 CUT_AFTER_S = 0.15
+
+
+async def _sent_both(session: aiohttp.ClientSession, p: Engine, d: Engine, prompt: str, max_tokens: int
+                     ) -> tuple[asyncio.Task[dict[str, Any]], asyncio.Task[dict[str, Any]]]:
+    """Both requests of a streamed handoff of ``prompt`` sent at once (D's answer ``max_tokens``
+    long): the (decode, prefill) tasks, :data:`CUT_AFTER_S` later, P then mid-prompt, for the test to
+    cut one short."""
+    p_params, d_params = stream_params(p)
+    decode = asyncio.create_task(complete(session, d, prompt, max_tokens, d_params))
+    prefill = asyncio.create_task(complete(session, p, prompt, 1, p_params))
+    await asyncio.sleep(CUT_AFTER_S)
+    return decode, prefill
 
 
 @pytest.fixture(scope="module")
@@ -292,10 +305,7 @@ async def test_a_prefill_request_aborted_mid_stream_ends_it_and_decode_recompute
         reference = await complete(session, d, prompt, 8)
         assert reference["usage"]["prompt_tokens"] > 20 * CHUNK_TOKENS
         counters = Counters(d)
-        p_params, d_params = stream_params(p)
-        decode = asyncio.create_task(complete(session, d, prompt, 8, d_params))
-        prefill = asyncio.create_task(complete(session, p, prompt, 1, p_params))
-        await asyncio.sleep(CUT_AFTER_S)
+        decode, prefill = await _sent_both(session, p, d, prompt, 8)
         assert not prefill.done(), "P finished before it could be cut short"
         prefill.cancel()                         # the client left: aiohttp closes P's connection, vLLM aborts
         dec = await decode
@@ -310,10 +320,7 @@ async def test_a_decode_request_aborted_mid_stream_frees_both_sides(pair: tuple[
     p, d = pair
     prompt = huge()
     async with aiohttp.ClientSession() as session:
-        p_params, d_params = stream_params(p)
-        decode = asyncio.create_task(complete(session, d, prompt, 64, d_params))
-        prefill = asyncio.create_task(complete(session, p, prompt, 1, p_params))
-        await asyncio.sleep(CUT_AFTER_S)
+        decode, prefill = await _sent_both(session, p, d, prompt, 64)
         decode.cancel()
         await prefill                            # P finishes its prefill; the cut stream frees it
     await wait_for(lambda: metric(d.url, "vllm:kv_cache_usage_perc") == 0, IO_TIMEOUT_S + 5, "D to free its blocks")
@@ -354,10 +361,7 @@ async def test_a_frozen_prefill_mid_stream_times_out_to_local_recompute(pair: tu
         reference = await complete(session, d, prompt, 8)
         counters = Counters(d)
         completed_before = len(log_lines(p, STREAM_COMPLETED))
-        p_params, d_params = stream_params(p)
-        decode = asyncio.create_task(complete(session, d, prompt, 8, d_params))
-        prefill = asyncio.create_task(complete(session, p, prompt, 1, p_params))
-        await asyncio.sleep(CUT_AFTER_S)
+        decode, prefill = await _sent_both(session, p, d, prompt, 8)
         assert not prefill.done(), "P finished before it could be frozen"
         await asyncio.to_thread(stop_group, p.proc.pid)
         try:
@@ -390,10 +394,7 @@ async def test_prefill_killed_mid_stream_and_after_a_prefill_leads_to_local_reco
         pre = await complete(session, p, LONG, 1, dict(REMOTE_DECODE))   # fetched once P is dead
         counters = Counters(d)
         completed_before = len(log_lines(p, STREAM_COMPLETED))
-        p_params, d_params = stream_params(p)
-        decode = asyncio.create_task(complete(session, d, prompt, 8, d_params))
-        prefill = asyncio.create_task(complete(session, p, prompt, 1, p_params))
-        await asyncio.sleep(CUT_AFTER_S)
+        decode, prefill = await _sent_both(session, p, d, prompt, 8)
         assert not prefill.done(), "P finished before it could be killed"
         # SIGTERM kills P's engine at once; its HTTP server then waits for the open prefill request
         # (which the client leaves once D answered), else for Engine.stop's 15 s before SIGKILL
