@@ -542,6 +542,8 @@ class Launcher:
     def _wait_healthy(self, pending: list[_Pending], t0: float) -> None:
         deadline = t0 + self.topo.timeouts.startup
         last_note = time.monotonic()
+        remote = any(p.record.ssh for p in pending)   # each look at a remote engine is an ssh command
+        poll = self.poll_interval if remote else min(self.poll_interval, STARTUP_POLL_S)
         while True:
             waiting = [p for p in pending if p.healthy_at is None]
             if not waiting:
@@ -571,8 +573,7 @@ class Launcher:
             if names and now - last_note >= 15:
                 self.say(f"... loading: {names} ({now - t0:.0f} s)")
                 last_note = now
-            remote = any(p.record.ssh for p in pending)   # each look at a remote engine is an ssh command
-            time.sleep(self.poll_interval if remote else min(self.poll_interval, STARTUP_POLL_S))
+            time.sleep(poll)
 
     def _proxy_argv(self) -> list[str]:
         return frontend_argv(self.dep)
