@@ -69,8 +69,9 @@ from disagg.workload_plan import (
     Mix,
     WorkloadPlan,
     evaluate,
+    goodput_rps,
     plan_workload,
-    predict_class,
+    predict_classes,
     routes_for,
 )
 
@@ -207,9 +208,7 @@ def goodput(layout: Layout, mix: Sequence[Mix], rate: float, slo: SLO) -> float:
     """Requests per second meeting ``slo`` when ``layout`` serves ``mix`` at ``rate``: what
     :func:`disagg.workload_plan.predict` gives as ``goodput_rps``, without its saturation search."""
     outcome = evaluate(mix, rate, routes_for(layout, mix, rate))
-    if outcome.saturated:
-        return 0.0
-    return rate * sum(m.share * predict_class(m, outcome.branches[m.name], slo).meets for m in mix)
+    return goodput_rps(mix, predict_classes(mix, outcome, slo), rate)
 
 
 @dataclass(frozen=True)

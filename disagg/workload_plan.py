@@ -996,17 +996,24 @@ def routes_for(layout: Layout, mix: Sequence[Mix], rate: float) -> Routes:
     return solve_auto(layout, mix, rate) if layout.kind == AUTO else fixed_routes(layout, mix)
 
 
+def predict_classes(mix: Sequence[Mix], outcome: Outcome, slo: Objective | None) -> tuple[ClassPrediction, ...]:
+    """Every class's figures in ``outcome`` (none, and no share meeting ``slo``, where it saturates)."""
+    if outcome.saturated:
+        return tuple(ClassPrediction(m.name, None, None, 0.0, _route_shares(outcome, m)) for m in mix)
+    return tuple(predict_class(m, outcome.branches[m.name], slo) for m in mix)
+
+
+def goodput_rps(mix: Sequence[Mix], classes: Sequence[ClassPrediction], rate: float) -> float:
+    """Requests per second meeting the objective: ``rate`` times each class's share and share meeting it."""
+    return rate * sum(m.share * c.meets for m, c in zip(mix, classes, strict=True))
+
+
 def predict(layout: Layout, mix: Sequence[Mix], rate: float, slo: Objective | None) -> ConfigPrediction:
     """Every class's figures and the goodput of ``layout`` at ``rate``, and the rate it saturates at."""
     outcome = evaluate(mix, rate, routes_for(layout, mix, rate))
-    if outcome.saturated:
-        classes = tuple(ClassPrediction(m.name, None, None, 0.0, _route_shares(outcome, m)) for m in mix)
-        goodput = 0.0
-    else:
-        classes = tuple(predict_class(m, outcome.branches[m.name], slo) for m in mix)
-        goodput = rate * sum(m.share * c.meets for m, c in zip(mix, classes, strict=True))
-    return ConfigPrediction(layout, classes, goodput, outcome.saturated, saturation_rate(layout, mix),
-                            tuple(outcome.loads.values()), outcome.link_share)
+    classes = predict_classes(mix, outcome, slo)
+    return ConfigPrediction(layout, classes, goodput_rps(mix, classes, rate), outcome.saturated,
+                            saturation_rate(layout, mix), tuple(outcome.loads.values()), outcome.link_share)
 
 
 def _route_shares(outcome: Outcome, m: Mix) -> dict[str, float]:
