@@ -6,6 +6,8 @@ the server reports the true prompt and completion token counts, and
 Every SSE event with ``choices`` is a token chunk: its arrival time is
 recorded; the first one is the first token. Errors never raise: they are
 recorded in the request's record (HTTP status and body, or the exception).
+Behind the project's proxy the record keeps the path that served the prompt
+(its ``X-Disagg-Route`` header), so the report can show each class's paths.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import aiohttp
 from disagg.bench.prompts import Prompt
 from disagg.bench.records import RequestRecord
 from disagg.bench.workload import Workload
+from disagg.proxy.router import ROUTE_HEADER
 from disagg.sse import SSEError, SSEParser
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -50,6 +53,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, prompt: Prompt,
     try:
         timeout = aiohttp.ClientTimeout(total=workload.timeout_s)
         async with session.post(url, json=body, headers=headers, timeout=timeout) as resp:
+            rec.route = resp.headers.get(ROUTE_HEADER)
             if resp.status != 200:
                 text = (await resp.text())[:300]
                 rec.error = f"HTTP {resp.status}: {text}"

@@ -16,7 +16,8 @@ from typing import Any
 
 @dataclass
 class RequestRecord:
-    """One request: when it was sent, every token chunk's arrival, its size and fate."""
+    """One request: when it was sent, every token chunk's arrival, its size and fate, and the path the
+    proxy served it by."""
 
     index: int                          # position in the workload
     klass: str                          # prompt class name (short / medium / long ...)
@@ -25,6 +26,7 @@ class RequestRecord:
     output_tokens: int = 0              # from usage (falls back to the chunk count)
     chunk_times: list[float] = field(default_factory=list)   # each token chunk, s since run start
     error: str | None = None            # None = success
+    route: str | None = None            # the proxy's X-Disagg-Route (split, local, whole, fallback), if sent
 
     @property
     def success(self) -> bool:
@@ -69,4 +71,5 @@ class RequestRecord:
         """Inverse of :meth:`to_dict`."""
         return cls(index=int(d["index"]), klass=str(d["klass"]), send=float(d["send"]),
                    prompt_tokens=int(d["prompt_tokens"]), output_tokens=int(d.get("output_tokens", 0)),
-                   chunk_times=[float(t) for t in d.get("chunk_times", [])], error=d.get("error"))
+                   chunk_times=[float(t) for t in d.get("chunk_times", [])], error=d.get("error"),
+                   route=d.get("route"))

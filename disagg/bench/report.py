@@ -287,6 +287,44 @@ def routes_table(doc: Document) -> str:
             "deltas over the measured runs):\n\n" + "\n".join(lines) + "\n")
 
 
+def _class_path_rows(doc: Document) -> list[tuple[str, ...]]:
+    rows: list[tuple[str, ...]] = []
+    for label, result in doc.items():
+        for group in step_groups(result):
+            recs = [RequestRecord.from_dict(r) for run in group for r in run["records"]]
+            if not any(r.route for r in recs):
+                continue
+            for klass in dict.fromkeys(r.klass for r in recs):
+                mine = [r for r in recs if r.klass == klass]
+                by_path: dict[str, list[RequestRecord]] = {}
+                for r in mine:
+                    by_path.setdefault(r.route or "-", []).append(r)
+                for path, served in sorted(by_path.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+                    ok = [r for r in served if r.success]
+                    ttfts = [r.ttft for r in ok if r.ttft is not None]
+                    tpots = [t for r in ok if r.e2el is not None and r.ttft is not None
+                             and (t := tpot(r.e2el, r.ttft, r.output_tokens)) is not None]
+                    rows.append((label, str(group[0]["label"]), klass, path, str(len(served)),
+                                 f"{100 * len(served) / len(mine):.0f}%",
+                                 _fmt(1000 * statistics.median(ttfts) if ttfts else None),
+                                 _fmt(1000 * statistics.median(tpots) if tpots else None)))
+    return rows
+
+
+def class_paths_table(doc: Document) -> str:
+    """Per step and prompt class, the paths that served its requests (their ``X-Disagg-Route``,
+    pooled over the repeats): prompts, share of the class, TTFT and TPOT p50 (ms). Empty when no
+    record carries a route (a target without the project's proxy, or a report written before
+    records kept it)."""
+    rows = _class_path_rows(doc)
+    if not rows:
+        return ""
+    head = "| run | load | class | path | prompts | share of class | TTFT p50 | TPOT p50 |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)] + ["| " + " | ".join(r) + " |" for r in rows]
+    return ("Paths per class (each request's `X-Disagg-Route`, pooled over the repeats; ms):\n\n"
+            + "\n".join(lines) + "\n")
+
+
 def write_markdown(doc: Document, path: Path, title: str = "disagg bench report") -> Path:
     """Write a Markdown report with the table and links to the plots."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -309,6 +347,8 @@ def write_markdown(doc: Document, path: Path, title: str = "disagg bench report"
                  *(f"- {line}" for line in fails), ""]
     if routes := routes_table(doc):
         body += [routes, ""]
+    if paths := class_paths_table(doc):
+        body += [paths, ""]
     if loads := load_lines(doc):
         body += ["Machine load (1-minute load average; during runs the engines under test add their own):", "",
                  *(f"- {line}" for line in loads), ""]

@@ -11,8 +11,9 @@ against known values. Requests whose prompt contains ``FAIL`` get HTTP 500;
 with, as the disagg proxy refuses them. With ``routes`` (the proxy's own
 :class:`~disagg.proxy.metrics.ProxyMetrics`, so the series names are the real
 ones) it serves ``GET /metrics`` and routes like a proxy would: prompts under
-``split_from`` tokens ``local``, others ``split``, predicting ``predict_factor``
-x the programmed TTFT; without it ``/metrics`` is 404, like a server without it.
+``split_from`` tokens ``local``, others ``split`` (said in ``X-Disagg-Route``),
+predicting ``predict_factor`` x the programmed TTFT; without it ``/metrics`` is
+404 and no route header is sent, like a server without them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from disagg.bench.runner import BenchResult, RunResult, Step
 from disagg.bench.slo import SLO
 from disagg.bench.workload import Workload, parse_classes
 from disagg.proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from disagg.proxy.router import ROUTE_HEADER
 from harness.ports import free_port
 
 
@@ -99,13 +101,15 @@ def _app(state: StandIn) -> web.Application:
             return web.json_response({"error": {"message": f"stand-in refusal {status}"}}, status=status)
         prompt_tokens = _count(text) + (2 if chat else 0)
         ttft = state.base_ttft + prompt_tokens / state.prefill_tokens_per_s
+        headers = {"Content-Type": "text/event-stream"}
         if state.routes is not None:
             path = "local" if prompt_tokens < state.split_from else "split"
+            headers[ROUTE_HEADER] = path
             state.routes.route.labels(path=path, reason="predicted").inc()
             state.routes.route_predicted.labels(path=path).observe(state.predict_factor * ttft)
             state.routes.route_observed.labels(path=path).observe(ttft)
         n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         await asyncio.sleep(ttft)
         for i in range(n):

@@ -296,8 +296,13 @@ async def test_compare_with_routing_variants_and_repeats(tmp_path: Path, standin
         kept = tmp_path / "out" / "logs" / f"pd-{policy}-proxy.log"
         assert result["proxy_log"] == str(kept) and kept.read_text() == f"routing of pd-{policy}\n"
         assert all(sum(sum(v.values()) for v in r["routes"]["routes"].values()) == 6 for r in result["runs"])
+        # each request keeps the path the proxy named in its X-Disagg-Route (the stand-in splits
+        # prompts of 100 tokens and more: this workload's long class)
+        assert {(r["klass"], r["route"]) for run in result["runs"] for r in run["records"]} == \
+            {("short", "local"), ("long", "split")}
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| pd[auto] | rate 200/s | all | 12/0 |" in md and "Route mix" in md
+    assert "Paths per class" in md
 
 
 def test_the_handoff_probe_is_for_a_split_topology_of_one_pair(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -10,8 +11,10 @@ from typing import Any
 import pytest
 
 from disagg.bench import report
+from disagg.bench.records import RequestRecord
 from disagg.bench.report import (
     PLOT_FILES,
+    class_paths_table,
     failure_lines,
     load_json,
     markdown_table,
@@ -124,6 +127,24 @@ def test_failures_by_status_and_route_mix_in_the_report(tmp_path: Path, syntheti
     assert "- auto, rate 1/s: 4 failed (HTTP 429 x 3, HTTP 503 x 1)" in md and "Route mix" in md
     assert "failed auto, rate 1/s: 4 failed" in text_table(doc)
     assert routes_table(_doc(synthetic)) == "" and failure_lines(_doc(synthetic)) == []
+
+
+def test_paths_per_class_pool_the_repeats_records(synthetic) -> None:
+    doc = _repeated_doc(synthetic)
+    assert class_paths_table(doc) == ""                         # no record names a route
+    for run in doc["auto"]["runs"]:
+        for r in run["records"]:
+            r["route"] = "split" if r["klass"] == "long" or r["index"] % 4 == 1 else "local"
+    table = class_paths_table(doc)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("| auto | rate 1/s |")]
+    # three repeats of 40 requests: 60 long, all split; 60 short, one in two split
+    assert [r[2:6] for r in rows] == [["long", "split", "60", "100%"], ["short", "local", "30", "50%"],
+                                      ["short", "split", "30", "50%"]]
+    # each path's own requests: the short class's split half has its own TTFT p50
+    short_split = [RequestRecord.from_dict(r) for run in doc["auto"]["runs"][:3] for r in run["records"]
+                   if r["klass"] == "short" and r["route"] == "split"]
+    assert float(rows[2][6]) == pytest.approx(1000 * statistics.median(r.ttft for r in short_split), abs=0.05)
 
 
 def test_cdf_plots_use_a_log_axis(tmp_path: Path, synthetic, monkeypatch: pytest.MonkeyPatch) -> None:
