@@ -43,6 +43,7 @@ from disagg.bench.workload import (
     parse_classes,
     trace_workload_classes,
 )
+from disagg.commands.stopping import sigterm_as_ctrl_c
 from disagg.errors import DisaggError
 from disagg.measurements import store_prefill
 from disagg.proxy.config import ENGINE_KEY_ENV
@@ -363,9 +364,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     # probe may talk to the engines directly
     key = os.environ.get(ENGINE_KEY_ENV) or secrets.token_urlsafe(32)
     os.environ[ENGINE_KEY_ENV] = key
-    doc = compare([Path(f) for f in args.topologies], workload, steps, out, slo=slo, progress=args.progress,
-                  probe_count=probe, percentiles=percentiles, warmup=args.warmup, engine_key=key,
-                  repeats=args.repeats, routing=routing)
+    with sigterm_as_ctrl_c():   # killed, it still takes down the deployment it brought up
+        doc = compare([Path(f) for f in args.topologies], workload, steps, out, slo=slo, progress=args.progress,
+                      probe_count=probe, percentiles=percentiles, warmup=args.warmup, engine_key=key,
+                      repeats=args.repeats, routing=routing)
     print(text_table(doc), end="")
     if args.json:
         write_json(doc, args.json)

@@ -7,12 +7,10 @@ under ``--run-dir`` (default ``.disagg``).
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from types import FrameType
+from collections.abc import Callable
 
+from disagg.commands.stopping import sigterm_as_ctrl_c
 from disagg.launch.launcher import resolve_state
 from disagg.launch.state import RunState
 from disagg.topology import DEFAULT_RUN_DIR, load_topology
@@ -52,19 +50,6 @@ def _positive(text: str) -> float:
     return value
 
 
-@contextmanager
-def _stopped_by_sigterm() -> Iterator[None]:
-    """SIGTERM stops a live view as Ctrl-C does (KeyboardInterrupt), so the terminal is restored
-    and followed ``tail`` processes are ended."""
-    def stop(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _loader(topology: str | None, run_dir: str | None) -> Callable[[], RunState]:
     """What reads the run's state afresh (each refresh of ``top``); without ``--run-dir`` a run is
     found from any directory, as ``status`` finds it (``resolve_state(anywhere=True)``)."""
@@ -82,7 +67,7 @@ def cmd_top(args: argparse.Namespace) -> int:
         top.emit_once(top.once(load), sys.stdout, as_json=args.json)
         return 0
     try:
-        with _stopped_by_sigterm():
+        with sigterm_as_ctrl_c():
             top.live(load, sys.stdout, interval=args.interval, as_json=args.json)
     except KeyboardInterrupt:
         return 0
@@ -97,7 +82,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if not args.follow:
         return logs.show(chosen, sys.stdout, lines=args.lines)
     try:
-        with _stopped_by_sigterm():
+        with sigterm_as_ctrl_c():
             return logs.follow(chosen, sys.stdout, lines=args.lines)
     except KeyboardInterrupt:
         return 0

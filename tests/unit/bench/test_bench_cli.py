@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -105,3 +108,26 @@ def test_bench_compare_passes_routing_and_repeats(monkeypatch: pytest.MonkeyPatc
     assert seen["files"] == [Path("a.yaml"), Path("b.yaml")] and seen["out"] == tmp_path / "o"
     assert seen["routing"] == ["auto", "split"] and seen["repeats"] == 3 and seen["seed"] == 7
     assert seen["probe_count"] == 0 and seen["engine_key"] == "test-key"
+
+
+def test_a_sigterm_during_compare_runs_its_clean_up(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Killed (SIGTERM), ``bench compare`` still takes down what it brought up: the signal ends
+    it as Ctrl-C does, through compare's ``finally`` (here a stand-in compare's)."""
+    cleaned: list[str] = []
+
+    def fake_compare(files: list[Path], workload: Workload, steps: list[object], out: Path,
+                     **kwargs: object) -> dict[str, object]:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)            # the signal's handler raises before this ends
+            return {}
+        finally:
+            cleaned.append("down")
+
+    monkeypatch.setattr(bench_command, "compare", fake_compare)
+    monkeypatch.setenv(ENGINE_KEY_ENV, "test-key")
+    before = signal.getsignal(signal.SIGTERM)
+    started = time.monotonic()
+    assert main(["bench", "compare", "a.yaml", "--out", str(tmp_path / "o"), "--prefill-probe", "0"]) == 130
+    assert cleaned == ["down"] and time.monotonic() - started < 5
+    assert signal.getsignal(signal.SIGTERM) is before       # the handler is the command's own only
