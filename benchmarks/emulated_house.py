@@ -205,9 +205,23 @@ def _median_s(distributions: Any) -> float | None:
     return statistics.median(values) if values else None
 
 
+def route_shares(runs: list[dict[str, Any]], klass: str) -> dict[str, float] | None:
+    """The share of ``klass``'s requests (every class for ``all``) each path served, pooled over
+    ``runs``, from the path each record kept (``X-Disagg-Route``); None where no record kept one."""
+    routes = [r.get("route") for run in runs for r in run.get("records", ())
+              if klass == "all" or r.get("klass") == klass]
+    if not any(routes):
+        return None
+    out: dict[str, float] = {}
+    for path in routes:
+        out[path or "-"] = out.get(path or "-", 0.0) + 1 / len(routes)
+    return out
+
+
 def measured(results: dict[str, Any]) -> dict[str, dict[float, dict[str, Any]]]:
     """config -> rate -> per class medians over repeats (TTFT p50, with its min and max over the
-    repeats; TPOT p50) and goodput (median, min, max over repeats)."""
+    repeats; TPOT p50), goodput (median, min, max over repeats) and the paths' shares
+    (:func:`route_shares`)."""
     out: dict[str, dict[float, dict[str, Any]]] = {}
     for label, result in results.items():
         config = label_of(label)
@@ -224,7 +238,7 @@ def measured(results: dict[str, Any]) -> dict[str, dict[float, dict[str, Any]]]:
                                "ttft_min": min(ttfts, default=None), "ttft_max": max(ttfts, default=None),
                                "tpot_p50": _median_s(m["tpot"] for m in ms),
                                "goodput": statistics.median(goodputs), "goodput_min": min(goodputs),
-                               "goodput_max": max(goodputs)}
+                               "goodput_max": max(goodputs), "routes": route_shares(runs, klass)}
             out.setdefault(config, {})[rate] = cell
     return out
 
@@ -269,14 +283,14 @@ BELOW_SATURATION = 0.7
 
 
 def plan_cells(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """config -> {"goodput", "saturates_at", class -> {"ttft_p50", "tpot_p50"}} from one plan --json."""
+    """config -> {"goodput", "saturates_at", class -> {"ttft_p50", "tpot_p50", "routes"}} from one plan --json."""
     by_label = {c["label"]: c for c in plan["configurations"]}
     out: dict[str, dict[str, Any]] = {}
     for config, label in PLAN_LABELS.items():
         c = by_label[label]
         cell: dict[str, Any] = {"goodput": c["goodput_rps"], "saturates_at": c["saturates_at_rps"]}
         for k in c["classes"]:
-            cell[k["class"]] = {"ttft_p50": k["ttft_p50_s"], "tpot_p50": k["tpot_p50_s"]}
+            cell[k["class"]] = {"ttft_p50": k["ttft_p50_s"], "tpot_p50": k["tpot_p50_s"], "routes": k.get("routes")}
         out[config] = cell
     return out
 
@@ -316,6 +330,7 @@ def validate(measured_: dict[str, dict[float, dict[str, Any]]], predicted_: dict
                 rows.append({"rate": rate, "config": config, "class": klass,
                              "ttft_p50": m["ttft_p50"], "ttft_p50_plan": ttft_p,
                              "tpot_p50": m["tpot_p50"], "tpot_p50_plan": p["tpot_p50"],
+                             "routes": m.get("routes"), "routes_plan": p.get("routes"),
                              "ttft_error": err, "checked": checked,
                              "ttft_ok": (err is not None and abs(err) <= TTFT_TOLERANCE) if checked else None})
             rows[-1]["goodput"] = got["all"]["goodput"] if "all" in got else None
@@ -352,14 +367,24 @@ def markdown(entry: dict[str, Any]) -> list[str]:
     def ms(x: float | None) -> str:
         return "-" if x is None else (f"{x:.2f} s" if x >= 1 else f"{x * 1000:.0f} ms")
 
-    lines = ["| rate | configuration | class | TTFT p50 bench | plan | TPOT p50 bench | plan | goodput bench | plan |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in entry["validation"]["rows"]:
+    def paths(shares: dict[str, float] | None) -> str:
+        return "-" if not shares else " ".join(f"{k} {100 * v:.0f}%" for k, v in
+                                               sorted(shares.items(), key=lambda kv: -kv[1]) if v >= 0.005)
+
+    rows = entry["validation"]["rows"]
+    mixed = any(r["config"] == "auto" for r in rows)    # the paths differ by class only where auto chooses
+    lines = ["| rate | configuration | class | TTFT p50 bench | plan | TPOT p50 bench | plan | goodput bench | plan |"
+             + (" paths bench | plan |" if mixed else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if mixed else "")]
+    for r in rows:
         mark = "" if r["ttft_ok"] is None else (" ok" if r["ttft_ok"] else " **off**")
         good = (f"{r['goodput']:.3f} | {r['goodput_plan']:.3f}" if "goodput" in r and r["goodput"] is not None
                 else " | ")
+        route = (f" {paths(r.get('routes'))} | {paths(r.get('routes_plan'))} |" if r["config"] == "auto"
+                 else "  |  |") if mixed else ""
         lines.append(f"| {r['rate']:g} | {r['config']} | {r['class']} | {ms(r['ttft_p50'])} | "
-                     f"{ms(r['ttft_p50_plan'])}{mark} | {ms(r['tpot_p50'])} | {ms(r['tpot_p50_plan'])} | {good} |")
+                     f"{ms(r['ttft_p50_plan'])}{mark} | {ms(r['tpot_p50'])} | {ms(r['tpot_p50_plan'])} | {good} |"
+                     + route)
     return lines
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.emulated_house import PLAN_LABELS, Ratio, derive, label_of, measured, slo_of, validate
+from benchmarks.emulated_house import PLAN_LABELS, Ratio, derive, label_of, markdown, measured, slo_of, validate
 from disagg.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,3 +95,21 @@ def test_validation_checks_ttft_below_saturation_the_ranking_and_a_saturated_ver
     doc["house-emulated-base-split[split]"]["runs"][1] = _run(0.2, 1, 12.0, 0.0)
     tie = validate(measured(doc), {"0.2": plan}, ["long"])["verdicts"]["long"]
     assert tie == {"bench_split_sooner": "tie", "plan_split_sooner": True, "agree": True}
+
+
+def test_auto_rows_show_each_class_paths_measured_and_planned() -> None:
+    runs = [_run(0.2, k, 1.0, 0.1) for k in range(2)]
+    runs[0]["records"] = [{"klass": "long", "route": "split"}, {"klass": "long", "route": "whole"}]
+    runs[1]["records"] = [{"klass": "long", "route": "split"}, {"klass": "long", "route": "split"}]
+    doc = {"house-emulated-base-split[auto]": {"runs": runs},
+           "house-emulated-base-gamer": {"runs": [_run(0.2, 0, 1.0, 0.1)]}}
+    got = measured(doc)
+    assert got["auto"][0.2]["long"]["routes"] == {"split": 0.75, "whole": 0.25}   # pooled over both repeats
+    assert got["gamer"][0.2]["long"]["routes"] is None                           # no record kept a path
+    plan = _plan({c: (1.0, 0.1, 1.0) for c in PLAN_LABELS})
+    plan["configurations"][-1]["classes"][0]["routes"] = {"split": 0.6, "local": 0.4}
+    table = markdown({"validation": validate(got, {"0.2": plan}, ["long"])})
+    assert table[0].endswith("| paths bench | plan |")
+    auto = next(line for line in table if line.startswith("| 0.2 | auto | long |"))
+    assert auto.endswith("| split 75% whole 25% | split 60% local 40% |")
+    assert next(line for line in table if line.startswith("| 0.2 | gamer |")).endswith("|  |  |")
