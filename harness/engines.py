@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import math
 import os
 import socket
 import subprocess
@@ -201,16 +202,27 @@ def plain_answer(engine: str, body: dict, timeout: float = 300) -> str:
 def routed_stream(proxy: str, body: dict, timeout: float = 600) -> tuple[str, str]:
     """(X-Disagg-Route, the answer's text) of one streamed completion through the proxy (the proxy
     learns an engine's prefill rate from the first token of streamed replies)."""
+    route, text, _ = timed_stream(proxy, body, timeout)
+    return route, text
+
+
+def timed_stream(proxy: str, body: dict, timeout: float = 600) -> tuple[str, str, float]:
+    """:func:`routed_stream`, and the seconds from sending the request to its first chunk with a
+    choice (the client's TTFT)."""
     req = urllib.request.Request(proxy + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
                                  headers={"content-type": "application/json"})
-    text = []
+    text: list[str] = []
+    sent, first = time.monotonic(), math.inf
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         route = resp.headers["X-Disagg-Route"]
         for raw in resp:
             line = raw.decode().strip()
             if line.startswith("data: {"):
-                text += [c.get("text", "") for c in json.loads(line[6:]).get("choices") or []]
-    return route, "".join(text)
+                chunk = [c.get("text", "") for c in json.loads(line[6:]).get("choices") or []]
+                if chunk and first == math.inf:
+                    first = time.monotonic()
+                text += chunk
+    return route, "".join(text), first - sent
 
 
 def get_text(url: str, timeout: float = 30) -> str:

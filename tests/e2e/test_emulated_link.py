@@ -8,10 +8,12 @@ the root namespace, one core each. The hosts emulate hardware: the prefill host 
 - the emulation: the namespace is there; the decode engine's KV cache is the emulated size (its
   block count), every process of that engine is in the quota's cgroup with the quota's value; the
   split long prompt's KV crosses the shaped veth (the veth's received bytes cover what the
-  connector says it moved); the prefill engine's own prefill-time histogram measures its rate back
-  at the emulated one (0.8 x to 1.02 x) on a prompt of the long one's length sent to it alone (on a
-  core slower than the emulated rate, which the emulation never speeds up: no slower than the
-  decode engine prefills the same prompt under its quota);
+  connector says it moved), streamed no sooner than the emulated host could have prefilled it (its
+  TTFT at least the emulated prefill time over the emulation's margin); the prefill engine's own
+  prefill-time histogram measures its rate back at the emulated one (0.8 x to 1.02 x) on a prompt
+  of the long one's length sent to it alone (on a core slower than the emulated rate, which the
+  emulation never speeds up: no slower than the decode engine prefills the same prompt under its
+  quota);
   `disagg down` removes the cgroup, the namespace and the veth;
 - the routing: while the decode engine decodes :data:`BUSY` long answers, a long prompt
   (:data:`LONG` tokens) splits and a very short one does not; each answer equals the one the
@@ -29,7 +31,9 @@ Why these choices:
   prefill engine computes; the emulation holds such a step mostly before its forward once the
   engine has an estimate of its own compute (connectors/emulated_prefill.py), and the proxy may
   cancel the prefill request once decode answered: the rate is measured on a prompt sent to the
-  prefill engine alone, once it is idle, so that its histogram counts that one request. NIXL
+  prefill engine alone, once it is idle, so that its histogram counts that one request; sent
+  before the split, it also gives the engine its compute estimate, without which its first
+  prompt step is held only after the forward. NIXL
   across an emulated link (UCX over a veth between namespaces) is tested by
   test_pd_nixl_push.py (push mode); the socket connector's KV fetched after the prefill runs over
   loopback only.
@@ -88,13 +92,23 @@ from pathlib import Path
 import psutil
 import pytest
 
+from connectors.emulated_prefill import StepHold
 from disagg.emulation import cpu_share_for, emulated_link
 from disagg.linkemu import netns_unavailable_reason
 from disagg.measurements import store_prefill
 from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
 from disagg.topology import load_topology
-from harness.engines import ENGINE_ARGS, Running, bring_up, free_ports, get_text, plain_answer, routed_stream
+from harness.engines import (
+    ENGINE_ARGS,
+    Running,
+    bring_up,
+    free_ports,
+    get_text,
+    plain_answer,
+    routed_stream,
+    timed_stream,
+)
 from tests.e2e.emulated_links import left_of, namespace_listed, received_bytes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns,
@@ -152,8 +166,8 @@ def _route_lines(run: Running) -> str:
     return "\n".join([ln for ln in _proxy_log(run).splitlines() if "route " in ln][-60:] + _health_lines(run))
 
 
-def _decided(run: Running, body: dict) -> tuple[str, str, dict[str, float]]:
-    """(route, text, routes counted) of one streamed prompt, decided with both engines in service.
+def _decided(run: Running, body: dict) -> tuple[str, str, dict[str, float], float]:
+    """(route, text, routes counted, TTFT) of one streamed prompt, decided with both engines in service.
 
     If the proxy had taken the prefill engine out of service when the prompt came (a health probe
     that failed on this loaded machine: the route is then ``local`` for ``no_prefill``, not the
@@ -161,7 +175,7 @@ def _decided(run: Running, body: dict) -> tuple[str, str, dict[str, float]]:
     saying so in a warning."""
     proxy = run.proxy_url
     before = get_text(proxy + "/metrics")
-    route, text = routed_stream(proxy, body)
+    route, text, ttft = timed_stream(proxy, body)
     counted = _counted(before, get_text(proxy + "/metrics"))
     if "local/no_prefill" in counted:
         warnings.warn(f"prefill engine out of service when a prompt came; asked again. Proxy log: "
@@ -171,9 +185,9 @@ def _decided(run: Running, body: dict) -> tuple[str, str, dict[str, float]]:
             assert time.monotonic() < deadline, f"the prefill engine stayed out of service: {_health_lines(run)}"
             time.sleep(0.5)
         before = get_text(proxy + "/metrics")
-        route, text = routed_stream(proxy, body)
+        route, text, ttft = timed_stream(proxy, body)
         counted = _counted(before, get_text(proxy + "/metrics"))
-    return route, text, counted
+    return route, text, counted, ttft
 
 
 def _prefilled(engine: str, before: str, timeout: float = 30) -> str:
@@ -301,6 +315,16 @@ roles:
             if local >= 5:
                 break
 
+        # the prefill host's rate, measured back by the engine: its prefill time for a prompt of the
+        # long one's length sent to it alone, once idle (module doc). This prompt also gives the
+        # engine the estimate of its own compute that the emulation holds a step by before its
+        # forward, so that the streamed split below cannot hand over the KV sooner than the
+        # emulated host would have (connectors/emulated_prefill.py)
+        _idle(prefill)   # any warm-up split's prefill request finished (or cancelled) and counted
+        p_before = get_text(prefill + "/metrics")
+        plain_answer(prefill, body(LONG, "rate", max_tokens=1))
+        prefill_rate = _prefill_rate(p_before, _prefilled(prefill, p_before))
+
         phases["warm-up"] = time.monotonic()
         busy: list[_LongDecode] = []
         try:
@@ -313,9 +337,9 @@ roles:
                 assert busy[-1].route in ("local", "split"), busy[-1].route
                 assert busy[-1].first.wait(120), "a long decode never started"
             rx_before, d_before = received_bytes(link), get_text(decode + "/metrics")
-            long_route, long_text, long_counted = _decided(run, body(LONG, "long", max_tokens=LONG_OUT))
+            long_route, long_text, long_counted, long_ttft = _decided(run, body(LONG, "long", max_tokens=LONG_OUT))
             rx_after, d_after = received_bytes(link), get_text(decode + "/metrics")
-            short_route, short_text, short_counted = _decided(run, body(2, "short"))
+            short_route, short_text, short_counted, _ = _decided(run, body(2, "short"))
             after = get_text(proxy + "/metrics")
         finally:
             for b in busy:
@@ -325,6 +349,10 @@ roles:
         assert sample_sum(after, "disagg_proxy_backend_in_flight", role="decode") == BUSY
 
         assert (long_route, long_counted) == ("split", {"split/predicted": 1}), _route_lines(run)
+        # streamed from the emulated host, the long prompt's KV reached the decode engine no sooner
+        # than that host could have prefilled it: its forward ends no sooner than the emulated time
+        # over the emulation's margin (and on a core slower than the rate, later still)
+        assert long_ttft >= LONG / PREFILL_RATE / StepHold.MARGIN, (long_ttft, _route_lines(run))
         assert (short_route, short_counted) in (("local", {"local/predicted": 1}),
                                                 ("whole", {"whole/decode_load": 1}),
                                                 ("whole", {"whole/decode_backlog": 1})), _route_lines(run)
@@ -342,18 +370,14 @@ roles:
         d_before = get_text(decode + "/metrics")
         assert long_text == plain_answer(decode, {**body(LONG, "long", max_tokens=LONG_OUT), "cache_salt": "alone"})
         decode_rate = _prefill_rate(d_before, _prefilled(decode, d_before))
-        # the prefill host's rate, measured back by the engine: its prefill time for a prompt of the
-        # long one's length sent to it alone, once idle (module doc).
-        # The emulation only ever slows an engine down: on a core slower than the emulated rate it
-        # holds nothing, and the prefill engine's core is no slower than the decode engine's under
-        # its quota, so the floor is the lower of the emulated rate and the decode engine's
-        _idle(prefill)   # the split's prefill request finished (or cancelled) and counted
-        p_before = get_text(prefill + "/metrics")
-        plain_answer(prefill, body(LONG, "rate", max_tokens=1))
-        prefill_rate = _prefill_rate(p_before, _prefilled(prefill, p_before))
+        # the prefill host's rate measured back before the busy decodes: the emulation only ever
+        # slows an engine down: on a core slower than the emulated rate it holds nothing, and the
+        # prefill engine's core is no slower than the decode engine's under its quota, so the floor
+        # is the lower of the emulated rate and the decode engine's
         assert 0.8 * min(PREFILL_RATE, decode_rate) <= prefill_rate <= 1.02 * PREFILL_RATE, (prefill_rate, decode_rate)
         print(f"prefill host measured back at {prefill_rate:,.0f} tokens/s (emulated {PREFILL_RATE}; the decode "
-              f"engine under its quota: {decode_rate:,.0f}); long prompt split, KV moved {moved / 2**20:.1f} MiB, "
+              f"engine under its quota: {decode_rate:,.0f}); long prompt split (TTFT {long_ttft:.2f} s), "
+              f"KV moved {moved / 2**20:.1f} MiB, "
               f"veth received {(rx_after - rx_before) / 2**20:.1f} MiB; "
               f"short prompt {short_route} ({', '.join(short_counted)})")
         assert short_text == plain_answer(decode, body(2, "short"))
