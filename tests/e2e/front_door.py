@@ -171,9 +171,18 @@ class Stalled:
     rss_growth_mib: float       # the proxy's peak RSS growth meanwhile
 
 
+#: the MSS the stalled client announces (:func:`stalled_stream_batch`)
+STALLED_MSS = 1000
+
+
 def stalled_stream_batch(run: Running, prompts: int, max_tokens: int, wait_s: float) -> Stalled:
     """A streamed batch whose client never reads (a 4 KiB receive buffer): whether and when the
-    proxy lets go (its active-slot gauge back to 0, the connection closed)."""
+    proxy lets go (its active-slot gauge back to 0, the connection closed).
+
+    The client announces an MSS of :data:`STALLED_MSS` bytes, as a client behind a small-MTU link
+    does: over loopback's 64 KiB segments the kernel grows the proxy's send buffer to about 3 MB
+    before a write blocks, which the engine's events filled in 4-20 s; with small segments about
+    110 KB do, in under a second, and the wait is the proxy's send timeout."""
     decode = run.engines["decode[0]"]
     proxy = proxy_process(run)
 
@@ -191,6 +200,7 @@ def stalled_stream_batch(run: Running, prompts: int, max_tokens: int, wait_s: fl
                        "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "logprobs": 20}).encode()
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, STALLED_MSS)
     s.connect((host, port))
     started = time.monotonic()
     let_go: float | None = None
