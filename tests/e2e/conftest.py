@@ -5,7 +5,7 @@ both cores), records the greedy answer to every request in `requests_` and the
 full reply to every conformance case (tests/e2e/conformance.py), and is
 stopped. Deployments that several modules use (``SHARED_DEPLOYMENT``: the NIXL 1P1D of ``pd``,
 and the socket connector's engines, which the streamed handoff and routing auto use with proxies
-of their own, and on which the detached supervisor restarts a killed decode engine) come up once
+of their own) come up once
 each: their modules run one after the other, wherever their files sort
 (:func:`pytest_collection_modifyitems`), and every other module finds them down
 (tests/e2e/shared_deployment.py). A file lock keeps concurrent sessions on this machine from

@@ -3,7 +3,8 @@
 the engines load (everything stops within 5 s); an API server SIGKILLed after `up`
 itself crashed (`down` still stops the EngineCore it left behind); a NIXL port taken while the
 engines load (reported from the engine's log at once). Nothing is left running. (A decode API
-server SIGKILLed mid-stream under the detached supervisor: tests/e2e/test_supervisor_restart.py.)"""
+server SIGKILLed mid-stream and restarted: tests/e2e/test_pd.py; an engine restarted by the
+detached supervisor: tests/e2e/test_ssh_remote.py.)"""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """1P1D with NIXL through `disagg up`: greedy equality with a colocated server,
-the engines' own counters proving the KV moved, a hung prefill, and Ctrl-C.
+the engines' own counters proving the KV moved, a hung prefill and a killed decode engine
+restarted, and Ctrl-C.
 
 Tests in this module run in file order, after every other module on the shared NIXL 1P1D; the
-last two change the deployment (hang the prefill engine until liveness restarts it, then Ctrl-C
-the foreground `disagg up`).
+last two change the deployment (hang the prefill engine until liveness restarts it while decode,
+SIGKILLed mid-stream, is restarted too; then Ctrl-C the foreground `disagg up`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import psutil
 import pytest
 from tokenizers import Tokenizer
 
+from disagg.launch.state import ProcessRecord
 from disagg.prometheus_text import sample_label as metric_label
 from disagg.prometheus_text import sample_sum as metric_value
 from disagg.prompts import exact_prompt
 from disagg.topology import load_topology
 from harness.engines import Running, get_text, open_stream, post_json, settled_metrics
 from tests.e2e.shared_deployment import NIXL, SharedDeployment
+from tests.e2e.test_launch_failures import _session
 
 pytestmark = pytest.mark.e2e
 SHARED_DEPLOYMENT = NIXL
@@ -118,17 +121,39 @@ def test_client_disconnect_aborts_decode(pd: Running, tokenizer: Tokenizer) -> N
     assert metric_value(get_text(pd.engines["prefill[0]"] + "/metrics"), "vllm:num_requests_running") == 0
 
 
-def test_a_hung_prefill_falls_back_to_decode_until_liveness_restarts_it(
-        pd: Running, reference: dict[str, str], requests_: dict[str, dict]) -> None:
+def _restarted(pd: Running, name: str, old_pid: int, deadline: float) -> ProcessRecord:
+    """``name``'s record once `disagg up` has started it again and it is healthy."""
+    while True:
+        again = next(r for r in pd.state().processes if r.name == name)
+        if again.status == "running" and again.pid != old_pid:
+            return again
+        assert time.monotonic() < deadline, f"{name} was not restarted"
+        time.sleep(0.5)
+
+
+def _in_rotation(pd: Running, role: str) -> float:
+    """The proxy's ``backend_healthy`` gauge of the ``role`` engine (1: in rotation, 0: out)."""
+    return metric_value(get_text(pd.proxy_url + "/metrics"), "disagg_proxy_backend_healthy", role=role)
+
+
+def test_a_hung_prefill_and_a_decode_killed_mid_stream_are_restarted_while_decode_serves_alone(
+        pd: Running, reference: dict[str, str], requests_: dict[str, dict], tokenizer: Tokenizer) -> None:
     """Prefill's API server SIGSTOPped (alive, answering nothing): the proxy takes it out of
-    rotation at its second missed probe and decode serves alone meanwhile; `disagg up`
-    (foreground) finds it failing every probe for timeouts.liveness, kills its group and
-    restarts it; the proxy takes it back (and counts the return), and it is used again."""
-    prefill = next(r for r in pd.state().processes if r.name == "prefill[0]")
+    rotation at its second missed probe and decode serves alone meanwhile. Then decode's API server
+    is SIGKILLed mid-stream: the streaming client gets an error event within 5 s. `disagg up`
+    (foreground) restarts decode at once, nothing of the old one left, and prefill once it has
+    failed every probe for timeouts.liveness (its group killed); the proxy takes both back (and
+    counts the returns), and prompts split again, their KV moving between the new engines. The
+    two restarts overlap, each engine on its own core: one restart's wait for both."""
+    records = {r.name: r for r in pd.state().processes}
+    prefill, decode = records["prefill[0]"], records["decode[0]"]
+    assert (prefill.restarts, decode.restarts) == (0, 0), "the shared deployment's engines were restarted before"
+    old_decode = _session(decode.pid)
+    assert len(old_decode) >= 2, "decode's API server and its EngineCore"
     stopped = time.monotonic()
     os.kill(prefill.pid, signal.SIGSTOP)
     deadline = time.monotonic() + 60
-    while metric_value(get_text(pd.proxy_url + "/metrics"), "disagg_proxy_backend_healthy", role="prefill") != 0:
+    while _in_rotation(pd, "prefill") != 0:
         assert time.monotonic() < deadline, "the proxy kept a hung prefill[0] in rotation"
         time.sleep(0.2)
     out_of_rotation = time.monotonic() - stopped
@@ -138,27 +163,44 @@ def test_a_hung_prefill_falls_back_to_decode_until_liveness_restarts_it(
     assert metric_value(proxy_metrics, "disagg_proxy_requests_total", path="fallback") == 1
     assert metric_value(proxy_metrics, "disagg_proxy_fallbacks_total") == 1
 
+    conn, resp = open_stream(pd.proxy_url, exact_prompt(tokenizer, 40, "decode-killed"), timeout=60)
+    os.kill(decode.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    rest = ""  # the raw chunked body (chunk sizes included) until the proxy ends the stream
+    while (line := resp.fp.readline()) and "data: [DONE]" not in rest:
+        rest += line.decode()
+    ended = time.monotonic() - killed
+    conn.close()
+    assert ended < 5.0, f"the stream ended {ended:.2f} s after decode's API server was SIGKILLed"
+    assert '"error"' in rest and "data: [DONE]" in rest, rest[-500:]
+
     deadline = time.monotonic() + 300
-    while True:
-        again = next(r for r in pd.state().processes if r.name == "prefill[0]")
-        if again.status == "running" and again.pid != prefill.pid:
-            break
-        assert time.monotonic() < deadline, "prefill[0] was not restarted"
-        time.sleep(0.5)
-    assert again.restarts == 1 and "timeouts.liveness" in again.last_exit, again.last_exit
+    decode_again = _restarted(pd, "decode[0]", decode.pid, deadline)
+    assert not [p for p in old_decode if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert (decode_again.restarts, decode_again.last_exit) == (1, "killed by SIGKILL")
+    prefill_again = _restarted(pd, "prefill[0]", prefill.pid, deadline)
+    assert prefill_again.restarts == 1 and "timeouts.liveness" in prefill_again.last_exit, prefill_again.last_exit
     assert not psutil.pid_exists(prefill.pid) or psutil.Process(prefill.pid).status() == psutil.STATUS_ZOMBIE
-    while metric_value(get_text(pd.proxy_url + "/metrics"), "disagg_proxy_backend_healthy", role="prefill") != 1:
-        assert time.monotonic() < deadline, "the proxy did not take prefill[0] back"
-        time.sleep(0.2)
+    for role in ("prefill", "decode"):
+        while _in_rotation(pd, role) != 1:
+            assert time.monotonic() < deadline, f"the proxy did not take the {role} engine back"
+            time.sleep(0.2)
     before = get_text(pd.proxy_url + "/metrics")
     reply = post_json(pd.proxy_url + "/v1/completions", requests_["prefill-killed"])
     assert reply["choices"][0]["text"] == reference["prefill-killed"]
     after = get_text(pd.proxy_url + "/metrics")
     assert (metric_value(after, "disagg_proxy_requests_total", path="split")
             - metric_value(before, "disagg_proxy_requests_total", path="split")) == 1
+    # the new decode engine (no earlier request) pulled the prompt's KV from the new prefill engine
+    tokens = reply["usage"]["prompt_tokens"]
+    moved = metric_value(get_text(pd.engines["decode[0]"] + "/metrics"), "vllm:nixl_bytes_transferred_sum")
+    assert moved >= (tokens - 1) * KV_BYTES_PER_TOKEN, (moved, tokens)
     assert metric_value(after, "disagg_proxy_backend_returns_total", role="prefill") == 1
-    print(f"\nhung prefill: out of rotation after {out_of_rotation:.1f} s, serving again after "
-          f"{time.monotonic() - stopped:.1f} s (timeouts.liveness: {load_topology(pd.topology).timeouts.liveness:g} s)")
+    assert (metric_value(after, "disagg_proxy_backend_returns_total", role="decode")
+            - metric_value(proxy_metrics, "disagg_proxy_backend_returns_total", role="decode")) == 1
+    print(f"\nhung prefill: out of rotation after {out_of_rotation:.1f} s; decode's stream ended {ended:.2f} s "
+          f"after its SIGKILL; both serving again after {time.monotonic() - stopped:.1f} s "
+          f"(timeouts.liveness: {load_topology(pd.topology).timeouts.liveness:g} s)")
 
 
 def test_ctrl_c_leaves_nothing(pd: Running, shared_deployment: SharedDeployment) -> None:

@@ -1,7 +1,7 @@
 """An engine on a "remote" host reached over SSH (a network namespace with its
 own address running sshd): `disagg up` starts it there, logs stay there and
-are fetched on failure, a remote engine that dies is restarted there, `disagg down` kills the
-remote process group."""
+are fetched on failure, a remote engine that dies is restarted there by the detached supervisor
+(shown by `disagg status` and the supervisor's log), `disagg down` kills the remote process group."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from harness.engines import Running, bring_up, disagg, free_ports, post_json, wait_proxy_healthy
@@ -64,7 +65,9 @@ def test_engine_over_ssh(engine_lock: None, remote: SshHost, tiny_model: Path, r
         status = disagg("status", str(topo), "--run-dir", str(run.run_dir))
         assert status.returncode == 0 and "via ssh" in status.stdout and "healthy" in status.stdout
 
-        # the remote API server dies: the supervisor sweeps its group over ssh and starts it again there
+        # the remote API server dies: the detached supervisor sweeps its group over ssh and starts it
+        # again there, and stays the run's supervisor
+        supervisor = psutil.Process(run.state().up_pid)
         old_group = remote.namespace_pids()
         os.kill(record.pid, signal.SIGKILL)
         deadline = time.monotonic() + 400
@@ -74,12 +77,16 @@ def test_engine_over_ssh(engine_lock: None, remote: SshHost, tiny_model: Path, r
             time.sleep(0.5)
         assert again.pid in remote.namespace_pids() and again.restarts == 1
         assert again.last_exit.startswith("exited (status unknown")
+        assert supervisor.is_running() and run.state().up_pid == supervisor.pid
         assert not (old_group - {p for p in old_group if _is_sshd(p)}) & remote.namespace_pids()
         wait_proxy_healthy(run.proxy_url)
         reply = post_json(run.proxy_url + "/v1/completions", requests_["short"])
         assert reply["choices"][0]["text"] == reference["short"]
         status = disagg("status", str(topo), "--run-dir", str(run.run_dir))
         assert "restarts 1, last exit: exited (status unknown" in status.stdout
+        assert f"supervisor  pid {supervisor.pid}" in status.stdout
+        log = run.run_dir / "runs" / topo.stem / "logs" / "supervisor.log"
+        assert "both[0]: healthy again after" in log.read_text()
         record = again
     finally:
         done = run.down()
