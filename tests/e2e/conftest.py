@@ -43,27 +43,23 @@ SHARED: pytest.StashKey[SharedDeployment] = pytest.StashKey()
 
 def _shared_group(item: pytest.Item) -> tuple[str, int] | None:
     """(the shared deployment an item's module uses, its rank there: 0 in a module that uses it, 1 in
-    the module that takes it down, 2 in a module that restarts its engines (``RESTARTS_SHARED``),
-    3 for the test that takes it down), or None."""
+    the module that takes it down, 2 for the test that takes it down), or None."""
     module = getattr(item, "module", None)
     name = getattr(module, "SHARED_DEPLOYMENT", None)
     if name is None:
         return None
-    if getattr(module, "RESTARTS_SHARED", False):
-        return str(name), 2
     takes_down = getattr(module, "TAKES_DOWN_SHARED", None)
     if takes_down is None:
         return str(name), 0
-    return str(name), 3 if getattr(item, "originalname", None) == takes_down else 1
+    return str(name), 2 if getattr(item, "originalname", None) == takes_down else 1
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests of the modules that share a deployment run one after the other, where the first of
     them was (one bring-up): those of the module that takes it down (``TAKES_DOWN_SHARED``: the
-    name of the test that does) after the others, then those that restart its engines, that test
-    at the very end; every other test keeps its place. Runs after pytest's own ordering (a
-    module's parametrised fixtures grouped)."""
+    name of the test that does) after the others, that test at the very end; every other test
+    keeps its place. Runs after pytest's own ordering (a module's parametrised fixtures grouped)."""
     groups: dict[str, list[pytest.Item]] = {}
     order: list[pytest.Item | str] = []   # items, and each group's name where its first item was
     for item in items:

@@ -34,20 +34,18 @@ def test_each_shared_deployment_runs_its_modules_together_and_is_taken_down_last
     pd = _module("pd", SHARED_DEPLOYMENT="nixl", TAKES_DOWN_SHARED="test_ctrl_c")
     push = _module("push")
     conformance = _module("sconf", SHARED_DEPLOYMENT="socket", TAKES_DOWN_SHARED="test_down")
-    restart = _module("restart", SHARED_DEPLOYMENT="socket", RESTARTS_SHARED=True)
     auto = _module("auto", SHARED_DEPLOYMENT="socket")
     items = _items((own, "a"), (crafted, "b"), (pd, "c"), (pd, "test_ctrl_c"), (pd, "d"), (push, "e"),
                    (conformance, "f"), (conformance, "test_down"), (conformance, "g"), (crafted, "h"),
-                   (restart, "i"), (auto, "j"))
+                   (auto, "j"))
     assert _order(items) == [
         "emulated::a",
         # the NIXL group where its first test was: its users, then the module that takes it down
         # (in its own order), then the stopping test
         "crafted::b", "crafted::h", "pd::c", "pd::d", "pd::test_ctrl_c",
         "push::e",
-        # the socket group: users, the taking-down module, the module that restarts its engines,
-        # the stopping test
-        "auto::j", "sconf::f", "sconf::g", "restart::i", "sconf::test_down",
+        # the socket group: users, the taking-down module, the stopping test
+        "auto::j", "sconf::f", "sconf::g", "sconf::test_down",
     ]
 
 
