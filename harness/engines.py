@@ -289,6 +289,20 @@ def engine_processes(model: Path) -> list[psutil.Process]:
     return found
 
 
+def session_processes(leader: int) -> list[psutil.Process]:
+    """Every live process in the session (and process group) an engine leader started, leader or not:
+    what must be gone once that engine is stopped or restarted."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if (os.getsid(proc.pid) == leader or os.getpgid(proc.pid) == leader) and \
+                    proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
 def bring_up_socket_pd(e2e_dir: Path, model: Path, name: str, *, extra: str = "",
                        wait_s: float = 60, wire_format: str = "raw", streaming: bool = False,
                        args: str = ENGINE_ARGS) -> Running:

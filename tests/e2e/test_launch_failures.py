@@ -32,6 +32,7 @@ from harness.engines import (
     disagg,
     free_ports,
     port_is_free,
+    session_processes,
     write_topology,
 )
 
@@ -72,19 +73,6 @@ def test_bad_model_fails_fast_with_log_tail(engine_lock: None, tmp_path: Path) -
     assert not leftovers
     assert port_is_free(p_port) and port_is_free(d_port)
     assert not (tmp_path / "run" / "runs" / "broken" / "state.json").exists()
-
-
-def _session(leader: int) -> list[psutil.Process]:
-    """Every live process in the session (and process group) an engine leader started, leader or not."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if (os.getsid(proc.pid) == leader or os.getpgid(proc.pid) == leader) and \
-                    proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (OSError, psutil.Error):
-            continue
-    return found
 
 
 @dataclass(frozen=True)
@@ -147,7 +135,7 @@ def test_ctrl_c_while_real_engines_load_stops_everything_within_5_s(
     dep = _two_engines(tmp_path, tiny_model, "loading")
     with _up_in_background(dep, tmp_path / "up.log", *(["--detach"] if detach else [])) as up:
         leaders = _engines_with_children(dep.state_path(), up)
-        tree = [p for pid in leaders.values() for p in _session(pid)]
+        tree = [p for pid in leaders.values() for p in session_processes(pid)]
         assert len(tree) >= 4, "each engine should have its API server and EngineCore running"
         sent = time.monotonic()
         up.send_signal(signal.SIGINT)
@@ -156,7 +144,7 @@ def test_ctrl_c_while_real_engines_load_stops_everything_within_5_s(
         print(f"Ctrl-C while loading: `disagg up` exited {elapsed:.2f} s after SIGINT ({len(tree)} processes)")
         assert elapsed < 5.0, (tmp_path / "up.log").read_text()
         assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert not [p for pid in leaders.values() for p in _session(pid)]
+        assert not [p for pid in leaders.values() for p in session_processes(pid)]
         assert all(port_is_free(p) for p in dep.ports)
         assert "interrupted: stopping everything that was started" in (tmp_path / "up.log").read_text()
         assert not dep.state_path().exists()
@@ -184,7 +172,7 @@ def test_a_kv_port_taken_while_the_engines_load_fails_the_start_at_once(
                     f'"zmq.error.ZMQError: Address already in use (addr=\'tcp://127.0.0.1:{dep.decode_kv_port}\')"'
                     ) in out
             assert "startup failed: stopping everything that was started" in out
-        assert not [p for pid in leaders.values() for p in _session(pid)]
+        assert not [p for pid in leaders.values() for p in session_processes(pid)]
         assert all(port_is_free(p) for p in dep.ports)
         assert not dep.state_path().exists()
 
@@ -204,11 +192,11 @@ def test_down_leaves_nothing_after_the_api_server_and_up_are_sigkilled(
         up.kill()
         up.wait()
         decode = leaders["decode[0]"]
-        left_behind = [p for p in _session(decode) if p.pid != decode]
+        left_behind = [p for p in session_processes(decode) if p.pid != decode]
         os.kill(decode, signal.SIGKILL)
         time.sleep(1.0)
         assert left_behind and all(p.is_running() for p in left_behind), "EngineCore should outlive its leader"
-        tree = [p for pid in leaders.values() for p in _session(pid)]
+        tree = [p for pid in leaders.values() for p in session_processes(pid)]
         downed = time.monotonic()
         done = disagg("down", str(dep.topo), "--run-dir", str(dep.run_dir), timeout=120)
         took = time.monotonic() - downed
@@ -219,6 +207,6 @@ def test_down_leaves_nothing_after_the_api_server_and_up_are_sigkilled(
         assert f"prefill[0]: stopped (pid {leaders['prefill[0]']})" in done.stdout
         time.sleep(0.5)
         assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert not [p for pid in leaders.values() for p in _session(pid)]
+        assert not [p for pid in leaders.values() for p in session_processes(pid)]
         assert all(port_is_free(p) for p in dep.ports)
         assert not state_path.exists()

@@ -23,9 +23,8 @@ from disagg.prometheus_text import sample_label as metric_label
 from disagg.prometheus_text import sample_sum as metric_value
 from disagg.prompts import exact_prompt
 from disagg.topology import load_topology
-from harness.engines import Running, get_text, open_stream, post_json, settled_metrics
+from harness.engines import Running, get_text, open_stream, post_json, session_processes, settled_metrics
 from tests.e2e.shared_deployment import NIXL, SharedDeployment
-from tests.e2e.test_launch_failures import _session
 
 pytestmark = pytest.mark.e2e
 SHARED_DEPLOYMENT = NIXL
@@ -148,7 +147,7 @@ def test_a_hung_prefill_and_a_decode_killed_mid_stream_are_restarted_while_decod
     records = {r.name: r for r in pd.state().processes}
     prefill, decode = records["prefill[0]"], records["decode[0]"]
     assert (prefill.restarts, decode.restarts) == (0, 0), "the shared deployment's engines were restarted before"
-    old_decode = _session(decode.pid)
+    old_decode = session_processes(decode.pid)
     assert len(old_decode) >= 2, "decode's API server and its EngineCore"
     stopped = time.monotonic()
     os.kill(prefill.pid, signal.SIGSTOP)
