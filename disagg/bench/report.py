@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from disagg.bench.metrics import tpot
+from disagg.bench.metrics import compute_metrics, tpot
 from disagg.bench.records import RequestRecord
 from disagg.bench.routes import merge_deltas, route_summary
 
@@ -294,20 +294,18 @@ def _class_path_rows(doc: Document) -> list[tuple[str, ...]]:
             recs = [RequestRecord.from_dict(r) for run in group for r in run["records"]]
             if not any(r.route for r in recs):
                 continue
+            duration = sum(float(run["duration_s"]) for run in group)
             for klass in dict.fromkeys(r.klass for r in recs):
                 mine = [r for r in recs if r.klass == klass]
                 by_path: dict[str, list[RequestRecord]] = {}
                 for r in mine:
                     by_path.setdefault(r.route or "-", []).append(r)
                 for path, served in sorted(by_path.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-                    ok = [r for r in served if r.success]
-                    ttfts = [r.ttft for r in ok if r.ttft is not None]
-                    tpots = [t for r in ok if r.e2el is not None and r.ttft is not None
-                             and (t := tpot(r.e2el, r.ttft, r.output_tokens)) is not None]
+                    m = compute_metrics(served, duration)
                     rows.append((label, str(group[0]["label"]), klass, path, str(len(served)),
                                  f"{100 * len(served) / len(mine):.0f}%",
-                                 _fmt(1000 * statistics.median(ttfts) if ttfts else None),
-                                 _fmt(1000 * statistics.median(tpots) if tpots else None)))
+                                 _fmt(1000 * m.ttft.median if m.ttft.count else None),
+                                 _fmt(1000 * m.tpot.median if m.tpot.count else None)))
     return rows
 
 
