@@ -38,7 +38,11 @@ The model (stated in the output):
   request's first step) on an engine that is decoding joins its running batch: it waits out the
   step in progress and its own step reads the batch's KV (:func:`batch_join`). A split's TTFT adds the
   handoff (:meth:`disagg.planning.LinkEstimate.added_s`: fixed cost, the transfer's exposed part,
-  decode's first step) and the link's own M/G/1 wait (the transfers queue on it);
+  decode's first step) and the link's own M/G/1 wait (the transfers queue on it). On a decode
+  engine that is decoding, a handed-over request also waits for a step boundary at the load's
+  start and end (half a step more than a prefill's join), and on a CPU engine the handoff takes
+  longer, its receipt sharing the engine's cores with the steps (:meth:`EngineLoad.handed_step`,
+  :func:`receipt_factor`: twice as long on one core);
 - **decode**: time per output token on an engine from :func:`disagg.routecost.tpot_with_prefills_s`:
   a decode step takes the engine's :class:`disagg.routecost.DecodeLine`, ``fixed + per byte x``
   the KV of every running request: the one ``disagg bench`` measured on the host's engines
@@ -174,6 +178,8 @@ class EngineModel:
     kv_capacity_bytes: float | None     # None: unknown (not checked)
     kv_source: str
     connector: str = NO_CONNECTOR       # the KV connector it runs (its measurements are of that kind)
+    #: how many times longer a handoff into this engine takes while it decodes (:func:`receipt_factor`)
+    busy_receipt_factor: float = 1.0
 
     @property
     def idle_step_s(self) -> float:
@@ -330,6 +336,8 @@ class EngineLoad:
     queue_share: float = 0.0
     #: per class, the wait for room in its KV cache (:func:`kv_room_waits`)
     kv_waits: dict[str, Wait] = field(default_factory=dict)
+    #: the engine's :attr:`EngineModel.busy_receipt_factor` (:meth:`handed_step`)
+    receipt_factor: float = 1.0
 
     def kv_wait(self, klass: str) -> Wait:
         """The wait of a ``klass`` prompt for room in this engine's KV cache (none: no wait)."""
@@ -341,6 +349,19 @@ class EngineLoad:
         if self.decoding_p <= 0:
             return [(1.0, 0.0)]
         return [(1 - self.decoding_p, 0.0), (self.decoding_p, self.join_s)]
+
+    def handed_step(self, handoff_s: float) -> list[tuple[float, float]]:
+        """(chance, added seconds) of a handed-over request's first token here, after a handoff of
+        ``handoff_s``: as :meth:`first_step` while the engine is idle; while it decodes, besides the
+        join, the handoff once more times ``busy_receipt_factor - 1`` (the receipt shares the
+        engine's cores with its steps: :func:`receipt_factor`) and half a step (:attr:`tpot_s`):
+        vLLM starts the load at the step after the request arrives and sees it done only at the end
+        of a step, so the request waits for a step boundary at both ends where a prefill waits at one."""
+        if self.decoding_p <= 0:
+            return [(1.0, 0.0)]
+        step = self.tpot_s if math.isfinite(self.tpot_s) else 0.0
+        busy = self.join_s + handoff_s * (self.receipt_factor - 1) + step / 2
+        return [(1 - self.decoding_p, 0.0), (self.decoding_p, busy)]
 
     def class_tpot_s(self, kv_bytes: float) -> float:
         """Time per output token of a request holding ``kv_bytes`` of KV on average while it decodes:
@@ -638,9 +659,10 @@ def evaluate(mix: Sequence[Mix], rate: float, routes: Routes) -> Outcome:
                 continue
             for p, fp in spread(path, "prefill"):
                 for d, fd in spread(path, "decode"):
-                    base = p.prefill.seconds(m.prompt_tokens) + handoffs[(m.name, p.name)]
+                    hand = handoffs[(m.name, p.name)]
+                    base = p.prefill.seconds(m.prompt_tokens) + hand
                     # its prefill joins P's running batch (if any), its first step D's
-                    for (cp, jp), (cd, jd) in product(loads[p.name].first_step(), loads[d.name].first_step()):
+                    for (cp, jp), (cd, jd) in product(loads[p.name].first_step(), loads[d.name].handed_step(hand)):
                         waits = (loads[p.name].wait.plus(loads[p.name].kv_wait(m.name)).plus(link_wait)
                                  .plus(loads[d.name].kv_wait(m.name)))
                         out.append(Branch(share * fp * fd * cp * cd, base + jp + jd, waits,
@@ -767,7 +789,7 @@ def _engine_load(e: EngineModel, s: _Streams, prompt_bytes: dict[str, float]) ->
                       running=running, kv_needed_bytes=needed, kv_capacity_bytes=e.kv_capacity_bytes,
                       kv_max_requests=kv_max, tpot_added_s=added / max(1 - s.prefill_s, 1e-3),
                       own_kv_s_per_byte=stretch, mean_kv_bytes=mean_kv, **batch_join(e.decode, running, mean_kv),
-                      queue_share=queue_s, kv_waits=kv_waits)
+                      queue_share=queue_s, kv_waits=kv_waits, receipt_factor=e.busy_receipt_factor)
 
 
 def _kv_per_request(s: _Streams) -> float:
@@ -1224,6 +1246,20 @@ def engine_decode(topo: Topology, arch: ModelArch, inst: InstanceSpec, notes: li
 MEASURE_DECODE = "`disagg bench prefill` measures it"
 
 
+def receipt_factor(device: str, pinned_cores: int) -> float:
+    """How many times longer a handoff into an engine takes while the engine decodes: on a CPU engine
+    pinned to ``n`` cores its step loop keeps them busy and the connector's receiving thread (the
+    socket connector's reader, UCX's progress thread) takes its turn beside them, so the handoff
+    gets ``n / (n + 1)`` of the cores it had idle: ``(n + 1) / n`` (2 on one core; measured on the
+    emulated house's one-core workstation: a 256-token split took 99-115 ms with nothing decoding
+    there and 146-196 ms with one or more decoding, about the idle handoff twice plus the batch's
+    join). A GPU engine's receipt is the NIC's and the GPU's copy (1), an unpinned CPU engine's is
+    not known (1)."""
+    if device != "cpu" or pinned_cores <= 0:
+        return 1.0
+    return (pinned_cores + 1) / pinned_cores
+
+
 def _engines(topo: Topology, arch: ModelArch, run_dir: str | None, notes: list[str],
              plain: bool) -> list[EngineModel]:
     """Every instance of ``topo`` as an engine of the model, with the measurements of its kind:
@@ -1239,7 +1275,7 @@ def _engines(topo: Topology, arch: ModelArch, run_dir: str | None, notes: list[s
         decode = engine_decode(topo, arch, inst, notes, run_dir, kind)
         mem = engine_memory(topo, arch, inst)
         out.append(EngineModel(inst.name, host.name, prefills[(host.name, kind)], decode, mem.kv_bytes, mem.label,
-                               kind))
+                               kind, receipt_factor(host.device, len(inst.cpus))))
     return out
 
 
@@ -1346,7 +1382,8 @@ def describe_model() -> str:
     """The model's statement, printed under every workload plan."""
     return ("Model: Poisson arrivals; per engine an M/G/1 prefill queue (prefill first), its wait taken as "
             "P(wait > t) = rho exp(-t rho / mean wait); on an engine that is decoding a new request joins the "
-            "running batch (half a step in progress, its own step reading the batch's KV); a prompt waits for "
+            "running batch (half a step in progress, its own step reading the batch's KV; a handed-over one half "
+            "a step more, and on a CPU engine its receipt shares the engine's cores); a prompt waits for "
             "room in a KV cache the running requests fill (Poisson counts) until one ends, holding the queue; "
             "a pool sends each request to the engine with the fewest in flight; a split adds the handoff "
             "(fixed + transfer + decode's first step) and the link's own M/G/1 wait; TPOT = idle step / "

@@ -5,6 +5,7 @@ stored in a temporary run directory."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from disagg.engines.vllm import served_model_name
 from disagg.errors import PlanError
 from disagg.kvmath import BUILTIN_MODELS
 from disagg.measurements import store_decode, store_prefill
-from disagg.planning import PrefillEstimate
+from disagg.planning import LinkEstimate, PrefillEstimate
 from disagg.routecost import DecodeLine, Option
 from disagg.topology import Topology, parse_topology
 from disagg.workload_plan import (
@@ -37,6 +38,7 @@ from disagg.workload_plan import (
     others_at_most,
     plan_workload,
     predict,
+    receipt_factor,
     saturation_rate,
 )
 
@@ -449,3 +451,42 @@ def test_a_prefill_time_measured_at_two_lengths_grows_as_measured() -> None:
     with pytest.raises(ValueError, match="two prompt lengths"):
         fit_prefill_time([(2048.0, 1.0)])
     assert PrefillMeasurement("m", "h", 1787.0, "", "").fit() is None
+
+
+def test_a_handoff_into_a_decoding_cpu_engine_shares_its_cores() -> None:
+    """A handed-over request on a decode engine that is decoding waits for its batch (the join) and
+    half a step more (vLLM notices the load done at a step's end); on a one-core CPU engine the
+    handoff also takes twice as long there (the receipt gets half the core); idle, the handoff's
+    own time. The factor follows the pinned cores: (n + 1) / n."""
+    assert receipt_factor("cpu", 1) == 2.0
+    assert receipt_factor("cpu", 4) == 1.25
+    assert receipt_factor("cuda", 1) == 1.0
+    assert receipt_factor("cpu", 0) == 1.0          # unpinned: not known, not priced
+    link = LinkEstimate(usable_bps=8e9, rtt_s=0.0, label="test", measured=True, measured_fixed_s=0.01)
+    m = mix(n=1000, out=100)
+    hand = link.added_s(m.wire_bytes, 0.1, None)
+    assert hand > 0.1
+
+    loads = []
+
+    def branches(factor: float) -> list[tuple[float, float]]:
+        p = engine("prefill[0]", "p", rate=10_000.0)
+        d = replace(engine("decode[0]", "d", rate=1_000.0), busy_receipt_factor=factor)
+        layout = Layout(SPLIT, "split p -> d", prefill=(p,), decode=(d,), link=link)
+        out = evaluate([m], 1.0, fixed_routes(layout, [m]))
+        loads.append(out.loads["decode[0]"])
+        assert out.loads["decode[0]"].decoding_p > 0.5
+        return sorted((b.share, b.base_s) for b in out.branches["c"])
+
+    gpu, cpu = branches(1.0), branches(2.0)
+    d_load = loads[0]
+    want = sorted([(1 - d_load.decoding_p, 0.1 + hand),
+                   (d_load.decoding_p, 0.1 + hand + d_load.join_s + d_load.tpot_s / 2)])
+    assert [x for b in gpu for x in b] == pytest.approx([x for b in want for x in b])
+    # the idle branch: the same; the decoding branch: the handoff once more on the one-core engine
+    idle = [b for b in gpu if b[1] == pytest.approx(0.1 + hand)]
+    assert idle and idle == [b for b in cpu if b[1] == pytest.approx(0.1 + hand)]
+    busy_gpu = [b for b in gpu if b not in idle]
+    busy_cpu = [b for b in cpu if b not in idle]
+    assert [s for s, _ in busy_gpu] == pytest.approx([s for s, _ in busy_cpu])
+    assert [t - g for (_, t), (_, g) in zip(busy_cpu, busy_gpu, strict=True)] == pytest.approx([hand])
