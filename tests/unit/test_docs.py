@@ -1,8 +1,7 @@
 """The docs stay true to the tree: links resolve, every module is listed, samples match the code.
 
-No engines: the samples checked here are what `disagg check` plans and what the launcher prints,
-produced in-process. (docs/the-one-question.md's `disagg plan` samples and docs/topology.md's
-examples have checks of their own next to the code that prints them.)
+No engines: the samples checked here are what `disagg check` and `disagg plan` print, produced
+in-process. (docs/topology.md's examples have checks of their own next to the code that reads them.)
 """
 
 from __future__ import annotations
@@ -10,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -209,3 +209,25 @@ def test_lmcache_sample_is_what_check_plans(capsys: pytest.CaptureFixture[str],
     assert decode["kv_connector_extra_config"] == {"discard_partial_chunks": False,
                                                    "lmcache_rpc_port": "disagg-lmcache-1p1d-decode0",
                                                    "skip_last_n_tokens": 1}
+
+
+@pytest.mark.parametrize(("after", "argv"), [
+    ("## What `disagg plan` prints", []),
+    ("`disagg plan topologies/house-2g5.yaml --classes", ["--classes", "short=128:32@0.7,long=2048:256@0.3",
+                                                           "--rate", "4", "--slo", "ttft=1s,tpot=50ms"]),
+])
+def test_the_plan_samples_are_what_plan_prints(after: str, argv: list[str], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/the-one-question.md: `disagg plan`'s verdict table and workload plan for the GPU house, as
+    the code prints them now (from a directory with no measurements or link probe stored)."""
+    (tmp_path / "topologies").mkdir()
+    shutil.copy(ROOT / "topologies" / "house-2g5.yaml", tmp_path / "topologies")
+    monkeypatch.chdir(tmp_path)
+    block = _sample_block("the-one-question.md", after)
+    assert main(["plan", "topologies/house-2g5.yaml", "--no-probe", *argv]) == 0
+    out = capsys.readouterr().out
+    drift = [f"line {n}: documented {d!r}\n         printed    {o!r}"
+             for n, (d, o) in enumerate(zip(block.splitlines(), out.splitlines(), strict=False), 1) if d != o]
+    assert out == block, "docs/the-one-question.md's sample drifted (rerun the command there):\n" + "\n".join(
+        drift[:10] or [f"{len(block.splitlines())} lines documented, {len(out.splitlines())} printed"])
