@@ -44,7 +44,7 @@ from typing import Any
 import yaml
 
 from disagg.bench.metrics import DEFAULT_PERCENTILES
-from disagg.bench.prefill import HANDOFF_PROBE_TOKENS, probe_engine, probe_handoff_fixed
+from disagg.bench.prefill import HANDOFF_PROBE_MIN_PAIRS, HANDOFF_PROBE_TOKENS, probe_engine, probe_handoff_fixed
 from disagg.bench.report import write_json, write_report
 from disagg.bench.runner import BenchResult, Step, Target, run_sweep
 from disagg.bench.slo import NO_SLO, SLO
@@ -238,7 +238,8 @@ async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[S
 
 async def probe_handoff(t: TopologyUnderTest, pair: tuple[str, str, str], count: int, seed: int,
                          engine_key: str | None) -> dict[str, Any]:
-    """Measure and store the fixed handoff cost of ``t``'s one pair (:func:`disagg.bench.prefill.probe_handoff_fixed`),
+    """Measure and store the fixed handoff cost of ``t``'s one pair (:func:`disagg.bench.prefill.probe_handoff_fixed`,
+    over ``count`` pairs of prompts, at least :data:`~disagg.bench.prefill.HANDOFF_PROBE_MIN_PAIRS`),
     with the part that grows with the KV priced as ``disagg plan`` prices it; what was stored, or
     why nothing was. Called after the sweep by :func:`compare` and by ``disagg bench prefill``."""
     p_host, d_host, p_url = pair
@@ -248,6 +249,7 @@ async def probe_handoff(t: TopologyUnderTest, pair: tuple[str, str, str], count:
     except DisaggError as exc:
         return {"stored": False, "why": f"the plan's KV-sized part is unknown: {exc}"}
     per_byte = plan.classes[0].handoff_s - plan.link.fixed_s
+    count = max(count, HANDOFF_PROBE_MIN_PAIRS)
     found = await probe_handoff_fixed(t.proxy_url, p_url, t.model, count, per_byte, seed=seed,
                                       engine_headers={"Authorization": f"Bearer {engine_key}"} if engine_key else None)
     if found is None:

@@ -119,6 +119,11 @@ async def probe_prefill_rate(base_url: str, model: str, prompt_tokens: int, coun
 #: the prompt length of the probe: short, so that the part of the handoff that grows with the KV
 #: (subtracted as the plan prices it) weighs little beside the fixed cost
 HANDOFF_PROBE_TOKENS = 128
+#: the fewest pairs the handoff probe measures, whatever the engines' probe count: its median
+#: then stands against one or two slow pairs (3 pairs on the emulated house gave 14.5, 24 and
+#: 95.6 ms in three runs of one configuration; the splits themselves took about 20-45 ms more than
+#: the prefill alone)
+HANDOFF_PROBE_MIN_PAIRS = 7
 
 
 async def probe_handoff_fixed(proxy_url: str, prefill_url: str, model: str, count: int, per_byte_s: float,
