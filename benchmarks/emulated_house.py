@@ -236,7 +236,8 @@ def measured(results: dict[str, Any]) -> dict[str, dict[float, dict[str, Any]]]:
                 goodputs = [m["goodput"] or 0.0 for m in ms]
                 ttfts = [m["ttft"]["p50_ms"] / 1000 for m in ms if m["ttft"].get("p50_ms") is not None]
                 pooled = sorted(r["chunk_times"][0] - r["send"] for run in runs for r in run.get("records", ())
-                                if (klass == "all" or r["klass"] == klass) and r.get("chunk_times"))
+                                if (klass == "all" or r["klass"] == klass) and r.get("chunk_times")
+                                and r.get("error") is None)
                 cell[klass] = {"ttft_p50": _median_s(m["ttft"] for m in ms),
                                "ttft_p50_ci": median_interval(pooled),
                                "ttft_min": min(ttfts, default=None), "ttft_max": max(ttfts, default=None),

@@ -353,7 +353,7 @@ class EngineLoad:
     def handed_step(self, handoff_s: float) -> list[tuple[float, float]]:
         """(chance, added seconds) of a handed-over request's first token here, after a handoff of
         ``handoff_s``: as :meth:`first_step` while the engine is idle; while it decodes, besides the
-        join, the handoff once more times ``busy_receipt_factor - 1`` (the receipt shares the
+        join, the handoff once more times :attr:`receipt_factor` - 1 (the receipt shares the
         engine's cores with its steps: :func:`receipt_factor`) and half a step (:attr:`tpot_s`):
         vLLM starts the load at the step after the request arrives and sees it done only at the end
         of a step, so the request waits for a step boundary at both ends where a prefill waits at one."""
@@ -1250,11 +1250,12 @@ def receipt_factor(device: str, pinned_cores: int) -> float:
     """How many times longer a handoff into an engine takes while the engine decodes: on a CPU engine
     pinned to ``n`` cores its step loop keeps them busy and the connector's receiving thread (the
     socket connector's reader, UCX's progress thread) takes its turn beside them, so the handoff
-    gets ``n / (n + 1)`` of the cores it had idle: ``(n + 1) / n`` (2 on one core; measured on the
-    emulated house's one-core workstation: a 256-token split took 99-115 ms with nothing decoding
-    there and 146-196 ms with one or more decoding, about the idle handoff twice plus the batch's
-    join). A GPU engine's receipt is the NIC's and the GPU's copy (1), an unpinned CPU engine's is
-    not known (1)."""
+    gets ``n / (n + 1)`` of the cores it had idle: ``(n + 1) / n`` (2 on one core). It stretches the
+    whole handoff as measured (fixed cost, exposed transfer, first step), not only its part on the
+    engine: on the emulated house's one-core workstation a 256-token split took 99-118 ms with
+    nothing decoding there and about 150-195 ms with one or more decoding, about the idle handoff
+    twice plus the join and half a step (:meth:`EngineLoad.handed_step`). A GPU engine's receipt
+    is the NIC's and the GPU's copy (1), an unpinned CPU engine's is not known (1)."""
     if device != "cpu" or pinned_cores <= 0:
         return 1.0
     return (pinned_cores + 1) / pinned_cores

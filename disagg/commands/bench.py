@@ -28,7 +28,7 @@ from disagg.bench.compare import (
     variant_slo,
 )
 from disagg.bench.metrics import DEFAULT_PERCENTILES
-from disagg.bench.prefill import prefill_rate_from_runs, probe_prefill_rate
+from disagg.bench.prefill import HANDOFF_PROBE_MIN_PAIRS, prefill_rate_from_runs, probe_prefill_rate
 from disagg.bench.prompts import DEFAULT_CHARS_PER_TOKEN
 from disagg.bench.report import text_table, write_json, write_report
 from disagg.bench.runner import Step, Target, run_sweep
@@ -140,7 +140,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     pre.add_argument("--prompt-tokens", type=int, default=PREFILL_PROBE_TOKENS, metavar="N",
                      help=f"the probes' long prompt (default {PREFILL_PROBE_TOKENS}, cut to max_model_len - 64)")
     pre.add_argument("--count", type=int, default=3, metavar="N",
-                     help="prompts per prefill probe and handoff probe (default 3)")
+                     help="prompts per prefill probe (default 3) and pairs of the handoff probe (at least "
+                          f"{HANDOFF_PROBE_MIN_PAIRS})")
     pre.add_argument("--no-handoff", dest="handoff", action="store_false",
                      help="skip the split pair's handoff probe")
     pre.add_argument("--json", type=Path, metavar="FILE", help="write what was measured and stored as JSON")

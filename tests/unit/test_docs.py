@@ -224,6 +224,7 @@ def test_the_plan_samples_are_what_plan_prints(after: str, argv: list[str], tmp_
     (tmp_path / "topologies").mkdir()
     shutil.copy(ROOT / "topologies" / "house-2g5.yaml", tmp_path / "topologies")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))     # the built-in table, not a cached config.json
     block = _sample_block("the-one-question.md", after)
     assert main(["plan", "topologies/house-2g5.yaml", "--no-probe", *argv]) == 0
     out = capsys.readouterr().out

@@ -490,3 +490,14 @@ def test_a_handoff_into_a_decoding_cpu_engine_shares_its_cores() -> None:
     busy_cpu = [b for b in cpu if b not in idle]
     assert [s for s, _ in busy_gpu] == pytest.approx([s for s, _ in busy_cpu])
     assert [t - g for (_, t), (_, g) in zip(busy_cpu, busy_gpu, strict=True)] == pytest.approx([hand])
+
+
+def test_a_pinned_one_core_cpu_decode_engine_gets_the_receipt_factor(tmp_path: Path) -> None:
+    """plan builds each engine's receipt factor from its host's device and pinned cores: the house's
+    one-core CPU engines 2; the same engines on GPU hosts 1."""
+    topo = house(tmp_path, rates={"gamer": 20_000.0, "workstation": 1000.0})
+    wp = plan_workload(topo, parse_classes("long=2048:32"), 1.0, None)
+    assert {e.host: e.busy_receipt_factor for e in wp.engines} == {"gamer": 2.0, "workstation": 2.0}
+    topo = parse_topology(ALIKE.format(rate="10gbit"), "alike.yaml")
+    wp = plan_workload(topo, parse_classes("long=2048:32"), 1.0, None, use_probe=False)
+    assert {e.busy_receipt_factor for e in wp.engines} == {1.0}
