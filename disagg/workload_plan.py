@@ -336,8 +336,6 @@ class EngineLoad:
     queue_share: float = 0.0
     #: per class, the wait for room in its KV cache (:func:`kv_room_waits`)
     kv_waits: dict[str, Wait] = field(default_factory=dict)
-    #: the engine's :attr:`EngineModel.busy_receipt_factor` (:meth:`handed_step`)
-    receipt_factor: float = 1.0
 
     def kv_wait(self, klass: str) -> Wait:
         """The wait of a ``klass`` prompt for room in this engine's KV cache (none: no wait)."""
@@ -350,17 +348,18 @@ class EngineLoad:
             return [(1.0, 0.0)]
         return [(1 - self.decoding_p, 0.0), (self.decoding_p, self.join_s)]
 
-    def handed_step(self, handoff_s: float) -> list[tuple[float, float]]:
+    def handed_step(self, handoff_s: float, receipt_factor: float) -> list[tuple[float, float]]:
         """(chance, added seconds) of a handed-over request's first token here, after a handoff of
         ``handoff_s``: as :meth:`first_step` while the engine is idle; while it decodes, besides the
-        join, the handoff once more times :attr:`receipt_factor` - 1 (the receipt shares the
-        engine's cores with its steps: :func:`receipt_factor`) and half a step (:attr:`tpot_s`):
+        join, the handoff once more times ``receipt_factor - 1`` (the engine's
+        :attr:`EngineModel.busy_receipt_factor`: the receipt shares its cores with its steps) and
+        half a step (:attr:`tpot_s`):
         vLLM starts the load at the step after the request arrives and sees it done only at the end
         of a step, so the request waits for a step boundary at both ends where a prefill waits at one."""
         if self.decoding_p <= 0:
             return [(1.0, 0.0)]
         step = self.tpot_s if math.isfinite(self.tpot_s) else 0.0
-        busy = self.join_s + handoff_s * (self.receipt_factor - 1) + step / 2
+        busy = self.join_s + handoff_s * (receipt_factor - 1) + step / 2
         return [(1 - self.decoding_p, 0.0), (self.decoding_p, busy)]
 
     def class_tpot_s(self, kv_bytes: float) -> float:
@@ -662,7 +661,8 @@ def evaluate(mix: Sequence[Mix], rate: float, routes: Routes) -> Outcome:
                     hand = handoffs[(m.name, p.name)]
                     base = p.prefill.seconds(m.prompt_tokens) + hand
                     # its prefill joins P's running batch (if any), its first step D's
-                    for (cp, jp), (cd, jd) in product(loads[p.name].first_step(), loads[d.name].handed_step(hand)):
+                    handed = loads[d.name].handed_step(hand, d.busy_receipt_factor)
+                    for (cp, jp), (cd, jd) in product(loads[p.name].first_step(), handed):
                         waits = (loads[p.name].wait.plus(loads[p.name].kv_wait(m.name)).plus(link_wait)
                                  .plus(loads[d.name].kv_wait(m.name)))
                         out.append(Branch(share * fp * fd * cp * cd, base + jp + jd, waits,
@@ -789,7 +789,7 @@ def _engine_load(e: EngineModel, s: _Streams, prompt_bytes: dict[str, float]) ->
                       running=running, kv_needed_bytes=needed, kv_capacity_bytes=e.kv_capacity_bytes,
                       kv_max_requests=kv_max, tpot_added_s=added / max(1 - s.prefill_s, 1e-3),
                       own_kv_s_per_byte=stretch, mean_kv_bytes=mean_kv, **batch_join(e.decode, running, mean_kv),
-                      queue_share=queue_s, kv_waits=kv_waits, receipt_factor=e.busy_receipt_factor)
+                      queue_share=queue_s, kv_waits=kv_waits)
 
 
 def _kv_per_request(s: _Streams) -> float:
