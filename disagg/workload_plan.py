@@ -348,10 +348,10 @@ class EngineLoad:
             return [(1.0, 0.0)]
         return [(1 - self.decoding_p, 0.0), (self.decoding_p, self.join_s)]
 
-    def handed_step(self, handoff_s: float, receipt_factor: float) -> list[tuple[float, float]]:
+    def handed_step(self, handoff_s: float, factor: float) -> list[tuple[float, float]]:
         """(chance, added seconds) of a handed-over request's first token here, after a handoff of
         ``handoff_s``: as :meth:`first_step` while the engine is idle; while it decodes, besides the
-        join, the handoff once more times ``receipt_factor - 1`` (the engine's
+        join, the handoff once more times ``factor - 1`` (the engine's
         :attr:`EngineModel.busy_receipt_factor`: the receipt shares its cores with its steps) and
         half a step (:attr:`tpot_s`):
         vLLM starts the load at the step after the request arrives and sees it done only at the end
@@ -359,7 +359,7 @@ class EngineLoad:
         if self.decoding_p <= 0:
             return [(1.0, 0.0)]
         step = self.tpot_s if math.isfinite(self.tpot_s) else 0.0
-        busy = self.join_s + handoff_s * (receipt_factor - 1) + step / 2
+        busy = self.join_s + handoff_s * (factor - 1) + step / 2
         return [(1 - self.decoding_p, 0.0), (self.decoding_p, busy)]
 
     def class_tpot_s(self, kv_bytes: float) -> float:
