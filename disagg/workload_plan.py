@@ -21,12 +21,14 @@ The model (stated in the output):
 
 - **arrivals**: Poisson at ``rate``, each class its weight's share. Where a group of engines
   shares a path (replicas, several prefill engines), requests spread over them as the proxy's
-  pool sends them, to the engine with the fewest in flight, round-robin among ties (:func:`_spread`):
-  each engine's count in flight taken as Poisson of its rate x the time it holds a request
-  (queue, prefill, decode at its load), the shares where those counts give them back
-  (:func:`least_outstanding_shares`), so an engine that holds requests longer gets fewer even at
-  light load; in proportion to what each could serve of the mix alone (:func:`_capacity`) where
-  those shares would still overload one;
+  pool sends them, to the engine with the fewest in flight, the first of the tied ones after the
+  engine picked last (:func:`_spread`): each engine's count in flight taken as Poisson of its rate
+  x the time it holds a request (queue, prefill, decode at its load), the shares where those
+  counts give them back (:func:`least_outstanding_shares`, :func:`least_outstanding_picks`), so an
+  engine that holds requests longer gets fewer even at light load, though less so than an even
+  coin on ties would give (with two, a tie goes to the engine not picked last); in proportion
+  to what each could serve of the mix alone (:func:`_capacity`) where those shares would still
+  overload one;
 - **prefill**: each engine's prefills form an M/G/1 queue served at the engine's prefill time
   per class (a stored ``disagg bench`` rate, ``a x n + b x n^2`` where it was probed at two
   prompt lengths, else the spec-sheet estimate; an emulated host only
@@ -443,6 +445,8 @@ def _holding_s(engine: EngineModel, mix: Sequence[Mix], prefills: bool, decodes:
 IN_FLIGHT_CAP = 200.0
 #: rounds of the pool's fixed point (:func:`least_outstanding_shares`)
 POOL_ROUNDS = 60
+#: the most steps of the round-robin pointer's chain (:func:`least_outstanding_picks`)
+POOL_CHAIN_STEPS = 2000
 
 
 def _poisson(mean: float, top: int) -> list[float]:
@@ -455,9 +459,16 @@ def _poisson(mean: float, top: int) -> list[float]:
 
 def least_outstanding_picks(in_flight: Sequence[float]) -> list[float]:
     """The share of arrivals each engine of a pool gets when each goes to the engine with the fewest
-    requests in flight, round-robin (equal shares) among ties (:meth:`disagg.proxy.backends.BackendPool.pick`),
-    and each engine's count is Poisson of its mean ``in_flight`` (a request stays its own time,
-    the others' decode beside it: an infinite-server count), the engines taken as independent."""
+    requests in flight, the first of the tied ones in the pool's round-robin order
+    (:meth:`disagg.proxy.backends.BackendPool.pick`: the scan starts after the engine picked last),
+    each engine's count Poisson of its mean ``in_flight`` (a request stays its own time, the others'
+    decode beside it: an infinite-server count), the engines and the arrivals taken as independent.
+
+    Who is picked depends on who was picked last: a Markov chain on the pool's pointer, whose
+    stationary distribution is the share. With two engines a tie goes to the one not picked last, so
+    ties make up for the picks the busier engine lost: against an idle engine, one with a request in
+    flight a fraction p of the time gets ``(1 - p) / (2 - p)`` of the requests (a third at p = 1/2),
+    not the ``(1 - p) / 2`` an even coin on ties would give it."""
     n = len(in_flight)
     means = [min(max(x, 0.0), IN_FLIGHT_CAP) for x in in_flight]
     top = int(max(means) + 10 * math.sqrt(max(means)) + 10)
@@ -469,25 +480,41 @@ def least_outstanding_picks(in_flight: Sequence[float]) -> list[float]:
             acc -= q
             tail.append(max(acc, 0.0))
         above.append(tail)
-    picks = []
-    for i in range(n):
-        total = 0.0
-        for k in range(top + 1):
-            if pmf[i][k] < 1e-15:
-                continue
-            ties = [1.0]                        # P(x of the others tie at k, the rest have more)
-            for j in range(n):
-                if j == i:
+    at_least = [[a + q for a, q in zip(above[i], pmf[i], strict=True)] for i in range(n)]
+
+    def picked_from(start: int) -> list[float]:
+        """P(each engine is picked) when the scan starts at engine ``start``: fewer in flight than
+        every engine scanned before it, no more than every engine after it."""
+        order = [(start + i) % n for i in range(n)]
+        row = [0.0] * n
+        for pos, j in enumerate(order):
+            total = 0.0
+            for k in range(top + 1):
+                if pmf[j][k] < 1e-15:
                     continue
-                nxt = [0.0] * (len(ties) + 1)
-                for x, w in enumerate(ties):
-                    nxt[x] += w * above[j][k]
-                    nxt[x + 1] += w * pmf[j][k]
-                ties = nxt
-            total += pmf[i][k] * sum(w / (1 + x) for x, w in enumerate(ties))
-        picks.append(total)
-    s = sum(picks)
-    return [p / s for p in picks] if s > 0 else [1.0 / n] * n
+                term = pmf[j][k]
+                for i in order[:pos]:
+                    term *= above[i][k]
+                for i in order[pos + 1:]:
+                    term *= at_least[i][k]
+                total += term
+            row[j] = total
+        s = sum(row)
+        return [r / s for r in row] if s > 0 else [1.0 / n] * n
+
+    # the chain from "engine L picked last" (the scan starts at L + 1); lazy, so it cannot cycle
+    moves = [picked_from((last + 1) % n) for last in range(n)]
+    share = [1.0 / n] * n
+    for _ in range(POOL_CHAIN_STEPS):
+        nxt = [0.5 * s for s in share]
+        for last, row in enumerate(moves):
+            for j, p in enumerate(row):
+                nxt[j] += 0.5 * share[last] * p
+        done = max(abs(a - b) for a, b in zip(nxt, share, strict=True)) < 1e-12
+        share = nxt
+        if done:
+            break
+    return share
 
 
 def least_outstanding_shares(holding: Sequence[Callable[[float], float]], rps: float) -> list[float]:
@@ -531,7 +558,7 @@ def least_outstanding_shares(holding: Sequence[Callable[[float], float]], rps: f
 def _spread(engines: Sequence[EngineModel], mix: Sequence[Mix], prefills: bool, decodes: bool,
             rps: float) -> list[tuple[EngineModel, float]]:
     """How the proxy's pool shares ``rps`` requests a second among ``engines``: each request to the
-    engine with the fewest requests in flight, round-robin among ties
+    engine with the fewest requests in flight, a tie to the first after the engine picked last
     (:class:`disagg.proxy.backends.BackendPool`): :func:`least_outstanding_shares`, which gives a
     slow engine less than an equal share at any load, since its requests stay longer. Where those
     shares would still overload an engine (past what it could serve of the mix alone,
