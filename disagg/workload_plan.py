@@ -508,8 +508,8 @@ def least_outstanding_picks(in_flight: Sequence[float]) -> list[float]:
     for _ in range(POOL_CHAIN_STEPS):
         nxt = [0.5 * s for s in share]
         for last, row in enumerate(moves):
-            for j, p in enumerate(row):
-                nxt[j] += 0.5 * share[last] * p
+            for j, chance in enumerate(row):
+                nxt[j] += 0.5 * share[last] * chance
         done = max(abs(a - b) for a, b in zip(nxt, share, strict=True)) < 1e-12
         share = nxt
         if done:
