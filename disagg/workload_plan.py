@@ -91,7 +91,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from itertools import combinations, product
+from itertools import accumulate, combinations, product
 from typing import Any, Protocol
 
 import numpy as np
@@ -976,14 +976,52 @@ def _router_cost(load: EngineLoad | None, engine: EngineModel, tokens: int) -> E
                       tpot_added_s=min(load.tpot_added_s, CAP_S))
 
 
+def in_flight_mean(load: EngineLoad | None) -> float:
+    """The mean count of requests an engine holds (the proxy's ``outstanding``): those decoding and
+    those queued or prefilling (rate x their time there); 0 with no load."""
+    if load is None:
+        return 0.0
+    return min((_finite(load.running) or 0.0) + (_finite(load.queue_share) or 0.0), IN_FLIGHT_CAP)
+
+
+def whole_offered_chance(prefill: EngineModel, p_load: EngineLoad | None, decode: EngineModel,
+                         d_load: EngineLoad | None, factor: float = WHOLE_TPOT_FACTOR) -> float:
+    """The chance a prompt finds the router offering ``whole`` (its ``decode_load`` rule:
+    :func:`disagg.proxy.policy.decodes_slower`): one more decode on the decode engine would be
+    slower than ``factor`` x one more on the prefill engine, each engine's time per output token
+    its line at the count it holds then (``fixed + n x`` what one more request adds), the counts
+    Poisson of their means (:func:`in_flight_mean`), the engines independent. The router compares
+    the counts a prompt finds, not their means: on the emulated house it served prompts whole
+    almost only when the workstation held more requests than the gamer."""
+    def line(e: EngineModel, load: EngineLoad | None) -> Callable[[int], float]:
+        added = 0.0 if load is None else min(_finite(load.tpot_added_s) or 0.0, CAP_S)
+        return lambda n: e.decode.fixed_s + n * added
+
+    p_line, d_line = line(prefill, p_load), line(decode, d_load)
+    p_mean, d_mean = in_flight_mean(p_load), in_flight_mean(d_load)
+    top = int(max(p_mean, d_mean) + 10 * math.sqrt(max(p_mean, d_mean)) + 10)
+    p_pmf, d_pmf = _poisson(p_mean, top), _poisson(d_mean, top)
+    d_tail = list(accumulate(reversed(d_pmf)))[::-1]           # P(N_d >= n)
+    total, n_d = 0.0, 0
+    for n_p, pp in enumerate(p_pmf):        # the decode line grows with its count: the least n_d past it
+        bar = factor * p_line(n_p + 1)
+        while n_d <= top and d_line(n_d + 1) <= bar:
+            n_d += 1
+        if n_d > top:
+            break
+        total += pp * d_tail[n_d]
+    return total
+
+
 def solve_auto(layout: Layout, mix: Sequence[Mix], rate: float) -> Routes:
     """The auto routing's shares per class at ``rate``: each round every class takes, at the load
-    the shares so far produce, the path the router's arithmetic picks
-    (:func:`disagg.routecost.option_costs` with the proxy's default stall weight, and ``whole``
-    offered where the decode engine's TPOT exceeds the prefill engine's: its ``decode_load`` rule),
-    and its shares move towards it by 1/(round + 2): the average of the choices, which settles
-    where no class would rather move (or splits a class between paths that cost it the same).
-    Each side is seen through its first engine."""
+    the shares so far produce, the paths the router's arithmetic picks
+    (:func:`disagg.routecost.option_costs` with the proxy's default stall weight): with ``whole``
+    offered for the share of prompts that find its ``decode_load`` rule met
+    (:func:`whole_offered_chance`), without it for the rest; and its shares move towards them by
+    1/(round + 2): the average of the choices, which settles where no class would rather move (or
+    splits a class between paths that cost it the same). Each side is seen through its first
+    engine."""
     assert layout.link is not None
     paths = {Option.SPLIT: ServePath(Option.SPLIT, layout.decode, layout.prefill, layout.link, layout.streaming_layers),
              Option.LOCAL: ServePath(Option.LOCAL, layout.decode),
@@ -1003,15 +1041,20 @@ def solve_auto(layout: Layout, mix: Sequence[Mix], rate: float) -> Routes:
                 busy = min(outcome.link_share, 0.999)
                 in_transit = round(min(busy / (1 - busy), CAP_S))
             link = LinkCost(link_cost.fixed_s, link_cost.bytes_per_s, layout.streaming_layers, in_transit)
-            whole = (p_cost.tpot_s is not None and d_cost.tpot_s is not None
-                     and d_cost.tpot_s > WHOLE_TPOT_FACTOR * p_cost.tpot_s)
-            best = cheapest(option_costs(m.prompt_tokens, m.wire_bytes, p_cost, d_cost, link, whole=whole,
-                                         stall_weight=STALL_WEIGHT, out_tokens=m.output_tokens)).path
+            offered = whole_offered_chance(p_engine, p_load, d_engine, d_load)
+            target: dict[Option, float] = {}
+            for whole, chance in ((True, offered), (False, 1 - offered)):
+                if chance <= 0:
+                    continue
+                best = cheapest(option_costs(m.prompt_tokens, m.wire_bytes, p_cost, d_cost, link, whole=whole,
+                                             stall_weight=STALL_WEIGHT, out_tokens=m.output_tokens)).path
+                target[best] = target.get(best, 0.0) + chance
             step = 1.0 / (k + 2) if k else 1.0
             mine = shares[m.name]
             for o in list(mine):
                 mine[o] *= 1 - step
-            mine[best] = mine.get(best, 0.0) + step
+            for o, w in target.items():
+                mine[o] = mine.get(o, 0.0) + step * w
         routes = {m.name: [(s, paths[o]) for o, s in shares[m.name].items() if s > 1e-9] for m in mix}
         outcome = evaluate(mix, rate, routes)
     return {m.name: [(s, paths[o]) for o, s in shares[m.name].items() if s > 1e-9] for m in mix}
@@ -1420,7 +1463,9 @@ def describe_model() -> str:
             "configuration saturates where an engine's prefills or decode reads take all its time, its "
             "requests' KV reaches its capacity, its prompts' waits for room hold its queue all the time, or "
             "the link's transfers take all its time (goodput 0). auto: the router's own costs "
-            f"(routecost.option_costs, stall weight {STALL_WEIGHT:g}) at the load its choices make. Not modelled: "
+            f"(routecost.option_costs, stall weight {STALL_WEIGHT:g}) at the load its choices make, whole offered "
+            "to the prompts that find the decode engine holding enough more to decode slower (Poisson counts). "
+            "Not modelled: "
             "preemption, prefix cache, the proxy's exploration; figures near saturation are the roughest.")
 
 

@@ -27,6 +27,7 @@ from disagg.workload_plan import (
     COLOCATED,
     REPLICAS,
     SPLIT,
+    EngineLoad,
     EngineModel,
     Layout,
     Mix,
@@ -43,6 +44,7 @@ from disagg.workload_plan import (
     predict,
     receipt_factor,
     saturation_rate,
+    whole_offered_chance,
 )
 
 LLAMA = BUILTIN_MODELS["llama-3.1-8b"]
@@ -534,3 +536,23 @@ def test_a_pinned_one_core_cpu_decode_engine_gets_the_receipt_factor(tmp_path: P
     topo = parse_topology(ALIKE.format(rate="10gbit"), "alike.yaml")
     wp = plan_workload(topo, parse_classes("long=2048:32"), 1.0, None, use_probe=False)
     assert {e.busy_receipt_factor for e in wp.engines} == {1.0}
+
+
+def _load(name: str, running: float, added_s: float) -> EngineLoad:
+    return EngineLoad(engine=name, host="h", prefill_rps=0.0, prefill_share=0.0, wait=Wait(0.0, 0.0), decode_tps=0.0,
+                      tpot_s=0.01, running=running, kv_needed_bytes=0.0, kv_capacity_bytes=None,
+                      kv_max_requests=None, tpot_added_s=added_s)
+
+
+def test_whole_is_offered_for_the_prompts_that_find_the_decode_engine_holding_more() -> None:
+    """The router offers ``whole`` where one more decode on the decode engine would be slower than
+    one more on the prefill engine, at the counts a prompt finds: alike engines holding Poisson
+    counts of equal means offer it when the decode engine holds more, P(X > Y) = (1 - P(X = Y)) / 2;
+    idle engines alike, never; a decode engine holding more on average, more often."""
+    p, d = engine("prefill[0]", "p"), engine("decode[0]", "d")
+    assert whole_offered_chance(p, None, d, None) == 0.0
+    same = whole_offered_chance(p, _load("p", 1.0, 0.002), d, _load("d", 1.0, 0.002))
+    tie = sum((math.exp(-1.0) / math.factorial(k)) ** 2 for k in range(40))
+    assert same == pytest.approx((1 - tie) / 2)
+    assert whole_offered_chance(p, _load("p", 0.2, 0.002), d, _load("d", 2.0, 0.002)) > 0.7
+    assert whole_offered_chance(p, _load("p", 1.0, 0.002), d, _load("d", 1.0, 0.002), factor=100.0) == 0.0
