@@ -457,6 +457,11 @@ def _poisson(mean: float, top: int) -> list[float]:
     return out
 
 
+def _poisson_top(largest_mean: float) -> int:
+    """How far a Poisson count of at most ``largest_mean`` is followed: ten standard deviations past it."""
+    return int(largest_mean + 10 * math.sqrt(largest_mean) + 10)
+
+
 def least_outstanding_picks(in_flight: Sequence[float]) -> list[float]:
     """The share of arrivals each engine of a pool gets when each goes to the engine with the fewest
     requests in flight, the first of the tied ones in the pool's round-robin order
@@ -471,7 +476,7 @@ def least_outstanding_picks(in_flight: Sequence[float]) -> list[float]:
     not the ``(1 - p) / 2`` an even coin on ties would give it."""
     n = len(in_flight)
     means = [min(max(x, 0.0), IN_FLIGHT_CAP) for x in in_flight]
-    top = int(max(means) + 10 * math.sqrt(max(means)) + 10)
+    top = _poisson_top(max(means))
     pmf = [_poisson(x, top) for x in means]
     above = []                                  # P(N > k)
     for p in pmf:
@@ -999,7 +1004,7 @@ def whole_offered_chance(prefill: EngineModel, p_load: EngineLoad | None, decode
 
     p_line, d_line = line(prefill, p_load), line(decode, d_load)
     p_mean, d_mean = in_flight_mean(p_load), in_flight_mean(d_load)
-    top = int(max(p_mean, d_mean) + 10 * math.sqrt(max(p_mean, d_mean)) + 10)
+    top = _poisson_top(max(p_mean, d_mean))
     p_pmf, d_pmf = _poisson(p_mean, top), _poisson(d_mean, top)
     d_tail = list(accumulate(reversed(d_pmf)))[::-1]           # P(N_d >= n)
     total, n_d = 0.0, 0
@@ -1031,17 +1036,18 @@ def solve_auto(layout: Layout, mix: Sequence[Mix], rate: float) -> Routes:
     link_cost = layout.link.cost()
     outcome: Outcome | None = None
     for k in range(AUTO_ROUNDS):
+        # the load this round's choices see, alike for every class
+        p_load = outcome.loads.get(p_engine.name) if outcome else None
+        d_load = outcome.loads.get(d_engine.name) if outcome else None
+        in_transit = 0          # handoffs on the link at once: rho / (1 - rho), as in an M/M/1 queue
+        if outcome is not None:
+            busy = min(outcome.link_share, 0.999)
+            in_transit = round(min(busy / (1 - busy), CAP_S))
+        link = LinkCost(link_cost.fixed_s, link_cost.bytes_per_s, layout.streaming_layers, in_transit)
+        offered = whole_offered_chance(p_engine, p_load, d_engine, d_load)
         for m in mix:
-            p_load = outcome.loads.get(p_engine.name) if outcome else None
-            d_load = outcome.loads.get(d_engine.name) if outcome else None
             p_cost = _router_cost(p_load, p_engine, m.prompt_tokens)
             d_cost = _router_cost(d_load, d_engine, m.prompt_tokens)
-            in_transit = 0      # handoffs on the link at once: rho / (1 - rho), as in an M/M/1 queue
-            if outcome is not None:
-                busy = min(outcome.link_share, 0.999)
-                in_transit = round(min(busy / (1 - busy), CAP_S))
-            link = LinkCost(link_cost.fixed_s, link_cost.bytes_per_s, layout.streaming_layers, in_transit)
-            offered = whole_offered_chance(p_engine, p_load, d_engine, d_load)
             target: dict[Option, float] = {}
             for whole, chance in ((True, offered), (False, 1 - offered)):
                 if chance <= 0:

@@ -5,10 +5,10 @@ stored in a temporary run directory."""
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from disagg.bench.slo import parse_slo
@@ -344,15 +344,6 @@ def test_least_outstanding_picks_the_engine_with_fewer_in_flight() -> None:
     assert least_outstanding_picks([shares[0] * 1.0, shares[1] * 3.0])[0] == pytest.approx(shares[0], abs=1e-6)
 
 
-def _poisson_draw(rng: random.Random, mean: float) -> int:
-    """One Poisson count (Knuth's product of uniforms; the means here are small)."""
-    limit, k, product = math.exp(-mean), 0, rng.random()
-    while product > limit:
-        k += 1
-        product *= rng.random()
-    return k
-
-
 @pytest.mark.parametrize("means", [[0.3, 1.2], [0.5, 0.5, 2.0], [0.2, 0.9, 1.5, 0.1]])
 def test_least_outstanding_picks_are_the_proxy_pools_own(means: list[float]) -> None:
     """The model's shares are what the proxy's own pool (:meth:`BackendPool.pick`) gives when each
@@ -360,11 +351,11 @@ def test_least_outstanding_picks_are_the_proxy_pools_own(means: list[float]) -> 
     pool = BackendPool("decode", [f"http://h{i}:1" for i in range(len(means))], ProxyMetrics())
     for b in pool.backends:
         pool.mark_up(b)
-    rng, picked = random.Random(7), [0] * len(means)
     draws = 20_000
-    for _ in range(draws):
-        for b, mean in zip(pool.backends, means, strict=True):
-            b.outstanding = _poisson_draw(rng, mean)
+    counts, picked = np.random.default_rng(7).poisson(means, size=(draws, len(means))), [0] * len(means)
+    for row in counts:
+        for b, count in zip(pool.backends, row, strict=True):
+            b.outstanding = int(count)
         chosen = pool.pick()
         assert chosen is not None
         picked[pool.backends.index(chosen)] += 1
