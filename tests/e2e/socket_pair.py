@@ -12,7 +12,9 @@ The settings serve both modes; each is read only by the tests that say so:
   its listener waits for a streamed request to be scheduled: only streamed handoffs read it);
   prefix caching on and a step budget of :data:`CHUNK_TOKENS` tokens, so a long prompt is prefilled
   chunk by chunk (a stream follows each chunk) and a repeated prompt comes from P's prefix cache (a
-  pulled handoff reads the leased blocks whichever way they were filled).
+  pulled handoff reads the leased blocks whichever way they were filled); prefill held to at most
+  :data:`PREFILL_RATE` tokens/s (the project's emulated prefill rate), so P is mid-prompt for a
+  while on any machine.
 - D (kv_consumer, core 1): ``kv_load_failure_policy: recompute``, I/O timeout :data:`IO_TIMEOUT_S`
   (bounds a fetch and a stream alike; above ``stream_wait_s``, as the connector's config asks),
   ``peers``: P's listener. Without prefix caching, so D's own answer to a plain request is the
@@ -34,6 +36,7 @@ from typing import Any
 
 import aiohttp
 import psutil
+from disagg_connectors.emulated_prefill import ENV as EMULATED_PREFILL_RATE_ENV
 
 from disagg.modelgen import build_model
 from disagg.prometheus_text import sample_label
@@ -49,13 +52,17 @@ IO_TIMEOUT_S = 5
 STREAM_WAIT_S = 3
 #: P's step budget: a LONG prompt (1,000-2,500 tokens) takes several steps
 CHUNK_TOKENS = 256
+#: P's prefill rate, tokens/s (connectors/emulated_prefill.py holds each of P's prefill steps to it):
+#: a floor under P's prefill time, so that a test that cuts a streamed HUGE prompt short (more
+#: than a second at this rate) finds P mid-prompt however fast the machine prefills natively
+PREFILL_RATE = 5000
 #: the engines' arguments: no torch.compile, as every engine of the e2e tests (harness.engines.ENGINE_ARGS);
 #: compiling costs each bring-up of the pair about 15 s and changes none of its answers
 PAIR_ARGS = ["-O0"]
 
 SHORT = "The quick brown fox jumps over the lazy dog. "
 LONG = " ".join(f"Item {i}: the river carries stones, songs and {i % 7} old boats." for i in range(50))
-#: a prompt whose prefill takes P dozens of steps (a few hundred ms here), long enough to cut it short
+#: a prompt whose prefill takes P dozens of steps (over a second at :data:`PREFILL_RATE`): long enough to cut short
 HUGE = " ".join([LONG] * 5)
 
 #: P's kv_transfer_params for a pulled handoff (as the proxy sends them)
@@ -95,7 +102,8 @@ def start_pair(root: Path) -> Iterator[tuple[Engine, Engine]]:
     engines: list[Engine] = []
     try:
         p_extra = {"host": "127.0.0.1", "port": kv_port, "kv_lease_duration": LEASE_S, "stream_wait_s": STREAM_WAIT_S}
-        p = start_engine("prefill", str(model), 0, kv_config("kv_producer", p_extra), env, root,
+        p = start_engine("prefill", str(model), 0, kv_config("kv_producer", p_extra),
+                         {**env, EMULATED_PREFILL_RATE_ENV: str(PREFILL_RATE)}, root,
                          prefix_caching=True, args=[*PAIR_ARGS, "--max-num-batched-tokens", str(CHUNK_TOKENS)])
         p.extra.update(kv_port=kv_port, secret=secret)
         engines.append(p)

@@ -52,19 +52,26 @@ from tests.e2e.socket_pair import (
 
 pytestmark = pytest.mark.e2e
 
-#: how long after sending both requests of a streamed handoff a test cuts one short (P is then mid-prompt)
-CUT_AFTER_S = 0.15
+#: how long a test waits for P to start the prompt of a streamed handoff before it gives up
+STARTED_WITHIN_S = 30.0
 
 
 async def _sent_both(session: aiohttp.ClientSession, p: Engine, d: Engine, prompt: str, max_tokens: int
                      ) -> tuple[asyncio.Task[dict[str, Any]], asyncio.Task[dict[str, Any]]]:
     """Both requests of a streamed handoff of ``prompt`` sent at once (D's answer ``max_tokens``
-    long): the (decode, prefill) tasks, :data:`CUT_AFTER_S` later, P then mid-prompt, for the test to
-    cut one short."""
+    long): the (decode, prefill) tasks, once P runs the prompt, for the test to cut one short.
+
+    P is then mid-prompt: its prefill is held to ``PREFILL_RATE`` tokens/s, so a HUGE
+    prompt takes it more than a second on any machine (tests/e2e/socket_pair.py)."""
     p_params, d_params = stream_params(p)
+    running_before = await asyncio.to_thread(metric, p.url, "vllm:num_requests_running")
     decode = asyncio.create_task(complete(session, d, prompt, max_tokens, d_params))
     prefill = asyncio.create_task(complete(session, p, prompt, 1, p_params))
-    await asyncio.sleep(CUT_AFTER_S)
+    deadline = time.monotonic() + STARTED_WITHIN_S
+    while await asyncio.to_thread(metric, p.url, "vllm:num_requests_running") <= running_before:
+        assert not prefill.done(), "P answered before /metrics showed it running the prompt"
+        assert time.monotonic() < deadline, f"P did not start the prompt within {STARTED_WITHIN_S} s"
+        await asyncio.sleep(0.02)
     return decode, prefill
 
 
