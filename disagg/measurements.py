@@ -60,7 +60,9 @@ written before the field existed has the connector unknown (``""``) and serves a
       "<served model name>": {
         "<prefill host> -> <decode host>": {
           "<connector>" or "<connector> streamed": {
-            "fixed_s": 0.052,                     # the handoff's fixed cost on this pair
+            "fixed_s": 0.021,                     # the handoff's fixed cost on this pair ...
+            "exposed_per_byte_s": 2.1e-9,         # ... plus this per wire byte of the prompt's KV (optional)
+            "points": [[4194304, 0.030], ...],    # (wire bytes, split TTFT - P's TTFT s) it was fitted to
             "measured_at": "2026-11-29T09:12:00+00:00",
             "source": "disagg bench compare ... (free text: how it was measured)"
           }
@@ -69,9 +71,15 @@ written before the field existed has the connector unknown (``""``) and serves a
     }
 
 A handoff's fixed cost is what a split adds to a prefill beyond the part that grows with the
-prompt's KV (as ``disagg plan`` prices that part): the connector's own cost, decode's first step
-over the weights, the link's round trips. It belongs to a pair of hosts, a connector and the
-model (the first step reads its weights), so it is kept per model, pair and connector (a streamed
+prompt's KV: the connector's own cost, decode's first step over the weights, the link's round
+trips. Probed at two prompt lengths, the part that grows is measured too, as
+``exposed_per_byte_s`` (:func:`fit_handoff`): what each wire byte adds to the split's TTFT, the
+transfer the prefill did not hide and the first step's read of the KV together; ``disagg plan``
+then prices a handoff as ``fixed_s + exposed_per_byte_s x wire bytes`` instead of its model of
+that part (a streamed transfer on a one-core CPU engine, for one, overlaps its prefill less than
+the model assumes). Probed at one length, only ``fixed_s`` is stored, the part that grows taken
+as ``disagg plan`` prices it. Both belong to a pair of hosts, a connector and the model (the
+first step reads its weights), so they are kept per model, pair and connector (a streamed
 handoff apart), in the run directory beside the prefill rates.
 
 A prefill rate holds only for the dtype it was measured with (on a CPU without
@@ -330,12 +338,12 @@ def decode_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / DECODE_FILE
 
 
-def fit_decode_step(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """(fixed_s, per_kv_byte_s): the least-squares line through ``points`` (context KV bytes, TPOT
-    seconds), fitted from at least two context lengths. A slope below 0 (noise where the KV read
-    is small beside the step's overhead) is taken as 0, the step as the mean TPOT."""
+def _fit_line(points: Sequence[tuple[float, float]], what: str, lengths: str) -> tuple[float, float]:
+    """(intercept, slope): the least-squares line through ``points`` (x, seconds) from at least two
+    distinct x (``lengths``, as the error names them). A slope below 0 (noise where the part that
+    grows is small beside the fixed one) is taken as 0, the intercept as the mean."""
     if len({x for x, _ in points}) < 2:
-        raise ValueError("a decode step is fitted from at least two context lengths")
+        raise ValueError(f"{what} is fitted from at least two {lengths}")
     n = len(points)
     mx = sum(x for x, _ in points) / n
     my = sum(y for _, y in points) / n
@@ -343,6 +351,13 @@ def fit_decode_step(points: Sequence[tuple[float, float]]) -> tuple[float, float
     if slope < 0:
         return my, 0.0
     return my - slope * mx, slope
+
+
+def fit_decode_step(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed_s, per_kv_byte_s): the least-squares line through ``points`` (context KV bytes, TPOT
+    seconds), fitted from at least two context lengths (a slope below 0 taken as 0, the step as
+    the mean TPOT)."""
+    return _fit_line(points, "a decode step", "context lengths")
 
 
 def store_decode(run_dir: str | Path, model: str, host: str, fixed_s: float, per_kv_byte_s: float,
@@ -406,7 +421,8 @@ def lookup_decode(run_dir: str | Path, model: str, host: str, dtype: str = "auto
 
 @dataclass(frozen=True)
 class HandoffMeasurement:
-    """The measured fixed cost of a handoff on one prefill -> decode pair of hosts."""
+    """The measured cost of a handoff on one prefill -> decode pair of hosts: ``fixed_s``, and with
+    ``exposed_per_byte_s`` (probed at two prompt lengths) what each wire byte of KV adds to it."""
 
     model: str
     prefill_host: str
@@ -416,6 +432,8 @@ class HandoffMeasurement:
     fixed_s: float
     measured_at: str
     source: str
+    exposed_per_byte_s: float | None = None
+    points: tuple[tuple[float, float], ...] = ()    # (wire bytes, split TTFT - P's TTFT s) it was fitted to
 
     @property
     def date(self) -> str:
@@ -436,14 +454,33 @@ def _connector_key(connector: str, streaming: bool) -> str:
     return f"{connector} streamed" if streaming else connector
 
 
+def fit_handoff(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed_s, exposed_per_byte_s): the least-squares line through ``points`` (wire bytes of a
+    prompt's KV, what a split added to that prompt's TTFT), fitted from at least two prompt
+    lengths (a slope below 0 taken as 0, the cost as the mean; a fixed cost below 0 as 0, the
+    slope then through the points' mean)."""
+    fixed, per_byte = _fit_line(points, "a handoff", "prompt lengths")
+    if fixed < 0:
+        mx = sum(x for x, _ in points) / len(points)
+        return 0.0, sum(y for _, y in points) / len(points) / mx
+    return fixed, per_byte
+
+
 def store_handoff(run_dir: str | Path, model: str, prefill_host: str, decode_host: str, connector: str,
-                  streaming: bool, fixed_s: float, source: str, measured_at: str | None = None) -> Path:
-    """Record (or replace) the fixed handoff cost of ``model`` on the pair over ``connector``
-    (``streaming``: the KV streamed while the prefill computes); returns the file. Called by
-    ``disagg bench compare`` (:mod:`disagg.bench.compare`)."""
+                  streaming: bool, fixed_s: float, source: str, measured_at: str | None = None, *,
+                  exposed_per_byte_s: float | None = None, points: Sequence[tuple[float, float]] = ()) -> Path:
+    """Record (or replace) the handoff cost of ``model`` on the pair over ``connector``
+    (``streaming``: the KV streamed while the prefill computes): ``fixed_s``, and where it was
+    probed at two lengths ``exposed_per_byte_s`` (:func:`fit_handoff` over ``points``); returns
+    the file. Called by ``disagg bench compare`` (:func:`disagg.bench.compare.probe_handoff`)."""
     if not fixed_s >= 0:
         raise ValueError("fixed_s must be a number >= 0")
-    entry = {"fixed_s": float(fixed_s), "measured_at": measured_at or now_iso(), "source": source}
+    if exposed_per_byte_s is not None and not exposed_per_byte_s >= 0:
+        raise ValueError("exposed_per_byte_s must be a number >= 0")
+    entry: dict[str, Any] = {"fixed_s": float(fixed_s), "measured_at": measured_at or now_iso(), "source": source}
+    if exposed_per_byte_s is not None:
+        entry["exposed_per_byte_s"] = float(exposed_per_byte_s)
+        entry["points"] = [[float(x), float(y)] for x, y in points]
 
     def put(data: dict[str, Any]) -> None:
         pairs = data.setdefault(model, {}).setdefault(_pair_key(prefill_host, decode_host), {})
@@ -468,12 +505,28 @@ def lookup_handoff(run_dir: str | Path, model: str, prefill_host: str, decode_ho
         raise StateError(f"{path}: expected {{model: {{pair: {{connector: entry}}}}}}") from None
     if entry is None:
         return None
-    fixed = entry.get("fixed_s") if isinstance(entry, dict) else None
-    if isinstance(fixed, bool) or not isinstance(fixed, (int, float)) or fixed < 0:
-        raise StateError(f"{path}: {model}.{_pair_key(prefill_host, decode_host)}.fixed_s: expected a number >= 0")
+    where = f"{path}: {model}.{_pair_key(prefill_host, decode_host)}"
+    if not isinstance(entry, dict):
+        raise StateError(f"{where}: expected a mapping with fixed_s")
+    fixed = _non_negative(entry.get("fixed_s"), f"{where}.fixed_s")
+    per_byte = entry.get("exposed_per_byte_s")
+    if per_byte is not None:
+        per_byte = _non_negative(per_byte, f"{where}.exposed_per_byte_s")
+    points = entry.get("points", [])
+    try:
+        pts = tuple((float(x), float(y)) for x, y in points)
+    except (TypeError, ValueError):
+        raise StateError(f"{where}.points: expected [[wire bytes, seconds], ...]") from None
     return HandoffMeasurement(model=model, prefill_host=prefill_host, decode_host=decode_host, connector=connector,
-                              streaming=streaming, fixed_s=float(fixed), measured_at=str(entry.get("measured_at", "")),
-                              source=str(entry.get("source", "")))
+                              streaming=streaming, fixed_s=fixed, measured_at=str(entry.get("measured_at", "")),
+                              source=str(entry.get("source", "")), exposed_per_byte_s=per_byte, points=pts)
+
+
+def _non_negative(value: Any, where: str) -> float:
+    """``value`` as a float; StateError naming ``where`` unless it is a number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise StateError(f"{where}: expected a number >= 0")
+    return float(value)
 
 
 # --- link probe ----------------------------------------------------------------

@@ -173,6 +173,10 @@ class LinkEstimate:
     measured_fixed_s: float | None = None
     #: where :attr:`measured_fixed_s` comes from (``measured on this pair <date> (<source>)``)
     measured_fixed_label: str = ""
+    #: probed at two prompt lengths on this pair (:func:`disagg.measurements.fit_handoff`): what each
+    #: wire byte adds to a split beyond :attr:`fixed_s` (the exposed transfer and the first step's
+    #: read of the KV together), in place of their model; None: modelled
+    measured_exposed_per_byte_s: float | None = None
 
     @property
     def round_trips_s(self) -> float:
@@ -199,10 +203,21 @@ class LinkEstimate:
 
     def added_s(self, nbytes: float, prefill_s: float, streaming_layers: int | None) -> float:
         """What handing over ``nbytes`` of wire bytes adds to a prefill of ``prefill_s`` seconds: the
-        fixed cost, the transfer's exposed part (:func:`disagg.routecost.exposed_transfer_s`; all of
-        it unless streamed over ``streaming_layers``) and the first step's read of the KV."""
-        return (self.fixed_s + exposed_transfer_s(nbytes / self.bytes_per_s, prefill_s, streaming_layers)
-                + self.first_step_kv_s(nbytes))
+        fixed cost, the transfer's exposed part (:meth:`exposed_s`) and the first step's read of
+        the KV; the fixed cost and :attr:`measured_exposed_per_byte_s` per byte where the pair's
+        handoff was probed at two lengths."""
+        if self.measured_exposed_per_byte_s is not None:
+            return self.fixed_s + nbytes * self.measured_exposed_per_byte_s
+        return self.fixed_s + self.exposed_s(nbytes, prefill_s, streaming_layers) + self.first_step_kv_s(nbytes)
+
+    def exposed_s(self, nbytes: float, prefill_s: float, streaming_layers: int | None) -> float:
+        """Of moving ``nbytes`` of wire bytes after (or, streamed over ``streaming_layers``, during)
+        a prefill of ``prefill_s`` seconds, the part the prefill does not hide
+        (:func:`disagg.routecost.exposed_transfer_s`); as measured on the pair where
+        :attr:`measured_exposed_per_byte_s` is set (with the first step's read of the KV)."""
+        if self.measured_exposed_per_byte_s is not None:
+            return nbytes * self.measured_exposed_per_byte_s
+        return exposed_transfer_s(nbytes / self.bytes_per_s, prefill_s, streaming_layers)
 
     @property
     def bytes_per_s(self) -> float:
@@ -215,9 +230,9 @@ class LinkEstimate:
         """The handoff line the routing predictor uses (bytes per second: the link's, with the first
         step's read of the KV folded in, since both come after the prefill)."""
         rate = self.bytes_per_s
-        if self.first_step_wire_bps is not None:
+        if self.first_step_wire_bps is not None and self.measured_exposed_per_byte_s is None:
             rate = 1.0 / (1.0 / rate + 1.0 / self.first_step_wire_bps)
-        return LinkCost(fixed_s=self.fixed_s, bytes_per_s=rate)
+        return LinkCost(fixed_s=self.fixed_s, bytes_per_s=rate, exposed_per_byte_s=self.measured_exposed_per_byte_s)
 
     def handoff_s(self, nbytes: float) -> float:
         """Seconds to hand over ``nbytes`` of KV cache."""
@@ -528,7 +543,7 @@ def make_plan(arch: ModelArch, kv_dtype: str, link: LinkEstimate, prefill: Prefi
         nbytes = round(moved(n))
         pre = prefill.seconds(n)
         transfer = nbytes / link.bytes_per_s
-        exposed = exposed_transfer_s(transfer, pre, streaming_layers)
+        exposed = link.exposed_s(nbytes, pre, streaming_layers)
         fit = None
         if memory.kv_bytes is not None:
             fit = int(max(memory.kv_bytes, 0) // arch.kv_bytes(n + output_tokens, kv_dtype))
@@ -828,11 +843,13 @@ def kv_cache_dtype(topo: Topology, pair: Pair | None = None) -> str:
 def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: int, *,
                   model: str | None = None, link_class: str | None = None, kv_dtype: str | None = None,
                   use_probe: bool = True, run_dir: str | None = None, wire_format: str | None = None,
-                  streaming: bool | None = None, pair: Pair | None = None) -> Plan:
+                  streaming: bool | None = None, pair: Pair | None = None, use_measured_handoff: bool = True) -> Plan:
     """The plan for a topology, with optional what-if overrides (model, link class, KV dtype, wire format,
     ``streaming``: the KV streamed layer by layer while the prefill computes, socket connector only;
     None: the topology's ``connector.streaming``); ``pair``: the (prefill, decode) instances to plan
-    (:func:`plan_pairs`; default :func:`first_pair`)."""
+    (:func:`plan_pairs`; default :func:`first_pair`); ``use_measured_handoff``: False prices the
+    handoff by the model alone, not the pair's stored measurement (:func:`pair_handoff`; the
+    handoff probe subtracts the model's part)."""
     arch = resolve_model(model or topo.model.source, local_path=None if model else topo.model.path)
     prefill_inst, decode_inst = pair = pair or first_pair(topo)
     limit = topo.model.max_model_len
@@ -880,7 +897,7 @@ def plan_topology(topo: Topology, prompt_tokens: Sequence[int], output_tokens: i
         notes.append(streaming_note(layers))
     else:
         link = first_step(topo, arch, link, dtype, wire, notes, pair)
-    if model is None:       # a what-if model has other weights, so another first step
+    if model is None and use_measured_handoff:      # a what-if model has other weights, so another first step
         link = pair_handoff(topo, link, pair, run_dir, streamed)
     return make_plan(arch, dtype, link, prefill, decode_memory(topo, arch, pair), prompt_tokens,
                      output_tokens, notes, max_prompt_tokens=topo.model.max_model_len,
@@ -898,7 +915,7 @@ def pair_handoff(topo: Topology, link: LinkEstimate, pair: Pair, run_dir: str | 
                            topo.connector, streamed)
     if found is None:
         return link
-    return replace(link, measured_fixed_s=found.fixed_s,
+    return replace(link, measured_fixed_s=found.fixed_s, measured_exposed_per_byte_s=found.exposed_per_byte_s,
                    measured_fixed_label=f"measured on this pair {found.date} ({found.source})")
 
 

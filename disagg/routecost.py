@@ -311,6 +311,9 @@ class LinkCost:
     #: a streamed one from when it was sent; one whose first token is not seen, to its predicted end):
     #: what a transfer sent now holds up (:func:`link_held_up_s`)
     in_transit: int = 0
+    #: measured on this pair (:func:`disagg.measurements.fit_handoff`): what each byte adds to the
+    #: split's TTFT beyond ``fixed_s``, in place of :meth:`exposed_s`'s model; None: modelled
+    exposed_per_byte_s: float | None = None
 
     def transfer_s(self, nbytes: float) -> float:
         """Time the link takes to move ``nbytes`` of KV cache, on its own."""
@@ -322,7 +325,10 @@ class LinkCost:
 
     def exposed_s(self, nbytes: float, prefill_s: float) -> float:
         """What moving ``nbytes`` adds to a prefill of ``prefill_s`` seconds, the fixed cost apart
-        (the whole transfer unless streamed: :func:`exposed_transfer_s`)."""
+        (the whole transfer unless streamed: :func:`exposed_transfer_s`; as measured on the pair
+        where :attr:`exposed_per_byte_s` is set)."""
+        if self.exposed_per_byte_s is not None:
+            return nbytes * self.exposed_per_byte_s
         return exposed_transfer_s(self.transfer_s(nbytes), prefill_s, self.streaming_layers)
 
     def after_prefill_s(self, nbytes: float, prefill_s: float) -> float:

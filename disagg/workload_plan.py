@@ -117,7 +117,6 @@ from disagg.routecost import (
     FIRST_STEP_CPU_SOURCE,
     DecodeLine,
     EngineCost,
-    LinkCost,
     Option,
     cheapest,
     option_costs,
@@ -1043,7 +1042,7 @@ def solve_auto(layout: Layout, mix: Sequence[Mix], rate: float) -> Routes:
         if outcome is not None:
             busy = min(outcome.link_share, 0.999)
             in_transit = round(min(busy / (1 - busy), CAP_S))
-        link = LinkCost(link_cost.fixed_s, link_cost.bytes_per_s, layout.streaming_layers, in_transit)
+        link = replace(link_cost, streaming_layers=layout.streaming_layers, in_transit=in_transit)
         offered = whole_offered_chance(p_engine, p_load, d_engine, d_load)
         for m in mix:
             p_cost = _router_cost(p_load, p_engine, m.prompt_tokens)

@@ -7,9 +7,9 @@ hosts, and decode hosts whose engines serve the ``auto`` routing's local
 prefills: both seed the proxy's routing) of its prefill rate and decode step, stored per host
 and engine kind for ``disagg plan`` (:func:`disagg.bench.prefill.probe_engine`; results.json
 keeps them under ``prefill_measured``) and, on a split topology of one pair, a probe of the
-pair's fixed handoff cost (:func:`disagg.bench.prefill.probe_handoff_fixed`, stored for
-``disagg plan``), then ``disagg down FILE`` -- always, also when the bench fails or is interrupted -- and a copy of the
-builtin proxy's log into ``logs/LABEL-proxy.log`` of the output directory (the next
+pair's handoff cost at two prompt lengths (:func:`probe_handoff`, stored for ``disagg plan``),
+then ``disagg down FILE`` -- always, also when the bench fails or is interrupted -- and a copy of
+the builtin proxy's log into ``logs/LABEL-proxy.log`` of the output directory (the next
 ``up`` of the same run starts the log afresh; with ``proxy.log_level: debug`` it holds
 the routing decisions that ``benchmarks/prediction_floor.py`` and ``route_replay.py``
 read). After each topology the results so far are written to ``results.json``; at the
@@ -44,7 +44,13 @@ from typing import Any
 import yaml
 
 from disagg.bench.metrics import DEFAULT_PERCENTILES
-from disagg.bench.prefill import HANDOFF_PROBE_MIN_PAIRS, HANDOFF_PROBE_TOKENS, probe_engine, probe_handoff_fixed
+from disagg.bench.prefill import (
+    HANDOFF_PROBE_LONG_FACTOR,
+    HANDOFF_PROBE_MIN_PAIRS,
+    HANDOFF_PROBE_TOKENS,
+    probe_engine,
+    probe_handoff_fixed,
+)
 from disagg.bench.report import write_json, write_report
 from disagg.bench.runner import BenchResult, Step, Target, run_sweep
 from disagg.bench.slo import NO_SLO, SLO
@@ -54,7 +60,7 @@ from disagg.emulation import emulation_lines
 from disagg.engines.vllm import served_model_name
 from disagg.errors import DisaggError, LaunchError
 from disagg.kvmath import resolve_model
-from disagg.measurements import probe_path, store_handoff
+from disagg.measurements import fit_handoff, probe_path, store_handoff
 from disagg.paths import LOGS, PROXY_LOG, run_path
 from disagg.planning import engine_connector, kv_cache_dtype, plan_topology
 from disagg.proxy.handoff import handoff_class
@@ -232,34 +238,66 @@ async def _bench_one(t: TopologyUnderTest, workload: Workload, steps: Sequence[S
         measured = await probe_engines(t, longest, probe_count, f"disagg bench compare, {t.file}",
                                        seed=workload.seed, engine_key=engine_key)
         if t.handoff_pair is not None:
-            handoff = await probe_handoff(t, t.handoff_pair, probe_count, workload.seed, engine_key)
+            handoff = await probe_handoff(t, t.handoff_pair, probe_count, workload.seed, engine_key, longest)
     return result, measured, handoff
 
 
 async def probe_handoff(t: TopologyUnderTest, pair: tuple[str, str, str], count: int, seed: int,
-                         engine_key: str | None) -> dict[str, Any]:
-    """Measure and store the fixed handoff cost of ``t``'s one pair (:func:`disagg.bench.prefill.probe_handoff_fixed`,
-    over ``count`` pairs of prompts, at least :data:`~disagg.bench.prefill.HANDOFF_PROBE_MIN_PAIRS`),
-    with the part that grows with the KV priced as ``disagg plan`` prices it; what was stored, or
-    why nothing was. Called after the sweep by :func:`compare` and by ``disagg bench prefill``."""
+                        engine_key: str | None, long_tokens: int | None = None) -> dict[str, Any]:
+    """Measure and store the handoff cost of ``t``'s one pair (:func:`disagg.bench.prefill.probe_handoff_fixed`,
+    over ``count`` pairs of prompts, at least :data:`~disagg.bench.prefill.HANDOFF_PROBE_MIN_PAIRS`);
+    what was stored, or why nothing was. Called after the sweep by :func:`compare` and by ``disagg
+    bench prefill``.
+
+    At :data:`~disagg.bench.prefill.HANDOFF_PROBE_TOKENS` and, where ``long_tokens`` (capped to the
+    model's context) is at least :data:`HANDOFF_PROBE_LONG_FACTOR` times that, again at ``long_tokens``:
+    the line through the two (:func:`disagg.measurements.fit_handoff`: the fixed cost and what each
+    wire byte of KV adds, as measured). At one length: the fixed cost, with the part that grows with
+    the KV priced as ``disagg plan`` prices it."""
     p_host, d_host, p_url = pair
     topo = load_topology(t.file)
+    limit = topo.model.max_model_len
+    long_n = None if long_tokens is None else min(long_tokens, limit - 1) if limit is not None else long_tokens
+    if long_n is not None and long_n < HANDOFF_PROBE_LONG_FACTOR * HANDOFF_PROBE_TOKENS:
+        long_n = None
+    lengths = [HANDOFF_PROBE_TOKENS] if long_n is None else [HANDOFF_PROBE_TOKENS, long_n]
     try:
-        plan = plan_topology(topo, [HANDOFF_PROBE_TOKENS], 0)
+        plan = plan_topology(topo, lengths, 0, use_measured_handoff=False)
     except DisaggError as exc:
         return {"stored": False, "why": f"the plan's KV-sized part is unknown: {exc}"}
-    per_byte = plan.classes[0].handoff_s - plan.link.fixed_s
     count = max(count, HANDOFF_PROBE_MIN_PAIRS)
-    found = await probe_handoff_fixed(t.proxy_url, p_url, t.model, count, per_byte, seed=seed,
-                                      engine_headers={"Authorization": f"Bearer {engine_key}"} if engine_key else None)
-    if found is None:
-        return {"stored": False, "why": "the proxy did not split every probe prompt (route it with --routing split)"}
-    fixed, gap = found
+    headers = {"Authorization": f"Bearer {engine_key}"} if engine_key else None
+    gaps: list[float] = []
+    for n, row in zip(lengths, plan.classes, strict=True):
+        per_byte = row.handoff_s - plan.link.fixed_s
+        found = await probe_handoff_fixed(t.proxy_url, p_url, t.model, count, per_byte, prompt_tokens=n, seed=seed,
+                                          engine_headers=headers)
+        if found is None:
+            return {"stored": False,
+                    "why": "the proxy did not split every probe prompt (route it with --routing split)"}
+        gaps.append(found[1])
+    said = ", ".join(f"{g * 1e3:.1f} ms at {n:,} tokens" for n, g in zip(lengths, gaps, strict=True))
     source = (f"disagg bench compare: median TTFT of {count} splits minus the same prompts straight to {p_url} "
-              f"({HANDOFF_PROBE_TOKENS} tokens, one at a time) = {gap * 1e3:.1f} ms, less "
-              f"{per_byte * 1e3:.1f} ms for the KV as disagg plan prices it ({t.file})")
-    path = store_handoff(t.run_dir, t.model, p_host, d_host, topo.connector, topo.streaming, fixed, source)
-    return {"stored": True, "fixed_s": fixed, "split_minus_prefill_s": gap, "file": str(path)}
+              f"(one at a time): {said}")
+    points = [(float(row.kv_bytes), g) for row, g in zip(plan.classes, gaps, strict=True)]
+    if long_n is None:
+        per_byte = plan.classes[0].handoff_s - plan.link.fixed_s
+        fixed, exposed = max(0.0, gaps[0] - per_byte), None
+        source += f", less {per_byte * 1e3:.1f} ms for the KV as disagg plan prices it ({t.file})"
+    else:
+        fixed, exposed = fit_handoff(points)
+        source += f"; the line through them ({t.file})"
+    path = store_handoff(t.run_dir, t.model, p_host, d_host, topo.connector, topo.streaming, fixed, source,
+                         exposed_per_byte_s=exposed, points=points if exposed is not None else ())
+    return {"stored": True, "fixed_s": fixed, "exposed_per_byte_s": exposed,
+            "split_minus_prefill_s": {str(n): g for n, g in zip(lengths, gaps, strict=True)}, "file": str(path)}
+
+
+def handoff_words(stored: dict[str, Any]) -> str:
+    """What :func:`probe_handoff` stored, in words (``disagg bench prefill`` prints it)."""
+    per_byte = stored.get("exposed_per_byte_s")
+    return (f"{stored['fixed_s'] * 1e3:.1f} ms fixed"
+            + ("" if per_byte is None else f" + {per_byte * 2**20 * 1e3:.2f} ms per MiB of KV") + ", stored")
 
 
 async def probe_engines(t: TopologyUnderTest, prompt_tokens: int, count: int, where: str, seed: int = 0,

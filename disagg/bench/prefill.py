@@ -34,7 +34,9 @@ in turn straight to the prefill engine (a plain request: the prefill alone) and 
 (a split: the same prefill, then the handoff), each with a prompt of its own so no prefix cache
 helps; the median of ``TTFT(split) - TTFT(on P)`` over the pairs, less the part of the handoff
 that grows with the prompt's KV (the transfer and decode's first step reading that KV, as
-``disagg plan`` prices them), is the pair's fixed cost. It counts only when the proxy split every
+``disagg plan`` prices them), is the pair's fixed cost; probed at two lengths
+(:func:`disagg.bench.compare.probe_handoff`), the line through the two medians is the fixed cost
+and what each byte adds, as measured. It counts only when the proxy split every
 prompt sent through it: its ``disagg_route_total{path="split"}`` must grow by as many (a topology
 routed ``auto`` keeps short prompts local; ``disagg bench compare --routing split`` splits them
 all). Called by :func:`disagg.bench.compare.compare`; stored by
@@ -119,6 +121,9 @@ async def probe_prefill_rate(base_url: str, model: str, prompt_tokens: int, coun
 #: the prompt length of the probe: short, so that the part of the handoff that grows with the KV
 #: (subtracted as the plan prices it) weighs little beside the fixed cost
 HANDOFF_PROBE_TOKENS = 128
+#: the probe's second length (the workload's longest prompt) counts only at this many times the first
+#: or more: the line through the two is then the pair's fixed cost and what each byte of KV adds
+HANDOFF_PROBE_LONG_FACTOR = 4
 #: the fewest pairs the handoff probe measures, whatever the engines' probe count: its median
 #: then stands against one or two slow pairs (3 pairs on the emulated house gave 14.5, 24 and
 #: 95.6 ms in three runs of one configuration; the splits themselves took about 20-45 ms more than

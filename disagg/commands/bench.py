@@ -23,6 +23,7 @@ from disagg.bench.compare import (
     ROUTING_VARIANTS,
     TopologyUnderTest,
     compare,
+    handoff_words,
     probe_engines,
     probe_handoff,
     variant_slo,
@@ -418,10 +419,9 @@ def cmd_prefill(args: argparse.Namespace) -> int:
               f"tokens/s, {step}", file=sys.stderr)
     doc: dict[str, Any] = {"topology": str(file), "hosts": probed}
     if args.handoff and t.handoff_pair is not None:
-        doc["handoff"] = handoff = asyncio.run(probe_handoff(t, t.handoff_pair, args.count, 0, key))
-        print(f"handoff {t.handoff_pair[0]} -> {t.handoff_pair[1]}: "
-              + (f"{handoff['fixed_s'] * 1e3:.1f} ms fixed, stored" if handoff["stored"]
-                 else f"not stored: {handoff['why']}"), file=sys.stderr)
+        doc["handoff"] = handoff = asyncio.run(probe_handoff(t, t.handoff_pair, args.count, 0, key, tokens))
+        print(f"handoff {t.handoff_pair[0]} -> {t.handoff_pair[1]}: " + (handoff_words(handoff) if handoff["stored"]
+              else f"not stored: {handoff['why']}"), file=sys.stderr)
     elif t.handoff_pair is None and t.split:
         doc["handoff"] = {"stored": False, "why": "not one prefill and one decode engine"}
     if args.json:

@@ -181,7 +181,10 @@ def render_plan(plan: Plan, topo: Topology, model_override: str | None = None, p
                + ("" if plan.wire_format == "raw" else
                   f"; {fmt_bytes(plan.wire_bytes_per_token)} on the wire ({plan.wire_format})")),
         ("link", f"{pre.host} -> {dec.host}: {plan.link.label}"),
-        ("handoff", f"{fmt_seconds(lk.fixed_s)} fixed per request: " + " + ".join(parts)),
+        ("handoff", f"{fmt_seconds(lk.fixed_s)} fixed per request: " + " + ".join(parts)
+         + ("" if lk.measured_exposed_per_byte_s is None else
+            f"; then {fmt_seconds(lk.measured_exposed_per_byte_s * 2**20)} per MiB of KV moved, measured on this "
+            "pair at two prompt lengths (the transfer the prefill does not hide and the first step's read)")),
         *((("", f"streamed layer by layer ({plan.streaming_layers} layers): the KV moves while the prefill "
                 "computes, so the handoff below is the fixed cost plus the part of the transfer the prefill "
                 "does not hide (notes)"),) if plan.streaming_layers is not None else ()),

@@ -100,3 +100,40 @@ def test_a_pair_s_handoff_is_kept_per_model_pair_and_connector(tmp_path) -> None
     handoff_path(run).write_text('{"m": {"gamer -> workstation": {"nixl": {"fixed_s": "fast"}}}}')
     with pytest.raises(StateError, match="fixed_s"):
         lookup_handoff(run, "m", "gamer", "workstation", "nixl")
+
+
+def test_a_handoff_probed_at_two_lengths_keeps_its_line_and_points(tmp_path) -> None:
+    from disagg.measurements import handoff_path, lookup_handoff, store_handoff
+
+    run = tmp_path / "run"
+    store_handoff(run, "m", "gamer", "workstation", "socket", True, 0.020, "probe",
+                  exposed_per_byte_s=2e-9, points=[(1e6, 0.022), (8e6, 0.036)])
+    found = lookup_handoff(run, "m", "gamer", "workstation", "socket", streaming=True)
+    assert found is not None and found.fixed_s == 0.020 and found.exposed_per_byte_s == 2e-9
+    assert found.points == ((1e6, 0.022), (8e6, 0.036))
+    store_handoff(run, "m", "gamer", "workstation", "nixl", False, 0.050, "one length")
+    one = lookup_handoff(run, "m", "gamer", "workstation", "nixl")
+    assert one is not None and one.exposed_per_byte_s is None and one.points == ()
+    with pytest.raises(ValueError, match="exposed_per_byte_s"):
+        store_handoff(run, "m", "a", "b", "nixl", False, 0.01, "x", exposed_per_byte_s=-1e-9)
+    for bad, field in (('{"fixed_s": 0.01, "exposed_per_byte_s": true}', "exposed_per_byte_s"),
+                       ('{"fixed_s": 0.01, "exposed_per_byte_s": 1e-9, "points": [[1, "x"]]}', "points"),
+                       ('[0.01]', "fixed_s")):
+        handoff_path(run).write_text(json.dumps({"m": {"gamer -> workstation": {"nixl": json.loads(bad)}}}))
+        with pytest.raises(StateError, match=field):
+            lookup_handoff(run, "m", "gamer", "workstation", "nixl")
+
+
+@pytest.mark.parametrize(("points", "expected"), [
+    ([(1e6, 0.022), (8e6, 0.036)], (0.020, 2e-9)),              # the line through two lengths
+    ([(1e6, 0.022), (1e6, 0.024), (8e6, 0.036)], (0.02114, 1.857e-9)),
+    ([(1e6, 0.030), (8e6, 0.028)], (0.029, 0.0)),                # shrinking with the KV: noise, the mean
+    ([(1e6, 0.001), (8e6, 0.036)], (0.0, 0.0185 / 4.5e6)),       # a fixed cost below 0: none, through the mean
+])
+def test_a_handoff_line_is_fitted_to_its_points(points, expected) -> None:
+    from disagg.measurements import fit_handoff
+
+    fixed, per_byte = fit_handoff(points)
+    assert fixed == pytest.approx(expected[0], abs=1e-4) and per_byte == pytest.approx(expected[1], rel=0.05)
+    with pytest.raises(ValueError, match="two prompt lengths"):
+        fit_handoff([(1e6, 0.02), (1e6, 0.03)])

@@ -448,6 +448,29 @@ def test_a_stored_pair_handoff_replaces_the_seeded_fixed_cost(tmp_path) -> None:
     assert plan_topology(topo, [2048], 0, use_probe=False, model="qwen3-8b").link.measured_fixed_s is None
 
 
+def test_a_pair_s_handoff_probed_at_two_lengths_prices_each_byte_as_measured(tmp_path) -> None:
+    """With the pair's measured line (fixed cost + seconds per wire byte), a handoff costs exactly
+    that: the model's exposed transfer and first step's read give way to it, in the rows, the
+    routing line (LinkCost) and the workload plan alike; the probe itself plans by the model."""
+    from disagg.measurements import store_handoff
+
+    topo = _copy_house(tmp_path)
+    per_byte = 2e-9
+    store_handoff(topo.run_dir, "meta-llama/Llama-3.1-8B-Instruct", "gamer", "workstation", "nixl", False, 0.030,
+                  "two-length probe", exposed_per_byte_s=per_byte, points=[(1e6, 0.032), (8e6, 0.046)])
+    plan = plan_topology(topo, [256, 2048], 0, use_probe=False)
+    assert plan.link.measured_exposed_per_byte_s == per_byte
+    for row in plan.classes:
+        assert row.handoff_s == pytest.approx(0.030 + per_byte * row.kv_bytes)
+        assert row.exposed_s == pytest.approx(per_byte * row.kv_bytes)
+    cost = plan.link.cost()
+    assert cost.exposed_per_byte_s == per_byte and cost.bytes_per_s == pytest.approx(plan.link.bytes_per_s)
+    assert cost.after_prefill_s(4e6, 10.0) == pytest.approx(0.030 + per_byte * 4e6)
+    modelled = plan_topology(topo, [256, 2048], 0, use_probe=False, use_measured_handoff=False)
+    assert modelled.link.measured_exposed_per_byte_s is None and modelled.link.measured_fixed_s is None
+    assert modelled.classes[1].handoff_s != pytest.approx(plan.classes[1].handoff_s)
+
+
 def replace_connector(topo, connector: str):
     from dataclasses import replace as dc_replace
     return dc_replace(topo, connector=connector)
@@ -465,4 +488,10 @@ def test_plan_prints_the_pair_s_measured_handoff(tmp_path, capsys) -> None:
     assert main(["plan", str(house), "--no-probe", "--prompt-tokens", "2048"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "handoff 120 ms fixed per request: measured on this pair 2026-12-04 (test probe)" in out
-    assert "the connector's own" not in out
+    assert "the connector's own" not in out and "per MiB" not in out
+    store_handoff(run, "meta-llama/Llama-3.1-8B-Instruct", "gamer", "workstation", "nixl", False, 0.120,
+                  "test probe", measured_at="2026-12-04T10:00:00+00:00", exposed_per_byte_s=1e-9,
+                  points=[(1e6, 0.121), (9e6, 0.129)])
+    assert main(["plan", str(house), "--no-probe", "--prompt-tokens", "2048"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("(test probe); then 1.05 ms per MiB of KV moved, measured on this pair at two prompt lengths" in out), out
