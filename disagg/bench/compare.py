@@ -274,7 +274,7 @@ async def probe_handoff(t: TopologyUnderTest, pair: tuple[str, str, str], count:
                                           engine_headers=headers)
         if found is None:
             return {"stored": False,
-                    "why": "the proxy did not split every probe prompt (route it with --routing split)"}
+                    "why": "the proxy did not split every probe prompt by its policy (route it with --routing split)"}
         gaps.append(found[1])
     said = ", ".join(f"{g * 1e3:.1f} ms at {n:,} tokens" for n, g in zip(lengths, gaps, strict=True))
     source = (f"disagg bench compare: median TTFT of {count} splits minus the same prompts straight to {p_url} "

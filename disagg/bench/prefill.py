@@ -37,9 +37,9 @@ that grows with the prompt's KV (the transfer and decode's first step reading th
 ``disagg plan`` prices them), is the pair's fixed cost; probed at two lengths
 (:func:`disagg.bench.compare.probe_handoff`), the line through the two medians is the fixed cost
 and what each byte adds, as measured. It counts only when the proxy split every
-prompt sent through it: its ``disagg_route_total{path="split"}`` must grow by as many (a topology
-routed ``auto`` keeps short prompts local; ``disagg bench compare --routing split`` splits them
-all). Called by :func:`disagg.bench.compare.compare`; stored by
+prompt sent through it by its policy: its ``disagg_route_total{path="split",reason="policy"}`` must
+grow by as many (:data:`SPLIT_BY_POLICY`: a topology routed ``auto`` chooses per prompt; ``disagg
+bench compare --routing split`` splits them all). Called by :func:`disagg.bench.compare.compare`; stored by
 :func:`disagg.measurements.store_handoff`.
 """
 
@@ -131,15 +131,22 @@ HANDOFF_PROBE_LONG_FACTOR = 4
 HANDOFF_PROBE_MIN_PAIRS = 7
 
 
+#: the routes (path, reason) the handoff probe counts: splits by the proxy's policy (``routing:
+#: split``). An ``auto`` proxy that splits every probe prompt does not count: its splits are its
+#: choices under the load it sees (one measured 150 ms at 128 tokens on the emulated house where
+#: the static split's took 21 ms), not a controlled measurement of the pair
+SPLIT_BY_POLICY = ("split", "policy")
+
+
 async def probe_handoff_fixed(proxy_url: str, prefill_url: str, model: str, count: int, per_byte_s: float,
                               prompt_tokens: int = HANDOFF_PROBE_TOKENS, seed: int = 0,
                               engine_headers: Mapping[str, str] | None = None,
                               timeout_s: float = 600.0) -> tuple[float, float] | None:
     """(fixed cost, median TTFT(split) - TTFT(on P)) in seconds over ``count`` pairs of prompts of
     ``prompt_tokens`` (after one warm-up pair, not counted), or None when the proxy did not split
-    every prompt sent through it (or has no routing metrics). ``per_byte_s``: what the plan
-    prices for the handoff's KV-sized part at ``prompt_tokens`` (subtracted; the fixed cost is
-    never below 0). ``engine_headers`` go to the prefill engine only (the engine key)."""
+    every prompt sent through it by its policy (:data:`SPLIT_BY_POLICY`) or has no routing metrics.
+    ``per_byte_s``: what the plan prices for the handoff's KV-sized part at ``prompt_tokens``
+    (subtracted; the fixed cost is never below 0). ``engine_headers`` go to the prefill engine only (the engine key)."""
     if count < 1:
         raise ValueError("count must be at least 1")
     pairs = count + 1
@@ -163,9 +170,9 @@ async def probe_handoff_fixed(proxy_url: str, prefill_url: str, model: str, coun
         after = await scrape(session, proxy)
     if after is None:           # no routing metrics: not the disagg proxy, or it routed nothing
         return None
-    splits = sum(v for (path, _), v in after.routes.items() if path == "split")
+    splits = sum(v for route, v in after.routes.items() if route == SPLIT_BY_POLICY)
     if before is not None:      # (a proxy that has routed nothing yet shows no routing series)
-        splits -= sum(v for (path, _), v in before.routes.items() if path == "split")
+        splits -= sum(v for route, v in before.routes.items() if route == SPLIT_BY_POLICY)
     if splits < pairs:
         return None
     gap = statistics.median(gaps)

@@ -58,6 +58,8 @@ class StandIn:
     busy_tokenize: int = 0
     routes: ProxyMetrics | None = None
     split_from: int = 100
+    #: the ``reason`` its routes are counted with (``predicted``: an ``auto`` proxy; ``policy``: a static one)
+    route_reason: str = "predicted"
     predict_factor: float = 1.5
 
 
@@ -105,7 +107,7 @@ def _app(state: StandIn) -> web.Application:
         if state.routes is not None:
             path = "local" if prompt_tokens < state.split_from else "split"
             headers[ROUTE_HEADER] = path
-            state.routes.route.labels(path=path, reason="predicted").inc()
+            state.routes.route.labels(path=path, reason=state.route_reason).inc()
             state.routes.route_predicted.labels(path=path).observe(state.predict_factor * ttft)
             state.routes.route_observed.labels(path=path).observe(ttft)
         n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)

@@ -18,7 +18,7 @@ async def _pair(factory: Callable[[], Awaitable[Any]], split_from: int) -> tuple
     for s in (proxy, engine):
         s.model, s.prefill_tokens_per_s = "tiny", 1e9
     engine.base_ttft, proxy.base_ttft = 0.010, 0.070          # a split answers 60 ms later than P alone
-    proxy.routes, proxy.split_from = ProxyMetrics(), split_from
+    proxy.routes, proxy.split_from, proxy.route_reason = ProxyMetrics(), split_from, "policy"
     return proxy, engine
 
 
@@ -38,9 +38,12 @@ async def test_the_fixed_cost_is_the_split_s_extra_ttft_less_the_kv_part(standin
     assert HANDOFF_PROBE_TOKENS == 128
 
 
-async def test_nothing_is_measured_unless_the_proxy_split_every_probe(standin_factory) -> None:
+async def test_nothing_is_measured_unless_the_proxy_split_every_probe_by_its_policy(standin_factory) -> None:
     proxy, engine = await _pair(standin_factory, split_from=10_000)      # routes every probe local
     assert await probe_handoff_fixed(proxy.url, engine.url, "tiny", 2, per_byte_s=0.0) is None
+    chosen, engine1 = await _pair(standin_factory, split_from=1)
+    chosen.route_reason = "predicted"                                     # an auto proxy splitting them all
+    assert await probe_handoff_fixed(chosen.url, engine1.url, "tiny", 2, per_byte_s=0.0) is None
     plain, engine2 = await _pair(standin_factory, split_from=1)
     plain.routes = None                                                   # no routing metrics at all
     assert await probe_handoff_fixed(plain.url, engine2.url, "tiny", 2, per_byte_s=0.0) is None
