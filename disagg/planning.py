@@ -206,9 +206,8 @@ class LinkEstimate:
         fixed cost, the transfer's exposed part (:meth:`exposed_s`) and the first step's read of
         the KV; the fixed cost and :attr:`measured_exposed_per_byte_s` per byte where the pair's
         handoff was probed at two lengths."""
-        if self.measured_exposed_per_byte_s is not None:
-            return self.fixed_s + nbytes * self.measured_exposed_per_byte_s
-        return self.fixed_s + self.exposed_s(nbytes, prefill_s, streaming_layers) + self.first_step_kv_s(nbytes)
+        read_s = 0.0 if self.measured_exposed_per_byte_s is not None else self.first_step_kv_s(nbytes)
+        return self.fixed_s + self.exposed_s(nbytes, prefill_s, streaming_layers) + read_s
 
     def exposed_s(self, nbytes: float, prefill_s: float, streaming_layers: int | None) -> float:
         """Of moving ``nbytes`` of wire bytes after (or, streamed over ``streaming_layers``, during)

@@ -257,33 +257,36 @@ async def probe_handoff(t: TopologyUnderTest, pair: tuple[str, str, str], count:
     p_host, d_host, p_url = pair
     topo = load_topology(t.file)
     limit = topo.model.max_model_len
-    long_n = None if long_tokens is None else min(long_tokens, limit - 1) if limit is not None else long_tokens
-    if long_n is not None and long_n < HANDOFF_PROBE_LONG_FACTOR * HANDOFF_PROBE_TOKENS:
-        long_n = None
-    lengths = [HANDOFF_PROBE_TOKENS] if long_n is None else [HANDOFF_PROBE_TOKENS, long_n]
+    lengths = [HANDOFF_PROBE_TOKENS]
+    if long_tokens is not None:
+        long_n = long_tokens if limit is None else min(long_tokens, limit - 1)
+        if long_n >= HANDOFF_PROBE_LONG_FACTOR * HANDOFF_PROBE_TOKENS:
+            lengths.append(long_n)
     try:
         plan = plan_topology(topo, lengths, 0, use_measured_handoff=False)
     except DisaggError as exc:
         return {"stored": False, "why": f"the plan's KV-sized part is unknown: {exc}"}
     count = max(count, HANDOFF_PROBE_MIN_PAIRS)
     headers = {"Authorization": f"Bearer {engine_key}"} if engine_key else None
-    gaps: list[float] = []
-    for n, row in zip(lengths, plan.classes, strict=True):
-        per_byte = row.handoff_s - plan.link.fixed_s
-        found = await probe_handoff_fixed(t.proxy_url, p_url, t.model, count, per_byte, prompt_tokens=n, seed=seed,
-                                          engine_headers=headers)
-        if found is None:
+    # the part of each length's handoff that grows with the KV, as the model prices it
+    kv_part_s = [row.handoff_s - plan.link.fixed_s for row in plan.classes]
+    found: list[tuple[float, float]] = []          # (fixed cost less the model's KV part, gap) per length
+    for n, kv_s in zip(lengths, kv_part_s, strict=True):
+        one = await probe_handoff_fixed(t.proxy_url, p_url, t.model, count, kv_s, prompt_tokens=n, seed=seed,
+                                        engine_headers=headers)
+        if one is None:
             return {"stored": False,
                     "why": "the proxy did not split every probe prompt by its policy (route it with --routing split)"}
-        gaps.append(found[1])
+        found.append(one)
+    gaps = [gap for _, gap in found]
     said = ", ".join(f"{g * 1e3:.1f} ms at {n:,} tokens" for n, g in zip(lengths, gaps, strict=True))
     source = (f"disagg bench compare: median TTFT of {count} splits minus the same prompts straight to {p_url} "
               f"(one at a time): {said}")
     points = [(float(row.kv_bytes), g) for row, g in zip(plan.classes, gaps, strict=True)]
-    if long_n is None:
-        per_byte = plan.classes[0].handoff_s - plan.link.fixed_s
-        fixed, exposed = max(0.0, gaps[0] - per_byte), None
-        source += f", less {per_byte * 1e3:.1f} ms for the KV as disagg plan prices it ({t.file})"
+    exposed: float | None
+    if len(lengths) == 1:
+        fixed, exposed = found[0][0], None
+        source += f", less {kv_part_s[0] * 1e3:.1f} ms for the KV as disagg plan prices it ({t.file})"
     else:
         fixed, exposed = fit_handoff(points)
         source += f"; the line through them ({t.file})"
