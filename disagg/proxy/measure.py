@@ -40,7 +40,11 @@
   ms with 6-8). One mean over every split priced them all at the average load
   (past saturation 27% too high at lighter moments, and the policy prefilled
   on the decode engine prompts that doubled its decodes' TPOT); one over the
-  idle splits alone under-priced every split under load (by 49% at 2 req/s);
+  idle splits alone under-priced every split under load (by 49% at 2 req/s).
+  The line holds what a split waits beyond the decode engine's busy line at
+  that load (below), which a local prompt waits as well: a split is priced
+  with both, so a busy decode engine makes a split dearer even while the line
+  is still its idle seed;
 - per prefill -> decode pair, the handoffs moving KV over its link now (a
   split's prefill reply, or a streamed split's sending, to its first token or
   its end; a reply whose first token the proxy does not see, to its predicted
@@ -492,10 +496,13 @@ class Measurements:
                   now: float | None = None) -> LinkCost:
         """The pair's handoff line (fixed seconds, bytes per second; streamed or not: a streamed
         handoff's fixed cost is its learned line at the decode engine's ``decode_in_flight``
-        requests, its rate the seed's) and its handoffs in transit at ``now`` (perf_counter)."""
+        requests plus what that load adds to any first token there, the decode engine's busy line:
+        :meth:`observe_streamed_split`; its rate the seed's) and its handoffs in transit at ``now``
+        (perf_counter)."""
         fixed, rate = self._link_fit(prefill_url, decode_url).coefficients()
         if self.streaming_layers is not None:
-            fixed = self._streamed_fixed_fit(prefill_url, decode_url).predict(decode_in_flight)
+            fixed = (self._streamed_fixed_fit(prefill_url, decode_url).predict(decode_in_flight)
+                     + self._decode_busy_s(decode_url, decode_in_flight))
         return LinkCost(fixed_s=fixed, bytes_per_s=rate, streaming_layers=self.streaming_layers,
                         in_transit=self._transiting((prefill_url, decode_url), now))
 
@@ -562,8 +569,21 @@ class Measurements:
         pair's fixed handoff cost at that load (what the handoff adds beyond the modelled prefill
         and exposed transfer: the decode engine's steps, the requests' round trips, and whatever
         the prefill line missed). Earlier than predicted counts as 0 (the line's ``y`` is never
-        negative). Returns what the line made of it (:meth:`EwFit.add`)."""
+        negative). What the decode engine's load adds to any first token there (its busy line at
+        ``decode_in_flight``, learned from the prompts it prefills itself) is taken off first: a
+        split's first token waits for that engine's step in progress and the one that takes it in,
+        as a local prompt's does, so :meth:`link_cost` prices a split into a busy decode engine with
+        that engine's busy line even while this line is still its idle seed (flat, it had a 2-token
+        split into a one-core decode engine decoding 5 answers predicted at 44 ms against a local
+        prefill's 40 ms there; it took 117 ms). Returns what the line made of it (:meth:`EwFit.add`)."""
+        beyond_s -= self._decode_busy_s(decode_url, decode_in_flight)
         return self._streamed_fixed_fit(prefill_url, decode_url).add(decode_in_flight, _residual(beyond_s))
+
+    def _decode_busy_s(self, decode_url: str, in_flight: float) -> float:
+        """What ``in_flight`` requests on the decode engine at ``decode_url`` add to a first token
+        there (:func:`_busy_s`; nothing while the proxy has measured nothing of that engine)."""
+        eng = self._engines.get(decode_url)
+        return _busy_s(eng, in_flight) if eng is not None else 0.0
 
     def _link_fit(self, prefill_url: str, decode_url: str) -> EwFit:
         key = (prefill_url, decode_url)

@@ -35,7 +35,8 @@ takes its :meth:`Measurements.streamed_arrival_s` (its prediction less the
 fixed cost) and the decode engine's requests in flight; at its first token,
 the time beyond that arrival is a sample of the fixed cost at that load
 (:meth:`Measurements.observe_streamed_split`: a line in the decode engine's
-requests in flight, since the first token also waits for that engine's steps),
+requests in flight, beyond what that load adds to any first token there, the
+engine's busy line, since the first token also waits for that engine's steps),
 unless the prefill was sent behind a queue (``queued``, as for the engines'
 lines); counted with ``fit="handoff_fixed"``. The policy asks the line at each
 decode engine's requests in flight now. The prefill engines still learn from

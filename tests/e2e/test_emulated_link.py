@@ -24,8 +24,9 @@ Why these choices:
 
 - Connector: socket, as the routing test this module grew from ran, streaming the KV layer by
   layer (its default across a link): a streamed split's fixed cost is seeded at 40 ms and learned
-  as a line in the decode engine's requests in flight, which keeps a 2-token prompt's split
-  dearer than its local prefill on the busy decode engine. With the KV fetched after the prefill
+  as a line in the decode engine's requests in flight on top of that engine's busy line (what its
+  load adds to any first token there), which keeps a 2-token prompt's split dearer than its local
+  prefill on the busy decode engine. With the KV fetched after the prefill
   (``streaming: false``) the proxy priced the handoff near its 16 ms seed while one into the busy
   decode engine took 550-590 ms, and split the short prompt (2 runs of 7). Streamed, the KV leaves while the
   prefill engine computes; the emulation holds such a step mostly before its forward once the
@@ -55,7 +56,9 @@ Why these choices:
   tokens/s (three runs here scored local 6.0-7.9 s against a split's 2.2 s). The quota is no lower
   because it slows the decode engine's start as much as its prefills (at 0.4 cores `disagg up`
   took 65 s, at 0.8 cores 32 s). The short prompt (2 tokens) stalls the decodes for less than a
-  streamed handoff's fixed cost: it stays local (local scored 14-26 ms below a split in three runs), or, once the
+  streamed handoff's fixed cost: it stays local (without the decode engine's busy line in the
+  split's price, one run of many predicted its split at 44 ms against a local 40 ms, scored the
+  split 1.4 ms below local for the local prefill's stall, and the split took 117 ms), or, once the
   proxy has seen the decode engine's time per output token rise with its load (the long prompt's
   answer is such a sample), the idle prefill engine serves it whole (``decode_load``, or
   ``decode_backlog``); either is right, a split is not. On a core slower than the emulated rate

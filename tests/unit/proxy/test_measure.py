@@ -22,7 +22,7 @@ from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.proxy.promptlen import SAMPLE_CHARS, PromptLength
 from disagg.proxy.router import MIN_DECODE_EVENTS, Router, expected_output_tokens
 from disagg.proxy.routes import COMPLETIONS, GenerationRequest, PromptRoute, RequestPlan, RoutePath
-from disagg.routecost import EngineCost, LinkCost, Option
+from disagg.routecost import EngineCost, LinkCost, Option, local_ttft, split_ttft, stall_s
 
 
 def test_fit_recovers_a_line_and_follows_change() -> None:
@@ -835,6 +835,39 @@ def test_a_prefill_sent_to_a_busy_engine_teaches_the_busy_line_not_the_engines_o
     assert m.observe_prefill("decode", "d", 64.0, 0.001, in_flight=1) == "used"
     m.forget("d")
     assert m.engine_cost("decode", "d", 4).busy_s == 0.0
+
+
+def test_a_streamed_split_into_a_busy_decode_engine_is_priced_with_that_engines_busy_line() -> None:
+    """A split's first token waits for the decode engine's steps as a local prompt's does: the
+    streamed fixed cost is its line plus the decode engine's busy line at that load, so a busy
+    decode engine makes a split dearer while the line is still its idle seed, and a split's
+    sample teaches the line only what it took beyond that busy line."""
+    m = Measurements(prefill_tokens_per_s=2000.0, decode_tokens_per_s=2000.0, overhead_s=0.0,
+                     handoff_fixed_s=0.04, link_bytes_per_s=1e9, streaming_layers=8)
+    assert m.link_cost("p", "d", 5).fixed_s == pytest.approx(0.04)       # nothing measured of D yet
+    m.observe_prefill("decode", "d", 64.0, 1.0)                          # warm-up
+    for i in range(8):
+        m.observe_prefill("decode", "d", 64.0 * (1 + i % 4), 0.010 + 64 * (1 + i % 4) / 3200)
+    m.observe_prefill("decode", "d", 64.0, 1.0, in_flight=2)             # the busy line's warm-up
+    for i in range(12):                                                  # 7 ms per request in flight
+        k = (1, 3, 5)[i % 3]
+        m.observe_prefill("decode", "d", 64.0, 0.010 + 64 / 3200 + 0.007 * k, in_flight=k)
+    busy = m.engine_cost("decode", "d", 5).busy_s
+    assert busy == pytest.approx(0.035, abs=0.002)
+    assert m.link_cost("p", "d", 0).fixed_s == pytest.approx(0.04)      # idle: the seed alone
+    assert m.link_cost("p", "d", 5).fixed_s == pytest.approx(0.04 + busy)
+    # a 2-token prompt with 5 decodes running there: the split dearer than the local prefill
+    decode = m.engine_cost("decode", "d", 5)
+    link = m.link_cost("p", "d", 5)
+    prefill = m.engine_cost("prefill", "p", 0)
+    assert split_ttft(2, 2 * 1024, prefill, link, decode) > local_ttft(2, decode) + stall_s(2, decode)
+    # splits that took 20 ms beyond the busy line at every load teach a flat 20 ms
+    m.observe_streamed_split("p", "d", 1.0, 5)                           # the pair's warm-up
+    for i in range(12):
+        k = (0, 3, 5)[i % 3]
+        m.observe_streamed_split("p", "d", 0.020 + m.engine_cost("decode", "d", k).busy_s, k)
+    assert m.link_cost("p", "d", 0).fixed_s == pytest.approx(0.020, abs=0.002)
+    assert m.link_cost("p", "d", 5).fixed_s == pytest.approx(0.020 + busy, abs=0.002)
 
 
 def test_a_line_seeded_flat_that_rises_steeply_goes_through_zero_not_flat() -> None:
