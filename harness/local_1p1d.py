@@ -1,5 +1,6 @@
 """A 1P1D on this machine for the benchmark scripts: brought up and down under the engine lock
-(:func:`local_1p1d`), and a streamed completion timed to its first token (:func:`streamed_ttft`).
+(:func:`local_1p1d`; any topology file: :func:`deployed`), and a streamed completion timed to its
+first token (:func:`streamed_ttft`).
 
 Ports come from :mod:`harness.ports` (below the kernel's ephemeral range, each handed out once).
 Server-sent events are parsed by :class:`disagg.sse.SSEParser`, the one SSE parser of the project
@@ -72,6 +73,7 @@ class Running1P1D:
     proxy_url: str
     engine_urls: dict[str, str]     # by process name: "prefill[0]", "decode[0]"
     engine_key: str                 # what the engines answer to (Authorization: Bearer)
+    engine_pids: dict[str, int]     # by process name: each engine's leader (its processes are its tree)
 
 
 @contextmanager
@@ -99,9 +101,17 @@ roles:
   decode: [{{host: local, port: {d_port}, kv_port: {d_kv}, cpus: [1], args: {engine_args},
              env: {json.dumps(decode_env or {})}}}]
 """)
+    with deployed(topo_file, work / "run") as running:
+        yield running
+
+
+@contextmanager
+def deployed(topo_file: Path, run_dir: Path) -> Iterator[Running1P1D]:
+    """Hold the engine lock, ``disagg up --detach`` the topology in ``topo_file`` with a fresh
+    engine key and state under ``run_dir``, yield it, and ``disagg down`` it whatever happens.
+    Raises SystemExit(1) with the launcher's output when the up fails."""
     key = secrets.token_hex(16)
     env = {**os.environ, "DISAGG_ENGINE_KEY": key}
-    run_dir = work / "run"
     cli = [sys.executable, "-m", "disagg"]
     down = [*cli, "down", str(topo_file), "--run-dir", str(run_dir)]
     with open(LOCK, "a") as lock:
@@ -115,7 +125,8 @@ roles:
             topo = load_topology(topo_file, run_dir=str(run_dir))
             state = load_state(run_path(str(run_dir), topo.name) / "state.json")
             yield Running1P1D(topo, state.proxy_url,
-                              {r.name: r.url for r in state.processes if r.kind == "engine"}, key)
+                              {r.name: r.url for r in state.processes if r.kind == "engine"}, key,
+                              {r.name: r.pid for r in state.processes if r.kind == "engine"})
         finally:
             stopped = subprocess.run(down, text=True, capture_output=True, env=env)
             if stopped.returncode != 0:
