@@ -38,6 +38,7 @@ import psutil
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: harness
+from disagg.engines.vllm import served_model_name
 from disagg.prompts import exact_prompt, load_tokenizer
 from harness.engines import process_trees
 from harness.local_1p1d import Running1P1D, deployed, streamed_ttft
@@ -81,7 +82,7 @@ def measure(topology: Path, work: Path, args: argparse.Namespace) -> list[dict[s
     rows = []
     with deployed(copy, work / f"run-{topology.stem}") as run:
         tokenizer = load_tokenizer(Path(run.topology.model.path))
-        model = run.topology.model.served_name or run.topology.model.path
+        model = served_model_name(run.topology)
         url = run.proxy_url + "/v1/completions"
 
         def split(tag: str) -> float:
