@@ -116,7 +116,8 @@ def derive(source: Path, ratio: Ratio, out: Path, run_dir: Path | None = None,
                 "hosts": {h: {**{k: v for k, v in hosts[h].items() if k != "address"}, "address": "127.0.0.1"}
                           for h in used},
                 "roles": {"both": [{"host": h, "port": inst["port"], "cpus": inst.get("cpus", []),
-                                    "args": inst.get("args", [])} for h, inst in instances]}}
+                                    "args": inst.get("args", []), "env": inst.get("env", {})}
+                                   for h, inst in instances]}}
 
     files["gamer"] = colocated("gamer", [(PREFILL, prefill)])
     files["workstation"] = colocated("workstation", [(DECODE, decode)])

@@ -18,15 +18,18 @@ has a high-water mark of one message and drops a notification sent before the re
 of the last one has reached it: with notifications 0.2-1 ms apart, each taken as it came, 26-49%
 never arrived (none 2 ms apart; a real ``SpinCondition`` pair, this 2-core machine). With the spin
 capped at 2 ms, requests at 1 req/s on the default topology had a TTFT p99 of 4.7 s (0.16 s with
-vLLM's spin). So this plugin keeps vLLM's two phases and changes only the middle
-of the first: for ``DISAGG_ENGINE_SPIN_S`` seconds after a message the reader spins as vLLM's
-does; from then until vLLM's ``busy_loop_s`` it waits on the socket at most :data:`POLL_MS` at a
-time, taking each notification as it comes, so a message wakes it at once and a missed
-notification costs at most that poll; past ``busy_loop_s`` it sleeps on the socket as vLLM's
-does (no notification is then in flight: every one was taken).
+vLLM's spin). So this plugin keeps vLLM's two phases and changes the middle of the first:
+for ``DISAGG_ENGINE_SPIN_S`` seconds after a message the reader spins as vLLM's does; then,
+until :data:`SOCKET_AFTER_S` after it, it sleeps a twentieth of the time since the message and
+looks again (a notification may be dropped so soon after the last one: the sleep bounds the
+delay to 5% of the gap between messages, at a few percent of a core); from then until vLLM's
+``busy_loop_s`` it waits on the socket at most :data:`POLL_MS` at a time, taking each
+notification as it comes, so a message wakes it at once and a dropped notification costs at most
+that poll; past ``busy_loop_s`` it sleeps on the socket as vLLM's does.
 
-``disagg up`` sets :data:`CPU_SPIN_S` for every vLLM engine on a ``device: cpu`` host; an
-instance's ``env`` may set another value, ``1`` or more for vLLM's own. Who calls what: vLLM
+``disagg up`` does not set it: an instance's ``env`` does (``topologies/house-emulated.yaml``
+gives both boxes :data:`CPU_SPIN_S`; ``1`` or more is vLLM's own). On ``topologies/local-cpu.yaml``
+(the tiny model, steps of 2-3 ms) it raised TPOT by 0.5-1 ms per token, not explained yet. Who calls what: vLLM
 calls :func:`register` in each process it starts (entry point ``vllm.general_plugins``); it
 wraps ``SpinCondition.wait``, which every queue reader calls while it has nothing to read.
 """
@@ -42,10 +45,16 @@ from collections.abc import Callable
 from typing import Any
 
 ENV = "DISAGG_ENGINE_SPIN_S"
-#: the busy-wait ``disagg up`` gives CPU engines (seconds)
+#: the busy-wait the emulated house's engines ask for (seconds)
 CPU_SPIN_S = "0.002"
-#: the longest a reader past its spin sleeps on the socket before it looks at the queue again,
-#: until vLLM's own ``busy_loop_s`` has passed since its last message (milliseconds)
+#: until this long after its last message a reader past its spin sleeps SLEEP_SHARE of the time
+#: since that message (at least SLEEP_MIN_S) and looks again: the writer's socket may drop the
+#: next notification so soon after the last
+SOCKET_AFTER_S = 0.02
+SLEEP_SHARE = 0.05
+SLEEP_MIN_S = 0.0001
+#: from SOCKET_AFTER_S until vLLM's own ``busy_loop_s`` has passed since its last message, the
+#: longest a reader sleeps on the socket before it looks at the queue again (milliseconds)
 POLL_MS = 1
 
 
@@ -59,9 +68,10 @@ def parse_spin(text: str) -> float:
 
 def polling(wait: Callable[..., Any], spin_s: float, recv_flags: int) -> Callable[..., Any]:
     """``wait`` (``SpinCondition.wait``) with its busy-wait cut to ``spin_s`` seconds after the
-    reader's last message and short waits on its socket for the rest of vLLM's ``busy_loop_s``
-    (module doc); writers, and readers inside their spin or past ``busy_loop_s``, get vLLM's own.
-    ``recv_flags``: zmq's NOBLOCK, to take a notification without waiting."""
+    reader's last message, short sleeps until :data:`SOCKET_AFTER_S`, and short waits on its
+    socket for the rest of vLLM's ``busy_loop_s`` (module doc); writers, and readers inside their
+    spin or past ``busy_loop_s``, get vLLM's own. ``recv_flags``: zmq's NOBLOCK, to take a
+    notification without waiting."""
 
     @functools.wraps(wait)
     def wait_polling_past_spin(self: Any, timeout_ms: int | None = None) -> Any:
@@ -70,6 +80,9 @@ def polling(wait: Callable[..., Any], spin_s: float, recv_flags: int) -> Callabl
         since = time.monotonic() - self.last_read
         if since <= spin_s or since > self.busy_loop_s:
             return wait(self, timeout_ms)
+        if since < SOCKET_AFTER_S:     # the next message's notification may be dropped: look again soon
+            time.sleep(max(SLEEP_MIN_S, SLEEP_SHARE * since))
+            return None
         events = dict(self.poller.poll(timeout=POLL_MS if timeout_ms is None else min(POLL_MS, timeout_ms)))
         if self.local_notify_socket in events:   # conflated: one notification stands for every one since
             self.local_notify_socket.recv(flags=recv_flags, copy=False)
@@ -93,6 +106,5 @@ def register() -> None:
     if cond is None or hasattr(cond.wait, "__wrapped__"):  # another vLLM, or registered already
         return
     cond.wait = polling(cond.wait, spin_s, zmq.NOBLOCK)
-    logging.getLogger("vllm").info("disagg: engine queue readers busy-wait %g s after a message, then poll "
-                                   "their socket every %d ms until vLLM's own spin would end (%s)",
-                                   spin_s, POLL_MS, ENV)
+    logging.getLogger("vllm").info("disagg: engine queue readers busy-wait %g s after a message, then sleep "
+                                   "briefly or poll their socket until vLLM's own spin would end (%s)", spin_s, ENV)

@@ -21,8 +21,6 @@ from typing import Any
 
 from disagg_connectors.cpu_amx_attention import ENV as CPU_ATTENTION_AMX_ENV
 from disagg_connectors.cpu_amx_attention import OFF as CPU_ATTENTION_AMX_OFF
-from disagg_connectors.engine_spin import CPU_SPIN_S
-from disagg_connectors.engine_spin import ENV as ENGINE_SPIN_ENV
 
 from disagg.prometheus_text import sample_sum
 from harness.ports import free_port
@@ -88,8 +86,7 @@ def start_engine(name: str, model: str, core: int, kv_config: dict[str, Any] | N
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config)]
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
-                "OMP_NUM_THREADS": "1", CPU_ATTENTION_AMX_ENV: CPU_ATTENTION_AMX_OFF, ENGINE_SPIN_ENV: CPU_SPIN_S,
-                **env}  # as disagg up
+                "OMP_NUM_THREADS": "1", CPU_ATTENTION_AMX_ENV: CPU_ATTENTION_AMX_OFF, **env}  # as disagg up
     log_path = log_dir / f"{name}.log"
     log = open(log_path, "wb")
     if wrap is not None:

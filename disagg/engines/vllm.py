@@ -16,8 +16,6 @@ import json
 from disagg_connectors.cpu_amx_attention import ENV as CPU_ATTENTION_AMX_ENV
 from disagg_connectors.cpu_amx_attention import OFF as CPU_ATTENTION_AMX_OFF
 from disagg_connectors.emulated_prefill import ENV as EMULATED_PREFILL_RATE_ENV
-from disagg_connectors.engine_spin import CPU_SPIN_S
-from disagg_connectors.engine_spin import ENV as ENGINE_SPIN_ENV
 
 from disagg.engines.base import EngineAdapter, cpu_list
 from disagg.registry import vllm_kv_adapter
@@ -86,8 +84,6 @@ class VllmEngine(EngineAdapter):
             # vLLM 0.32's AMX attention kills an engine whose first attention call has one query
             # token (connectors/cpu_amx_attention.py); the instance's env may say "on"
             env[CPU_ATTENTION_AMX_ENV] = CPU_ATTENTION_AMX_OFF
-            # vLLM's worker busy-waits 1 s after each step, on the engine's only core (connectors/engine_spin.py)
-            env[ENGINE_SPIN_ENV] = CPU_SPIN_S
             if inst.cpus:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(inst.cpus)
                 env["OMP_NUM_THREADS"] = str(len(inst.cpus))

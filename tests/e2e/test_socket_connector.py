@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-import psutil
 import pytest
 
 from harness.vllm_pair import Engine, metric
@@ -130,34 +129,6 @@ async def test_a_streamed_handoff_answers_like_one_engine_and_moves_the_kv(pair:
     assert len(log_lines(p, STREAM_COMPLETED)) == streams_before + 1
     # The stream's end freed P's blocks: no lease waits for a release.
     await wait_for(lambda: metric(p.url, "vllm:kv_cache_usage_perc") == 0, LEASE_S - 2, "P to free the blocks")
-
-
-def _cpu_s(eng: Engine) -> float:
-    """CPU seconds used so far by ``eng``'s processes (API server, engine core, worker)."""
-    root = psutil.Process(eng.proc.pid)
-    total = 0.0
-    for proc in (root, *root.children(recursive=True)):
-        try:
-            times = proc.cpu_times()
-        except psutil.Error:
-            continue
-        total += times.user + times.system
-    return total
-
-
-async def test_the_engines_go_idle_after_a_handoff_instead_of_spinning(pair: tuple[Engine, Engine]) -> None:
-    """vLLM's queue readers busy-wait for 1 s after each message (a whole core here: 1.0 s of
-    CPU in the 3 s after a split); engines started as ``disagg up`` starts CPU engines spin 2 ms
-    and then poll their socket (connectors/engine_spin.py), so right after a streamed handoff
-    both engines are idle."""
-    p, d = pair
-    async with aiohttp.ClientSession() as session:
-        await streamed(session, p, d, LONG, 16)
-    before = {e.name: _cpu_s(e) for e in (p, d)}
-    await asyncio.sleep(2.0)
-    used = {e.name: _cpu_s(e) - before[e.name] for e in (p, d)}
-    assert all(v < 0.5 for v in used.values()), f"CPU seconds in the 2 s after a handoff: {used}"
-    assert log_lines(p, "engine queue readers busy-wait") and log_lines(d, "engine queue readers busy-wait")
 
 
 async def test_a_prompt_prefilled_chunk_by_chunk_and_then_from_the_prefix_cache_streams_whole(

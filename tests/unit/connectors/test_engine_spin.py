@@ -1,8 +1,8 @@
 """The vLLM general plugin that cuts an engine queue reader's busy-wait short (connectors/engine_spin.py):
-registered, inert without its variable, the wait's three phases (vLLM's spin, short polls of the
-socket, vLLM's sleep on the socket), in a real vLLM process a reader past its spin that neither
-spins nor misses a message whose notification the writer dropped, and set by ``disagg up`` on CPU
-engines."""
+registered, inert without its variable, the wait's phases (vLLM's spin, short sleeps, short polls
+of the socket, vLLM's sleep on the socket), in a real vLLM process a reader past its spin that neither
+spins nor misses a message whose notification the writer dropped, and turned on by the instances
+that ask for it (the emulated house's), not by ``disagg up``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from disagg_connectors.engine_spin import CPU_SPIN_S, ENV, POLL_MS, parse_spin, polling
+from disagg_connectors import engine_spin
+from disagg_connectors.engine_spin import CPU_SPIN_S, ENV, POLL_MS, SLEEP_MIN_S, SOCKET_AFTER_S, parse_spin, polling
 
 NOBLOCK = 1
 
@@ -70,7 +71,20 @@ def test_inside_its_spin_and_past_vllms_a_reader_waits_as_vllm_s_own() -> None:
     assert spinning.polls == idle.polls == []
 
 
-def test_between_its_spin_and_vllms_a_reader_polls_its_socket_briefly_and_takes_the_notification() -> None:
+def test_soon_after_its_spin_a_reader_sleeps_a_share_of_the_time_since_its_message(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(engine_spin.time, "sleep", slept.append)
+    vllm_wait, calls = _vllms_wait()
+    wait = polling(vllm_wait, 0.001, NOBLOCK)
+    just, later = Reader(0.0015), Reader(0.9 * SOCKET_AFTER_S)     # 5% of 1.5 ms is below the least sleep
+    wait(just, 5000)
+    wait(later, 5000)
+    assert calls == [] and just.polls == later.polls == []
+    assert slept[0] == SLEEP_MIN_S and slept[1] == pytest.approx(0.05 * 0.9 * SOCKET_AFTER_S, rel=0.05)
+
+
+def test_then_until_vllms_spin_ends_it_polls_its_socket_briefly_and_takes_the_notification() -> None:
     vllm_wait, calls = _vllms_wait()
     wait = polling(vllm_wait, 0.002, NOBLOCK)
     quiet, notified, hurried = Reader(0.1), Reader(0.5, notified=True), Reader(0.1)
@@ -89,16 +103,17 @@ def test_a_bad_value_is_refused_by_name(text: str) -> None:
     assert parse_spin(CPU_SPIN_S) == 0.002 and parse_spin("0") == 0.0
 
 
-def test_disagg_up_sets_it_on_cpu_engines(tmp_path: Path) -> None:
+def test_disagg_up_leaves_vllms_spin_unless_the_instance_asks_and_the_emulated_house_does(tmp_path: Path) -> None:
     from disagg.engines.vllm import VllmEngine
     from disagg.topology import load_topology
 
-    file = tmp_path / "t.yaml"
-    file.write_text(Path("topologies/local-cpu.yaml").read_text())
-    topo = load_topology(file)
-    inst = topo.instances[0]
-    env = VllmEngine().env(topo, inst, topo.hosts[inst.host])
-    assert env[ENV] == CPU_SPIN_S
+    for name, expected in (("local-cpu.yaml", None), ("house-emulated.yaml", CPU_SPIN_S)):
+        file = tmp_path / name
+        file.write_text((Path("topologies") / name).read_text())
+        topo = load_topology(file)
+        for inst in topo.instances:
+            env = {**VllmEngine().env(topo, inst, topo.hosts[inst.host]), **dict(inst.env)}
+            assert env.get(ENV) == expected, (name, inst.name)
 
 
 #: one vLLM process: the plugins load as in every vLLM process at start (with the variable); a real
