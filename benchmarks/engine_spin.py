@@ -67,10 +67,10 @@ def cpu_over(run: Running1P1D, seconds: float) -> dict[str, float]:
 
 
 def split_copy(topology: Path, work: Path) -> Path:
-    """A copy of ``topology`` with every prompt split and its own run directory under ``work``."""
+    """A copy of ``topology`` under ``work`` with every prompt split (its run directory is the one
+    :func:`measure` passes to ``disagg up --run-dir``)."""
     spec = yaml.safe_load(topology.read_text())
     spec["routing"] = {**(spec.get("routing") or {}), "policy": "split"}
-    spec["run_dir"] = str(work / f"run-{topology.stem}")
     copy = work / topology.name
     copy.write_text(yaml.safe_dump(spec, sort_keys=False))
     return copy

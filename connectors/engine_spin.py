@@ -7,10 +7,10 @@ for ``busy_loop_s`` (1 s) after each message, and only then sleeps on a socket t
 notifies on every message. On a GPU host that spin costs a spare CPU core and saves a wake-up per
 step. On a CPU engine pinned to one core, as ``disagg up`` starts them, it takes that core for a
 second after every burst of work, from the next request and from the KV connector's threads.
-Measured on the emulated house (tiny-kvheavy, socket connector, one core per engine): each
-engine's worker used 1.0 s of CPU in the 3 s after a split it served (0.04 s idle), and 256-token
-splits sent 0.2 s apart answered in 175-180 ms (p50; 125-666 ms) against about 100 ms with
-the spin cut short.
+Measured on the emulated house (tiny-kvheavy, socket connector, one core per engine, side by
+side): the decode engine used 1.0 s of CPU in the 2 s after a split (0.02-0.04 s idle), and
+256-token splits of 256 output tokens sent 0.2 s apart answered in 131-142 ms (p50) against
+101-104 ms with this plugin (docs/engines.md).
 
 Cutting ``busy_loop_s`` itself short is not enough: a reader that sleeps on the socket soon
 after a message misses wake-ups and then sleeps until vLLM's 5 s recheck. The writer's socket
