@@ -174,7 +174,8 @@ class StandInEngine:
     tokens: int = 4
     token_delay: float = 0.0
     health_status: int = 200
-    health_delay: float = 0.0               # seconds before /health answers (a busy engine)
+    health_delay: float = 0.0               # seconds before /health answers (a busy engine);
+                                            # lowering it answers the probes already waiting
     fail_status: int | None = None          # answer generation with this error status
     die_after: int | None = None            # drop the connection after this many stream events
     hang: bool = False                      # never answer generation
@@ -227,7 +228,10 @@ class StandInEngine:
         return body
 
     async def _health(self, request: web.Request) -> web.Response:
-        await asyncio.sleep(self.health_delay)
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        while loop.time() - asked < self.health_delay:   # read again: a test may lower it meanwhile
+            await asyncio.sleep(0.01)
         return web.Response(status=self.health_status)
 
     async def _models(self, request: web.Request) -> web.Response:

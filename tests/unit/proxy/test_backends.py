@@ -10,6 +10,11 @@ from proxy_standin import FAST, wait_for
 from disagg.proxy.backends import BackendPool, HealthProber, kv_capacity_tokens
 from disagg.proxy.metrics import ProxyMetrics
 
+# A probe's deadline wide enough that a stand-in answering at once never misses it on a loaded CI
+# machine, and a late answer that always misses it (the probe is cut off at the deadline).
+DEADLINE = 2.0
+LATE = 60.0
+
 
 def pool(n: int) -> BackendPool:
     p = BackendPool("decode", [f"http://h{i}:1" for i in range(n)], ProxyMetrics())
@@ -147,17 +152,17 @@ async def test_a_busy_backend_survives_one_timed_out_probe_but_not_two(standin, 
     metrics = ProxyMetrics()
     p = BackendPool("prefill", [a.url], metrics)
     [b] = p.backends
-    prober = HealthProber([p], http, interval=60.0, timeout=0.5)
+    prober = HealthProber([p], http, interval=60.0, timeout=DEADLINE)
     await prober.probe(p, b)
     assert b.healthy
-    a.health_delay = 1.5
+    a.health_delay = LATE
     with p.lease(b):
         await prober.probe(p, b)
         assert b.healthy and b.strikes == 1           # strike one: still in service
         a.health_delay = 0.0
         await prober.probe(p, b)
         assert b.healthy and b.strikes == 0           # an answer forgives it
-        a.health_delay = 1.5
+        a.health_delay = LATE
         await prober.probe(p, b)
         await prober.probe(p, b)
         assert not b.healthy and "TimeoutError" in (b.last_error or "")   # two in a row: out
@@ -171,11 +176,11 @@ async def test_an_idle_backend_also_survives_one_timed_out_probe_but_not_two(sta
     take the whole role out of service (requests would get 503 while every engine works)."""
     engines = [await standin(name) for name in ("A", "B")]
     p = BackendPool("decode", [e.url for e in engines], ProxyMetrics())
-    prober = HealthProber([p], http, interval=60.0, timeout=0.3)
+    prober = HealthProber([p], http, interval=60.0, timeout=DEADLINE)
     await prober.probe_all()
     assert len(p.healthy()) == 2
     for engine in engines:
-        engine.health_delay = 1.0
+        engine.health_delay = LATE
     await prober.probe_all()                           # every probe late once, nothing in flight
     assert [(b.healthy, b.strikes, b.outstanding) for b in p.backends] == [(True, 1, 0), (True, 1, 0)]
     assert p.pick() is not None                        # still served
@@ -188,7 +193,7 @@ async def test_a_refused_connection_takes_a_backend_out_at_the_first_probe(stand
     a = await standin("A")
     p = BackendPool("decode", [a.url], ProxyMetrics())
     [b] = p.backends
-    prober = HealthProber([p], http, interval=60.0, timeout=0.5)
+    prober = HealthProber([p], http, interval=60.0, timeout=DEADLINE)
     await prober.probe(p, b)
     assert b.healthy
     await a.stop()                                     # nothing listens: certain, no second chance
@@ -197,15 +202,15 @@ async def test_a_refused_connection_takes_a_backend_out_at_the_first_probe(stand
 
 
 async def test_one_late_probe_of_the_only_decode_does_not_turn_requests_into_503(standin, proxy, http) -> None:
-    """Through a running proxy (probes every 0.1 s, 0.3 s deadline): the only decode engine
-    misses one probe's deadline while idle; requests sent meanwhile are all served."""
+    """Through a running proxy (probes every 0.1 s): the only decode engine misses one probe's
+    deadline while idle; requests sent meanwhile are all served."""
     d = await standin("D")
-    server = await proxy(decode=[d.url], timeouts=replace(FAST, health_timeout=0.3))
+    server = await proxy(decode=[d.url], timeouts=replace(FAST, health_timeout=DEADLINE))
     backend = server.app_state.decode.backends[0]
     await wait_for(lambda: backend.healthy)
-    d.health_delay = 0.6
-    await wait_for(lambda: backend.strikes == 1)
-    d.health_delay = 0.0                               # the next probe (0.1 s later) answers in time
+    d.health_delay = LATE
+    await wait_for(lambda: backend.strikes == 1, timeout=3 * DEADLINE)
+    d.health_delay = 0.0                               # the next probe, waiting or not, answers
     statuses = []
     for _ in range(5):
         async with http.post(server.url + "/v1/completions", json={"prompt": "x"}) as resp:
@@ -221,7 +226,7 @@ async def test_a_busy_backend_with_an_error_status_goes_at_once(standin, http) -
     a = await standin("A")
     p = BackendPool("prefill", [a.url], ProxyMetrics())
     [b] = p.backends
-    prober = HealthProber([p], http, interval=60.0, timeout=0.5)
+    prober = HealthProber([p], http, interval=60.0, timeout=DEADLINE)
     await prober.probe(p, b)
     a.health_status = 503
     with p.lease(b):
@@ -237,7 +242,7 @@ async def test_the_prober_reads_an_engines_kv_cache_size_each_time_it_comes_into
     a.kv_blocks = 384                          # b declares none
     metrics = ProxyMetrics()
     p = BackendPool("decode", [a.url, b.url], metrics)
-    prober = HealthProber([p], http, interval=60.0, timeout=0.5)
+    prober = HealthProber([p], http, interval=60.0, timeout=DEADLINE)
     await prober.probe_all()
     ba, bb = p.backends
     assert (ba.kv_capacity_tokens, bb.kv_capacity_tokens) == (384 * 16, None)
