@@ -88,7 +88,9 @@ another dtype finds nothing, and an entry written before the field existed
 counts as ``auto``.
 
 A missing file means "no measurement"; an unreadable or malformed one is a
-:class:`~disagg.errors.StateError` naming the file.
+:class:`~disagg.errors.StateError` naming the file and the field. Each file's form is written
+once, as the pydantic models below (:func:`_load` reads every file with them, strictly: ``"1.0"``
+or ``true`` is not a number); the dataclasses are what the rest of the project reads.
 """
 
 from __future__ import annotations
@@ -100,7 +102,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from disagg.errors import StateError
 
@@ -117,17 +121,93 @@ def now_iso() -> str:
     return datetime.now(UTC).replace(microsecond=0).isoformat()
 
 
-def _read_json(path: Path) -> Any | None:
+def _read_text(path: Path) -> str | None:
+    """The file's text, or None where it does not exist."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise StateError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
+# --- the stored forms, validated in one place ---------------------------------
+
+_Positive = Annotated[float, Field(gt=0)]
+_NonNegative = Annotated[float, Field(ge=0)]
+
+
+class _Stored(BaseModel):
+    """What every stored measurement holds beside its figures; unknown keys are ignored (a newer
+    version may add some)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True, allow_inf_nan=False)
+
+    measured_at: str = ""
+    source: str = ""
+
+
+class _EngineEntry(_Stored):
+    """An entry of prefill.json or decode.json: one kind of engine of one host."""
+
+    host: str | None = None                      # None: an old entry, the host is its key
+    dtype: str = "auto"                          # an old entry: auto
+    connector: str = ""                          # an old entry: unknown
+
+
+class _PrefillEntry(_EngineEntry):
+    prompt_tokens_per_s: _Positive
+    points: tuple[tuple[_Positive, _Positive], ...] = ()
+
+
+class _DecodeEntry(_EngineEntry):
+    fixed_s: _Positive
+    per_kv_byte_s: _NonNegative
+    points: tuple[tuple[float, float], ...] = ()
+
+
+class _HandoffEntry(_Stored):
+    fixed_s: _NonNegative
+    exposed_per_byte_s: _NonNegative | None = None
+    points: tuple[tuple[float, float], ...] = ()
+
+
+class _LinkProbe(_Stored):
+    prefill_host: str
+    decode_host: str
+    sender: str = ""
+    receiver: str = ""
+    path: str = ""
+    method: str = ""
+    seconds: float = 0.0
+    #: JSON keys are strings: the stream counts are read from them
+    streams_bps: Annotated[dict[int, _Positive], Field(min_length=1, strict=False)]
+    rtt_s: float
+
+
+#: ``{model: {engine key: entry}}``
+_PREFILL_FORM = TypeAdapter(dict[str, dict[str, _PrefillEntry]])
+_DECODE_FORM = TypeAdapter(dict[str, dict[str, _DecodeEntry]])
+#: ``{model: {"P -> D": {connector key: entry}}}``
+_HANDOFF_FORM = TypeAdapter(dict[str, dict[str, dict[str, _HandoffEntry]]])
+_LINK_FORM = TypeAdapter(_LinkProbe)
+
+_T = TypeVar("_T")
+
+
+def _load(path: Path, form: TypeAdapter[_T], remedy: str = "") -> _T | None:
+    """The file at ``path`` read as ``form``, or None where it does not exist; a
+    :class:`StateError` naming the file, the first field wrong and ``remedy`` otherwise."""
+    text = _read_text(path)
+    if text is None:
+        return None
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise StateError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from exc
+        return form.validate_json(text)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"] if part != "[key]")
+        what = "expected an object" if error["type"] in ("model_type", "dict_type") else error["msg"]
+        raise StateError(f"{path}: {where + ': ' if where else ''}{what}{remedy}") from None
 
 
 def _write_json(path: Path, data: Any) -> Path:
@@ -147,7 +227,11 @@ def _merge_json(path: Path, update: Callable[[dict[str, Any]], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        data = _read_json(path) or {}
+        text = _read_text(path)
+        try:
+            data = json.loads(text) if text is not None else {}
+        except json.JSONDecodeError as exc:
+            raise StateError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from exc
         if not isinstance(data, dict):
             raise StateError(f"{path}: expected an object of model names")
         update(data)
@@ -245,32 +329,13 @@ def prefill_path(run_dir: str | Path) -> Path:
 def load_prefill(run_dir: str | Path) -> dict[str, dict[str, PrefillMeasurement]]:
     """Every stored prefill rate, ``{model: {key: measurement}}`` (key: :func:`engine_key`, the
     host for an engine without a connector; {} if none)."""
-    path = prefill_path(run_dir)
-    data = _read_json(path)
-    if data is None:
-        return {}
-    out: dict[str, dict[str, PrefillMeasurement]] = {}
-    if not isinstance(data, dict):
-        raise StateError(f"{path}: expected an object of model names")
-    for model, hosts in data.items():
-        if not isinstance(hosts, dict):
-            raise StateError(f"{path}: {model}: expected an object of host names")
-        for key, entry in hosts.items():
-            rate = entry.get("prompt_tokens_per_s") if isinstance(entry, dict) else None
-            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
-                raise StateError(f"{path}: {model}.{key}.prompt_tokens_per_s: expected a positive number")
-            try:
-                points = tuple((float(n), float(t)) for n, t in entry.get("points", []))
-                if any(not (n > 0 and t > 0) for n, t in points):
-                    raise ValueError("prompt tokens and seconds must be positive")
-            except (TypeError, ValueError) as exc:
-                raise StateError(f"{path}: {model}.{key}.points: expected [[prompt tokens, seconds], ...] "
-                                 f"({exc})") from None
-            out.setdefault(model, {})[key] = PrefillMeasurement(
-                model=model, host=str(entry.get("host", key)), prompt_tokens_per_s=float(rate),
-                measured_at=str(entry.get("measured_at", "")), source=str(entry.get("source", "")),
-                dtype=str(entry.get("dtype", "auto")), connector=str(entry.get("connector", "")), points=points)
-    return out
+    stored = _load(prefill_path(run_dir), _PREFILL_FORM) or {}
+    return {model: {key: PrefillMeasurement(
+                model=model, host=e.host if e.host is not None else key,
+                prompt_tokens_per_s=e.prompt_tokens_per_s, measured_at=e.measured_at, source=e.source,
+                dtype=e.dtype, connector=e.connector, points=e.points)
+                    for key, e in engines.items()}
+            for model, engines in stored.items()}
 
 
 def lookup_prefill(run_dir: str | Path, model: str, host: str, dtype: str = "auto",
@@ -380,29 +445,13 @@ def store_decode(run_dir: str | Path, model: str, host: str, fixed_s: float, per
 
 def load_decode(run_dir: str | Path) -> dict[str, dict[str, DecodeMeasurement]]:
     """Every stored decode step, ``{model: {key: measurement}}`` (key: :func:`engine_key`; {} if none)."""
-    path = decode_path(run_dir)
-    data = _read_json(path)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise StateError(f"{path}: expected an object of model names")
-    out: dict[str, dict[str, DecodeMeasurement]] = {}
-    for model, hosts in data.items():
-        if not isinstance(hosts, dict):
-            raise StateError(f"{path}: {model}: expected an object of host names")
-        for key, entry in hosts.items():
-            try:
-                fixed, slope = float(entry["fixed_s"]), float(entry["per_kv_byte_s"])
-                if not fixed > 0 or not slope >= 0:
-                    raise ValueError("fixed_s must be positive, per_kv_byte_s >= 0")
-                points = tuple((float(x), float(y)) for x, y in entry.get("points", []))
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise StateError(f"{path}: {model}.{key}: not a decode step ({exc})") from None
-            out.setdefault(model, {})[key] = DecodeMeasurement(
-                model=model, host=str(entry.get("host", key)), connector=str(entry.get("connector", "")),
-                dtype=str(entry.get("dtype", "auto")), fixed_s=fixed, per_kv_byte_s=slope,
-                measured_at=str(entry.get("measured_at", "")), source=str(entry.get("source", "")), points=points)
-    return out
+    stored = _load(decode_path(run_dir), _DECODE_FORM) or {}
+    return {model: {key: DecodeMeasurement(
+                model=model, host=e.host if e.host is not None else key, connector=e.connector, dtype=e.dtype,
+                fixed_s=e.fixed_s, per_kv_byte_s=e.per_kv_byte_s, measured_at=e.measured_at, source=e.source,
+                points=e.points)
+                    for key, e in engines.items()}
+            for model, engines in stored.items()}
 
 
 def lookup_decode(run_dir: str | Path, model: str, host: str, dtype: str = "auto",
@@ -494,39 +543,13 @@ def lookup_handoff(run_dir: str | Path, model: str, prefill_host: str, decode_ho
     """The stored fixed handoff cost of ``model`` on that pair and connector, or None. Called by
     ``disagg plan`` (:func:`disagg.planning.plan_topology`), which then uses it instead of the
     connector's seed (:data:`disagg.routecost.HANDOFF_FIXED_S`)."""
-    path = handoff_path(run_dir)
-    data = _read_json(path)
-    if data is None:
+    stored = _load(handoff_path(run_dir), _HANDOFF_FORM) or {}
+    e = stored.get(model, {}).get(_pair_key(prefill_host, decode_host), {}).get(_connector_key(connector, streaming))
+    if e is None:
         return None
-    try:
-        entry = data.get(model, {}).get(_pair_key(prefill_host, decode_host), {}).get(
-            _connector_key(connector, streaming))
-    except AttributeError:
-        raise StateError(f"{path}: expected {{model: {{pair: {{connector: entry}}}}}}") from None
-    if entry is None:
-        return None
-    where = f"{path}: {model}.{_pair_key(prefill_host, decode_host)}"
-    if not isinstance(entry, dict):
-        raise StateError(f"{where}: expected a mapping with fixed_s")
-    fixed = _non_negative(entry.get("fixed_s"), f"{where}.fixed_s")
-    per_byte = entry.get("exposed_per_byte_s")
-    if per_byte is not None:
-        per_byte = _non_negative(per_byte, f"{where}.exposed_per_byte_s")
-    points = entry.get("points", [])
-    try:
-        pts = tuple((float(x), float(y)) for x, y in points)
-    except (TypeError, ValueError):
-        raise StateError(f"{where}.points: expected [[wire bytes, seconds], ...]") from None
     return HandoffMeasurement(model=model, prefill_host=prefill_host, decode_host=decode_host, connector=connector,
-                              streaming=streaming, fixed_s=fixed, measured_at=str(entry.get("measured_at", "")),
-                              source=str(entry.get("source", "")), exposed_per_byte_s=per_byte, points=pts)
-
-
-def _non_negative(value: Any, where: str) -> float:
-    """``value`` as a float; StateError naming ``where`` unless it is a number >= 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise StateError(f"{where}: expected a number >= 0")
-    return float(value)
+                              streaming=streaming, fixed_s=e.fixed_s, measured_at=e.measured_at, source=e.source,
+                              exposed_per_byte_s=e.exposed_per_byte_s, points=e.points)
 
 
 # --- link probe ----------------------------------------------------------------
@@ -578,20 +601,10 @@ def store_link(topology_file: str | Path, measurement: LinkMeasurement) -> Path:
 
 def load_link(topology_file: str | Path) -> LinkMeasurement | None:
     """The probe result stored next to the topology, or None."""
-    path = probe_path(topology_file)
-    data = _read_json(path)
-    if data is None:
+    e = _load(probe_path(topology_file), _LINK_FORM,
+              remedy=" (not a probe-link result: delete it and run `disagg probe-link` again)")
+    if e is None:
         return None
-    try:
-        streams = {int(k): float(v) for k, v in data["streams_bps"].items()}
-        if not streams or min(streams.values()) <= 0:
-            raise ValueError("streams_bps must hold positive rates")
-        return LinkMeasurement(
-            prefill_host=str(data["prefill_host"]), decode_host=str(data["decode_host"]),
-            sender=str(data.get("sender", "")), receiver=str(data.get("receiver", "")),
-            path=str(data.get("path", "")), method=str(data.get("method", "")),
-            seconds=float(data.get("seconds", 0.0)), streams_bps=streams,
-            rtt_s=float(data["rtt_s"]), measured_at=str(data.get("measured_at", "")))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise StateError(f"{path}: not a probe-link result ({exc}); delete it and run "
-                         "`disagg probe-link` again") from exc
+    return LinkMeasurement(prefill_host=e.prefill_host, decode_host=e.decode_host, sender=e.sender,
+                           receiver=e.receiver, path=e.path, method=e.method, seconds=e.seconds,
+                           streams_bps=dict(e.streams_bps), rtt_s=e.rtt_s, measured_at=e.measured_at)

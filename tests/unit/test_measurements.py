@@ -51,12 +51,19 @@ def test_prefill_store_replaces_an_entry(tmp_path) -> None:
     assert lookup_prefill(tmp_path, "m", "h").prompt_tokens_per_s == 20.0  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("text", ["{not json", '{"m": {"h": {"prompt_tokens_per_s": -1}}}', '["x"]',
-                                  '{"m": {"h": {"source": "no rate"}}}'])
-def test_corrupt_prefill_file_names_it(tmp_path, text: str) -> None:
+@pytest.mark.parametrize(("text", "error"), [
+    ("{not json", "Invalid JSON"),
+    ('{"m": {"h": {"prompt_tokens_per_s": -1}}}', r"m\.h\.prompt_tokens_per_s: Input should be greater than 0"),
+    ('["x"]', "expected an object"),
+    ('{"m": {"h": {"source": "no rate"}}}', r"m\.h\.prompt_tokens_per_s: Field required"),
+    ('{"m": {"h": {"prompt_tokens_per_s": true}}}', r"m\.h\.prompt_tokens_per_s: Input should be a valid number"),
+    ('{"m": {"h": {"prompt_tokens_per_s": "1e3"}}}', r"m\.h\.prompt_tokens_per_s: Input should be a valid number"),
+    ('{"m": {"h": {"prompt_tokens_per_s": 1e3, "points": [[128, 0]]}}}', r"m\.h\.points\.0\.1: .*greater than 0"),
+])
+def test_corrupt_prefill_file_names_it_and_the_field(tmp_path, text: str, error: str) -> None:
     prefill_path(tmp_path).parent.mkdir(parents=True)
     prefill_path(tmp_path).write_text(text)
-    with pytest.raises(StateError, match=r"prefill\.json"):
+    with pytest.raises(StateError, match=r"prefill\.json: " + error):
         load_prefill(tmp_path)
 
 
@@ -74,7 +81,7 @@ def test_probe_round_trip(tmp_path) -> None:
 
 def test_bad_probe_file(tmp_path) -> None:
     (tmp_path / "site.probe.json").write_text('{"prefill_host": "p"}')
-    with pytest.raises(StateError, match=r"site.probe.json: not a probe-link result.*probe-link"):
+    with pytest.raises(StateError, match=r"site.probe.json: decode_host: .*not a probe-link result.*probe-link"):
         load_link(tmp_path / "site.yaml")
 
 
@@ -118,7 +125,8 @@ def test_a_handoff_probed_at_two_lengths_keeps_its_line_and_points(tmp_path) -> 
         store_handoff(run, "m", "a", "b", "nixl", False, 0.01, "x", exposed_per_byte_s=-1e-9)
     for bad, field in (('{"fixed_s": 0.01, "exposed_per_byte_s": true}', "exposed_per_byte_s"),
                        ('{"fixed_s": 0.01, "exposed_per_byte_s": 1e-9, "points": [[1, "x"]]}', "points"),
-                       ('[0.01]', "fixed_s")):
+                       ('{"exposed_per_byte_s": 1e-9}', "fixed_s"),
+                       ('[0.01]', r"gamer -> workstation\.nixl: expected an object")):
         handoff_path(run).write_text(json.dumps({"m": {"gamer -> workstation": {"nixl": json.loads(bad)}}}))
         with pytest.raises(StateError, match=field):
             lookup_handoff(run, "m", "gamer", "workstation", "nixl")

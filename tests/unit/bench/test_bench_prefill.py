@@ -126,7 +126,7 @@ def test_decode_steps_are_kept_per_host_and_engine_kind(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         store_decode(tmp_path, "tiny", "gamer", 0.0, 1e-10, "x")
     path.write_text('{"tiny": {"gamer": {"fixed_s": 0.004}}}')
-    with pytest.raises(StateError, match=r"decode\.json: tiny\.gamer: not a decode step"):
+    with pytest.raises(StateError, match=r"decode\.json: tiny\.gamer\.per_kv_byte_s: Field required"):
         load_decode(tmp_path)
 
 
