@@ -28,8 +28,9 @@ notification as it comes, so a message wakes it at once and a dropped notificati
 that poll; past ``busy_loop_s`` it sleeps on the socket as vLLM's does.
 
 ``disagg up`` does not set it: an instance's ``env`` does (``topologies/house-emulated.yaml``
-gives both boxes :data:`CPU_SPIN_S`; ``1`` or more is vLLM's own). Whether it costs TPOT on short steps is not
-settled (docs/engines.md), so it stays off unless an instance asks. Who calls what: vLLM
+gives both boxes :data:`CPU_SPIN_S`; ``1`` or more is vLLM's own): on the default topology at 4
+req/s its decode engine answered local prefills later and TPOT rose, not explained yet
+(docs/engines.md), so it stays off unless an instance asks. Who calls what: vLLM
 calls :func:`register` in each process it starts (entry point ``vllm.general_plugins``); it
 wraps ``SpinCondition.wait``, which every queue reader calls while it has nothing to read.
 """
