@@ -21,7 +21,9 @@
   instead of about 75, so short prompts went to a split (p50 294 ms) instead
   of local (p50 83 ms);
 - per prefill -> decode pair, a fit of ``seconds = fixed + kv_bytes / rate``
-  from split routes (prefill reply -> first decode token, streamed). When the
+  from split routes (prefill reply -> first decode token, streamed), less the
+  decode engine's busy line (below) at its requests in flight then, which
+  :meth:`Measurements.link_cost` adds back at the load of the moment. When the
   handoff streams the KV while the prefill computes (``streaming_layers``) the
   two overlap, so that time is no sample of the link: the rate stays at its
   seed, predictions take only the part of the transfer the prefill does not
@@ -494,15 +496,16 @@ class Measurements:
 
     def link_cost(self, prefill_url: str, decode_url: str, decode_in_flight: int = 0,
                   now: float | None = None) -> LinkCost:
-        """The pair's handoff line (fixed seconds, bytes per second; streamed or not: a streamed
-        handoff's fixed cost is its learned line at the decode engine's ``decode_in_flight``
-        requests plus what that load adds to any first token there, the decode engine's busy line:
-        :meth:`observe_streamed_split`; its rate the seed's) and its handoffs in transit at ``now``
-        (perf_counter)."""
+        """The pair's handoff line (fixed seconds, bytes per second) and its handoffs in transit at
+        ``now`` (perf_counter). Its fixed cost includes what the decode engine's ``decode_in_flight``
+        requests add to any first token there, that engine's busy line: a handoff's first token
+        waits for its steps as a local prompt's does (:meth:`observe_handoff`,
+        :meth:`observe_streamed_split`). Streamed, the rest of the fixed cost is its learned line at
+        that load and the rate the seed's; sent after the prefill, both are the pair's line."""
         fixed, rate = self._link_fit(prefill_url, decode_url).coefficients()
         if self.streaming_layers is not None:
-            fixed = (self._streamed_fixed_fit(prefill_url, decode_url).predict(decode_in_flight)
-                     + self._decode_busy_s(decode_url, decode_in_flight))
+            fixed = self._streamed_fixed_fit(prefill_url, decode_url).predict(decode_in_flight)
+        fixed += self._decode_busy_s(decode_url, decode_in_flight)
         return LinkCost(fixed_s=fixed, bytes_per_s=rate, streaming_layers=self.streaming_layers,
                         in_transit=self._transiting((prefill_url, decode_url), now))
 
@@ -643,10 +646,15 @@ class Measurements:
         overhead, rate = self._line(eng)
         return eng.busy.add(in_flight, _residual(seconds - overhead - (queued_ahead + tokens) / rate))
 
-    def observe_handoff(self, prefill_url: str, decode_url: str, kv_bytes: float, seconds: float) -> str:
-        """A handoff of ``kv_bytes`` took ``seconds`` (prefill reply -> first decode token);
+    def observe_handoff(self, prefill_url: str, decode_url: str, kv_bytes: float, seconds: float,
+                        decode_in_flight: int = 0) -> str:
+        """A handoff of ``kv_bytes`` took ``seconds`` (prefill reply -> first decode token) while the
+        decode engine had ``decode_in_flight`` requests: a sample of the pair's line once the decode
+        engine's busy line at that load is taken off (:meth:`link_cost` adds it back at the load of
+        the moment: one line over busy and idle handoffs priced every split at the mean load);
         returns what the fit made of it (:meth:`EwFit.add`)."""
-        return self._link_fit(prefill_url, decode_url).add(kv_bytes, seconds)
+        beyond_s = seconds - self._decode_busy_s(decode_url, decode_in_flight)
+        return self._link_fit(prefill_url, decode_url).add(kv_bytes, _residual(beyond_s))
 
     def forget(self, url: str) -> None:
         """Drop everything measured about the engine at ``url`` (it came back: a new process).

@@ -101,6 +101,7 @@ class _Flight:
     pending: Any = None
     prefill_done: float | None = None
     decode_wait: float = 0.0               # split: the decode engine's queued prefill work then, seconds
+    handoff_decode_in_flight: int = 0      # split, not streamed: D's requests in flight then
     #: streamed split: its predicted TTFT less the fixed cost when sent, and D's requests in flight then
     streamed_arrival: float | None = None
     streamed_decode_in_flight: int = 0
@@ -350,9 +351,11 @@ class Router:
         tokens = prompt_tokens or route.tokens
         if route.decode is not None:
             if not self.streamed:         # the KV moves now, after the prefill
+                flight.handoff_decode_in_flight = route.decode.outstanding
                 until = float("inf")
                 if not flight.stream:     # no first token will be seen: until the handoff's predicted end
-                    link = self.measurements.link_cost(backend.url, route.decode.url)
+                    link = self.measurements.link_cost(backend.url, route.decode.url,
+                                                       flight.handoff_decode_in_flight)
                     until = flight.prefill_done + link.seconds(tokens * self.kv_bytes_per_token)
                 self._depart(flight, backend.url, route.decode.url, until)
             flight.decode_wait = self.measurements.wait_s("decode", route.decode.url, flight.prefill_done)
@@ -401,8 +404,8 @@ class Router:
                 # that end means the queue estimate was off, and the handoff is a sample after all)
                 self._sampled("link", "decode_busy")
             else:
-                self._sampled("link", self.measurements.observe_handoff(route.prefill.url, route.decode.url,
-                                                                        nbytes, handoff))
+                self._sampled("link", self.measurements.observe_handoff(
+                    route.prefill.url, route.decode.url, nbytes, handoff, flight.handoff_decode_in_flight))
         elif flight.engine is not None \
                 and flight.engine is (route.decode if route.path is RoutePath.LOCAL else route.prefill):
             self._sampled(_engine_fit(flight), self.measurements.observe_prefill(

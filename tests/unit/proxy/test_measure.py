@@ -870,6 +870,33 @@ def test_a_streamed_split_into_a_busy_decode_engine_is_priced_with_that_engines_
     assert m.link_cost("p", "d", 5).fixed_s == pytest.approx(0.020 + busy, abs=0.002)
 
 
+def test_a_split_sent_after_its_prefill_into_a_busy_decode_engine_is_priced_with_that_engines_busy_line() -> None:
+    """Not streamed, a handoff's first token waits for the decode engine's steps too: the pair's
+    fixed cost is its line plus the decode engine's busy line at that load, and a handoff's sample
+    teaches the pair's line only what it took beyond the busy line at the load it met."""
+    m = Measurements(prefill_tokens_per_s=2000.0, decode_tokens_per_s=2000.0, overhead_s=0.0,
+                     handoff_fixed_s=0.04, link_bytes_per_s=1e9)
+    m.observe_prefill("decode", "d", 64.0, 1.0)                          # warm-up
+    for i in range(8):
+        m.observe_prefill("decode", "d", 64.0 * (1 + i % 4), 0.010 + 64 * (1 + i % 4) / 3200)
+    m.observe_prefill("decode", "d", 64.0, 1.0, in_flight=2)             # the busy line's warm-up
+    for i in range(12):                                                  # 7 ms per request in flight
+        k = (1, 3, 5)[i % 3]
+        m.observe_prefill("decode", "d", 64.0, 0.010 + 64 / 3200 + 0.007 * k, in_flight=k)
+    busy = m.engine_cost("decode", "d", 5).busy_s
+    assert busy == pytest.approx(0.035, abs=0.002)
+    assert m.link_cost("p", "d", 0).fixed_s == pytest.approx(0.04)      # idle: the seed alone
+    assert m.link_cost("p", "d", 5).fixed_s == pytest.approx(0.04 + busy)
+    # handoffs of 10 ms + 200 MB/s beyond the busy line at every load teach that line, not the mean load
+    assert m.observe_handoff("p", "d", 1e7, 2.0, 5) == "discarded"      # the pair's warm-up
+    for i in range(12):
+        k, nbytes = (0, 3, 5)[i % 3], 1e6 * (1 + i % 4)
+        m.observe_handoff("p", "d", nbytes, 0.010 + nbytes / 2e8 + m.engine_cost("decode", "d", k).busy_s, k)
+    idle, loaded = m.link_cost("p", "d", 0), m.link_cost("p", "d", 5)
+    assert idle.fixed_s == pytest.approx(0.010, abs=0.002) and idle.bytes_per_s == pytest.approx(2e8, rel=0.05)
+    assert loaded.fixed_s == pytest.approx(0.010 + busy, abs=0.002)
+
+
 def test_a_line_seeded_flat_that_rises_steeply_goes_through_zero_not_flat() -> None:
     """A line with no intercept known (seeded flat, as the decode lines) whose samples rise more
     steeply than any line with an intercept >= 0 keeps rising (through 0 and the samples' mean)
