@@ -331,7 +331,10 @@ class StandInEngine:
         return {"index": index, "text": text, "finish_reason": None}
 
 
-FAST = ProxyTimeouts(connect=1.0, request=5.0, health_interval=0.1, health_timeout=1.0, drain=1.0)
+#: fast probes, each with a deadline that a test process starved of CPU for a second or two (a
+#: loaded CI machine) does not miss: at start one late probe takes an engine out, and a request
+#: sent then gets a 503
+FAST = ProxyTimeouts(connect=1.0, request=5.0, health_interval=0.1, health_timeout=5.0, drain=1.0)
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
