@@ -101,10 +101,11 @@ class _Flight:
     pending: Any = None
     prefill_done: float | None = None
     decode_wait: float = 0.0               # split: the decode engine's queued prefill work then, seconds
-    handoff_decode_in_flight: int = 0      # split, not streamed: D's requests in flight then
-    #: streamed split: its predicted TTFT less the fixed cost when sent, and D's requests in flight then
+    #: split: D's requests in flight when it was sent (not itself: a handoff that sends the decode
+    #: request beside the prefill leases D after this), the load its handoff is priced and learned at
+    decode_in_flight: int = 0
+    #: streamed split: its predicted TTFT less the fixed cost when sent
     streamed_arrival: float | None = None
-    streamed_decode_in_flight: int = 0
     #: requests in flight on the engine that streams the answer, at its first token
     in_flight_at_first: int | None = None
     tokens: dict[str, int] = field(default_factory=dict)
@@ -278,15 +279,16 @@ class Router:
         # a non-streamed reply shows no first token: it stops counting when predicted done
         until = float("inf") if (stream or route.path is RoutePath.SPLIT) else \
             flight.sent + (route.predicted_s or 0.0)
-        if self.streamed and route.path is RoutePath.SPLIT and route.decode is not None:
-            m = self.measurements
-            flight.streamed_arrival = m.streamed_arrival_s(engine.url, route.decode.url, route.tokens,
-                                                           route.tokens * self.kv_bytes_per_token,
-                                                           flight.queued_ahead, flight.in_flight_at_send)
-            flight.streamed_decode_in_flight = route.decode.outstanding
-            # its KV leaves as the prefill computes; not streamed: until its predicted first token
-            self._depart(flight, engine.url, route.decode.url,
-                         float("inf") if stream else flight.sent + (route.predicted_s or 0.0))
+        if route.path is RoutePath.SPLIT and route.decode is not None:
+            flight.decode_in_flight = route.decode.outstanding
+            if self.streamed:
+                m = self.measurements
+                flight.streamed_arrival = m.streamed_arrival_s(engine.url, route.decode.url, route.tokens,
+                                                               route.tokens * self.kv_bytes_per_token,
+                                                               flight.queued_ahead, flight.in_flight_at_send)
+                # its KV leaves as the prefill computes; not streamed: until its predicted first token
+                self._depart(flight, engine.url, route.decode.url,
+                             float("inf") if stream else flight.sent + (route.predicted_s or 0.0))
         flight.pending = self.measurements.dispatch(role, engine.url, route.tokens, until, now=flight.sent)
         self._book_kv(route, flight)
 
@@ -351,11 +353,10 @@ class Router:
         tokens = prompt_tokens or route.tokens
         if route.decode is not None:
             if not self.streamed:         # the KV moves now, after the prefill
-                flight.handoff_decode_in_flight = route.decode.outstanding
                 until = float("inf")
                 if not flight.stream:     # no first token will be seen: until the handoff's predicted end
                     link = self.measurements.link_cost(backend.url, route.decode.url,
-                                                       flight.handoff_decode_in_flight)
+                                                       flight.decode_in_flight)
                     until = flight.prefill_done + link.seconds(tokens * self.kv_bytes_per_token)
                 self._depart(flight, backend.url, route.decode.url, until)
             flight.decode_wait = self.measurements.wait_s("decode", route.decode.url, flight.prefill_done)
@@ -405,7 +406,7 @@ class Router:
                 self._sampled("link", "decode_busy")
             else:
                 self._sampled("link", self.measurements.observe_handoff(
-                    route.prefill.url, route.decode.url, nbytes, handoff, flight.handoff_decode_in_flight))
+                    route.prefill.url, route.decode.url, nbytes, handoff, flight.decode_in_flight))
         elif flight.engine is not None \
                 and flight.engine is (route.decode if route.path is RoutePath.LOCAL else route.prefill):
             self._sampled(_engine_fit(flight), self.measurements.observe_prefill(
@@ -421,7 +422,7 @@ class Router:
         else:
             self._sampled("handoff_fixed", self.measurements.observe_streamed_split(
                 route.prefill.url, route.decode.url, observed - flight.streamed_arrival,
-                flight.streamed_decode_in_flight))
+                flight.decode_in_flight))
 
     def decoded(self, route: PromptRoute, backend: Backend, token_events: int, first: float, last: float) -> None:
         """A streamed single-prompt, single-choice reply from ``backend`` ended well: ``token_events``
