@@ -858,14 +858,9 @@ def test_a_prefill_sent_to_a_busy_engine_teaches_the_busy_line_not_the_engines_o
     assert m.engine_cost("decode", "d", 4).busy_s == 0.0
 
 
-def test_a_streamed_split_into_a_busy_decode_engine_is_priced_with_that_engines_busy_line() -> None:
-    """A split's first token waits for the decode engine's steps as a local prompt's does: the
-    streamed fixed cost is its line plus the decode engine's busy line at that load, so a busy
-    decode engine makes a split dearer while the line is still its idle seed, and a split's
-    sample teaches the line only what it took beyond that busy line."""
-    m = Measurements(prefill_tokens_per_s=2000.0, decode_tokens_per_s=2000.0, overhead_s=0.0,
-                     handoff_fixed_s=0.04, link_bytes_per_s=1e9, streaming_layers=8)
-    assert m.link_cost("p", "d", 5).fixed_s == pytest.approx(0.04)       # nothing measured of D yet
+def _teach_busy_line(m: Measurements) -> float:
+    """Teach the decode engine "d" its line (10 ms + 3,200 tokens/s idle) and a busy line of 7 ms per
+    request in flight; returns its busy time at 5 requests (35 ms)."""
     m.observe_prefill("decode", "d", 64.0, 1.0)                          # warm-up
     for i in range(8):
         m.observe_prefill("decode", "d", 64.0 * (1 + i % 4), 0.010 + 64 * (1 + i % 4) / 3200)
@@ -875,6 +870,18 @@ def test_a_streamed_split_into_a_busy_decode_engine_is_priced_with_that_engines_
         m.observe_prefill("decode", "d", 64.0, 0.010 + 64 / 3200 + 0.007 * k, in_flight=k)
     busy = m.engine_cost("decode", "d", 5).busy_s
     assert busy == pytest.approx(0.035, abs=0.002)
+    return busy
+
+
+def test_a_streamed_split_into_a_busy_decode_engine_is_priced_with_that_engines_busy_line() -> None:
+    """A split's first token waits for the decode engine's steps as a local prompt's does: the
+    streamed fixed cost is its line plus the decode engine's busy line at that load, so a busy
+    decode engine makes a split dearer while the line is still its idle seed, and a split's
+    sample teaches the line only what it took beyond that busy line."""
+    m = Measurements(prefill_tokens_per_s=2000.0, decode_tokens_per_s=2000.0, overhead_s=0.0,
+                     handoff_fixed_s=0.04, link_bytes_per_s=1e9, streaming_layers=8)
+    assert m.link_cost("p", "d", 5).fixed_s == pytest.approx(0.04)       # nothing measured of D yet
+    busy = _teach_busy_line(m)
     assert m.link_cost("p", "d", 0).fixed_s == pytest.approx(0.04)      # idle: the seed alone
     assert m.link_cost("p", "d", 5).fixed_s == pytest.approx(0.04 + busy)
     # a 2-token prompt with 5 decodes running there: the split dearer than the local prefill
@@ -897,15 +904,7 @@ def test_a_split_sent_after_its_prefill_into_a_busy_decode_engine_is_priced_with
     teaches the pair's line only what it took beyond the busy line at the load it met."""
     m = Measurements(prefill_tokens_per_s=2000.0, decode_tokens_per_s=2000.0, overhead_s=0.0,
                      handoff_fixed_s=0.04, link_bytes_per_s=1e9)
-    m.observe_prefill("decode", "d", 64.0, 1.0)                          # warm-up
-    for i in range(8):
-        m.observe_prefill("decode", "d", 64.0 * (1 + i % 4), 0.010 + 64 * (1 + i % 4) / 3200)
-    m.observe_prefill("decode", "d", 64.0, 1.0, in_flight=2)             # the busy line's warm-up
-    for i in range(12):                                                  # 7 ms per request in flight
-        k = (1, 3, 5)[i % 3]
-        m.observe_prefill("decode", "d", 64.0, 0.010 + 64 / 3200 + 0.007 * k, in_flight=k)
-    busy = m.engine_cost("decode", "d", 5).busy_s
-    assert busy == pytest.approx(0.035, abs=0.002)
+    busy = _teach_busy_line(m)
     assert m.link_cost("p", "d", 0).fixed_s == pytest.approx(0.04)      # idle: the seed alone
     assert m.link_cost("p", "d", 5).fixed_s == pytest.approx(0.04 + busy)
     # handoffs of 10 ms + 200 MB/s beyond the busy line at every load teach that line, not the mean load
