@@ -22,9 +22,9 @@
   of local (p50 83 ms);
 - per prefill -> decode pair, a fit of ``seconds = fixed + kv_bytes / rate``
   from split routes (prefill reply -> first decode token, streamed), less the
-  decode engine's busy line (above) at its requests in flight when it was
-  sent, which
-  :meth:`Measurements.link_cost` adds back at the load of the moment. When the
+  decode engine's busy line (above) at its requests in flight when the split
+  was sent, which :meth:`Measurements.link_cost` adds back at the load of the
+  moment. When the
   handoff streams the KV while the prefill computes (``streaming_layers``) the
   two overlap, so that time is no sample of the link: the rate stays at its
   seed, predictions take only the part of the transfer the prefill does not
@@ -650,10 +650,10 @@ class Measurements:
     def observe_handoff(self, prefill_url: str, decode_url: str, kv_bytes: float, seconds: float,
                         decode_in_flight: int = 0) -> str:
         """A handoff of ``kv_bytes`` took ``seconds`` (prefill reply -> first decode token), its split
-        sent while the decode engine had ``decode_in_flight`` requests: a sample of the pair's line once the decode
-        engine's busy line at that load is taken off (:meth:`link_cost` adds it back at the load of
-        the moment: one line over busy and idle handoffs priced every split at the mean load);
-        returns what the fit made of it (:meth:`EwFit.add`)."""
+        sent while the decode engine had ``decode_in_flight`` requests: a sample of the pair's line
+        once the decode engine's busy line at that load is taken off (:meth:`link_cost` adds it back
+        at the load of the moment: one line over busy and idle handoffs priced every split at the
+        mean load); returns what the fit made of it (:meth:`EwFit.add`)."""
         beyond_s = seconds - self._decode_busy_s(decode_url, decode_in_flight)
         return self._link_fit(prefill_url, decode_url).add(kv_bytes, _residual(beyond_s))
 
