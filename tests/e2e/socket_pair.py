@@ -54,15 +54,16 @@ STREAM_WAIT_S = 3
 CHUNK_TOKENS = 256
 #: P's prefill rate, tokens/s (connectors/emulated_prefill.py holds each of P's prefill steps to it):
 #: a floor under P's prefill time, so that a test that cuts a streamed HUGE prompt short (more
-#: than a second at this rate) finds P mid-prompt however fast the machine prefills natively
-PREFILL_RATE = 5000
+#: than two seconds at this rate) finds P mid-prompt however fast the machine prefills natively, and the
+#: test polling P's /metrics sees it running on a loaded machine
+PREFILL_RATE = 2500
 #: the engines' arguments: no torch.compile, as every engine of the e2e tests (harness.engines.ENGINE_ARGS);
 #: compiling costs each bring-up of the pair about 15 s and changes none of its answers
 PAIR_ARGS = ["-O0"]
 
 SHORT = "The quick brown fox jumps over the lazy dog. "
 LONG = " ".join(f"Item {i}: the river carries stones, songs and {i % 7} old boats." for i in range(50))
-#: a prompt whose prefill takes P dozens of steps (over a second at :data:`PREFILL_RATE`): long enough to cut short
+#: a prompt whose prefill takes P dozens of steps (over two seconds at :data:`PREFILL_RATE`): long enough to cut short
 HUGE = " ".join([LONG] * 5)
 
 #: P's kv_transfer_params for a pulled handoff (as the proxy sends them)

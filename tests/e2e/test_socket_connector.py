@@ -62,15 +62,17 @@ async def _sent_both(session: aiohttp.ClientSession, p: Engine, d: Engine, promp
     long): the (decode, prefill) tasks, once P runs the prompt, for the test to cut one short.
 
     P is then mid-prompt: its prefill is held to ``PREFILL_RATE`` tokens/s, so a HUGE
-    prompt takes it more than a second on any machine (tests/e2e/socket_pair.py)."""
+    prompt takes it over two seconds on any machine (tests/e2e/socket_pair.py)."""
     p_params, d_params = stream_params(p)
-    running_before = await asyncio.to_thread(metric, p.url, "vllm:num_requests_running")
+    # P idle first: then any request /metrics shows running is this prompt
+    await wait_for(lambda: metric(p.url, "vllm:num_requests_running") == 0, STARTED_WITHIN_S, "P to be idle")
     decode = asyncio.create_task(complete(session, d, prompt, max_tokens, d_params))
     prefill = asyncio.create_task(complete(session, p, prompt, 1, p_params))
-    deadline = time.monotonic() + STARTED_WITHIN_S
-    while await asyncio.to_thread(metric, p.url, "vllm:num_requests_running") <= running_before:
-        assert not prefill.done(), "P answered before /metrics showed it running the prompt"
-        assert time.monotonic() < deadline, f"P did not start the prompt within {STARTED_WITHIN_S} s"
+    sent = time.monotonic()
+    while await asyncio.to_thread(metric, p.url, "vllm:num_requests_running") == 0:
+        assert not prefill.done(), \
+            f"P answered {time.monotonic() - sent:.2f} s after it was sent, before /metrics showed it running"
+        assert time.monotonic() < sent + STARTED_WITHIN_S, f"P did not start the prompt within {STARTED_WITHIN_S} s"
         await asyncio.sleep(0.02)
     return decode, prefill
 
