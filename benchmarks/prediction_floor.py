@@ -31,8 +31,8 @@ DECISION = re.compile(r"route (\S+): \d+ tokens, [\d.]+ out -> \w+ \(\w+\) P=(\S
 FIRST_TOKEN = re.compile(r"route (\S+): (\w+), (\d+) tokens: first token after ([\d.]+) ms, predicted ([\d.]+) ms")
 #: one engine of the decision line (a rate the fit has not bounded prints as ``inf``); logs written
 #: before the line named each engine's URL name only its role (one engine per role)
-ENGINE = re.compile(r"(prefill|decode) (?:(\S+) )?(\d+) in flight [^(]*\(line [\d.]+ ms \+ n / (?:[\d.]+|inf)/s, "
-                    r"queued (\d+), busy")
+ENGINE = re.compile(r"(prefill|decode) (?:(\S+) )?(\d+) in flight [^(]*\((?:prefill duty \d+%, )?"
+                    r"line [\d.]+ ms \+ n / (?:[\d.]+|inf)/s, queued (\d+), busy")
 #: which engine of the decision (P= or D=) computed the prompt on each path
 COMPUTING = {"local": "decode", "whole": "prefill", "split": "prefill"}
 #: a group needs this many prompts to be scored

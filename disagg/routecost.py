@@ -209,6 +209,8 @@ class EngineCost:
     kv_free_tokens: float = math.inf
     #: (seconds from now, KV tokens) the requests holding the rest are expected to free, in any order
     kv_frees: tuple[tuple[float, float], ...] = ()
+    #: the share of its time it spent prefilling lately (in ``tpot_s``; for the proxy's log)
+    prefill_duty: float = 0.0
 
     def wait_s(self) -> float:
         """Queue wait: the outstanding prefill tokens at this engine's rate."""

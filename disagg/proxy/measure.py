@@ -56,14 +56,26 @@
 - per engine, the prefill tokens it has still to work through (sent, no
   first token yet, less what the time since then has covered at its fitted
   rate: :meth:`Measurements._progress`) and so the decodes it is running;
-- per engine, its time per output token as a line in the requests it has in
-  flight (:meth:`Measurements.observe_decode`, from each streamed single-prompt
-  reply the proxy relays: its mean gap between token events against the engine's
-  requests in flight at its first token and at its end). No seed: flat (one
+- per engine, the prefill compute it did lately (:class:`PrefillWork`: each
+  prefill's time on its line, when it produced its first token or reply) and
+  so its *prefill duty*, the share of the last :data:`DUTY_WINDOW_S` seconds it
+  spent prefilling;
+- per engine, its decode step as a line in the requests it has in flight
+  (:meth:`Measurements.observe_decode`, from each streamed single-prompt
+  reply the proxy relays: its mean gap between token events, less the prefills
+  the engine computed while it decoded spread over its gaps, against the
+  engine's requests in flight at its first token and at its end), and its time
+  per output token that step over ``1 - duty``: a request decoding there waits
+  out the prefills computed beside it, a share ``duty`` of the engine's time.
+  One line of mean gaps with those stalls in them, on a one-core decode engine
+  at 4 req/s, predicted 4.9-5.7 ms per token with nothing in flight, where
+  requests took 2.3-3.5, and the routing judged a third of its prompts unable
+  to meet a 4.6 ms objective: how often prefills come is the router's doing,
+  not the load's. No seed: flat (one
   figure whatever the load) until the samples' loads differ, and an engine
   without :data:`SEED_SAMPLES` samples of its own is priced with the mean of the
-  others' lines (a prefill engine serves no decodes until the policy sends it
-  ``whole`` requests); :meth:`Measurements.tpot_s`, and ``EngineCost.tpot_s``
+  others' step lines (a prefill engine serves no decodes until the policy sends it
+  ``whole`` requests) over its own duty; :meth:`Measurements.tpot_s`, and ``EngineCost.tpot_s``
   for the ``decode_load`` rule of :mod:`disagg.proxy.policy`, and with the line's
   slope (``EngineCost.tpot_added_s``) for the decode work an option places on an
   engine (:func:`disagg.routecost.decode_s`);
@@ -122,6 +134,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -148,6 +161,52 @@ WARMUP_SAMPLES = 1
 CLIP = 3.0
 #: a prefill sent with more than this share of its tokens queued ahead is no sample of the engine's line
 QUEUED_SHARE = 0.25
+#: seconds of an engine's latest prefill work its prefill duty is the share of
+DUTY_WINDOW_S = 10.0
+#: the highest prefill duty a time per output token is priced with (a saturated engine still decodes)
+MAX_DUTY = 0.8
+#: seconds an engine's prefill work is kept, to take it off the decode samples of requests that long
+WORK_KEPT_S = 120.0
+#: a decode sample less the prefills computed beside it is kept at this share of it at least (their
+#: compute is each prefill's line, which may overstate it)
+MIN_STEP_SHARE = 0.25
+
+
+class PrefillWork:
+    """The prefill compute one engine did lately: (when it ended, seconds on the engine's line).
+
+    :meth:`Measurements.settle` adds each prefill that produced its first token or reply there;
+    :meth:`Measurements.tpot_s` reads :meth:`duty`, and :meth:`Measurements.observe_decode`
+    :meth:`between` (the prefills computed while a request decoded there)."""
+
+    __slots__ = ("_kept", "_window", "_window_s")
+
+    def __init__(self) -> None:
+        self._kept: deque[tuple[float, float]] = deque()      # the last WORK_KEPT_S seconds
+        self._window: deque[tuple[float, float]] = deque()    # the last DUTY_WINDOW_S seconds
+        self._window_s = 0.0                                   # their seconds, summed
+
+    def add(self, when: float, seconds: float) -> None:
+        if not (math.isfinite(when) and math.isfinite(seconds)) or seconds <= 0:
+            return
+        self._kept.append((when, seconds))
+        self._window.append((when, seconds))
+        self._window_s += seconds
+
+    def duty(self, now: float) -> float:
+        """The share of the last :data:`DUTY_WINDOW_S` seconds before ``now`` spent prefilling, at most
+        :data:`MAX_DUTY`."""
+        while self._window and self._window[0][0] <= now - DUTY_WINDOW_S:
+            self._window_s -= self._window.popleft()[1]
+        if not self._window:
+            self._window_s = 0.0          # no float residue once empty
+        return min(max(self._window_s, 0.0) / DUTY_WINDOW_S, MAX_DUTY)
+
+    def between(self, start: float, end: float) -> float:
+        """Seconds of the prefills that ended after ``start`` and by ``end``."""
+        while self._kept and self._kept[0][0] <= end - WORK_KEPT_S:
+            self._kept.popleft()
+        return sum(s for t, s in self._kept if start < t <= end)
 
 
 class _Gate:
@@ -325,6 +384,8 @@ class _Engine:
     pending: list[_Pending] = field(default_factory=list)
     #: perf_counter up to which the engine's work on ``pending`` has been counted
     progressed_at: float = 0.0
+    #: the prefills it computed lately (its duty; taken off its decode samples)
+    work: PrefillWork = field(default_factory=PrefillWork)
 
 
 class Measurements:
@@ -403,17 +464,19 @@ class Measurements:
             p.left -= done
             budget -= done
 
-    @staticmethod
-    def _finish(eng: _Engine, done: _Pending, when: float) -> None:
+    def _finish(self, eng: _Engine, done: _Pending, when: float) -> None:
         """``done`` produced its first token at ``when``: the engine worked on it (and, in the
         order sent, on the prefills before it, which count as done) up to then; the ones behind
-        it get no credit for that time."""
+        it get no credit for that time. Its compute, on the engine's line, joins the engine's
+        prefill work then."""
         for p in eng.pending:
             if p is done:
                 break
             p.left = 0.0
         eng.pending = [p for p in eng.pending if p is not done]
         eng.progressed_at = max(eng.progressed_at, when)
+        overhead, rate = self._line(eng)
+        eng.work.add(when, overhead + done.tokens / rate)
 
     def wait_s(self, role: str, url: str, now: float | None = None) -> float:
         """Seconds the engine needs for the prefill work queued on it (:meth:`queued_tokens`)."""
@@ -456,32 +519,49 @@ class Measurements:
         overhead, rate = self._line(eng)
         queued = self._queued(eng, now, rate)
         waiting = len(eng.pending)
-        tpot = self.tpot_s(url, outstanding + 1)
-        now_tpot = self.tpot_s(url, outstanding) if tpot is not None else None
+        when = time.perf_counter() if now is None else now
+        tpot = self.tpot_s(url, outstanding + 1, when)
+        now_tpot = self.tpot_s(url, outstanding, when) if tpot is not None else None
         return EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued,
                           running=max(outstanding - waiting, 0), waiting=waiting,
                           tpot_s=tpot, busy_s=_busy_s(eng, outstanding),
                           tpot_added_s=max(tpot - now_tpot, 0.0) if tpot is not None and now_tpot is not None
-                          else 0.0)
+                          else 0.0, prefill_duty=eng.work.duty(when))
 
-    def tpot_s(self, url: str, in_flight: float) -> float | None:
+    def tpot_s(self, url: str, in_flight: float, now: float | None = None) -> float | None:
         """Predicted time per output token on the engine at ``url`` with ``in_flight`` requests
-        (module doc): its own line once it has :data:`SEED_SAMPLES` samples, else the mean of the
-        lines of the engines that have them, else None."""
+        (module doc): its decode step, over ``1 -`` its prefill duty at ``now`` (perf_counter). The
+        step: its own line once it has :data:`SEED_SAMPLES` samples, else the mean of the lines of
+        the engines that have them, else None."""
         own = self._decode.get(url)
         if own is not None and own.samples >= SEED_SAMPLES:
-            return own.predict(in_flight)
-        known = [f.predict(in_flight) for f in self._decode.values() if f.samples >= SEED_SAMPLES]
-        return sum(known) / len(known) if known else None
+            step = own.predict(in_flight)
+        else:
+            known = [f.predict(in_flight) for f in self._decode.values() if f.samples >= SEED_SAMPLES]
+            if not known:
+                return None
+            step = sum(known) / len(known)
+        eng = self._engines.get(url)
+        duty = eng.work.duty(time.perf_counter() if now is None else now) if eng is not None else 0.0
+        return step / (1.0 - duty)
 
-    def observe_decode(self, url: str, in_flight: float, tpot_s: float) -> str:
+    def observe_decode(self, url: str, in_flight: float, tpot_s: float, first: float | None = None,
+                       last: float | None = None) -> str:
         """A streamed reply from the engine at ``url`` averaged ``tpot_s`` seconds between token
-        events with about ``in_flight`` requests in flight there (its own included); returns what
-        the line made of it (:meth:`EwFit.add`)."""
+        events, from its first at ``first`` to its last at ``last`` (perf_counter), with about
+        ``in_flight`` requests in flight there (its own included): a sample of the engine's decode
+        step once the prefills it computed in that time are taken off, spread over the reply's gaps
+        (kept at :data:`MIN_STEP_SHARE` of ``tpot_s`` at least; none taken off without ``first``
+        and ``last``); returns what the line made of it (:meth:`EwFit.add`)."""
         fit = self._decode.get(url)
         if fit is None:     # no seed: flat at the samples' mean until their loads differ
             fit = self._decode[url] = EwFit(math.inf, 1.0, (), self._decay)
-        return fit.add(in_flight, tpot_s)
+        step = tpot_s
+        eng = self._engines.get(url)
+        if eng is not None and first is not None and last is not None and last > first and tpot_s > 0:
+            gaps = (last - first) / tpot_s
+            step = max(tpot_s - eng.work.between(first, last) / gaps, MIN_STEP_SHARE * tpot_s)
+        return fit.add(in_flight, step)
 
     def observe_output(self, tokens: float) -> None:
         """A streamed reply ended well with ``tokens`` output tokens (its token events): a sample of

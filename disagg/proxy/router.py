@@ -245,7 +245,8 @@ class Router:
             alts = ", ".join(f"{o.path} {o.ttft_s * 1e3:.1f} ms (score {o.score_s * 1e3:.1f})" for o in d.options)
             tpot = ", ".join(f"{c.engine.role} {c.engine.url} {c.engine.outstanding} in flight "
                              + (f"{c.cost.tpot_s * 1e3:.1f} ms" if c.cost.tpot_s is not None else "-")
-                             + f" (line {c.cost.overhead_s * 1e3:.1f} ms + n / {c.cost.tokens_per_s:.0f}/s,"
+                             + f" (prefill duty {c.cost.prefill_duty:.0%},"
+                               f" line {c.cost.overhead_s * 1e3:.1f} ms + n / {c.cost.tokens_per_s:.0f}/s,"
                                f" queued {c.cost.queued_tokens:.0f}, busy {c.cost.busy_s * 1e3:.1f} ms)"
                              for c in (*prefills, *decodes))
             m = self.measurements
@@ -332,11 +333,11 @@ class Router:
             self.measurements.handoff_ended(*flight.transit)
             flight.transit = None
 
-    def _settle(self, flight: _Flight, *, done: bool = True) -> None:
-        """The flight's prefill leaves its engine's queue: ``done`` at its first token or reply,
-        else failed or cancelled."""
+    def _settle(self, flight: _Flight, *, done: bool = True, now: float | None = None) -> None:
+        """The flight's prefill leaves its engine's queue: ``done`` at its first token or reply
+        (at ``now``, perf_counter; None: now), else failed or cancelled."""
         if flight.engine is not None and flight.pending is not None:
-            self.measurements.settle(flight.engine.role, flight.engine.url, flight.pending, done=done)
+            self.measurements.settle(flight.engine.role, flight.engine.url, flight.pending, now, done=done)
             flight.pending = None
 
     def prefill_done(self, route: PromptRoute, backend: Backend, seconds: float, prompt_tokens: int | None) -> None:
@@ -383,7 +384,7 @@ class Router:
         flight = _notes(route)
         if flight is None or route.served is Served.FALLBACK:
             return
-        self._settle(flight)
+        self._settle(flight, now=when)     # its prefill ended with the first token, not after it
         self._land(flight)
         self._unbook_kv(flight, prefill_only=True)
         answering = route.prefill if route.path is RoutePath.WHOLE else route.decode
@@ -441,7 +442,7 @@ class Router:
             self.metrics.route_tpot_error.labels(route.taken).observe(error)
             self.tpot_error.observe(error)
         in_flight = (flight.in_flight_at_first + backend.outstanding) / 2
-        self._sampled("decode", self.measurements.observe_decode(backend.url, in_flight, observed))
+        self._sampled("decode", self.measurements.observe_decode(backend.url, in_flight, observed, first, last))
 
     def _sampled(self, fit: str, outcome: str) -> None:
         self.metrics.route_samples.labels(fit, outcome).inc()

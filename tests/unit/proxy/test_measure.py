@@ -16,7 +16,16 @@ from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
 from disagg.proxy.backends import BackendPool
 from disagg.proxy.config import RoutingConfig
-from disagg.proxy.measure import CLIP, SEED_SAMPLES, EwFit, Measurements
+from disagg.proxy.measure import (
+    CLIP,
+    DUTY_WINDOW_S,
+    MAX_DUTY,
+    MIN_STEP_SHARE,
+    SEED_SAMPLES,
+    EwFit,
+    Measurements,
+    PrefillWork,
+)
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.proxy.promptlen import SAMPLE_CHARS, PromptLength
@@ -753,6 +762,53 @@ def test_decode_line_per_engine_flat_until_loads_differ_borrowed_until_measured_
     assert m.tpot_s("http://d:1", 6) == pytest.approx(0.020)         # its own line gone: P's now
 
 
+def test_prefills_computed_beside_a_decode_leave_its_sample_and_price_the_engines_tpot_by_its_duty() -> None:
+    """A reply's mean gap less the prefills its engine computed while it decoded is a sample of the
+    decode step; the time per output token predicted there is that step over 1 - the engine's duty."""
+    m = Measurements(prefill_tokens_per_s=1000.0, decode_tokens_per_s=1000.0, overhead_s=0.0,
+                     handoff_fixed_s=0.03, link_bytes_per_s=1e9)
+    d = "http://d:1"
+    m.observe_decode(d, 1, 1.0)                                       # warm-up
+    t = 100.0
+    for _ in range(10):
+        # a 500-token prompt (0.5 s on the line) prefilled on D while a 101-token reply decodes there
+        # at 10 ms a step: its 100 gaps took 1.5 s, a 15 ms mean; its own prefill ended at its first token
+        own = m.dispatch("decode", d, 100, now=t - 0.1)
+        m.settle("decode", d, own, now=t)
+        beside = m.dispatch("decode", d, 500, now=t + 0.2)
+        m.settle("decode", d, beside, now=t + 0.7)
+        assert m.observe_decode(d, 2, 0.015, t, t + 1.5) == "used"
+        t += 20.0                                                      # past the duty window
+    assert m.tpot_s(d, 2, t) == pytest.approx(0.010)                  # the step, nothing prefilled lately
+    m.settle("decode", d, m.dispatch("decode", d, 2000, now=t - 3.0), now=t - 1.0)  # 2 s of the last 10
+    assert m.engine_cost("decode", d, 1, now=t).prefill_duty == pytest.approx(0.2)
+    assert m.tpot_s(d, 2, t) == pytest.approx(0.010 / 0.8)
+    assert m.tpot_s(d, 2, t + DUTY_WINDOW_S) == pytest.approx(0.010)  # out of the window: the step again
+    # a sample is kept at MIN_STEP_SHARE of itself, whatever is taken off it
+    m2 = Measurements(prefill_tokens_per_s=1000.0, decode_tokens_per_s=1000.0, overhead_s=0.0,
+                      handoff_fixed_s=0.03, link_bytes_per_s=1e9)
+    m2.observe_decode(d, 1, 1.0)
+    m2.settle("decode", d, m2.dispatch("decode", d, 10_000, now=t), now=t + 0.5)
+    for _ in range(SEED_SAMPLES):
+        m2.observe_decode(d, 1, 0.02, t, t + 1.0)
+    assert m2.tpot_s(d, 1, t + 1.0) == pytest.approx(MIN_STEP_SHARE * 0.02 / (1 - MAX_DUTY))
+
+
+def test_prefill_work_duty_window_and_what_ended_within_a_span() -> None:
+    work = PrefillWork()
+    work.add(1.0, 2.0)
+    work.add(5.0, 1.0)
+    work.add(6.0, float("nan"))                                       # not finite: not work
+    work.add(7.0, -1.0)
+    assert work.duty(6.0) == pytest.approx(0.3)
+    assert work.between(1.0, 5.0) == pytest.approx(1.0)               # ended after the start, by the end
+    assert work.between(0.0, 5.0) == pytest.approx(3.0)
+    assert work.duty(1.0 + DUTY_WINDOW_S) == pytest.approx(0.1)       # the first has left the window
+    assert work.duty(100.0) == 0.0
+    work.add(101.0, 100.0)
+    assert work.duty(101.0) == MAX_DUTY                               # capped: a saturated engine still decodes
+
+
 def test_an_engines_cost_carries_its_decode_lines_slope_for_the_decode_work_it_adds() -> None:
     m = Measurements(prefill_tokens_per_s=2000.0, decode_tokens_per_s=2000.0, overhead_s=0.0,
                      handoff_fixed_s=0.03, link_bytes_per_s=1e9)
@@ -795,13 +851,14 @@ def test_router_learns_decode_lines_from_streams_and_sends_whole_while_decode_is
     would run more than the factor slower there than on the idle prefill engine (which borrows
     that line at its own load), the next prompt goes ``whole`` with reason ``decode_load``."""
     metrics, prefill, decode, config = _auto_pools()
-    router = Router(replace(config, whole=True), prefill, decode, metrics, local=True)
+    # no whole while D learns (its 5 ms prefills give it a duty that makes it a shade slower than idle P)
+    router = Router(replace(config, whole=False), prefill, decode, metrics, local=True)
     p, d = prefill.backends[0], decode.backends[0]
     for i in range(12):
         r = _route("y" * 40, i)
         d.outstanding = 0
         router.route(RequestPlan(r.request, [r]))
-        assert r.path is RoutePath.LOCAL                  # 10 tokens, nothing learned: local
+        assert r.path is RoutePath.LOCAL                  # 10 tokens: local
         load = 1 + 2 * (i % 4)                            # 1, 3, 5, 7 in flight
         d.outstanding = load
         router.sent(r, stream=True)
@@ -814,6 +871,7 @@ def test_router_learns_decode_lines_from_streams_and_sends_whole_while_decode_is
     assert router.measurements.tpot_s(d.url, 8) == pytest.approx(0.110, rel=0.02)
     assert router.measurements.output_tokens() == 33    # each reply's token events: the output expected
     d.outstanding = 7                                     # one more there: 110 ms; on idle P: 40 ms
+    router.config = replace(router.config, whole=True)
     r = _route("y" * 40, 99)
     router.route(RequestPlan(r.request, [r]))
     assert (r.path, r.reason, r.prefill) == (RoutePath.WHOLE, "decode_load", p)
