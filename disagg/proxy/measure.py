@@ -60,11 +60,13 @@
   prefill's time on its line, when it produced its first token or reply) and
   so its *prefill duty*, the share of the last :data:`DUTY_WINDOW_S` seconds it
   spent prefilling;
-- per engine, its decode step as a line in the requests it has in flight
-  (:meth:`Measurements.observe_decode`, from each streamed single-prompt
-  reply the proxy relays: its mean gap between token events, less the prefills
-  the engine computed while it decoded spread over its gaps, against the
-  engine's requests in flight at its first token and at its end), and its time
+- per engine, its decode step as a line in the requests decoding there (in
+  flight, less the prefills sent there with no first token yet:
+  :meth:`Measurements.decoding`), from each streamed single-prompt reply the
+  proxy relays (:meth:`Measurements.observe_decode`: its mean gap between
+  token events, less the prefills the engine computed while it decoded spread
+  over its gaps, against the requests decoding there at its first token and at
+  its end), and its time
   per output token that step over ``1 - duty``: a request decoding there waits
   out the prefills computed beside it, a share ``duty`` of the engine's time.
   One line of mean gaps with those stalls in them, on a one-core decode engine
@@ -520,24 +522,32 @@ class Measurements:
         queued = self._queued(eng, now, rate)
         waiting = len(eng.pending)
         when = time.perf_counter() if now is None else now
-        tpot = self.tpot_s(url, outstanding + 1, when)
-        now_tpot = self.tpot_s(url, outstanding, when) if tpot is not None else None
+        running = max(outstanding - waiting, 0)
+        tpot = self.tpot_s(url, running + 1, when)
+        now_tpot = self.tpot_s(url, running, when) if tpot is not None else None
         return EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued,
-                          running=max(outstanding - waiting, 0), waiting=waiting,
+                          running=running, waiting=waiting,
                           tpot_s=tpot, busy_s=_busy_s(eng, outstanding),
                           tpot_added_s=max(tpot - now_tpot, 0.0) if tpot is not None and now_tpot is not None
                           else 0.0, prefill_duty=eng.work.duty(when))
 
-    def tpot_s(self, url: str, in_flight: float, now: float | None = None) -> float | None:
-        """Predicted time per output token on the engine at ``url`` with ``in_flight`` requests
-        (module doc): its decode step, over ``1 -`` its prefill duty at ``now`` (perf_counter). The
+    def decoding(self, url: str, outstanding: int) -> int:
+        """Of the engine's ``outstanding`` requests, those decoding: less the prefills sent to it
+        that have no first token yet."""
+        eng = self._engines.get(url)
+        return max(outstanding - len(eng.pending), 0) if eng is not None else outstanding
+
+    def tpot_s(self, url: str, decoding: float, now: float | None = None) -> float | None:
+        """Predicted time per output token on the engine at ``url`` with ``decoding`` requests
+        decoding there (module doc): its decode step, over ``1 -`` its prefill duty at ``now``
+        (perf_counter). The
         step: its own line once it has :data:`SEED_SAMPLES` samples, else the mean of the lines of
         the engines that have them, else None."""
         own = self._decode.get(url)
         if own is not None and own.samples >= SEED_SAMPLES:
-            step = own.predict(in_flight)
+            step = own.predict(decoding)
         else:
-            known = [f.predict(in_flight) for f in self._decode.values() if f.samples >= SEED_SAMPLES]
+            known = [f.predict(decoding) for f in self._decode.values() if f.samples >= SEED_SAMPLES]
             if not known:
                 return None
             step = sum(known) / len(known)
@@ -545,11 +555,11 @@ class Measurements:
         duty = eng.work.duty(time.perf_counter() if now is None else now) if eng is not None else 0.0
         return step / (1.0 - duty)
 
-    def observe_decode(self, url: str, in_flight: float, tpot_s: float, first: float | None = None,
+    def observe_decode(self, url: str, decoding: float, tpot_s: float, first: float | None = None,
                        last: float | None = None) -> str:
         """A streamed reply from the engine at ``url`` averaged ``tpot_s`` seconds between token
         events, from its first at ``first`` to its last at ``last`` (perf_counter), with about
-        ``in_flight`` requests in flight there (its own included): a sample of the engine's decode
+        ``decoding`` requests decoding there (its own included): a sample of the engine's decode
         step once the prefills it computed in that time are taken off, spread over the reply's gaps
         (kept at :data:`MIN_STEP_SHARE` of ``tpot_s`` at least; none taken off without ``first``
         and ``last``); returns what the line made of it (:meth:`EwFit.add`)."""
@@ -561,7 +571,7 @@ class Measurements:
         if eng is not None and first is not None and last is not None and last > first and tpot_s > 0:
             gaps = (last - first) / tpot_s
             step = max(tpot_s - eng.work.between(first, last) / gaps, MIN_STEP_SHARE * tpot_s)
-        return fit.add(in_flight, step)
+        return fit.add(decoding, step)
 
     def observe_output(self, tokens: float) -> None:
         """A streamed reply ended well with ``tokens`` output tokens (its token events): a sample of

@@ -106,8 +106,8 @@ class _Flight:
     decode_in_flight: int = 0
     #: streamed split: its predicted TTFT less the fixed cost when sent
     streamed_arrival: float | None = None
-    #: requests in flight on the engine that streams the answer, at its first token
-    in_flight_at_first: int | None = None
+    #: requests decoding on the engine that streams the answer, at its first token (this one included)
+    decoding_at_first: int | None = None
     tokens: dict[str, int] = field(default_factory=dict)
     #: split: its handoff in transit on the link, (prefill URL, decode URL, handle), until its first token
     transit: tuple[str, str, Transit] | None = None
@@ -307,7 +307,8 @@ class Router:
 
     def _decode_s(self, route: PromptRoute, backend: Backend) -> float:
         """How long the route is expected to decode on ``backend`` (0 while its decode line is unknown)."""
-        tpot = self.measurements.tpot_s(backend.url, backend.outstanding + 1)
+        m = self.measurements
+        tpot = m.tpot_s(backend.url, m.decoding(backend.url, backend.outstanding) + 1)
         return route.expected_out * tpot if tpot is not None else 0.0
 
     def _unbook_kv(self, flight: _Flight, *, prefill_only: bool = False) -> None:
@@ -389,7 +390,7 @@ class Router:
         self._unbook_kv(flight, prefill_only=True)
         answering = route.prefill if route.path is RoutePath.WHOLE else route.decode
         if answering is not None:
-            flight.in_flight_at_first = answering.outstanding
+            flight.decoding_at_first = self.measurements.decoding(answering.url, answering.outstanding)
             if flight.kv_decode is not None:
                 self.kv.retime(flight.kv_decode, when + self._decode_s(route, answering))
         if route.path is RoutePath.SPLIT:
@@ -428,10 +429,10 @@ class Router:
     def decoded(self, route: PromptRoute, backend: Backend, token_events: int, first: float, last: float) -> None:
         """A streamed single-prompt, single-choice reply from ``backend`` ended well: ``token_events``
         token events, the first sent at ``first`` and the last at ``last`` (perf_counter). Its mean gap
-        is a sample of the engine's decode line at the mean of its requests in flight at the first
+        is a sample of the engine's decode line at the mean of its requests decoding at the first
         token and now (both count this one), counted with ``fit="decode"``."""
         flight = _notes(route)
-        if flight is None or flight.in_flight_at_first is None or route.served is Served.FALLBACK:
+        if flight is None or flight.decoding_at_first is None or route.served is Served.FALLBACK:
             return
         self.measurements.observe_output(token_events)
         if token_events < MIN_DECODE_EVENTS:
@@ -441,8 +442,9 @@ class Router:
             error = abs(route.predicted_tpot_s - observed) / observed
             self.metrics.route_tpot_error.labels(route.taken).observe(error)
             self.tpot_error.observe(error)
-        in_flight = (flight.in_flight_at_first + backend.outstanding) / 2
-        self._sampled("decode", self.measurements.observe_decode(backend.url, in_flight, observed, first, last))
+        m = self.measurements
+        decoding = (flight.decoding_at_first + m.decoding(backend.url, backend.outstanding)) / 2
+        self._sampled("decode", m.observe_decode(backend.url, decoding, observed, first, last))
 
     def _sampled(self, fit: str, outcome: str) -> None:
         self.metrics.route_samples.labels(fit, outcome).inc()
