@@ -794,6 +794,19 @@ def test_prefills_computed_beside_a_decode_leave_its_sample_and_price_the_engine
     assert m2.tpot_s(d, 1, t + 1.0) == pytest.approx(MIN_STEP_SHARE * 0.02 / (1 - MAX_DUTY))
 
 
+def test_the_requests_decoding_on_an_engine_are_those_in_flight_less_its_unanswered_prefills() -> None:
+    m = Measurements(prefill_tokens_per_s=1000.0, decode_tokens_per_s=1000.0, overhead_s=0.0,
+                     handoff_fixed_s=0.03, link_bytes_per_s=1e9)
+    d = "http://d:1"
+    assert m.decoding(d, 3) == 3                                      # nothing sent there yet
+    first = m.dispatch("decode", d, 100, now=0.0)
+    m.dispatch("decode", d, 100, now=0.0)
+    assert m.decoding(d, 5) == 3 and m.decoding(d, 1) == 0           # never below 0
+    assert m.engine_cost("decode", d, 5, now=0.0).running == 3
+    m.settle("decode", d, first, now=0.1)                             # its first token: decoding now
+    assert m.decoding(d, 5) == 4
+
+
 def test_prefill_work_duty_window_and_what_ended_within_a_span() -> None:
     work = PrefillWork()
     work.add(1.0, 2.0)
