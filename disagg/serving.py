@@ -37,8 +37,12 @@ EXPLORE_WITHIN = 2.0
 #: (:mod:`disagg.proxy.policy`, the ``decode_load`` rule); the option then competes on its score.
 #: 1.0 (offered whenever the decode side would decode slower) replaced a 1.25 margin after 20
 #: workloads at saturation (docs/results.md, 2026-12-03 22:29-23:09): mean goodput +3%, worst
-#: repeat 95 good requests of 120 instead of 78, per-workload wins and losses even
-WHOLE_TPOT_FACTOR = 1.0
+#: repeat 95 good requests of 120 instead of 78, per-workload wins and losses even. 1.05, not 1.0:
+#: the time per output token is a decode step over 1 - the engine's prefill duty, and one short
+#: prompt prefilled on a decode engine (a few ms in the duty's 10 s) made it decode a fraction of
+#: a percent slower than an idle prefill engine on the same line, which offered ``whole`` to prompts
+#: that any decode engine served as well
+WHOLE_TPOT_FACTOR = 1.05
 
 #: ``proxy.log_level`` / ``--log-level``: ``debug`` adds one line per routing decision (every
 #: option's predicted TTFT) and one per prompt's first token (observed against predicted)

@@ -531,11 +531,15 @@ class Measurements:
                           tpot_added_s=max(tpot - now_tpot, 0.0) if tpot is not None and now_tpot is not None
                           else 0.0, prefill_duty=eng.work.duty(when))
 
-    def decoding(self, url: str, outstanding: int) -> int:
-        """Of the engine's ``outstanding`` requests, those decoding: less the prefills sent to it
-        that have no first token yet."""
+    def decoding(self, url: str, outstanding: int, now: float | None = None) -> int:
+        """Of the engine's ``outstanding`` requests, those decoding at ``now`` (perf_counter): less
+        the prefills sent to it that have no first token yet (a non-streamed one until its
+        predicted end, as in :meth:`queued_tokens`)."""
         eng = self._engines.get(url)
-        return max(outstanding - len(eng.pending), 0) if eng is not None else outstanding
+        if eng is None:
+            return outstanding
+        when = time.perf_counter() if now is None else now
+        return max(outstanding - sum(1 for p in eng.pending if p.until > when), 0)
 
     def tpot_s(self, url: str, decoding: float, now: float | None = None) -> float | None:
         """Predicted time per output token on the engine at ``url`` with ``decoding`` requests

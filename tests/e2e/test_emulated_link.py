@@ -101,6 +101,7 @@ from disagg.linkemu import netns_unavailable_reason
 from disagg.measurements import store_prefill
 from disagg.prometheus_text import sample_sum
 from disagg.prompts import exact_prompt, load_tokenizer
+from disagg.proxy.measure import DUTY_WINDOW_S
 from disagg.topology import load_topology
 from harness.engines import (
     ENGINE_ARGS,
@@ -323,11 +324,17 @@ roles:
         # engine the estimate of its own compute that the emulation holds a step by before its
         # forward, so that the streamed split below cannot hand over the KV sooner than the
         # emulated host would have (connectors/emulated_prefill.py)
+        warmed = time.monotonic()
         _idle(prefill)   # any warm-up split's prefill request finished (or cancelled) and counted
         p_before = get_text(prefill + "/metrics")
         plain_answer(prefill, body(LONG, "rate", max_tokens=1))
         prefill_rate = _prefill_rate(p_before, _prefilled(prefill, p_before))
 
+        # the warm-up's local prefills leave the proxy's prefill duty of the decode engine (the share
+        # of its last DUTY_WINDOW_S seconds spent prefilling, which prices its time per output token):
+        # until then it looks a shade slower per token than the idle prefill engine, and the
+        # ``decode_load`` rule would serve the busy prompts below whole there
+        time.sleep(max(0.0, DUTY_WINDOW_S - (time.monotonic() - warmed)))
         phases["warm-up"] = time.monotonic()
         busy: list[_LongDecode] = []
         try:

@@ -805,6 +805,8 @@ def test_the_requests_decoding_on_an_engine_are_those_in_flight_less_its_unanswe
     assert m.engine_cost("decode", d, 5, now=0.0).running == 3
     m.settle("decode", d, first, now=0.1)                             # its first token: decoding now
     assert m.decoding(d, 5) == 4
+    m.dispatch("decode", d, 100, until=1.0, now=0.5)                  # not streamed: until its predicted end
+    assert m.decoding(d, 5, now=0.9) == 3 and m.decoding(d, 5, now=1.0) == 4
 
 
 def test_prefill_work_duty_window_and_what_ended_within_a_span() -> None:
