@@ -66,18 +66,17 @@
   proxy relays (:meth:`Measurements.observe_decode`: its mean gap between
   token events, less the prefills the engine computed while it decoded spread
   over its gaps, against the requests decoding there at its first token and at
-  its end), and its time
-  per output token that step over ``1 - duty``: a request decoding there waits
-  out the prefills computed beside it, a share ``duty`` of the engine's time.
-  One line of mean gaps with those stalls in them, on a one-core decode engine
-  at 4 req/s, predicted 4.9-5.7 ms per token with nothing in flight, where
-  requests took 2.3-3.5, and the routing judged a third of its prompts unable
-  to meet a 4.6 ms objective: how often prefills come is the router's doing,
-  not the load's. No seed: flat (one
-  figure whatever the load) until the samples' loads differ, and an engine
-  without :data:`SEED_SAMPLES` samples of its own is priced with the mean of the
-  others' step lines (a prefill engine serves no decodes until the policy sends it
-  ``whole`` requests) over its own duty; :meth:`Measurements.tpot_s`, and ``EngineCost.tpot_s``
+  its end), and its time per output token that step over ``1 - duty``: a
+  request decoding there waits out the prefills computed beside it, a share
+  ``duty`` of the engine's time. One line of mean gaps with those stalls in
+  them, on a one-core decode engine at 4 req/s, predicted 4.9-5.7 ms per token
+  with nothing in flight, where requests took 2.3-3.5, and the routing judged
+  a third of its prompts unable to meet a 4.6 ms objective: how often prefills
+  come is the router's doing, not the load's. No seed: flat (one figure
+  whatever the load) until the samples' loads differ, and an engine without
+  :data:`SEED_SAMPLES` samples of its own is priced with the mean of the
+  others' step lines (a prefill engine serves no decodes until the policy
+  sends it ``whole`` requests) over its own duty; :meth:`Measurements.tpot_s`, and ``EngineCost.tpot_s``
   for the ``decode_load`` rule of :mod:`disagg.proxy.policy`, and with the line's
   slope (``EngineCost.tpot_added_s``) for the decode work an option places on an
   engine (:func:`disagg.routecost.decode_s`);
@@ -177,7 +176,8 @@ MIN_STEP_SHARE = 0.25
 class PrefillWork:
     """The prefill compute one engine did lately: (when it ended, seconds on the engine's line).
 
-    :meth:`Measurements.settle` adds each prefill that produced its first token or reply there;
+    :meth:`Measurements._finish` adds each prefill done there (its first token or reply, or a
+    non-streamed one's predicted end);
     :meth:`Measurements.tpot_s` reads :meth:`duty`, and :meth:`Measurements.observe_decode`
     :meth:`between` (the prefills computed while a request decoded there)."""
 
