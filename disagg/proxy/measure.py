@@ -522,7 +522,7 @@ class Measurements:
         queued = self._queued(eng, now, rate)
         waiting = len(eng.pending)
         when = time.perf_counter() if now is None else now
-        running = max(outstanding - waiting, 0)
+        running = self.decoding(url, outstanding, when)
         tpot = self.tpot_s(url, running + 1, when)
         now_tpot = self.tpot_s(url, running, when) if tpot is not None else None
         return EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued,
