@@ -54,8 +54,7 @@ STREAM_WAIT_S = 3
 CHUNK_TOKENS = 256
 #: P's prefill rate, tokens/s (connectors/emulated_prefill.py holds each of P's prefill steps to it):
 #: a floor under P's prefill time, so that a test that cuts a streamed HUGE prompt short (more
-#: than two seconds at this rate) finds P mid-prompt however fast the machine prefills natively, and the
-#: test polling P's /metrics sees it running on a loaded machine
+#: than two seconds at this rate) finds P mid-prompt however fast the machine prefills natively
 PREFILL_RATE = 2500
 #: the engines' arguments: no torch.compile, as every engine of the e2e tests (harness.engines.ENGINE_ARGS);
 #: compiling costs each bring-up of the pair about 15 s and changes none of its answers
