@@ -544,9 +544,8 @@ class Measurements:
     def tpot_s(self, url: str, decoding: float, now: float | None = None) -> float | None:
         """Predicted time per output token on the engine at ``url`` with ``decoding`` requests
         decoding there (module doc): its decode step, over ``1 -`` its prefill duty at ``now``
-        (perf_counter). The
-        step: its own line once it has :data:`SEED_SAMPLES` samples, else the mean of the lines of
-        the engines that have them, else None."""
+        (perf_counter). The step: its own line once it has :data:`SEED_SAMPLES` samples, else the
+        mean of the lines of the engines that have them, else None."""
         own = self._decode.get(url)
         if own is not None and own.samples >= SEED_SAMPLES:
             step = own.predict(decoding)

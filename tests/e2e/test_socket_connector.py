@@ -53,7 +53,7 @@ from tests.e2e.socket_pair import (
 pytestmark = pytest.mark.e2e
 
 #: how long a test waits for P to be idle before it sends a streamed handoff
-STARTED_WITHIN_S = 30.0
+IDLE_WITHIN_S = 30.0
 #: when a test cuts a streamed HUGE handoff short at the latest, seconds after sending it
 CUT_AFTER_S = 0.6
 
@@ -71,7 +71,7 @@ async def _sent_both(session: aiohttp.ClientSession, p: Engine, d: Engine, promp
     The tests check afterwards that P had not completed the stream."""
     p_params, d_params = stream_params(p)
     # P idle first: then any request /metrics shows running is this prompt
-    await wait_for(lambda: metric(p.url, "vllm:num_requests_running") == 0, STARTED_WITHIN_S, "P to be idle")
+    await wait_for(lambda: metric(p.url, "vllm:num_requests_running") == 0, IDLE_WITHIN_S, "P to be idle")
     decode = asyncio.create_task(complete(session, d, prompt, max_tokens, d_params))
     prefill = asyncio.create_task(complete(session, p, prompt, 1, p_params))
     sent = time.monotonic()
