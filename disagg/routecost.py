@@ -181,6 +181,27 @@ def handoff_fixed_s(connector: str, streaming: bool = False) -> float:
 
 
 @dataclass(frozen=True)
+class Decoding:
+    """One request decoding on an engine, as far as its stream has come: ``elapsed_s`` since its first
+    token, ``gaps`` between the tokens sent so far, ``total_gaps`` it is expected to have in all (its
+    expected output tokens less one). Its TPOT is the mean gap over all of them, so what it may still
+    spend and meet a TPOT objective is the objective over every gap less what it has spent."""
+
+    elapsed_s: float
+    gaps: float
+    total_gaps: float
+
+    def left_gaps(self) -> float:
+        """The gaps it has still to go (at least one: a request past its expected length goes on)."""
+        return max(self.total_gaps - self.gaps, 1.0)
+
+    def allowed_tpot_s(self, objective_s: float) -> float:
+        """The time per output token its remaining gaps may take and still meet ``objective_s``
+        (0 or below: it has missed it already)."""
+        return (objective_s * max(self.total_gaps, self.gaps + 1.0) - self.elapsed_s) / self.left_gaps()
+
+
+@dataclass(frozen=True)
 class EngineCost:
     """What predicts a prefill on one engine.
 
@@ -211,6 +232,9 @@ class EngineCost:
     kv_frees: tuple[tuple[float, float], ...] = ()
     #: the share of its time it spent prefilling lately (in ``tpot_s``; for the proxy's log)
     prefill_duty: float = 0.0
+    #: the requests decoding there whose streams the proxy sees, each with its progress (the rest of
+    #: ``running`` are taken as on the line from their first token: :func:`running_harm`)
+    decodes: tuple[Decoding, ...] = ()
 
     def wait_s(self) -> float:
         """Queue wait: the outstanding prefill tokens at this engine's rate."""
@@ -609,16 +633,33 @@ def running_harm(engine: EngineCost, stall_s: float, joins: int, out_tokens: flo
                  error: float) -> float:
     """How many of the requests decoding on ``engine`` are expected to miss the TPOT objective
     because of what an option adds there: a prefill of ``stall_s`` seconds computed on it (each
-    running decode waits that out once, spread over its ``out_tokens`` - 1 gaps) and ``joins``
-    more requests decoding beside them (each step ``tpot_added_s`` longer for each). Their TPOT
-    now is taken as the engine's line (``tpot_s``). 0 without a TPOT objective, a decode line,
-    or running decodes."""
+    running decode waits it out once) and ``joins`` more requests decoding beside them (each step
+    ``tpot_added_s`` longer for each). Their steps to come are taken at the engine's line
+    (``tpot_s``). Those whose streams the proxy sees (``engine.decodes``) are judged by where each
+    stands: the stall spread over the gaps it has still to go, against the time per output token
+    it may still spend (:meth:`Decoding.allowed_tpot_s`), so one that has missed already, or that
+    has time to spare, is not harmed, and the stall falls where it costs the fewest. The others
+    (up to ``running``) are taken as on the line from their first token, the stall spread over
+    their ``out_tokens`` - 1 gaps. 0 without a TPOT objective or a decode line."""
     if slo.tpot_s is None or engine.tpot_s is None or engine.running <= 0:
         return 0.0
-    gaps = max(out_tokens - 1.0, 1.0)
-    before = meet_probability(engine.tpot_s, slo.tpot_s, error)
-    after = meet_probability(engine.tpot_s + stall_s / gaps + joins * engine.tpot_added_s, slo.tpot_s, error)
-    return engine.running * max(before - after, 0.0)
+    step = engine.tpot_s
+    added = joins * engine.tpot_added_s
+    harm = 0.0
+    seen = engine.decodes[:engine.running]
+    for d in seen:
+        allowed = d.allowed_tpot_s(slo.tpot_s)
+        if allowed <= 0:
+            continue
+        before = meet_probability(step, allowed, error)
+        harm += max(before - meet_probability(step + stall_s / d.left_gaps() + added, allowed, error), 0.0)
+    unseen = engine.running - len(seen)
+    if unseen > 0:
+        gaps = max(out_tokens - 1.0, 1.0)
+        before = meet_probability(step, slo.tpot_s, error)
+        after = meet_probability(step + stall_s / gaps + added, slo.tpot_s, error)
+        harm += unseen * max(before - after, 0.0)
+    return harm
 
 
 def slo_value(option: OptionCost, tokens: float, prefill: EngineCost, decode: EngineCost, out_tokens: float,

@@ -447,6 +447,8 @@ async def _serve_plan(request: web.Request, state: ProxyState, plan: RequestPlan
             resp = reply.response
             if resp.status != 200:
                 timing.on_first = None
+            elif req.stream and _samples(req.body) == 1:
+                route.watch(timing)
             if is_event_stream(resp):
                 out = await relay_stream(request, upstream, reply.backend, resp, rid, timing, routed,
                                          reply.id_suffix.encode())

@@ -82,7 +82,9 @@ maximises the number of requests expected to meet both objectives
 predicted TTFT) and its TPOT objective (the decode line of the engine that will decode it),
 less the running decodes expected to miss their TPOT objective because of it (its prefill's
 stall on the engine that computes it, one more request in the batch of the engine that
-decodes it; :func:`disagg.routecost.running_harm`). Chances come from a distribution, not a
+decodes it; :func:`disagg.routecost.running_harm`: a decode whose stream the router follows,
+``EngineCost.decodes``, is judged by the time per token it may still spend, so one that has
+missed already or has time to spare is not harmed). Chances come from a distribution, not a
 safety margin: the observed value is the prediction times a log-normal error of the typical
 size the proxy has measured of its own predictions so far (``disagg_route_ttft_error_ratio``,
 ``disagg_route_tpot_error_ratio``; :data:`~disagg.routecost.DEFAULT_PREDICTION_ERROR` before

@@ -10,7 +10,10 @@ which the router learns (:class:`~disagg.proxy.routes.PromptRoute`, its lifecycl
 
 1. :meth:`Router.sent` as a route goes out (its prefill now counts in the engine's queue);
 2. :meth:`Router.prefill_done` when a split route's prefill engine answers (from the handoff);
-3. :meth:`Router.first_token` when a streamed single-prompt reply sends its first event;
+3. :meth:`Router.watch` when a single-choice reply streams (with a TPOT objective, the router
+   follows its progress on the engine that decodes it, from its first token to its end: the
+   ``decodes`` of that engine's cost), then :meth:`Router.first_token` when a streamed
+   single-prompt reply sends its first event;
 4. :meth:`Router.decoded` when such a reply (one choice) ended well: its time per output
    token is a sample of the decode line of the engine that served it, and its token count
    one of the output tokens a request is expected to decode (:func:`expected_output_tokens`);
@@ -54,7 +57,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -65,8 +68,8 @@ from disagg.proxy.measure import QUEUED_SHARE, Measurements, Transit
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.proxy.promptlen import PromptLength
-from disagg.proxy.routes import CHAT, PromptRoute, RequestPlan, RoutePath, Served
-from disagg.routecost import DEFAULT_HANDOFF_FIXED_S, DEFAULT_PREDICTION_ERROR, Option
+from disagg.proxy.routes import CHAT, PromptRoute, RequestPlan, RoutePath, Served, StreamProgress
+from disagg.routecost import DEFAULT_HANDOFF_FIXED_S, DEFAULT_PREDICTION_ERROR, Decoding, Option
 
 log = logging.getLogger("disagg.proxy")
 
@@ -116,6 +119,13 @@ class _Flight:
     #: a split's on its prefill engine until the decode engine has the KV
     kv_decode: KvHold | None = None
     kv_prefill: KvHold | None = None
+    #: a single-choice stream's count of token events (:meth:`Router.watch`; None: not streamed)
+    progress: StreamProgress | None = None
+    #: while it decodes where the router follows it (SLO routing): that engine's URL, its first
+    #: token (perf_counter) and the token gaps it is expected to have in all
+    decoding_on: str | None = None
+    first: float = 0.0
+    total_gaps: float = 0.0
 
 
 class Router:
@@ -156,6 +166,9 @@ class Router:
                                                                        config.explore_decisions)
         #: what each engine's KV cache holds for the routes in flight (the wait for room there)
         self.kv = KvLedger()
+        #: with a TPOT objective: per engine URL, the streamed routes decoding there (by id), whose
+        #: progress the SLO routing weighs (``EngineCost.decodes``)
+        self._decoding: dict[str, dict[int, _Flight]] = {}
         self.clock = clock
         for pool in (prefill, decode):
             if pool is not None:
@@ -166,6 +179,8 @@ class Router:
         self.measurements.forget(backend.url)
         self.explorer.forget(backend.url)
         self.kv.forget(backend.url)
+        for flight in self._decoding.pop(backend.url, {}).values():
+            flight.decoding_on = None
 
     # --- deciding --------------------------------------------------------------------
 
@@ -179,6 +194,9 @@ class Router:
             if b.kv_capacity_tokens is not None:
                 free, frees = self.kv.room(b.url, b.kv_capacity_tokens, now)
                 cost = replace(cost, kv_free_tokens=free, kv_frees=frees)
+            followed = self._decoding.get(b.url)
+            if followed:
+                cost = replace(cost, decodes=_progress(followed.values(), now))
             out.append(Candidate(b, cost))
         return out
 
@@ -371,6 +389,13 @@ class Router:
                       route.request.request_id, tokens, seconds * 1e3, flight.queued_ahead,
                       flight.in_flight_at_send, outcome)
 
+    def watch(self, route: PromptRoute, progress: StreamProgress) -> None:
+        """``route``'s reply streams one choice, its token events counted by ``progress``: with a TPOT
+        objective the router follows it while it decodes (from :meth:`first_token` to :meth:`finished`)."""
+        flight = _notes(route)
+        if flight is not None and self.slo is not None and self.slo.tpot_s is not None:
+            flight.progress = progress
+
     def first_token(self, route: PromptRoute, when: float) -> None:
         """A streamed single-prompt reply sent its first event at ``when`` (TTFT from ``route.started``)."""
         path = route.taken
@@ -391,6 +416,10 @@ class Router:
         answering = route.prefill if route.path is RoutePath.WHOLE else route.decode
         if answering is not None:
             flight.decoding_at_first = self.measurements.decoding(answering.url, answering.outstanding)
+            if flight.progress is not None:
+                flight.decoding_on, flight.first = answering.url, when
+                flight.total_gaps = (route.expected_out or float(COMPLETIONS_DEFAULT_MAX_TOKENS)) - 1.0
+                self._decoding.setdefault(answering.url, {})[id(flight)] = flight
             if flight.kv_decode is not None:
                 self.kv.retime(flight.kv_decode, when + self._decode_s(route, answering))
         if route.path is RoutePath.SPLIT:
@@ -453,6 +482,9 @@ class Router:
         """The route is over (served, failed or cancelled)."""
         flight, route.notes = _notes(route), None
         if flight is not None:
+            if flight.decoding_on is not None:
+                self._decoding.get(flight.decoding_on, {}).pop(id(flight), None)
+                flight.decoding_on = None
             self._settle(flight, done=False)   # still queued here: it never answered
             self._land(flight)
             self._unbook_kv(flight)
@@ -506,6 +538,12 @@ def _notes(route: PromptRoute) -> _Flight | None:
     """What the router noted of ``route`` when it was sent (None: not sent, or not noted)."""
     notes = route.notes
     return notes if isinstance(notes, _Flight) else None
+
+
+def _progress(flights: Iterable[_Flight], now: float) -> tuple[Decoding, ...]:
+    """Where each followed route decoding on one engine stands at ``now`` (perf_counter)."""
+    return tuple(Decoding(now - f.first, max(f.progress.token_events - 1, 0) if f.progress is not None else 0,
+                          f.total_gaps) for f in flights)
 
 
 def _engine_fit(flight: _Flight) -> str:

@@ -139,6 +139,13 @@ class RoutePath(enum.StrEnum):
     WHOLE = "whole"     # a prefill engine serves the request alone (routing policy auto)
 
 
+class StreamProgress(Protocol):
+    """How far a streamed reply has come, as the relay counts it (:class:`~disagg.proxy.relay.StreamTiming`)."""
+
+    @property
+    def token_events(self) -> int: ...
+
+
 class RouteLearner(Protocol):
     """What learns from routes as they run: the proxy's :class:`~disagg.proxy.router.Router`.
 
@@ -151,6 +158,8 @@ class RouteLearner(Protocol):
 
     def prefill_done(self, route: PromptRoute, backend: Backend, seconds: float,
                      prompt_tokens: int | None) -> None: ...
+
+    def watch(self, route: PromptRoute, progress: StreamProgress) -> None: ...
 
     def first_token(self, route: PromptRoute, when: float) -> None: ...
 
@@ -188,8 +197,9 @@ class PromptRoute:
 
     1. :meth:`sent` by the app as the route goes out (:func:`disagg.proxy.app._open_reply`);
     2. :meth:`prefill_answered` by the handoff when a split's prefill engine answers;
-    3. :meth:`first_token` by the relay's timing when a streamed single-prompt reply sends
-       its first event;
+    3. :meth:`watch` by the app when a single-prompt, single-choice reply streams (the relay's
+       count of its token events, read as it goes), then :meth:`first_token` by the relay's
+       timing when a streamed single-prompt reply sends its first event;
     4. :meth:`decoded` by the app when such a reply (one choice) ended well;
     5. :meth:`finished` by the app when the route is over, whatever happened (always, once).
 
@@ -229,6 +239,11 @@ class PromptRoute:
         ``prompt_tokens`` (None: its reply did not say)."""
         if self.learner is not None:
             self.learner.prefill_done(self, backend, seconds, prompt_tokens)
+
+    def watch(self, progress: StreamProgress) -> None:
+        """The reply (a single choice) streams; ``progress`` counts its token events as they are sent."""
+        if self.learner is not None:
+            self.learner.watch(self, progress)
 
     def first_token(self, when: float) -> None:
         """A streamed single-prompt reply sent its first event at ``when`` (perf_counter)."""

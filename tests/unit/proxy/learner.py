@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from disagg.proxy.backends import Backend
-from disagg.proxy.routes import PromptRoute
+from disagg.proxy.routes import PromptRoute, StreamProgress
 
 
 @dataclass
@@ -21,6 +21,9 @@ class PrefillAnswers:
 
     def prefill_done(self, route: PromptRoute, backend: Backend, seconds: float, prompt_tokens: int | None) -> None:
         self.seen.append((route, backend.url, seconds, prompt_tokens))
+
+    def watch(self, route: PromptRoute, progress: StreamProgress) -> None:
+        pass
 
     def first_token(self, route: PromptRoute, when: float) -> None:
         pass

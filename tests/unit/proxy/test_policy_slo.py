@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -21,6 +21,7 @@ from disagg.proxy.router import Router
 from disagg.proxy.routes import COMPLETIONS, GenerationRequest, PromptRoute, RequestPlan, RoutePath
 from disagg.routecost import (
     DEFAULT_PREDICTION_ERROR,
+    Decoding,
     EngineCost,
     LinkCost,
     Option,
@@ -63,6 +64,34 @@ def test_a_prefill_harms_the_running_decodes_only_past_their_tpot_slack() -> Non
     assert 9.0 < harmed <= 10.0                          # 20 ms + 1 s / 63 gaps = 36 ms > 25 ms: nearly all ten
     assert running_harm(IDLE_P, stall, 0, 64.0, tight, 0.1) == 0.0      # nothing decoding there
     assert running_harm(BUSY_D, stall, 0, 64.0, ServiceObjective(ttft_s=1.0), 0.1) == 0.0
+
+
+def test_running_decodes_the_proxy_follows_are_judged_by_where_each_stands() -> None:
+    """Three decodes at 20 ms a token against a 25 ms objective, 63 gaps each: one has missed it
+    already (a 3 s stall behind it), one is nearly done with time to spare (it ran at 10 ms), one
+    is halfway on the line. A 0.25 s prefill can only push the last one past the objective, and the count says so
+    where the line alone (all three at 20 ms from their first token) says all three."""
+    tight = ServiceObjective(tpot_s=0.025)
+    lost = Decoding(elapsed_s=3.0 + 0.02 * 10, gaps=10, total_gaps=63)
+    ahead = Decoding(elapsed_s=0.01 * 60, gaps=60, total_gaps=63)
+    halfway = Decoding(elapsed_s=0.02 * 31, gaps=31, total_gaps=63)
+    assert lost.allowed_tpot_s(0.025) < 0 < ahead.allowed_tpot_s(0.025)
+    assert ahead.allowed_tpot_s(0.025) == pytest.approx((0.025 * 63 - 0.6) / 3)     # 325 ms a token left
+    engine = replace(BUSY_D, running=3, tpot_added_s=0.0)
+    stall = 0.25
+    unseen = running_harm(engine, stall, 0, 64.0, tight, 0.1)
+    assert unseen == pytest.approx(3 * (meet_probability(0.020, 0.025, 0.1)
+                                        - meet_probability(0.020 + 0.25 / 63, 0.025, 0.1)))
+    followed = replace(engine, decodes=(lost, ahead, halfway))
+    only_halfway = meet_probability(0.020, halfway.allowed_tpot_s(0.025), 0.1) \
+        - meet_probability(0.020 + 0.25 / 32, halfway.allowed_tpot_s(0.025), 0.1)
+    assert running_harm(followed, stall, 0, 64.0, tight, 0.1) == pytest.approx(only_halfway, abs=1e-3)
+    assert 0.1 < only_halfway < unseen / 3
+    # the two it does not follow are taken as on the line, as before
+    assert running_harm(replace(followed, running=5, decodes=(lost,)), stall, 0, 64.0, tight, 0.1) \
+        == pytest.approx(4 * unseen / 3)
+    # a request past its expected length still has a gap to go
+    assert Decoding(elapsed_s=1.0, gaps=80, total_gaps=63).left_gaps() == 1.0
 
 
 def test_with_a_tight_tpot_objective_a_long_prompt_leaves_the_busy_decode_engine() -> None:
@@ -165,6 +194,53 @@ def test_the_router_routes_for_the_slo_and_learns_the_error_of_its_tpot_predicti
     assert router.tpot_error.value == pytest.approx(DEFAULT_PREDICTION_ERROR + 0.05 * (0.5 - DEFAULT_PREDICTION_ERROR))
     route.decoded(d, 20, 1.0, 2.0)             # after finished(): nobody is told any more
     assert sample_sum(metrics.render().decode(), "disagg_route_tpot_error_ratio_count", path=route.path.value) == 1
+
+
+def test_the_router_follows_the_streams_decoding_on_each_engine_while_they_run() -> None:
+    """With a TPOT objective, a watched stream counts on the engine that decodes it from its first
+    token to its end, with its progress (the token events the relay counted); a stream not
+    watched (several choices, not streamed) or a route without an SLO is not followed."""
+    metrics = ProxyMetrics()
+    prefill, decode = BackendPool("prefill", ["http://p:1"], metrics), BackendPool("decode", ["http://d:1"], metrics)
+    for pool in (prefill, decode):
+        pool.mark_up(pool.backends[0])
+
+    @dataclass
+    class Counted:
+        token_events: int = 0
+
+    def started(router: Router, watched: Counted | None) -> PromptRoute:
+        body = {"prompt": "x" * 400, "stream": True, "max_tokens": 64}
+        req = GenerationRequest(COMPLETIONS, body, json.dumps(body).encode(), {}, "r")
+        route = PromptRoute(0, req, RoutePath.SPLIT)
+        router.route(RequestPlan(req, [route]), started=0.0)
+        route.sent(stream=True, now=time.perf_counter())
+        if watched is not None:
+            route.watch(watched)
+        route.first_token(time.perf_counter())
+        return route
+
+    for slo in ({"slo_ttft_s": 1.0}, {"slo_ttft_s": 1.0, "slo_tpot_s": 0.05}):
+        config = RoutingConfig(policy="auto", kv_bytes_per_token=1024.0, prefill_tokens_per_s=2000.0,
+                               link_bytes_per_s=1e9, handoff_fixed_s=0.03, **slo)
+        router = Router(config, prefill, decode, metrics, local=True)
+        progress = Counted()
+        route, unwatched = started(router, progress), started(router, None)
+        engine = route.prefill if route.path is RoutePath.WHOLE else route.decode
+        assert engine is not None, (route.path, route.reason)
+        engine.outstanding += 1                         # the app's lease, as the route is served
+        progress.token_events = 11
+        pool = decode if engine.role == "decode" else prefill
+        costs = router._candidates(pool)[0].cost
+        if "slo_tpot_s" not in slo:
+            assert costs.decodes == ()
+            continue
+        (followed,) = costs.decodes
+        assert followed.gaps == 10 and followed.total_gaps == 63 and followed.elapsed_s >= 0
+        route.finished()
+        unwatched.finished()
+        engine.outstanding -= 1
+        assert router._candidates(pool)[0].cost.decodes == ()
 
 
 def test_an_slo_is_a_routing_setting_of_its_own() -> None:
