@@ -635,25 +635,32 @@ def running_harm(engine: EngineCost, stall_s: float, joins: int, out_tokens: flo
     because of what an option adds there: a prefill of ``stall_s`` seconds computed on it (each
     running decode waits it out once) and ``joins`` more requests decoding beside them (each step
     ``tpot_added_s`` longer for each). Their steps to come are taken at the engine's line
-    (``tpot_s``). Those whose streams the proxy sees (``engine.decodes``) are judged by where each
-    stands: the stall spread over the gaps it has still to go, against the time per output token
-    it may still spend (:meth:`Decoding.allowed_tpot_s`), so one that has missed already, or that
-    has time to spare, is not harmed, and the stall falls where it costs the fewest. The others
-    (up to ``running``) are taken as on the line from their first token, the stall spread over
-    their ``out_tokens`` - 1 gaps. 0 without a TPOT objective or a decode line."""
-    if slo.tpot_s is None or engine.tpot_s is None or engine.running <= 0:
-        return 0.0
+    (``tpot_s``). Those whose streams the proxy follows (``engine.decodes``) are judged by where
+    each stands: the stall spread over the gaps it has still to go, against the time per output
+    token it may still spend (:meth:`Decoding.allowed_tpot_s`), so one that has missed already, or
+    that has time to spare, is next to never harmed, and the stall falls where it costs the
+    fewest. The others (up to ``running``), and those past their expected length (how far they
+    have to go is not known), are taken as on the line from their first token, the stall spread
+    over their ``out_tokens`` - 1 gaps. 0 without a TPOT objective or a decode line, or when the
+    option adds nothing there."""
     step = engine.tpot_s
+    if slo.tpot_s is None or step is None or engine.running <= 0:
+        return 0.0
     added = joins * engine.tpot_added_s
+    if stall_s <= 0 and added <= 0:
+        return 0.0
     harm = 0.0
-    seen = engine.decodes[:engine.running]
-    for d in seen:
+    seen = 0
+    for d in engine.decodes[:engine.running]:
+        if d.gaps >= d.total_gaps:
+            continue
+        seen += 1
         allowed = d.allowed_tpot_s(slo.tpot_s)
         if allowed <= 0:
             continue
         before = meet_probability(step, allowed, error)
         harm += max(before - meet_probability(step + stall_s / d.left_gaps() + added, allowed, error), 0.0)
-    unseen = engine.running - len(seen)
+    unseen = engine.running - seen
     if unseen > 0:
         gaps = max(out_tokens - 1.0, 1.0)
         before = meet_probability(step, slo.tpot_s, error)

@@ -11,7 +11,7 @@ which the router learns (:class:`~disagg.proxy.routes.PromptRoute`, its lifecycl
 1. :meth:`Router.sent` as a route goes out (its prefill now counts in the engine's queue);
 2. :meth:`Router.prefill_done` when a split route's prefill engine answers (from the handoff);
 3. :meth:`Router.watch` when a single-choice reply streams (with a TPOT objective, the router
-   follows its progress on the engine that decodes it, from its first token to its end: the
+   follows its progress on the engine that decodes it, from its first token until the route is over: the
    ``decodes`` of that engine's cost), then :meth:`Router.first_token` when a streamed
    single-prompt reply sends its first event;
 4. :meth:`Router.decoded` when such a reply (one choice) ended well: its time per output
@@ -391,7 +391,7 @@ class Router:
 
     def watch(self, route: PromptRoute, progress: StreamProgress) -> None:
         """``route``'s reply streams one choice, its token events counted by ``progress``: with a TPOT
-        objective the router follows it while it decodes (from :meth:`first_token` to :meth:`finished`)."""
+        objective the router follows it while it decodes (from :meth:`first_token` until :meth:`finished`)."""
         flight = _notes(route)
         if flight is not None and self.slo is not None and self.slo.tpot_s is not None:
             flight.progress = progress

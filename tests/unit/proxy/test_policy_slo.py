@@ -90,8 +90,14 @@ def test_running_decodes_the_proxy_follows_are_judged_by_where_each_stands() -> 
     # the two it does not follow are taken as on the line, as before
     assert running_harm(replace(followed, running=5, decodes=(lost,)), stall, 0, 64.0, tight, 0.1) \
         == pytest.approx(4 * unseen / 3)
-    # a request past its expected length still has a gap to go
-    assert Decoding(elapsed_s=1.0, gaps=80, total_gaps=63).left_gaps() == 1.0
+    # one past its expected length has at least a gap to go, and is judged as on the line (how far
+    # it has still to go is not known)
+    past = Decoding(elapsed_s=0.02 * 80, gaps=80, total_gaps=63)
+    assert past.left_gaps() == 1.0
+    assert running_harm(replace(followed, running=1, decodes=(past,)), stall, 0, 64.0, tight, 0.1) \
+        == pytest.approx(unseen / 3)
+    # an option that adds nothing there harms nobody
+    assert running_harm(followed, 0.0, 0, 64.0, tight, 0.1) == 0.0
 
 
 def test_with_a_tight_tpot_objective_a_long_prompt_leaves_the_busy_decode_engine() -> None:
