@@ -5,7 +5,8 @@ Times, in this process (no engines, no network):
 - the decision: ``Router.route`` on a one-prompt plan, as the proxy calls it per request
   (candidates from the live measurements, every option of every prefill x decode pair,
   the metric and the route written), with ``--pairs`` prefill and decode engines, once
-  every engine's lines have samples and its KV cache holds routes (``_steady_state``);
+  every engine's lines have samples, its KV cache holds routes and requests decode on it
+  (``_steady_state``);
 - the prompt-length estimate of a ``--tokens``-token prompt: with the embedded model's
   ``tokenizer.json`` (the ``tokenizers`` library) and from characters.
 
@@ -22,11 +23,12 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from disagg.modelgen import build_model
 from disagg.prompts import exact_prompt, load_tokenizer
-from disagg.proxy.backends import BackendPool
+from disagg.proxy.backends import Backend, BackendPool
 from disagg.proxy.config import RoutingConfig
 from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.promptlen import SAMPLE_CHARS, PromptLength
@@ -41,16 +43,46 @@ def _percentiles(samples: list[float]) -> str:
 
 #: KV cache each engine declares, and the routes booked on each (what a loaded engine holds)
 KV_CAPACITY_TOKENS, KV_BOOKED = 6144.0, 8
+#: requests decoding on each engine, each a stream the router follows (with a TPOT objective)
+DECODING = 8
+
+
+@dataclass
+class _Progress:
+    """A stream's token events, as the relay counts them."""
+
+    token_events: int
+
+
+def _decoding(router: Router, backend: Backend, now: float) -> None:
+    """``DECODING`` requests decoding on ``backend``, streamed, at different points of 64 tokens,
+    through the route's lifecycle as the app reports it (followed with a TPOT objective)."""
+    for i in range(DECODING):
+        body = {"prompt": "x", "stream": True, "max_tokens": 64}
+        req = GenerationRequest(COMPLETIONS, body, b"{}", {}, f"decoding-{i}")
+        whole = backend.role == "prefill"
+        route = PromptRoute(0, req, RoutePath.WHOLE if whole else RoutePath.LOCAL, reason="bench",
+                            prefill=backend if whole else None, decode=None if whole else backend,
+                            tokens=64, expected_out=64.0)
+        router.route(RequestPlan(req, [route]))
+        route.sent(stream=True, now=now - 5.0)
+        tokens = 1 + 7 * i
+        route.watch(_Progress(tokens))
+        route.first_token(now - 0.04 * tokens)
+    backend.outstanding += DECODING
 
 
 def _steady_state(router: Router, pools: Sequence[BackendPool]) -> None:
     """Every line a serving proxy has learned, with samples at several loads: each engine's prefill
     line and busy line, and its time per output token, so the decision asks all of them as it does
     while serving (the decode lines are what the ``decode_load`` rule compares); and each engine's
-    KV cache size with routes booked in it, so the wait for room is priced as under load."""
+    KV cache size with routes booked in it, so the wait for room is priced as under load; and
+    ``DECODING`` streamed requests decoding on each engine (:func:`_decoding`)."""
     m = router.measurements
     now = time.perf_counter()
     backends = [b for pool in pools for b in pool.backends]
+    for b in backends:
+        _decoding(router, b, now)
     for pool in pools:
         for b in pool.backends:
             pool.set_kv_capacity(b, KV_CAPACITY_TOKENS)

@@ -651,15 +651,21 @@ def running_harm(engine: EngineCost, stall_s: float, joins: int, out_tokens: flo
         return 0.0
     harm = 0.0
     seen = 0
-    for d in engine.decodes[:engine.running]:
-        if d.gaps >= d.total_gaps:
-            continue
-        seen += 1
-        allowed = d.allowed_tpot_s(slo.tpot_s)
-        if allowed <= 0:
-            continue
-        before = meet_probability(step, allowed, error)
-        harm += max(before - meet_probability(step + stall_s / d.left_gaps() + added, allowed, error), 0.0)
+    if engine.decodes and step > 0:
+        # meet_probability, its logarithms and spread taken once (this loop runs per option and decision)
+        spread = math.log1p(max(error, 1e-3)) * math.sqrt(2.0)
+        log_step = math.log(step)
+        for d in engine.decodes[:engine.running]:
+            if d.gaps >= d.total_gaps:
+                continue
+            seen += 1
+            allowed = d.allowed_tpot_s(slo.tpot_s)
+            if allowed <= 0:
+                continue
+            log_allowed = math.log(allowed)
+            before = math.erfc((log_step - log_allowed) / spread)
+            after = math.erfc((math.log(step + stall_s / d.left_gaps() + added) - log_allowed) / spread)
+            harm += 0.5 * max(before - after, 0.0)
     unseen = engine.running - seen
     if unseen > 0:
         gaps = max(out_tokens - 1.0, 1.0)
