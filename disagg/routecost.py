@@ -613,8 +613,17 @@ def meet_probability(predicted_s: float, limit_s: float | None, error: float) ->
         return 0.0
     if predicted_s <= 0:
         return 1.0
-    sigma = math.log1p(max(error, 1e-3))
-    return 0.5 * math.erfc((math.log(predicted_s) - math.log(limit_s)) / (sigma * math.sqrt(2.0)))
+    return _meet(math.log(predicted_s), math.log(limit_s), _spread(error))
+
+
+def _spread(error: float) -> float:
+    """The log-normal error's standard deviation times sqrt(2), as :func:`_meet` takes it."""
+    return math.log1p(max(error, 1e-3)) * math.sqrt(2.0)
+
+
+def _meet(log_predicted: float, log_limit: float, spread: float) -> float:
+    """:func:`meet_probability` from the logarithms and :func:`_spread` (for loops that take them once)."""
+    return 0.5 * math.erfc((log_predicted - log_limit) / spread)
 
 
 @dataclass(frozen=True)
@@ -652,8 +661,8 @@ def running_harm(engine: EngineCost, stall_s: float, joins: int, out_tokens: flo
     harm = 0.0
     seen = 0
     if engine.decodes and step > 0:
-        # meet_probability, its logarithms and spread taken once (this loop runs per option and decision)
-        spread = math.log1p(max(error, 1e-3)) * math.sqrt(2.0)
+        # meet_probability with its logarithms and spread taken once (this loop runs per option and decision)
+        spread = _spread(error)
         log_step = math.log(step)
         for d in engine.decodes[:engine.running]:
             if d.gaps >= d.total_gaps:
@@ -663,9 +672,9 @@ def running_harm(engine: EngineCost, stall_s: float, joins: int, out_tokens: flo
             if allowed <= 0:
                 continue
             log_allowed = math.log(allowed)
-            before = math.erfc((log_step - log_allowed) / spread)
-            after = math.erfc((math.log(step + stall_s / d.left_gaps() + added) - log_allowed) / spread)
-            harm += 0.5 * max(before - after, 0.0)
+            before = _meet(log_step, log_allowed, spread)
+            after = _meet(math.log(step + stall_s / d.left_gaps() + added), log_allowed, spread)
+            harm += max(before - after, 0.0)
     unseen = engine.running - seen
     if unseen > 0:
         gaps = max(out_tokens - 1.0, 1.0)

@@ -204,7 +204,7 @@ def test_the_router_routes_for_the_slo_and_learns_the_error_of_its_tpot_predicti
 
 def test_the_router_follows_the_streams_decoding_on_each_engine_while_they_run() -> None:
     """With a TPOT objective, a watched stream counts on the engine that decodes it from its first
-    token to its end, with its progress (the token events the relay counted); a stream not
+    token until the route is over, with its progress (the token events the relay counted); a stream not
     watched (several choices, not streamed) or a route without an SLO is not followed."""
     metrics = ProxyMetrics()
     prefill, decode = BackendPool("prefill", ["http://p:1"], metrics), BackendPool("decode", ["http://d:1"], metrics)
