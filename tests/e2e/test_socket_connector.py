@@ -66,8 +66,9 @@ async def _sent_both(session: aiohttp.ClientSession, p: Engine, d: Engine, promp
     P is then mid-prompt: its prefill is held to ``PREFILL_RATE`` tokens/s, so a HUGE prompt
     (5,000+ tokens) takes it over two seconds on any machine, its last layer leaving no sooner than
     0.8 x that after P scheduled it (connectors/emulated_prefill.py). Returns once P's /metrics shows
-    it running, or at the latest :data:`CUT_AFTER_S` after sending, well inside the prompt: on a
-    loaded machine P's /metrics has been seen to show nothing running through a whole HUGE prefill.
+    it running, or at the latest :data:`CUT_AFTER_S` after sending (a poll still unanswered then is
+    left), well inside the prompt: on a loaded machine P's /metrics has been seen to show nothing
+    running through a whole HUGE prefill, and to take seconds to answer one poll.
     The tests check afterwards that P had not completed the stream."""
     p_params, d_params = stream_params(p)
     # P idle first: then any request /metrics shows running is this prompt
@@ -76,9 +77,14 @@ async def _sent_both(session: aiohttp.ClientSession, p: Engine, d: Engine, promp
     prefill = asyncio.create_task(complete(session, p, prompt, 1, p_params))
     sent = time.monotonic()
     polls: list[tuple[float, float]] = []           # (sent after s, took s) of each poll that saw nothing running
-    while time.monotonic() < sent + CUT_AFTER_S:
+    while (left := sent + CUT_AFTER_S - time.monotonic()) > 0:
         started = time.monotonic()
-        if await asyncio.to_thread(metric, p.url, "vllm:num_requests_running") > 0:
+        try:   # bounded by the deadline: a starved P has taken 3 s to answer one poll (its prefill was over)
+            running = await asyncio.wait_for(asyncio.to_thread(metric, p.url, "vllm:num_requests_running"), left)
+        except TimeoutError:
+            polls.append((round(started - sent, 3), round(time.monotonic() - started, 3)))
+            break
+        if running > 0:
             break
         polls.append((round(started - sent, 3), round(time.monotonic() - started, 3)))
         await asyncio.sleep(0.02)
