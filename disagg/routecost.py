@@ -66,6 +66,7 @@ import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 #: measured fixed handoff cost per connector (seconds); see the module doc for how
 HANDOFF_FIXED_S: dict[str, float] = {"nixl": 0.030, "socket": 0.016, "nixl-push": 0.074}
@@ -180,12 +181,12 @@ def handoff_fixed_s(connector: str, streaming: bool = False) -> float:
     return HANDOFF_FIXED_S.get(connector, DEFAULT_HANDOFF_FIXED_S)
 
 
-@dataclass(frozen=True)
-class Decoding:
+class Decoding(NamedTuple):
     """One request decoding on an engine, as far as its stream has come: ``elapsed_s`` since its first
     token, ``gaps`` between the tokens sent so far, ``total_gaps`` it is expected to have in all (its
     expected output tokens less one). Its TPOT is the mean gap over all of them, so what it may still
-    spend and meet a TPOT objective is the objective over every gap less what it has spent."""
+    spend and meet a TPOT objective is the objective over every gap less what it has spent. (A
+    named tuple: the router builds one per followed stream and engine for every decision.)"""
 
     elapsed_s: float
     gaps: float
@@ -193,12 +194,20 @@ class Decoding:
 
     def left_gaps(self) -> float:
         """The gaps it has still to go (at least one: a request past its expected length goes on)."""
-        return max(self.total_gaps - self.gaps, 1.0)
+        return self.slack(0.0)[1]
 
     def allowed_tpot_s(self, objective_s: float) -> float:
         """The time per output token its remaining gaps may take and still meet ``objective_s``
         (0 or below: it has missed it already)."""
-        return (objective_s * max(self.total_gaps, self.gaps + 1.0) - self.elapsed_s) / self.left_gaps()
+        return self.slack(objective_s)[0]
+
+    def slack(self, objective_s: float) -> tuple[float, float]:
+        """(:meth:`allowed_tpot_s`, :meth:`left_gaps`) in one call, as the decision asks them."""
+        elapsed, gaps, total = self
+        left = total - gaps
+        if left < 1.0:
+            left = 1.0
+        return (objective_s * (total if total > gaps + 1.0 else gaps + 1.0) - elapsed) / left, left
 
 
 @dataclass(frozen=True)
@@ -638,6 +647,80 @@ class SloValue:
     tpot_s: float | None
 
 
+class RunningSlack(NamedTuple):
+    """The requests decoding on one engine judged against the TPOT objective, taken once per
+    decision (:func:`running_slack`) and asked by every option that loads the engine
+    (:meth:`harm`): the logarithms, the gaps to go and each decode's chance to meet the objective
+    before any option are the same for all of them.
+
+    ``followed``: per decode whose stream the proxy follows and that may still meet the objective,
+    (log of the time per output token it may still spend, the gaps it has still to go, its chance
+    before); ``unseen``: the others, taken as on the line from their first token, ``unseen_gaps``
+    gaps each, their chance before ``unseen_before`` against ``log_objective``."""
+
+    step_s: float = 0.0
+    tpot_added_s: float = 0.0
+    spread: float = 1.0
+    followed: tuple[tuple[float, float, float], ...] = ()
+    unseen: int = 0
+    unseen_gaps: float = 1.0
+    log_objective: float = 0.0
+    unseen_before: float = 0.0
+    # (a named tuple: built for each engine of every decision)
+
+    def harm(self, stall_s: float, joins: int) -> float:
+        """:func:`running_harm` of an option that computes a prefill of ``stall_s`` seconds on the
+        engine and has ``joins`` more requests decode there."""
+        added = joins * self.tpot_added_s
+        if stall_s <= 0 and added <= 0:
+            return 0.0
+        step, spread = self.step_s, self.spread
+        harm = 0.0
+        for log_allowed, left, before in self.followed:
+            harm += max(before - _meet(math.log(step + stall_s / left + added), log_allowed, spread), 0.0)
+        if self.unseen > 0:
+            after = _meet(math.log(step + stall_s / self.unseen_gaps + added), self.log_objective, spread)
+            harm += self.unseen * max(self.unseen_before - after, 0.0)
+        return harm
+
+
+#: a followed decode whose allowed time per output token is this many spreads below the engine's
+#: line (a chance to meet the objective of 0.5 erfc(2.63), 1e-4) is taken as lost, and the decision
+#: skips its sums: no option can take more than its chance from it (a hundred such decodes, a
+#: hundredth of a request, the margin within which the policy calls options equal)
+LOST_Z = 2.63
+
+#: the slack of an engine where no option can harm a decode (no TPOT objective, no decode line, none running)
+NO_RUNNING = RunningSlack()
+
+
+def running_slack(engine: EngineCost, out_tokens: float, slo: ServiceObjective, error: float) -> RunningSlack:
+    """The requests decoding on ``engine`` as :func:`running_harm` judges them, taken once for a
+    decision (see there for who counts how); ``error``: the measured relative error of the time
+    per output token predicted."""
+    objective = slo.tpot_s
+    if objective is None or engine.tpot_s is None or engine.running <= 0:
+        return NO_RUNNING
+    step = max(engine.tpot_s, 1e-9)      # a line fitted to next to nothing (the logarithm needs above 0)
+    spread = _spread(error)
+    log_step = math.log(step)
+    lost_below = step * math.exp(-LOST_Z * spread)
+    followed: list[tuple[float, float, float]] = []
+    seen = 0
+    for d in engine.decodes[:engine.running]:
+        if d.gaps >= d.total_gaps:
+            continue
+        seen += 1
+        allowed, left = d.slack(objective)
+        if allowed < lost_below:     # missed already, or as good as (:data:`LOST_Z`): nothing to take
+            continue
+        log_allowed = math.log(allowed)
+        followed.append((log_allowed, left, _meet(log_step, log_allowed, spread)))
+    log_objective = math.log(objective) if objective > 0 else -math.inf
+    return RunningSlack(step, engine.tpot_added_s, spread, tuple(followed), engine.running - seen,
+                        max(out_tokens - 1.0, 1.0), log_objective, _meet(log_step, log_objective, spread))
+
+
 def running_harm(engine: EngineCost, stall_s: float, joins: int, out_tokens: float, slo: ServiceObjective,
                  error: float) -> float:
     """How many of the requests decoding on ``engine`` are expected to miss the TPOT objective
@@ -651,59 +734,38 @@ def running_harm(engine: EngineCost, stall_s: float, joins: int, out_tokens: flo
     fewest. The others (up to ``running``), and those past their expected length (how far they
     have to go is not known), are taken as on the line from their first token, the stall spread
     over their ``out_tokens`` - 1 gaps. 0 without a TPOT objective or a decode line, or when the
-    option adds nothing there."""
-    step = engine.tpot_s
-    if slo.tpot_s is None or step is None or engine.running <= 0:
-        return 0.0
-    added = joins * engine.tpot_added_s
-    if stall_s <= 0 and added <= 0:
-        return 0.0
-    harm = 0.0
-    seen = 0
-    if engine.decodes and step > 0:
-        # meet_probability with its logarithms and spread taken once (this loop runs per option and decision)
-        spread = _spread(error)
-        log_step = math.log(step)
-        for d in engine.decodes[:engine.running]:
-            if d.gaps >= d.total_gaps:
-                continue
-            seen += 1
-            allowed = d.allowed_tpot_s(slo.tpot_s)
-            if allowed <= 0:
-                continue
-            log_allowed = math.log(allowed)
-            before = _meet(log_step, log_allowed, spread)
-            after = _meet(math.log(step + stall_s / d.left_gaps() + added), log_allowed, spread)
-            harm += max(before - after, 0.0)
-    unseen = engine.running - seen
-    if unseen > 0:
-        gaps = max(out_tokens - 1.0, 1.0)
-        before = meet_probability(step, slo.tpot_s, error)
-        after = meet_probability(step + stall_s / gaps + added, slo.tpot_s, error)
-        harm += unseen * max(before - after, 0.0)
-    return harm
+    option adds nothing there. (A caller judging many options takes :func:`running_slack` once
+    per engine and asks its :meth:`RunningSlack.harm`.)"""
+    return running_slack(engine, out_tokens, slo, error).harm(stall_s, joins)
 
 
 def slo_value(option: OptionCost, tokens: float, prefill: EngineCost, decode: EngineCost, out_tokens: float,
               slo: ServiceObjective, *, ttft_error: float = DEFAULT_PREDICTION_ERROR,
-              tpot_error: float = DEFAULT_PREDICTION_ERROR) -> SloValue:
+              tpot_error: float = DEFAULT_PREDICTION_ERROR,
+              slacks: tuple[RunningSlack, RunningSlack] | None = None) -> SloValue:
     """``option`` (for one prompt of ``tokens`` over the pair ``prefill`` -> ``decode``) judged by
     the requests expected to meet ``slo``: this one's chance to meet both objectives (its TTFT
     as predicted; its TPOT the line of the engine that will decode it: the decode engine for
     split and local, the prefill engine for whole) less the running decodes it makes miss
     (:func:`running_harm`: on the engine that computes its prefill, the stall; on the engine
     that decodes it, one more in the batch). ``out_tokens``: the output tokens expected
-    (below 2: one gap)."""
+    (below 2: one gap). ``slacks``: :func:`running_slack` of ``prefill`` and ``decode`` with these
+    ``out_tokens``, ``slo`` and ``tpot_error``, from a caller judging many options (taken here when
+    not given)."""
+    if slacks is None:
+        slacks = (running_slack(prefill, out_tokens, slo, tpot_error),
+                  running_slack(decode, out_tokens, slo, tpot_error))
     computes = decode if option.path is Option.LOCAL else prefill
     decodes_on = prefill if option.path is Option.WHOLE else decode
+    computes_slack = slacks[1] if option.path is Option.LOCAL else slacks[0]
+    decodes_slack = slacks[0] if option.path is Option.WHOLE else slacks[1]
     tpot = decodes_on.tpot_s
     own = meet_probability(option.ttft_s, slo.ttft_s, ttft_error)
     if tpot is not None:
         own *= meet_probability(tpot, slo.tpot_s, tpot_error)
     stall = computes.prefill_s(tokens)
     if computes is decodes_on:
-        harm = running_harm(computes, stall, 1, out_tokens, slo, tpot_error)
+        harm = computes_slack.harm(stall, 1)
     else:
-        harm = (running_harm(computes, stall, 0, out_tokens, slo, tpot_error)
-                + running_harm(decodes_on, 0.0, 1, out_tokens, slo, tpot_error))
+        harm = computes_slack.harm(stall, 0) + decodes_slack.harm(0.0, 1)
     return SloValue(own - harm, own, harm, tpot)

@@ -139,7 +139,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from disagg.routecost import EngineCost, LinkCost, split_ttft
+from disagg.routecost import Decoding, EngineCost, LinkCost, split_ttft
 
 #: the weight one new sample takes (an EWMA over about the last 1/DECAY samples)
 DECAY = 0.2
@@ -514,9 +514,13 @@ class Measurements:
                 rate = eng.seed_rate if eng.seed_measured or not ratios else eng.seed_rate * sum(ratios) / len(ratios)
         return overhead, rate
 
-    def engine_cost(self, role: str, url: str, outstanding: int, now: float | None = None) -> EngineCost:
+    def engine_cost(self, role: str, url: str, outstanding: int, now: float | None = None, *,
+                    kv_room: tuple[float, tuple[tuple[float, float], ...]] = (math.inf, ()),
+                    decodes: tuple[Decoding, ...] = ()) -> EngineCost:
         """The engine's prefill line (:meth:`_line`) and load, for the predictor (``outstanding``:
-        its requests in flight; ``now``: perf_counter, for the queue)."""
+        its requests in flight; ``now``: perf_counter, for the queue), with what the router knows
+        beside these measurements: ``kv_room`` (free KV tokens and expected frees, from its KV
+        ledger) and the ``decodes`` it follows there (built in one go: the decision runs per prompt)."""
         eng = self._engine(role, url)
         overhead, rate = self._line(eng)
         queued = self._queued(eng, now, rate)
@@ -529,7 +533,8 @@ class Measurements:
                           running=running, waiting=waiting,
                           tpot_s=tpot, busy_s=_busy_s(eng, outstanding),
                           tpot_added_s=max(tpot - now_tpot, 0.0) if tpot is not None and now_tpot is not None
-                          else 0.0, prefill_duty=eng.work.duty(when))
+                          else 0.0, prefill_duty=eng.work.duty(when),
+                          kv_free_tokens=kv_room[0], kv_frees=kv_room[1], decodes=decodes)
 
     def decoding(self, url: str, outstanding: int, now: float | None = None) -> int:
         """Of the engine's ``outstanding`` requests, those decoding at ``now`` (perf_counter): less

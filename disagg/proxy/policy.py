@@ -123,6 +123,7 @@ from disagg.routecost import (
     ServiceObjective,
     cheapest,
     option_costs,
+    running_slack,
     score_order,
     slo_value,
 )
@@ -215,8 +216,11 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
     tpot: float | None = None
     if slo is not None:
         expected = out_tokens if slo_out_tokens is None else slo_out_tokens
+        # each engine's running decodes judged once for every option that loads it
+        slack = {id(c): running_slack(c.cost, expected, slo, tpot_error) for c in (*prefills, *decodes)}
         judged = [(slo_value(o, tokens, op.cost, od.cost, expected, slo, ttft_error=ttft_error,
-                             tpot_error=tpot_error), o, op, od) for o, op, od in every]
+                             tpot_error=tpot_error, slacks=(slack[id(op)], slack[id(od)])), o, op, od)
+                  for o, op, od in every]
         # the most requests expected to meet the SLO; among options within a hundredth of a
         # request of that, the lowest score (what the policy chooses without an SLO)
         if max(v.own for v, *_ in judged) < 0.5:

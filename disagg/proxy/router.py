@@ -58,7 +58,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from disagg.proxy.backends import Backend, BackendPool
@@ -190,13 +190,10 @@ class Router:
         now = time.perf_counter()
         out = []
         for b in pool.healthy():
-            cost = self.measurements.engine_cost(pool.role, b.url, b.outstanding, now)
-            if b.kv_capacity_tokens is not None:
-                free, frees = self.kv.room(b.url, b.kv_capacity_tokens, now)
-                cost = replace(cost, kv_free_tokens=free, kv_frees=frees)
             followed = self._decoding.get(b.url)
-            if followed:
-                cost = replace(cost, decodes=_progress(followed.values(), now))
+            cost = self.measurements.engine_cost(pool.role, b.url, b.outstanding, now,
+                                                 kv_room=self.kv.room(b.url, b.kv_capacity_tokens, now),
+                                                 decodes=_progress(followed.values(), now) if followed else ())
             out.append(Candidate(b, cost))
         return out
 

@@ -29,6 +29,7 @@ from disagg.routecost import (
     meet_probability,
     option_costs,
     running_harm,
+    running_slack,
     slo_value,
 )
 
@@ -98,6 +99,28 @@ def test_running_decodes_the_proxy_follows_are_judged_by_where_each_stands() -> 
         == pytest.approx(unseen / 3)
     # an option that adds nothing there harms nobody
     assert running_harm(followed, 0.0, 0, 64.0, tight, 0.1) == 0.0
+
+
+def test_each_engines_decodes_are_judged_once_per_decision_and_the_lost_ones_skipped() -> None:
+    """The policy takes each engine's :func:`running_slack` once and asks it for every option: the
+    same values as judging each option from the engine. A followed decode whose chance to meet the
+    objective is as good as none (under 1e-4) is left out of the sums; what it would have counted
+    is below that chance."""
+    tight = ServiceObjective(ttft_s=1.0, tpot_s=0.025)
+    halfway = Decoding(elapsed_s=0.02 * 31, gaps=31, total_gaps=63)
+    nearly_lost = Decoding(elapsed_s=0.0311 * 40, gaps=40, total_gaps=63)    # 14.4 ms a token allowed, P at 15
+    busy_p = replace(IDLE_P, running=2, decodes=(halfway, nearly_lost))
+    busy_d = replace(BUSY_D, decodes=(halfway,))
+    slacks = (running_slack(busy_p, 64.0, tight, 0.01), running_slack(busy_d, 64.0, tight, 0.01))
+    assert len(slacks[0].followed) == 1 and slacks[0].unseen == 0      # the nearly lost one skipped
+    assert meet_probability(0.015, nearly_lost.allowed_tpot_s(0.025), 0.01) < 1e-4
+    for o in option_costs(1000, 1000 * KV_PER_TOKEN, busy_p, busy_d, SLOW_LINK, whole=True, out_tokens=64.0):
+        once = slo_value(o, 1000, busy_p, busy_d, 64.0, tight, tpot_error=0.01, slacks=slacks)
+        assert once == slo_value(o, 1000, busy_p, busy_d, 64.0, tight, tpot_error=0.01)
+    # no TPOT objective, no line or nothing running: nothing to harm
+    for engine, slo in ((busy_p, ServiceObjective(ttft_s=1.0)), (replace(busy_p, tpot_s=None), tight),
+                        (IDLE_P, tight)):
+        assert running_slack(engine, 64.0, slo, 0.01).harm(10.0, 1) == 0.0
 
 
 def test_with_a_tight_tpot_objective_a_long_prompt_leaves_the_busy_decode_engine() -> None:
