@@ -112,8 +112,13 @@ def main() -> int:
     parser.add_argument("--slo", default=None, metavar="TTFT,TPOT",
                         help="decide with an SLO (seconds), e.g. 1.0,0.025: routing for goodput")
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="disagg-routing-") as scratch:
+        return measure(args, Path(scratch))
 
-    model = build_model("tiny", Path(tempfile.mkdtemp(prefix="disagg-routing-")) / "tiny")
+
+def measure(args: argparse.Namespace, scratch: Path) -> int:
+    """Builds the tiny model under ``scratch`` (removed by the caller), times and prints."""
+    model = build_model("tiny", scratch / "tiny")
     tok = load_tokenizer(model)
     prompt = exact_prompt(tok, args.tokens, "bench")
     metrics = ProxyMetrics()
