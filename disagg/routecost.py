@@ -701,7 +701,8 @@ def running_slack(engine: EngineCost, out_tokens: float, slo: ServiceObjective, 
     objective = slo.tpot_s
     if objective is None or engine.tpot_s is None or engine.running <= 0:
         return NO_RUNNING
-    step = max(engine.tpot_s, 1e-9)      # a line fitted to next to nothing (the logarithm needs above 0)
+    # their step now: tpot_s prices one more request beside them, which an option adds as ``joins``
+    step = max(engine.tpot_s - engine.tpot_added_s, 1e-9)    # above 0 for the logarithm
     spread = _spread(error)
     log_step = math.log(step)
     lost_below = step * math.exp(-LOST_Z * spread)
@@ -726,10 +727,11 @@ def running_harm(engine: EngineCost, stall_s: float, joins: int, out_tokens: flo
     """How many of the requests decoding on ``engine`` are expected to miss the TPOT objective
     because of what an option adds there: a prefill of ``stall_s`` seconds computed on it (each
     running decode waits it out once) and ``joins`` more requests decoding beside them (each step
-    ``tpot_added_s`` longer for each). Their steps to come are taken at the engine's line
-    (``tpot_s``). Those whose streams the proxy follows (``engine.decodes``) are judged by where
-    each stands: the stall spread over the gaps it has still to go, against the time per output
-    token it may still spend (:meth:`Decoding.allowed_tpot_s`), so one that has missed already, or
+    ``tpot_added_s`` longer for each). Their steps to come are taken at the engine's line with
+    the requests running now (``tpot_s`` less ``tpot_added_s``: ``tpot_s`` is one more). Those
+    whose streams the proxy follows (``engine.decodes``) are judged by where each stands: the
+    stall spread over the gaps it has still to go, against the time per output token it may still
+    spend (:meth:`Decoding.allowed_tpot_s`), so one that has missed already, or
     that has time to spare, is next to never harmed, and the stall falls where it costs the
     fewest. The others (up to ``running``), and those past their expected length (how far they
     have to go is not known), are taken as on the line from their first token, the stall spread
