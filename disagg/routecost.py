@@ -653,6 +653,8 @@ class RunningSlack(NamedTuple):
     (:meth:`harm`): the logarithms, the gaps to go and each decode's chance to meet the objective
     before any option are the same for all of them.
 
+    ``step_s``: the running decodes' step now (the engine's ``tpot_s`` less ``tpot_added_s``, at
+    least 1e-9); ``spread``: the log-normal error's as :func:`_meet` takes it;
     ``followed``: per decode whose stream the proxy follows and that may still meet the objective,
     (log of the time per output token it may still spend, the gaps it has still to go, its chance
     before); ``unseen``: the others, taken as on the line from their first token, ``unseen_gaps``
@@ -702,7 +704,10 @@ def running_slack(engine: EngineCost, out_tokens: float, slo: ServiceObjective, 
     if objective is None or engine.tpot_s is None or engine.running <= 0:
         return NO_RUNNING
     # their step now: tpot_s prices one more request beside them, which an option adds as ``joins``
-    step = max(engine.tpot_s - engine.tpot_added_s, 1e-9)    # above 0 for the logarithm
+    step = engine.tpot_s - engine.tpot_added_s
+    if not step < math.inf:      # an endless step (or an unknown one): every decode misses already
+        return NO_RUNNING
+    step = max(step, 1e-9)       # above 0 for the logarithm
     spread = _spread(error)
     log_step = math.log(step)
     lost_below = step * math.exp(-LOST_Z * spread)
