@@ -70,6 +70,13 @@ Why these choices:
   measures back), the decode host at the same rate, a seed only: the proxy fits the decode
   engine's own line from the warm-up prompts (at idle a split never beats a local prefill between
   alike rates, so they stay local and measure it).
+- Warm-up answers of one token: they teach the proxy each engine's prefill line (their first
+  tokens) and no decode line (no gaps between tokens), and the busy decodes are still running
+  when the prompts are decided, so no engine has a time per output token then. With one, the
+  idle prefill engine borrows the decode engine's line (docs/proxy.md), and once the busy decodes
+  raise the decode engine's above 1.05 x that, the ``decode_load`` rule serves the next prompt
+  whole on the prefill engine (rightly, by its rule): CI saw a busy decode and the long prompt go
+  whole that way (27.5 ms a token against 1.05 x 26.1).
 - KV memory: 704 MiB (22,528 tokens), room for the ``BUSY`` decodes at their full 4,000 tokens each
   plus the long and the short prompt, so no decode is preempted and no prompt waits for room (vLLM
   needs at least ``max_model_len``, 4,096 tokens).
@@ -314,7 +321,7 @@ roles:
         # a warm-up sample and 4 more: go on until the decode engine has prefilled 5 of them.
         sizes, local = (8, 256, 64, 384, 32, 512, 128, 448), 0
         for i in range(16):
-            route, _ = routed_stream(proxy, body(sizes[i % len(sizes)], f"warm{i}"))
+            route, _ = routed_stream(proxy, body(sizes[i % len(sizes)], f"warm{i}", max_tokens=1))
             local += route == "local"
             if local >= 5:
                 break
