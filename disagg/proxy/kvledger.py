@@ -86,8 +86,8 @@ class KvLedger:
         known."""
         if capacity_tokens is None:
             return math.inf, ()
-        holds = self._holds.get(url, ())
-        return capacity_tokens - sum(h.tokens for h in holds), tuple((max(h.until - now, 0.0), h.tokens) for h in holds)
+        frees = tuple((max(h.until - now, 0.0), h.tokens) for h in self._holds.get(url, ()))
+        return capacity_tokens - self.held_tokens(url), frees
 
     def forget(self, url: str) -> None:
         """The engine came back (a new process): what was booked there went with the old one."""
