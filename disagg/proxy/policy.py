@@ -20,8 +20,8 @@ Policies (``routing.policy`` in the topology, ``--routing-policy``):
   that decodes it: :func:`disagg.routecost.decode_s`, its expected output tokens at
   that engine's time per output token, and what it adds to the decodes running
   there). ``whole`` is an option only where the connector allows
-  it (``RoutingConfig.whole``), while the decode side is the bottleneck, by either
-  of two rules:
+  it (``RoutingConfig.whole``), and without an SLO only while the decode side is the
+  bottleneck, by either of two rules (with an SLO, wherever the connector allows it: below):
 
   - ``decode_backlog``: the prefill engine has nothing in flight (nothing running,
     no prefill waiting) and every decode engine has prefills waiting;
@@ -97,7 +97,11 @@ The score above decides then, as without an SLO: its own predicted TTFT plus the
 imposes on the others (the decodes it stalls, the prompts it holds up, its decode work).
 Otherwise, options within :data:`SLO_TIE` of the best count go by the score above. An engine
 without a decode line yet (nothing streamed through it) is judged by TTFT alone and harms
-nobody. Exploration and the ``whole`` rules are unchanged.
+nobody. ``whole`` is offered on every prefill engine wherever the connector allows it, not only
+by the two rules: the count weighs what serving it whole does (its own TPOT on the prefill
+engine's line, the decodes there it joins), and the rules kept it from the prefill engine until
+the decode side was far behind, so on engines alike the 1P1D could not serve as the pool of two
+that meets the most objectives (docs/results.md). Exploration is unchanged.
 
 Reasons (the ``reason`` label of ``disagg_route_total``): ``policy`` for the
 static policies, ``predicted`` for an ``auto`` choice, ``explore`` for an
@@ -195,6 +199,8 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
             whole_reason[id(p)] = "decode_backlog"
         elif decodes_slower(p.cost, [d.cost for d in decodes], whole_tpot_factor):
             whole_reason[id(p)] = "decode_load"
+        elif slo is not None:     # the count judges whole like the other options (module doc)
+            whole_reason[id(p)] = "slo"
     # the decode work is priced for every option of the decision or for none: an engine without
     # a decode line would otherwise look free beside one that has it
     deciding = [*decodes, *(p for p in prefills if id(p) in whole_reason)]

@@ -180,6 +180,23 @@ def test_a_saturated_engine_does_not_look_free_to_a_hopeless_prompt() -> None:
     assert chosen.reason == "slo_missed" and chosen.path is Option.SPLIT
 
 
+def test_with_an_slo_whole_is_offered_where_the_count_prefers_it() -> None:
+    """Engines alike: one more decode costs 20 ms a token on either, so neither ``whole`` rule
+    holds and without an SLO the prompt is never served whole. With one, ``whole`` is an option
+    like the others: the local prefill would stall the decode engine's ten decodes towards the
+    25 ms objective, the split misses the 500 ms TTFT objective (its 400 ms handoff), and the
+    prefill engine, decoding nothing, serves it whole and harms nobody."""
+    p = EngineCost(tokens_per_s=4000.0, tpot_s=0.020, tpot_added_s=0.001)
+    d = EngineCost(tokens_per_s=4000.0, running=10, tpot_s=0.020, tpot_added_s=0.001)
+    assert route(1000, p, d, SLOW_LINK, whole=True).path is not Option.WHOLE
+    slo = ServiceObjective(ttft_s=0.5, tpot_s=0.025)
+    chosen = route(1000, p, d, SLOW_LINK, whole=True, slo=slo, ttft_error=0.1, tpot_error=0.1)
+    assert chosen.path is Option.WHOLE and chosen.reason == "slo"
+    assert chosen.prefill == "P" and chosen.predicted_tpot_s == p.tpot_s
+    # where the connector does not allow it, the SLO does not offer it either
+    assert route(1000, p, d, SLOW_LINK, slo=slo, ttft_error=0.1, tpot_error=0.1).path is not Option.WHOLE
+
+
 def test_an_slo_without_decode_lines_judges_by_ttft_alone() -> None:
     """Engines not yet measured decoding (tpot_s None): no harm is priced and the TTFT objective
     decides; with every option meeting it equally, the score decides as without an SLO."""
