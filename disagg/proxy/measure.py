@@ -527,13 +527,14 @@ class Measurements:
         waiting = len(eng.pending)
         when = time.perf_counter() if now is None else now
         running = self.decoding(url, outstanding, when)
-        tpot = self.tpot_s(url, running + 1, when)
-        now_tpot = self.tpot_s(url, running, when) if tpot is not None else None
+        duty = eng.work.duty(when)      # once: tpot_s below is :meth:`tpot_s` at this duty
+        step, before = self._step_s(url, running + 1), self._step_s(url, running)
+        tpot = step / (1.0 - duty) if step is not None else None
+        added = max(tpot - before / (1.0 - duty), 0.0) if tpot is not None and before is not None else 0.0
         return EngineCost(tokens_per_s=rate, overhead_s=overhead, queued_tokens=queued,
                           running=running, waiting=waiting,
                           tpot_s=tpot, busy_s=_busy_s(eng, outstanding),
-                          tpot_added_s=max(tpot - now_tpot, 0.0) if tpot is not None and now_tpot is not None
-                          else 0.0, prefill_duty=eng.work.duty(when),
+                          tpot_added_s=added, prefill_duty=duty,
                           kv_free_tokens=kv_room[0], kv_frees=kv_room[1], decodes=decodes)
 
     def decoding(self, url: str, outstanding: int, now: float | None = None) -> int:
@@ -551,17 +552,20 @@ class Measurements:
         decoding there (module doc): its decode step, over ``1 -`` its prefill duty at ``now``
         (perf_counter). The step: its own line once it has :data:`SEED_SAMPLES` samples, else the
         mean of the lines of the engines that have them, else None."""
-        own = self._decode.get(url)
-        if own is not None and own.samples >= SEED_SAMPLES:
-            step = own.predict(decoding)
-        else:
-            known = [f.predict(decoding) for f in self._decode.values() if f.samples >= SEED_SAMPLES]
-            if not known:
-                return None
-            step = sum(known) / len(known)
+        step = self._step_s(url, decoding)
+        if step is None:
+            return None
         eng = self._engines.get(url)
         duty = eng.work.duty(time.perf_counter() if now is None else now) if eng is not None else 0.0
         return step / (1.0 - duty)
+
+    def _step_s(self, url: str, decoding: float) -> float | None:
+        """The decode step of :meth:`tpot_s` with ``decoding`` requests decoding, before the prefill duty."""
+        own = self._decode.get(url)
+        if own is not None and own.samples >= SEED_SAMPLES:
+            return own.predict(decoding)
+        known = [f.predict(decoding) for f in self._decode.values() if f.samples >= SEED_SAMPLES]
+        return sum(known) / len(known) if known else None
 
     def observe_decode(self, url: str, decoding: float, tpot_s: float, first: float | None = None,
                        last: float | None = None) -> str:
