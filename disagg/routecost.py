@@ -219,7 +219,7 @@ class EngineCost:
     ``running``: requests it is decoding now (a prefill computed there stalls them);
     ``waiting``: prefills sent to it that have not produced their first token yet;
     ``tpot_s``: predicted time per output token of one more request decoding there
-    (None: not measured; the policy offers ``whole`` on it only from the backlog rule);
+    (None: not measured; without an SLO the policy offers ``whole`` on it only from the backlog rule);
     ``busy_s``: what its load (requests in flight) adds to a prefill's time to first token
     beyond its line (the step in progress, decodes batched with the prefill): part of
     :meth:`ttft_s`, not of :meth:`prefill_s`, so not of the stall a prefill imposes;

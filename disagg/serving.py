@@ -32,7 +32,7 @@ EXPLORE_AFTER_S = 60.0
 EXPLORE_AFTER_DECISIONS = 50
 EXPLORE_WITHIN = 2.0
 
-#: under ``auto``, a prefill engine is offered ``whole`` when one more decode would take more
+#: under ``auto`` without an SLO, a prefill engine is offered ``whole`` when one more decode would take more
 #: than this factor x its time per output token on every decode engine
 #: (:mod:`disagg.proxy.policy`, the ``decode_load`` rule); the option then competes on its score.
 #: 1.0 (offered whenever the decode side would decode slower) replaced a 1.25 margin after 20

@@ -187,8 +187,8 @@ class RoutingConfig:
                                help="auto: TTFT seconds one second of stall imposed on each running decode "
                                     "is worth")
     whole: bool = flag("--route-whole", default=False,
-                       help="auto: an idle prefill engine may serve a request alone while decode engines are "
-                            "backed up")
+                       help="auto: a prefill engine may serve a request alone (without an SLO, while the "
+                            "decode side is the bottleneck; with one, wherever the SLO count prefers it)")
     tokenizer: str | None = flag("--tokenizer", default=None, metavar="TOKENIZER.json",
                                  help="the model's tokenizer, for exact prompt lengths")
     chars_per_token: float = flag("--route-chars-per-token", default=4.0, metavar="C",

@@ -29,7 +29,8 @@ Routing (:mod:`disagg.proxy.policy`; named ``disagg_route_*``, without the proxy
 
 - ``disagg_route_total{path, reason}``: prompts by the path chosen (``split``,
   ``local``, ``whole``) and why (``predicted``, ``explore`` (re-measuring a path not taken
-  for a while), ``policy``, ``decode_backlog`` / ``decode_load`` (``whole``), ``no_prefill``, ``no_decode``, or a
+  for a while), ``policy``, ``decode_backlog`` / ``decode_load`` (``whole``), ``slo`` / ``slo_missed`` (with an SLO: the
+  prompt has at least an even chance of meeting it, or not), ``no_prefill``, ``no_decode``, or a
   correctness reason to stay local: ``n``, ``prompt_logprobs``, ... see
   :mod:`disagg.proxy.routes`; ``colocated``).
 - ``disagg_route_predicted_ttft_seconds{path}``: the policy's prediction for the chosen path.

@@ -58,8 +58,8 @@ reason ``explore``. :class:`Explorer` calls a (path, engines)
 stale when it has not been taken for :data:`EXPLORE_AFTER_S` seconds *and*
 :data:`EXPLORE_AFTER_DECISIONS` auto decisions (both, so the rate is bounded
 under light and heavy load alike); taking it, by choice or to explore, makes it
-fresh again. ``whole`` is never explored (it is a relief for a backed-up decode
-side, and its estimate is the prefill engine's, which splits measure), nor is
+fresh again. ``whole`` is never explored (its estimate is the prefill engine's, which
+splits measure, and without an SLO it is a relief for a backed-up decode side), nor is
 anything the options do not offer: exploration only ever picks among the
 healthy engines' options, and never under the ``split`` / ``local`` policies or
 the ``no_prefill`` / ``no_decode`` fallbacks.
