@@ -154,6 +154,14 @@ LOAD_SEED_IN_FLIGHT = (0.0, 8.0)
 SEED_SAMPLES = 4
 #: relative spread of the samples' x below which a fit keeps its intercept and fits only the slope
 MIN_SPREAD = 0.05
+#: the same for an engine's prefill line (x: prompt tokens). Its intercept, extrapolated from prompts
+#: of alike sizes, is noise: on a 2-vCPU AVX2 EPYC a decode engine's line fitted on local prompts of
+#: 256-509 tokens (1.4-2.2 s each) took an intercept of 0.76-1.8 s where 8-token prompts took 35-90
+#: ms, so short prompts were priced at 0.76 s and more there and split (the line never saw one
+#: again to say otherwise), and a 2,048-token prompt was predicted at 2.3 s where it took about 8.
+#: Kept while the sizes' standard deviation is below 0.3 x their mean (256-509 tokens: 0.24),
+#: the line goes through the mean at its earlier intercept, which is right at the sizes sent
+PREFILL_MIN_SPREAD = 0.3
 #: slowest rate a fit may report, per unit (a bad sample never makes a rate zero or negative)
 MIN_RATE = 1e-3
 #: observations a new fit drops (an engine's or a pair's first after start or return: one-off costs)
@@ -243,7 +251,8 @@ class EwFit(_Gate):
     """``y = a + x / rate``, fitted by exponentially weighted least squares.
 
     Both coefficients stay physical: ``a >= 0`` and ``rate > 0``. When the
-    samples' ``x`` hardly differ, the intercept stays where it was and only the
+    samples' ``x`` hardly differ (their standard deviation below ``min_spread`` x
+    their mean), the intercept stays where it was and only the
     rate is refitted through the weighted mean (all at ``x = 0``: the mean is the
     intercept). The first ``warmup``
     observations are dropped and, once the seed has left, an observation above
@@ -254,12 +263,13 @@ class EwFit(_Gate):
     ``x`` differ.
     """
 
-    __slots__ = ("_a", "_coef", "_decay", "_s", "_seed", "_seed_left", "_sx", "_sxx", "_sxy", "_sy")
+    __slots__ = ("_a", "_coef", "_decay", "_min_spread", "_s", "_seed", "_seed_left", "_sx", "_sxx", "_sxy", "_sy")
 
     def __init__(self, intercept: float, rate: float, seed_x: tuple[float, ...], decay: float = DECAY, *,
-                 warmup: int = WARMUP_SAMPLES, clip: float = CLIP) -> None:
+                 warmup: int = WARMUP_SAMPLES, clip: float = CLIP, min_spread: float = MIN_SPREAD) -> None:
         super().__init__(warmup, clip)
         self._decay = decay
+        self._min_spread = min_spread
         self._s = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._a = max(intercept, 0.0)
         self._coef: tuple[float, float] | None = None     # coefficients() until the next sample
@@ -322,7 +332,7 @@ class EwFit(_Gate):
         mx, my = self._sx / self._s, self._sy / self._s
         var = self._sxx / self._s - mx * mx
         rising = False
-        if var > (MIN_SPREAD * mx) ** 2:
+        if var > (self._min_spread * mx) ** 2:
             slope = (self._sxy / self._s - mx * my) / var
             a = my - slope * mx
             if slope > 0 and a >= 0:
@@ -424,7 +434,8 @@ class Measurements:
         eng = self._engines.get(url)
         if eng is None:
             rate = self._seed.get(role, self._seed["prefill"])
-            eng = self._engines[url] = _Engine(EwFit(self._overhead, rate, SEED_TOKENS, self._decay),
+            eng = self._engines[url] = _Engine(EwFit(self._overhead, rate, SEED_TOKENS, self._decay,
+                                                     min_spread=PREFILL_MIN_SPREAD),
                                                EwFit(0.0, math.inf, LOAD_SEED_IN_FLIGHT, self._decay), rate,
                                                seed_measured=role in self._measured_rates)
         return eng

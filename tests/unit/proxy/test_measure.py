@@ -84,6 +84,27 @@ def link_of(fit: EwFit) -> LinkCost:
     return LinkCost(fixed_s=fixed, bytes_per_s=rate)
 
 
+def test_a_prefill_line_from_prompts_of_alike_sizes_keeps_a_small_intercept() -> None:
+    """Local prompts of 256-509 tokens only, noisy (as on a slow core, where the policy split the
+    short ones): the engine's line keeps its small intercept and passes through their mean, so a
+    short prompt is priced near its real time and a long one near the line, where a free fit
+    extrapolated an intercept of almost half a second."""
+    true_a, true_rate = 0.03, 220.0
+    sizes = (256.0, 384.0, 509.0, 448.0, 256.0, 509.0, 384.0, 448.0)
+    noise = (1.15, 0.95, 1.1, 0.9, 1.2, 0.92, 1.05, 1.12)
+    m = Measurements(prefill_tokens_per_s=1000.0, decode_tokens_per_s=1000.0, overhead_s=0.02,
+                     handoff_fixed_s=0.03, link_bytes_per_s=1e9)
+    free = EwFit(0.02, 1000.0, (128.0, 2048.0))
+    for size, factor in ((8.0, 1.0), *zip(sizes, noise, strict=True)):    # the first: a warm-up, dropped
+        m.observe_prefill("decode", "d", size, factor * (true_a + size / true_rate))
+        free.add(size, factor * (true_a + size / true_rate))
+    cost = m.engine_cost("decode", "d", 0)
+    assert cost.prefill_s(8) < 0.1                      # 8 tokens take 66 ms on the true line
+    assert cost.prefill_s(2048) == pytest.approx(true_a + 2048 / true_rate, rel=0.15)
+    # the free fit (spread threshold 0.05): an intercept of 0.46 s, 8 tokens priced at 7 x their time
+    assert free.predict(8) > 5 * (true_a + 8 / true_rate)
+
+
 def test_an_outlier_first_handoff_does_not_stop_splits() -> None:
     """The CI case: the first handoff of a pair pays a handshake (here 1 s, 40x the steady cost);
     seeds and every later sample say split. Robust: split throughout. At face value (no warm-up
