@@ -210,7 +210,7 @@ class Decoding(NamedTuple):
         return (objective_s * (total if total > gaps + 1.0 else gaps + 1.0) - elapsed) / left, left
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)   # read-only by use: frozen, its construction took 3 x as long, once per engine a prompt
 class EngineCost:
     """What predicts a prefill on one engine.
 
@@ -237,7 +237,7 @@ class EngineCost:
     tpot_added_s: float = 0.0
     #: KV cache tokens free on the engine now (inf: its capacity is not known)
     kv_free_tokens: float = math.inf
-    #: (seconds from now, KV tokens) the requests holding the rest are expected to free, in any order
+    #: (seconds from now, KV tokens) the requests holding the rest are expected to free, soonest first
     kv_frees: tuple[tuple[float, float], ...] = ()
     #: the share of its time it spent prefilling lately (in ``tpot_s``; for the proxy's log)
     prefill_duty: float = 0.0
@@ -274,7 +274,7 @@ class EngineCost:
 def kv_wait_s(tokens: float, free_tokens: float, frees: tuple[tuple[float, float], ...]) -> float:
     """Seconds until an engine's KV cache has room for ``tokens`` more: 0 when ``free_tokens``
     already hold them, else the moment the requests expected to end soonest (``frees``: seconds
-    from now and the KV tokens each frees) have freed enough; ``math.inf`` when even all of
+    from now and the KV tokens each frees, soonest first) have freed enough; ``math.inf`` when even all of
     them would not (a prompt larger than the cache: the engine refuses it, so no path through
     it is good). vLLM's scheduler admits a waiting prompt once its blocks fit, first come first
     served, and a running request frees its blocks when it ends; the holders are counted at the
@@ -283,7 +283,7 @@ def kv_wait_s(tokens: float, free_tokens: float, frees: tuple[tuple[float, float
     short = tokens - free_tokens
     if short <= 0:
         return 0.0
-    for seconds, freed in sorted(frees):
+    for seconds, freed in frees:
         short -= freed
         if short <= 0:
             return max(seconds, 0.0)
@@ -429,10 +429,10 @@ def tpot_with_prefills_s(engine: EngineCost, share: float, decode_tokens_per_s: 
     return math.inf if left <= 0 else engine.tpot_s / left
 
 
-@dataclass(frozen=True)
-class OptionCost:
+class OptionCost(NamedTuple):
     """One path's prediction: its TTFT and the score the policy compares (TTFT + stall cost +
-    ``decode_s``, the decode work it places on an engine: :func:`decode_s`)."""
+    ``decode_s``, the decode work it places on an engine: :func:`decode_s`). (A named tuple: built
+    for every option of every decision.)"""
 
     path: Option
     ttft_s: float
@@ -622,12 +622,16 @@ def meet_probability(predicted_s: float, limit_s: float | None, error: float) ->
         return 0.0
     if predicted_s <= 0:
         return 1.0
-    return _meet(math.log(predicted_s), math.log(limit_s), _spread(error))
+    # :func:`_meet` of :func:`_spread`, written out: asked for every option of every decision
+    return 0.5 * math.erfc(math.log(predicted_s / limit_s) / (math.log1p(error if error > 1e-3 else 1e-3) * _SQRT2))
+
+
+_SQRT2 = math.sqrt(2.0)
 
 
 def _spread(error: float) -> float:
     """The log-normal error's standard deviation times sqrt(2), as :func:`_meet` takes it."""
-    return math.log1p(max(error, 1e-3)) * math.sqrt(2.0)
+    return math.log1p(max(error, 1e-3)) * _SQRT2
 
 
 def _meet(log_predicted: float, log_limit: float, spread: float) -> float:
@@ -635,11 +639,11 @@ def _meet(log_predicted: float, log_limit: float, spread: float) -> float:
     return 0.5 * math.erfc((log_predicted - log_limit) / spread)
 
 
-@dataclass(frozen=True)
-class SloValue:
+class SloValue(NamedTuple):
     """One option judged against the SLO: ``good`` is the expected number of requests meeting it
     (this one, ``own``, less the running ones it makes miss, ``harm``); ``tpot_s`` this request's
-    predicted time per output token (None: its engine has no decode line yet)."""
+    predicted time per output token (None: its engine has no decode line yet). (A named tuple:
+    built for every option of every decision.)"""
 
     good: float
     own: float
@@ -714,10 +718,13 @@ def running_slack(engine: EngineCost, out_tokens: float, slo: ServiceObjective, 
     followed: list[tuple[float, float, float]] = []
     seen = 0
     for d in engine.decodes[:engine.running]:
-        if d.gaps >= d.total_gaps:
+        elapsed, gaps, total = d
+        if gaps >= total:
             continue
         seen += 1
-        allowed, left = d.slack(objective)
+        # d.slack(objective), written out: for every decode of every engine of every decision
+        left = total - gaps if total - gaps > 1.0 else 1.0
+        allowed = (objective * (total if total > gaps + 1.0 else gaps + 1.0) - elapsed) / left
         if allowed < lost_below:     # missed already, or as good as (:data:`LOST_Z`): nothing to take
             continue
         log_allowed = math.log(allowed)

@@ -81,13 +81,16 @@ class KvLedger:
              now: float) -> tuple[float, tuple[tuple[float, float], ...]]:
         """``(free tokens, expected frees)`` of the engine at ``url`` at ``now``, for
         :class:`~disagg.routecost.EngineCost`'s ``kv_free_tokens`` and ``kv_frees``: its capacity
-        less what is booked, and each hold's (seconds until it is expected to end, tokens); a
-        hold past its expected end counts as ending now. ``(inf, ())`` when the capacity is not
-        known."""
+        less what is booked, and each hold's (seconds until it is expected to end, tokens),
+        soonest first; a hold past its expected end counts as ending now. ``(inf, ())`` when the
+        capacity is not known. (Once per engine and decision: one pass over the holds.)"""
         if capacity_tokens is None:
             return math.inf, ()
-        frees = tuple((max(h.until - now, 0.0), h.tokens) for h in self._holds.get(url, ()))
-        return capacity_tokens - self.held_tokens(url), frees
+        holds = self._holds.get(url)
+        if not holds:
+            return capacity_tokens, ()
+        frees = sorted([(h.until - now if h.until > now else 0.0, h.tokens) for h in holds])
+        return capacity_tokens - sum([tokens for _, tokens in frees]), tuple(frees)
 
     def forget(self, url: str) -> None:
         """The engine came back (a new process): what was booked there went with the old one."""

@@ -139,7 +139,7 @@ E = TypeVar("E")
 SLO_TIE = 0.01
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)   # read-only by use (frozen, built 3 x slower: per engine and prompt)
 class Candidate(Generic[E]):
     """One healthy engine (``engine``: the proxy's Backend, or anything in tests) and its costs."""
 
@@ -147,7 +147,7 @@ class Candidate(Generic[E]):
     cost: EngineCost
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)   # read-only by use (frozen, built 3 x slower: per prompt)
 class Decision(Generic[E]):
     """Where one prompt goes: the path, why, the engines, and the prediction behind it."""
 
@@ -229,12 +229,12 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
                   for o, op, od in every]
         # the most requests expected to meet the SLO; among options within a hundredth of a
         # request of that, the lowest score (what the policy chooses without an SLO)
-        if max(v.own for v, *_ in judged) < 0.5:
+        if max(t[0].own for t in judged) < 0.5:
             # no option gives it an even chance: the count no longer tells them apart (the decodes
             # an option would harm may be lost already), so the score decides (module doc)
             value, opt, p, d = min(judged, key=lambda t: score_order(t[1]))
         else:
-            top = max(v.good for v, *_ in judged)
+            top = max(t[0].good for t in judged)
             value, opt, p, d = min((t for t in judged if t[0].good >= top - SLO_TIE),
                                    key=lambda t: score_order(t[1]))
         reason = "slo" if value.own >= 0.5 else "slo_missed"

@@ -318,8 +318,8 @@ def test_tpot_rises_with_the_prefill_load_and_the_decode_load() -> None:
 
 def test_a_prompt_waits_for_room_in_a_full_kv_cache_soonest_frees_first() -> None:
     assert kv_wait_s(100, 200, ()) == 0.0
-    assert kv_wait_s(100, 20, ((3.0, 50.0), (1.0, 50.0))) == 3.0      # 1 s frees 50 (30 short), 3 s the rest
-    assert kv_wait_s(100, 20, ((3.0, 50.0), (1.0, 100.0))) == 1.0
+    assert kv_wait_s(100, 20, ((1.0, 50.0), (3.0, 50.0))) == 3.0      # 1 s frees 50 (30 short), 3 s the rest
+    assert kv_wait_s(100, 20, ((1.0, 100.0), (3.0, 50.0))) == 1.0
     assert kv_wait_s(100, -50, ((1.0, 100.0),)) == float("inf")        # all of it would not hold the prompt
     full = EngineCost(tokens_per_s=1000.0, kv_free_tokens=0.0, kv_frees=((2.0, 4096.0),))
     assert full.kv_wait_s(1000) == 2.0
