@@ -162,6 +162,15 @@ MIN_SPREAD = 0.05
 #: Kept while the sizes' standard deviation is below 0.3 x their mean (256-509 tokens: 0.24),
 #: the line goes through the mean at its earlier intercept, which is right at the sizes sent
 PREFILL_MIN_SPREAD = 0.3
+#: an engine's prefill line keeps its seed's overhead while the seed is in it (fewer than
+#: :data:`SEED_SAMPLES` samples), its rate that of the real samples alone through it: a
+#: least-squares line through the seed's two points and a real sample far off their line has an
+#: intercept that neither says (a decode engine seeded at 1,000 tokens/s whose first sample was a
+#: 256-token prompt in 1.66 s came out at 482 ms + n / 1,281/s, so prompts of 8-64 tokens, which it
+#: prefilled in 35-90 ms, were priced at half a second there and split, and it never saw one again
+#: to say otherwise), and a rate through the seed's points as well stays near the seed's (the
+#: 2,048-token point outweighs short samples)
+SEEDED_INTERCEPT = True
 #: slowest rate a fit may report, per unit (a bad sample never makes a rate zero or negative)
 MIN_RATE = 1e-3
 #: observations a new fit drops (an engine's or a pair's first after start or return: one-off costs)
@@ -260,16 +269,21 @@ class EwFit(_Gate):
     The seed is the line ``intercept + x / rate`` at each of ``seed_x``; with no
     ``seed_x`` there is none (ask nothing before the first sample), and an
     ``intercept`` of ``inf`` keeps the line flat at the samples' mean until their
-    ``x`` differ.
+    ``x`` differ. ``seeded_intercept``: while the seed is in the fit, the line is
+    the seed's intercept and the rate of the real samples alone through it (an
+    engine's prefill line: :data:`SEEDED_INTERCEPT`).
     """
 
-    __slots__ = ("_a", "_coef", "_decay", "_min_spread", "_s", "_seed", "_seed_left", "_sx", "_sxx", "_sxy", "_sy")
+    __slots__ = ("_a", "_coef", "_decay", "_min_spread", "_s", "_seed", "_seed_left", "_seeded_intercept", "_sx",
+                 "_sxx", "_sxy", "_sy")
 
     def __init__(self, intercept: float, rate: float, seed_x: tuple[float, ...], decay: float = DECAY, *,
-                 warmup: int = WARMUP_SAMPLES, clip: float = CLIP, min_spread: float = MIN_SPREAD) -> None:
+                 warmup: int = WARMUP_SAMPLES, clip: float = CLIP, min_spread: float = MIN_SPREAD,
+                 seeded_intercept: bool = False) -> None:
         super().__init__(warmup, clip)
         self._decay = decay
         self._min_spread = min_spread
+        self._seeded_intercept = seeded_intercept
         self._s = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._a = max(intercept, 0.0)
         self._coef: tuple[float, float] | None = None     # coefficients() until the next sample
@@ -332,6 +346,11 @@ class EwFit(_Gate):
         mx, my = self._sx / self._s, self._sy / self._s
         var = self._sxx / self._s - mx * mx
         rising = False
+        if self._seeded_intercept and 0 < self.samples < SEED_SAMPLES:
+            left = self._seed_left           # the real samples' means: the sums less the seed's share
+            s0, sx0, sy0 = self._seed[:3]
+            s = self._s - left * s0
+            mx, my, var = (self._sx - left * sx0) / s, (self._sy - left * sy0) / s, 0.0
         if var > (self._min_spread * mx) ** 2:
             slope = (self._sxy / self._s - mx * my) / var
             a = my - slope * mx
@@ -435,7 +454,8 @@ class Measurements:
         if eng is None:
             rate = self._seed.get(role, self._seed["prefill"])
             eng = self._engines[url] = _Engine(EwFit(self._overhead, rate, SEED_TOKENS, self._decay,
-                                                     min_spread=PREFILL_MIN_SPREAD),
+                                                     min_spread=PREFILL_MIN_SPREAD,
+                                                     seeded_intercept=SEEDED_INTERCEPT),
                                                EwFit(0.0, math.inf, LOAD_SEED_IN_FLIGHT, self._decay), rate,
                                                seed_measured=role in self._measured_rates)
         return eng

@@ -105,6 +105,23 @@ def test_a_prefill_line_from_prompts_of_alike_sizes_keeps_a_small_intercept() ->
     assert free.predict(8) > 5 * (true_a + 8 / true_rate)
 
 
+def test_a_prefill_line_keeps_its_seeds_overhead_while_seeded_and_takes_its_rate_from_the_samples() -> None:
+    """A decode engine seeded at 1,000 tokens/s prefills at 160: its first sample (after the warm-up
+    one) is a 256-token prompt. Its line keeps the seed's overhead, so an 8-token prompt is not
+    priced at half a second (a least-squares line through the seed's points and the sample had
+    482 ms), and takes the sample's rate, not one near the seed's."""
+    m = Measurements(prefill_tokens_per_s=1000.0, decode_tokens_per_s=1000.0, overhead_s=0.0,
+                     handoff_fixed_s=0.03, link_bytes_per_s=1e9)
+    m.observe_prefill("decode", "d", 8.0, 0.058)          # the warm-up sample, dropped
+    m.observe_prefill("decode", "d", 256.0, 0.03 + 256 / 160)
+    cost = m.engine_cost("decode", "d", 0)
+    assert cost.overhead_s == 0.0 and cost.prefill_s(8) < 0.06
+    assert cost.tokens_per_s == pytest.approx(256 / (0.03 + 256 / 160))
+    free = EwFit(0.0, 1000.0, (128.0, 2048.0), warmup=0)  # the same without the seed's overhead kept
+    free.add(256.0, 0.03 + 256 / 160)
+    assert free.predict(8) > 0.4
+
+
 def test_an_outlier_first_handoff_does_not_stop_splits() -> None:
     """The CI case: the first handoff of a pair pays a handshake (here 1 s, 40x the steady cost);
     seeds and every later sample say split. Robust: split throughout. At face value (no warm-up
