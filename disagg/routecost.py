@@ -210,7 +210,7 @@ class Decoding(NamedTuple):
         return (objective_s * (total if total > gaps + 1.0 else gaps + 1.0) - elapsed) / left, left
 
 
-@dataclass(slots=True)   # read-only by use: frozen, its construction took 3 x as long, once per engine a prompt
+@dataclass(slots=True)   # read-only by use, not frozen: building one frozen took 3 x as long (one per engine a prompt)
 class EngineCost:
     """What predicts a prefill on one engine.
 
@@ -596,6 +596,7 @@ def last_true(holds: Callable[[int], bool], lo: int, hi: int) -> int:
 #: the typical relative error of a prediction (TTFT or TPOT) before any is measured: what the
 #: proxy's routing assumes until it has observed its own (``disagg_route_ttft_error_ratio``)
 DEFAULT_PREDICTION_ERROR = 0.3
+_SQRT2 = math.sqrt(2.0)
 
 
 @dataclass(frozen=True)
@@ -622,11 +623,7 @@ def meet_probability(predicted_s: float, limit_s: float | None, error: float) ->
         return 0.0
     if predicted_s <= 0:
         return 1.0
-    # :func:`_meet` of :func:`_spread`, written out: asked for every option of every decision
-    return 0.5 * math.erfc(math.log(predicted_s / limit_s) / (math.log1p(error if error > 1e-3 else 1e-3) * _SQRT2))
-
-
-_SQRT2 = math.sqrt(2.0)
+    return _meet(math.log(predicted_s), math.log(limit_s), _spread(error))
 
 
 def _spread(error: float) -> float:
@@ -718,13 +715,10 @@ def running_slack(engine: EngineCost, out_tokens: float, slo: ServiceObjective, 
     followed: list[tuple[float, float, float]] = []
     seen = 0
     for d in engine.decodes[:engine.running]:
-        elapsed, gaps, total = d
-        if gaps >= total:
+        if d.gaps >= d.total_gaps:
             continue
         seen += 1
-        # d.slack(objective), written out: for every decode of every engine of every decision
-        left = total - gaps if total - gaps > 1.0 else 1.0
-        allowed = (objective * (total if total > gaps + 1.0 else gaps + 1.0) - elapsed) / left
+        allowed, left = d.slack(objective)
         if allowed < lost_below:     # missed already, or as good as (:data:`LOST_Z`): nothing to take
             continue
         log_allowed = math.log(allowed)
