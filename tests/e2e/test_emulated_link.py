@@ -69,7 +69,12 @@ Why these choices:
   `disagg bench` would before `disagg up`, the prefill host at its emulated rate (which this test
   measures back), the decode host at the same rate, a seed only: the proxy fits the decode
   engine's own line from the warm-up prompts (at idle a split never beats a local prefill between
-  alike rates, so they stay local and measure it).
+  alike rates, so they stay local and measure it). On a core slower than the seeds (an AVX2-only
+  EPYC prefills this model at 250-280 tokens/s) the first local prompt shows the decode engine
+  slower than the prefill engine's seed, and short prompts split until the prefill engine's own
+  line stands; the decode engine's line keeps its seed's overhead meanwhile (docs/proxy.md), so
+  short prompts come back to it (a line fitted freely through the seed and one 256-token sample
+  had 482 ms of overhead, and the short prompt below split).
 - Warm-up answers of one token: they teach the proxy each engine's prefill line (their first
   tokens) and no decode line (no gaps between tokens), and the busy decodes are still running
   when the prompts are decided, so no engine has a time per output token then. With one, the
