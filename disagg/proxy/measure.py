@@ -162,15 +162,6 @@ MIN_SPREAD = 0.05
 #: Kept while the sizes' standard deviation is below 0.3 x their mean (256-509 tokens: 0.24),
 #: the line goes through the mean at its earlier intercept, which is right at the sizes sent
 PREFILL_MIN_SPREAD = 0.3
-#: an engine's prefill line keeps its seed's overhead while the seed is in it (fewer than
-#: :data:`SEED_SAMPLES` samples), its rate that of the real samples alone through it: a
-#: least-squares line through the seed's two points and a real sample far off their line has an
-#: intercept that neither says (a decode engine seeded at 1,000 tokens/s whose first sample was a
-#: 256-token prompt in 1.66 s came out at 482 ms + n / 1,281/s, so prompts of 8-64 tokens, which it
-#: prefilled in 35-90 ms, were priced at half a second there and split, and it never saw one again
-#: to say otherwise), and a rate through the seed's points as well stays near the seed's (the
-#: 2,048-token point outweighs short samples)
-SEEDED_INTERCEPT = True
 #: slowest rate a fit may report, per unit (a bad sample never makes a rate zero or negative)
 MIN_RATE = 1e-3
 #: observations a new fit drops (an engine's or a pair's first after start or return: one-off costs)
@@ -271,7 +262,7 @@ class EwFit(_Gate):
     ``intercept`` of ``inf`` keeps the line flat at the samples' mean until their
     ``x`` differ. ``seeded_intercept``: while the seed is in the fit, the line is
     the seed's intercept and the rate of the real samples alone through it (an
-    engine's prefill line: :data:`SEEDED_INTERCEPT`).
+    engine's prefill line: :meth:`Measurements._engine` says why).
     """
 
     __slots__ = ("_a", "_coef", "_decay", "_min_spread", "_s", "_seed", "_seed_left", "_seeded_intercept", "_sx",
@@ -453,9 +444,16 @@ class Measurements:
         eng = self._engines.get(url)
         if eng is None:
             rate = self._seed.get(role, self._seed["prefill"])
+            # an engine's prefill line keeps its seed's overhead while the seed is in it (fewer than
+            # :data:`SEED_SAMPLES` samples), its rate that of the real samples alone through it: a
+            # least-squares line through the seed's two points and a real sample far off their line has an
+            # intercept that neither says (a decode engine seeded at 1,000 tokens/s whose first sample was a
+            # 256-token prompt in 1.66 s came out at 482 ms + n / 1,281/s, so prompts of 8-64 tokens, which it
+            # prefilled in 35-90 ms, were priced at half a second there and split, and it never saw one again
+            # to say otherwise), and a rate through the seed's points as well stays near the seed's (the
+            # 2,048-token point outweighs short samples)
             eng = self._engines[url] = _Engine(EwFit(self._overhead, rate, SEED_TOKENS, self._decay,
-                                                     min_spread=PREFILL_MIN_SPREAD,
-                                                     seeded_intercept=SEEDED_INTERCEPT),
+                                                     min_spread=PREFILL_MIN_SPREAD, seeded_intercept=True),
                                                EwFit(0.0, math.inf, LOAD_SEED_IN_FLIGHT, self._decay), rate,
                                                seed_measured=role in self._measured_rates)
         return eng

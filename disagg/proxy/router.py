@@ -539,11 +539,8 @@ def _notes(route: PromptRoute) -> _Flight | None:
 
 def _progress(flights: Iterable[_Flight], now: float) -> tuple[Decoding, ...]:
     """Where each followed route decoding on one engine stands at ``now`` (perf_counter)."""
-    out = []
-    for f in flights:
-        gaps = f.progress.token_events - 1 if f.progress is not None else 0
-        out.append(Decoding(now - f.first, gaps if gaps > 0 else 0, f.total_gaps))
-    return tuple(out)
+    return tuple(Decoding(now - f.first, max(f.progress.token_events - 1, 0) if f.progress is not None else 0,
+                          f.total_gaps) for f in flights)
 
 
 def _engine_fit(flight: _Flight) -> str:
