@@ -93,7 +93,9 @@ async def test_send_request_records_chunks_usage_and_errors(standin) -> None:
         bad = await send_request(s, standin.url + "/v1/completions", Prompt(1, "short", "FAIL", 5, 5, True),
                                  standin.model, w, t0=0.0)
     assert ok.success and ok.output_tokens == 5 and ok.prompt_tokens == 4 and len(ok.chunk_times) == 5
-    assert all(gap >= 0.009 for gap in ok.itls)
+    # a chunk's time is when it arrived: on a loaded machine one late chunk makes the next gap short (or
+    # nil, two chunks in one read), so the check is that the times span most of the 4 programmed 10 ms steps
+    assert all(gap >= 0 for gap in ok.itls) and sum(ok.itls) >= 0.03
     assert not bad.success and bad.error is not None and bad.error.startswith("HTTP 500")
 
 
