@@ -21,10 +21,11 @@ BILLION_LAUGHS = "".join(
 
 
 def _refusal(path: Path) -> tuple[str, float]:
-    started = time.perf_counter()
+    """The refusal's message and the CPU time it took (not wall time: a busy machine may deschedule us)."""
+    started = time.process_time()
     with pytest.raises(TopologyError) as info:
         load_yaml(path)
-    return str(info.value), time.perf_counter() - started
+    return str(info.value), time.process_time() - started
 
 
 def test_billion_laughs_is_refused_in_well_under_a_second(tmp_path: Path) -> None:
@@ -56,10 +57,10 @@ def test_billion_laughs_through_the_cli_exits_2(tmp_path: Path, capsys: pytest.C
     ("a: &a\n  - x\n  - [1, [2, *a]]\n", 3, "a[1][1][1]"),
 ])
 def test_recursive_alias_is_refused_with_its_line(text: str, line: int, path: str) -> None:
-    started = time.perf_counter()
+    started = time.process_time()         # CPU time: a busy machine may deschedule us
     with pytest.raises(TopologyError) as info:
         parse_yaml(text, "rec.yaml")
-    assert time.perf_counter() - started < 1.0
+    assert time.process_time() - started < 1.0
     assert str(info.value) == (f"rec.yaml:{line}: {path}: alias *{'h' if 'hosts' in text else 'a'} refers to a "
                                "value that contains it (a recursive alias)")
 

@@ -119,7 +119,8 @@ async def test_open_loop_sweep_measures_programmed_latencies(standin, api: str) 
     long_ttft = run.metrics["long"].ttft.mean
     short_ttft = run.metrics["short"].ttft.mean
     assert 0.04 < long_ttft < 0.5 and short_ttft < long_ttft
-    assert 0.009 < run.metrics["all"].tpot.mean < 0.1
+    # a request's TPOT counts from its first chunk's arrival: a late one takes up to one of the 4 steps
+    assert 0.0075 <= run.metrics["all"].tpot.mean < 0.1
     assert run.metrics["all"].total_output_tokens == 8 * 5
     assert run.metrics["all"].slo_attainment == 1.0 and run.exact_prompts
     assert run.loadavg is not None and all(v >= 0 for v in run.loadavg)    # the machine's load, start and end

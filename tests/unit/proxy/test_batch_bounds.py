@@ -39,13 +39,13 @@ def test_planning_a_large_batch_takes_milliseconds() -> None:
     raw = json.dumps(big_batch(1024 * 1024)).encode()
     took = []
     for _ in range(5):
-        started = time.perf_counter()
+        started = time.thread_time()        # CPU time: a busy machine may deschedule us
         body, _ = strip_kv_params(json.loads(raw))
         req = GenerationRequest(COMPLETIONS, body, raw, {"X-Request-Id": "r"}, "r")
         plan = plan_request(req, split=True)
         assert batch_parallelism(plan, 1024) == 7 and len(plan.routes) == PROMPTS  # 8 MiB // (1 MiB + the rest)
-        took.append(time.perf_counter() - started)
-    print(f"\nplanning a 1 MB x {PROMPTS}-prompt batch: {min(took) * 1000:.1f} ms (best of 5)")
+        took.append(time.thread_time() - started)
+    print(f"\nplanning a 1 MB x {PROMPTS}-prompt batch: {min(took) * 1000:.1f} ms of CPU (best of 5)")
     assert min(took) < 0.02
 
 

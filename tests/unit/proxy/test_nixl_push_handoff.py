@@ -40,6 +40,10 @@ def pushes(started: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Pu
     return functools.partial(started, PushStandIn)
 
 
+#: a prefill stand-in's compute time where a test orders decode's arrival before prefill's answer
+SLOW_PREFILL_S = 0.5
+
+
 async def _pair(pushes: Any, proxy: Any, p_kw: dict[str, Any] | None = None, d_kw: dict[str, Any] | None = None,
                 **proxy_kw: Any) -> tuple[PushStandIn, PushStandIn, ProxyServer]:
     p = await pushes("prefill", **(p_kw or {}))
@@ -129,7 +133,9 @@ def test_push_peer_refuses_non_objects(params: object) -> None:
 
 
 async def test_first_route_in_turn_then_both_at_once_with_the_learned_coordinates(pushes, proxy, http) -> None:
-    p, d, server = await _pair(pushes, proxy)
+    # prefill computes long enough that decode's registration (a new session, a POST) comes first
+    # even on a loaded machine: the stand-in answers without waiting for it
+    p, d, server = await _pair(pushes, proxy, p_kw={"compute_s": SLOW_PREFILL_S})
     async with asyncio.timeout(LIMIT_S):
         assert await _post(http, server, headers={"X-Request-Id": "r1"}) == (200, _reply_of(HELLO))
         # in turn: the proxy did not know the prefill engine; decode got prefill's reply unchanged
@@ -329,7 +335,7 @@ async def test_prefill_failure_with_fallback_never_is_503(pushes, proxy, http) -
 async def test_a_restart_the_proxy_missed_fails_over_to_decode_alone_and_is_learned(pushes, proxy, http) -> None:
     """Prefill restarted between two probes (a new engine id): decode registered with the old one and
     would wait for ever; prefill's reply shows it, decode alone serves, the next route is right."""
-    p, d, server = await _pair(pushes, proxy, timeouts=NO_PROBES)
+    p, d, server = await _pair(pushes, proxy, p_kw={"compute_s": SLOW_PREFILL_S}, timeouts=NO_PROBES)
     async with asyncio.timeout(LIMIT_S):
         await _learned(http, server, p, d)
         p.engine_id = "engine-b"
