@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-import aiohttp
 import pytest
-from proxy_standin import read_events
+from proxy_standin import read_events, wait_for
 
 from disagg.proxy.metrics import LATENCY_BUCKETS
 
@@ -76,28 +75,23 @@ async def test_other_routes_go_to_decode(standin, proxy, http) -> None:
     assert p.received == []
 
 
-async def _health_turns(http: aiohttp.ClientSession, url: str, status: int, timeout_s: float = 3.0) -> object:
-    """The proxy's ``/health`` answers ``status`` within ``timeout_s`` (its probes run every 0.1 s here,
-    but a loaded machine may delay one): the body of that answer."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            async with http.get(url + "/health") as resp:
-                if resp.status == status:
-                    return await resp.json()
-            await asyncio.sleep(0.05)
-
-
 async def test_health_needs_a_healthy_prefill_and_decode(standin, proxy, http) -> None:
     p = await standin("P")
     d = await standin("D")
     server = await proxy(prefill=[p.url], decode=[d.url])
     async with http.get(server.url + "/health") as resp:
         assert resp.status == 200
+    prefill = server.app_state.prefill.backends[0]
     p.health_status = 503
-    err = openai_error(await _health_turns(http, server.url, 503), 503)
+    await wait_for(lambda: not prefill.healthy)    # its next probe (every 0.1 s; later on a busy machine)
+    async with http.get(server.url + "/health") as resp:
+        assert resp.status == 503
+        err = openai_error(await resp.json(), 503)
     assert "no healthy prefill instance" in err["message"] and p.url in err["message"]
     p.health_status = 200
-    await _health_turns(http, server.url, 200)
+    await wait_for(lambda: prefill.healthy)
+    async with http.get(server.url + "/health") as resp:
+        assert resp.status == 200
 
 
 async def test_health_colocated_needs_one_server(standin, proxy, http) -> None:
@@ -108,7 +102,9 @@ async def test_health_colocated_needs_one_server(standin, proxy, http) -> None:
         assert resp.status == 200
         assert (await resp.json())["decode"] == {a.url: "healthy", b.url: "GET /health answered 500"}
     a.health_status = 500
-    await _health_turns(http, server.url, 503)
+    await wait_for(lambda: not server.app_state.decode.backends[0].healthy)
+    async with http.get(server.url + "/health") as resp:
+        assert resp.status == 503
 
 
 async def test_api_key(standin, proxy, http) -> None:
