@@ -456,8 +456,17 @@ def main() -> int:
                     help="the colocated configurations to bench besides the split's variants (default: all three)")
     ap.add_argument("--replan", action="store_true",
                     help="run no engines: plan again beside the bench results already under --out")
+    ap.add_argument("--derive-only", action="store_true",
+                    help="write each ratio's four topologies under OUT/RATIO/topologies and stop (for a "
+                         "`disagg bench compare` of your own over them)")
     args = ap.parse_args()
     ratios = args.ratio or [Ratio("base")]
+    if args.derive_only:
+        for ratio in ratios:
+            out = args.out / ratio.name
+            tops = derive(args.topology, ratio, out / "topologies", run_dir=out / "run", connector=args.connector)
+            print("\n".join(str(path) for path in tops.values()))
+        return 0
     rates = [float(r) for r in args.rates.split(",")]
     key = os.environ.get("DISAGG_ENGINE_KEY") or secrets.token_urlsafe(24)
     env = {**os.environ, "DISAGG_ENGINE_KEY": key}

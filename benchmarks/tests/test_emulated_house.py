@@ -5,7 +5,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.emulated_house import PLAN_LABELS, Ratio, derive, label_of, markdown, measured, slo_of, validate
+from benchmarks.emulated_house import (
+    PLAN_LABELS,
+    Ratio,
+    derive,
+    label_of,
+    main,
+    markdown,
+    measured,
+    slo_of,
+    validate,
+)
 from disagg.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +54,25 @@ def test_the_base_ratio_keeps_the_file(tmp_path: Path) -> None:
     split = load_topology(derive(HOUSE, Ratio.parse("base"), tmp_path)["split"])
     original = load_topology(HOUSE)
     assert split.hosts["workstation"].emulate == original.hosts["workstation"].emulate
+
+
+def test_derive_only_writes_the_four_files_and_starts_nothing(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The float32 house (for a CPU without native bf16) keeps the house's proportions: 6,144 tokens
+    of KV on the gamer at 64 KiB a token, the workstation prefilling about 6 x slower."""
+    f32 = ROOT / "topologies" / "house-emulated-f32.yaml"
+    monkeypatch.setattr("sys.argv", ["emulated_house.py", "--topology", str(f32), "--ratio", "base",
+                                     "--derive-only", "--out", str(tmp_path)])
+    assert main() == 0
+    written = sorted(Path(line) for line in capsys.readouterr().out.split())
+    assert [p.name for p in written] == [f"house-emulated-f32-base-{c}.yaml"
+                                         for c in ("gamer", "replicas", "split", "workstation")]
+    split = load_topology(tmp_path / "base" / "topologies" / "house-emulated-f32-base-split.yaml")
+    assert split.model.dtype == "float32" and split.connector == "socket"
+    gamer, ws = split.hosts["gamer"].emulate, split.hosts["workstation"].emulate
+    assert gamer is not None and ws is not None
+    assert gamer.kv_memory_bytes == 384 * 2**20 and ws.prefill_rate == 100
+    assert split.run_dir == str(tmp_path / "base" / "run")
+    assert not (tmp_path / "base" / "run").exists()       # nothing ran
 
 
 def test_slo_rule_and_labels() -> None:

@@ -38,6 +38,7 @@ EXPORTABLE = ("house-2g5.yaml", "two-sparks-cx7.yaml")
 REFUSED = {
     "colocated.yaml": ("model.path", "disagg:tiny is built on this machine"),
     "house-emulated.yaml": ("model.path", "disagg:tiny-kvheavy is built on this machine"),
+    "house-emulated-f32.yaml": ("model.path", "disagg:tiny-kvheavy is built on this machine"),
     "lmcache-1p1d.yaml": ("connector", "connector lmcache"),
     "local-cpu-nixl-push.yaml": ("model.path", "disagg:tiny is built on this machine"),
     "local-cpu-nixl.yaml": ("model.path", "disagg:tiny is built on this machine"),
