@@ -457,8 +457,9 @@ def main() -> int:
     ap.add_argument("--replan", action="store_true",
                     help="run no engines: plan again beside the bench results already under --out")
     ap.add_argument("--derive-only", action="store_true",
-                    help="write each ratio's four topologies under OUT/RATIO/topologies and stop (for a "
-                         "`disagg bench compare` of your own over them)")
+                    help="write each ratio's four topologies under OUT/RATIO/topologies and stop, starting "
+                         "nothing (for a `disagg bench compare` of your own over them; the bench and plan "
+                         "options are not used)")
     args = ap.parse_args()
     ratios = args.ratio or [Ratio("base")]
     if args.derive_only:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks.emulated_house import (
     PLAN_LABELS,
     Ratio,
@@ -56,14 +58,21 @@ def test_the_base_ratio_keeps_the_file(tmp_path: Path) -> None:
     assert split.hosts["workstation"].emulate == original.hosts["workstation"].emulate
 
 
-def test_derive_only_writes_the_four_files_and_starts_nothing(tmp_path: Path, monkeypatch, capsys) -> None:
-    """The float32 house (for a CPU without native bf16) keeps the house's proportions: 6,144 tokens
-    of KV on the gamer at 64 KiB a token, the workstation prefilling about 6 x slower."""
+def _no_engines(argv: list[str], **_kw: object) -> None:
+    raise AssertionError(f"--derive-only ran {argv}")
+
+
+def test_derive_only_writes_the_four_files_and_starts_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``--derive-only`` writes the ratio's four topologies, prints their paths and runs nothing; on
+    the float32 house (a CPU without native bf16) they keep the house's proportions: 6,144 tokens of
+    KV on the gamer at 64 KiB a token, the workstation's prefill held to 100 tokens/s."""
     f32 = ROOT / "topologies" / "house-emulated-f32.yaml"
+    monkeypatch.setattr("benchmarks.emulated_house.run", _no_engines)
     monkeypatch.setattr("sys.argv", ["emulated_house.py", "--topology", str(f32), "--ratio", "base",
                                      "--derive-only", "--out", str(tmp_path)])
     assert main() == 0
-    written = sorted(Path(line) for line in capsys.readouterr().out.split())
+    written = sorted(Path(line) for line in capsys.readouterr().out.splitlines())
     assert [p.name for p in written] == [f"house-emulated-f32-base-{c}.yaml"
                                          for c in ("gamer", "replicas", "split", "workstation")]
     split = load_topology(tmp_path / "base" / "topologies" / "house-emulated-f32-base-split.yaml")
