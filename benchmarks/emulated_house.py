@@ -433,6 +433,13 @@ def class_lengths(spec: str) -> list[tuple[str, int, int]]:
     return classes
 
 
+def derive_under(args: argparse.Namespace, ratio: Ratio) -> dict[str, Path]:
+    """:func:`derive` for ``main``: the ratio's files under ``OUT/RATIO/topologies``, its measurements
+    under ``OUT/RATIO/run``."""
+    out = args.out / ratio.name
+    return derive(args.topology, ratio, out / "topologies", run_dir=out / "run", connector=args.connector)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--topology", type=Path, default=ROOT / "topologies" / "house-emulated.yaml")
@@ -464,9 +471,7 @@ def main() -> int:
     ratios = args.ratio or [Ratio("base")]
     if args.derive_only:
         for ratio in ratios:
-            out = args.out / ratio.name
-            tops = derive(args.topology, ratio, out / "topologies", run_dir=out / "run", connector=args.connector)
-            print("\n".join(str(path) for path in tops.values()))
+            print("\n".join(str(path) for path in derive_under(args, ratio).values()))
         return 0
     rates = [float(r) for r in args.rates.split(",")]
     key = os.environ.get("DISAGG_ENGINE_KEY") or secrets.token_urlsafe(24)
@@ -483,7 +488,7 @@ def main() -> int:
     classes = class_lengths(args.classes)
     for ratio in ratios:
         out = args.out / ratio.name
-        tops = derive(args.topology, ratio, out / "topologies", run_dir=out / "run", connector=args.connector)
+        tops = derive_under(args, ratio)
         if args.replan:
             cal = earlier["ratios"][ratio.name]["calibration"]
             slo = earlier["ratios"][ratio.name]["slo"]
