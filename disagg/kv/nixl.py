@@ -9,7 +9,8 @@
   (:mod:`disagg.proxy.nixl_push_handoff`).
 
 Both modes get the same engine settings (roles, buffer device, side channel, UCX
-transports, one NIXL thread on CPU hosts); the vLLM engine adapter
+transports, one NIXL thread on CPU hosts and a progress thread that waits for UCX events there
+instead of spinning); the vLLM engine adapter
 (:class:`disagg.engines.vllm.VllmEngine`) asks for them per instance while the plan is built.
 """
 
@@ -19,6 +20,8 @@ from typing import Any, ClassVar
 
 from disagg_connectors.nixl_cpu_affinity import ENABLED as NIXL_CPU_AFFINITY_OWN_CORES
 from disagg_connectors.nixl_cpu_affinity import ENV as NIXL_CPU_AFFINITY_ENV
+from disagg_connectors.nixl_progress_wait import CPU_WAIT_US as NIXL_CPU_PROGRESS_WAIT_US
+from disagg_connectors.nixl_progress_wait import ENV as NIXL_PROGRESS_WAIT_ENV
 
 from disagg.kv.base import VllmKVAdapter, kv_role
 from disagg.kv.ucx import ucx_env, ucx_port_env
@@ -61,6 +64,10 @@ class NixlVllmAdapter(VllmKVAdapter):
             # unless told otherwise; keep it on the engine's own cores
             # (connectors/nixl_cpu_affinity.py, a vLLM general plugin).
             env[NIXL_CPU_AFFINITY_ENV] = NIXL_CPU_AFFINITY_OWN_CORES
+        if host.device == "cpu":
+            # NIXL's progress thread would spin on the engine's core; it waits for UCX
+            # events instead (connectors/nixl_progress_wait.py, a vLLM general plugin).
+            env[NIXL_PROGRESS_WAIT_ENV] = NIXL_CPU_PROGRESS_WAIT_US
         return env
 
 

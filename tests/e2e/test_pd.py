@@ -54,6 +54,28 @@ def test_each_engine_computes_on_its_own_core(pd: Running) -> None:
     assert seen == {name: [cores] for name, cores in expected.items()}
 
 
+def test_no_engine_thread_spins_while_idle(pd: Running) -> None:
+    """Idle, no thread of either engine's worker takes a quarter of a core: NIXL's progress thread
+    waits for UCX events (the launcher's DISAGG_NIXL_PROGRESS_WAIT_US plugin, which each engine's
+    log names); as NIXL's Python API builds it, it would spin on the engine's only core."""
+    workers = [w for rec in pd.state().processes if rec.name in ("prefill[0]", "decode[0]")
+               for w in psutil.Process(rec.pid).children(recursive=True) if w.name() == "VLLM::Worker"]
+    assert len(workers) == 2
+
+    def cpu_seconds() -> dict[tuple[int, int], float]:
+        return {(w.pid, t.id): t.user_time + t.system_time for w in workers for t in w.threads()}
+
+    time.sleep(1.5)                  # vLLM's queue readers spin for a second after a step
+    before = cpu_seconds()
+    time.sleep(2.0)
+    used = {key: seconds - before.get(key, 0.0) for key, seconds in cpu_seconds().items()}
+    assert max(used.values()) < 0.5, sorted(used.items(), key=lambda kv: -kv[1])[:3]
+    for rec in pd.state().processes:
+        if rec.name in ("prefill[0]", "decode[0]"):
+            with open(rec.log, errors="replace") as log:
+                assert "NIXL's progress thread waits for UCX events" in log.read(), rec.log
+
+
 @pytest.mark.parametrize("name", ["short", "long"])
 def test_handoff_equals_colocated_and_kv_moved(pd: Running, reference: dict[str, str],
                                                requests_: dict[str, dict], name: str) -> None:

@@ -38,6 +38,12 @@ def test_unpinned_and_gpu_engines_are_left_to_vllm() -> None:
     assert "DISAGG_NIXL_CPU_AFFINITY" not in env_of("cuda", "gpus: [0]")
 
 
+def test_cpu_engines_wait_for_ucx_events_and_gpu_engines_are_left_to_nixl() -> None:
+    for env in (env_of("cpu", "cpus: [0]"), env_of("cpu", "args: []", role="decode")):
+        assert env["DISAGG_NIXL_PROGRESS_WAIT_US"] == "1000"
+    assert "DISAGG_NIXL_PROGRESS_WAIT_US" not in env_of("cuda", "gpus: [0]")
+
+
 def plan_of(connector: str, device: str = "cpu") -> dict[str, tuple[dict[str, object], dict[str, str]]]:
     """Each role's --kv-transfer-config and environment for ``connector``."""
     import json
