@@ -33,11 +33,12 @@ compare``: :func:`disagg.bench.prefill.probe_decode_step`), keyed the same way::
       }
     }
 
-An engine's prefill rate and decode step depend on what runs beside its compute: on a one-core CPU
-engine NIXL's progress thread spins on the same core (docs/engines.md), and the emulated house's
-gamer prefilled 2,048-token prompts at 1,795 tokens/s colocated (no connector) and 873 tokens/s
-as the prefill engine of a NIXL split. So both are kept per engine kind: ``connector`` is the KV
-connector the measured engine ran (``none`` for an engine of a colocated topology, ``roles.both``).
+An engine's prefill rate and decode step depend on what runs beside its compute: the emulated
+house's gamer, one core, prefilled 2,048-token prompts at 1,795 tokens/s colocated (no connector)
+and 873 tokens/s as the prefill engine of a NIXL split while NIXL's progress thread spun on the
+same core (it now waits for work: docs/engines.md; a connector's threads still share the core).
+So both are kept per engine kind: ``connector`` is the KV connector the measured engine ran
+(``none`` for an engine of a colocated topology, ``roles.both``).
 A lookup for one kind falls back to another kind of the same host (the caller says so); an entry
 written before the field existed has the connector unknown (``""``) and serves any kind.
 

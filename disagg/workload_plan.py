@@ -72,8 +72,8 @@ The model (stated in the output):
 
 - **engine kinds**: a prefill rate and a decode step are kept per host and KV connector
   (:mod:`disagg.measurements`): colocated and replica configurations run engines without a
-  connector (a colocated topology's), split and auto ones the topology's connector; on a
-  one-core CPU engine NIXL's spinning progress thread halves its prefill rate;
+  connector (a colocated topology's), split and auto ones the topology's connector (what runs
+  beside an engine's compute changes both: :mod:`disagg.measurements`);
 
 Not modelled: preemption and recompute (requests past the KV capacity queue instead), the
 prompts' prefix cache, a decode engine's queue ahead of a split's first step, the proxy's
