@@ -62,8 +62,9 @@ def wait_us(value: str | None) -> int | None:
 
 def wait_in_agents(api: ModuleType, delay_us: int) -> bool:
     """Make every NIXL agent built in this process from now on use ``delay_us`` as its progress
-    thread's ``pthrDelay``: the ``nixlAgent`` constructor of the bindings module that NIXL's Python
-    API module ``api`` calls is replaced for the whole process. False when it was replaced already,
+    thread's ``pthrDelay`` (whatever the config said: NIXL's Python API always says 0): the
+    ``nixlAgent`` constructor of the bindings module that NIXL's Python API module ``api`` calls is
+    replaced for the whole process. False when it was replaced already,
     or when ``api`` has no such constructor (a NIXL whose API changed: a warning says so)."""
     bindings = getattr(api, "nixlBind", None)
     make_agent = getattr(bindings, "nixlAgent", None)

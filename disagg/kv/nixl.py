@@ -59,15 +59,15 @@ class NixlVllmAdapter(VllmKVAdapter):
         }
         env.update(ucx_env(topo, host))  # GPU buffers also need cuda_copy over TCP
         env.update(ucx_port_env(topo, inst))  # UCX's listener within a known range (firewalls)
-        if host.device == "cpu" and inst.cpus:
-            # vLLM's NIXL worker moves its compute thread to the machine's last core
-            # unless told otherwise; keep it on the engine's own cores
-            # (connectors/nixl_cpu_affinity.py, a vLLM general plugin).
-            env[NIXL_CPU_AFFINITY_ENV] = NIXL_CPU_AFFINITY_OWN_CORES
         if host.device == "cpu":
             # NIXL's progress thread would spin on the engine's core; it waits for UCX
             # events instead (connectors/nixl_progress_wait.py, a vLLM general plugin).
             env[NIXL_PROGRESS_WAIT_ENV] = NIXL_CPU_PROGRESS_WAIT_US
+            if inst.cpus:
+                # vLLM's NIXL worker moves its compute thread to the machine's last core
+                # unless told otherwise; keep it on the engine's own cores
+                # (connectors/nixl_cpu_affinity.py, a vLLM general plugin).
+                env[NIXL_CPU_AFFINITY_ENV] = NIXL_CPU_AFFINITY_OWN_CORES
         return env
 
 

@@ -100,6 +100,7 @@ def test_every_agent_config_gets_the_delay_once_wrapped() -> None:
     assert api.nixlBind.nixlAgent("a", config) == "a"  # type: ignore[attr-defined]
     assert built == [("a", config)] and config.pthrDelay == 1000
 
+
 def test_a_nixl_without_the_constructor_is_left_alone_and_said(caplog: pytest.LogCaptureFixture) -> None:
     assert not wait_in_agents(ModuleType("no_bindings"), 1000)
     assert "no_bindings has no nixlBind.nixlAgent" in caplog.text
