@@ -16,11 +16,24 @@ from disagg.routecost import handoff_fixed_s
 from disagg.topology import parse_topology
 
 ROOT = Path(__file__).resolve().parents[2]
+#: the running test's own run_dir (:func:`_own_run_dir`)
+_run_dir: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _own_run_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Each test's topology keeps its state in a run_dir of its own: the checkout's ``.disagg/``
+    holds whatever a developer's ``disagg bench prefill`` measured there, which ``plan`` reads."""
+    _run_dir.append(tmp_path / "run")
+    yield
+    _run_dir.pop()
 
 
 def topology(extra: str = "", connector: str = "nixl", file: str = "t.yaml"):  # type: ignore[no-untyped-def]
     text = (ROOT / "topologies" / "local-cpu-nixl.yaml").read_text()
     text = text.replace("connector: nixl", f"connector: {connector}")
+    if "run_dir:" not in extra:
+        extra += f"run_dir: {_run_dir[-1]}\n"
     return parse_topology(text + extra, str(ROOT / "topologies" / file))
 
 
