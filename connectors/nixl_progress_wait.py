@@ -87,13 +87,19 @@ def wait_in_agents(api: ModuleType, delay_us: int) -> bool:
     return True
 
 
+def _wait_in_module_of(agent_class: Any, delay_us: int) -> None:
+    """:func:`wait_in_agents` on the NIXL Python API module that defines ``agent_class`` (vLLM's
+    ``NixlWrapper``: NIXL's ``nixl_agent``), if that module is loaded."""
+    api = sys.modules.get(getattr(agent_class, "__module__", ""))
+    if api is not None:
+        wait_in_agents(api, delay_us)
+
+
 def _wrap(load: Callable[[str], Any], delay_us: int) -> Callable[[str], Any]:
     def load_nixl_attr(name: str) -> Any:
         value = load(name)
         if name == "NixlWrapper" and value is not None:
-            api = sys.modules.get(getattr(value, "__module__", ""))
-            if api is not None:
-                wait_in_agents(api, delay_us)
+            _wait_in_module_of(value, delay_us)
         return value
 
     setattr(load_nixl_attr, MARK, True)
@@ -114,7 +120,5 @@ def register() -> None:
         return
     loaded = nixl_utils.__dict__.get("NixlWrapper")
     if loaded is not None:  # NIXL reached before the plugins loaded: wrap its module now
-        api = sys.modules.get(getattr(loaded, "__module__", ""))
-        if api is not None:
-            wait_in_agents(api, delay_us)
+        _wait_in_module_of(loaded, delay_us)
     nixl_utils._load_nixl_attr = _wrap(current, delay_us)

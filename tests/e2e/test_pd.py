@@ -38,6 +38,11 @@ def test_up_reports_ready(pd: Running) -> None:
     assert get_text(pd.proxy_url + "/health", timeout=10) is not None
 
 
+def _vllm_workers(rec: ProcessRecord) -> list[psutil.Process]:
+    """The ``VLLM::Worker`` processes (the compute) under an engine the run recorded."""
+    return [p for p in psutil.Process(rec.pid).children(recursive=True) if p.name() == "VLLM::Worker"]
+
+
 def test_each_engine_computes_on_its_own_core(pd: Running) -> None:
     """The workers' compute threads stay on the topology's `cpus` ([0] and [1]).
 
@@ -49,8 +54,7 @@ def test_each_engine_computes_on_its_own_core(pd: Running) -> None:
     seen: dict[str, list[set[int]]] = {}
     for rec in pd.state().processes:
         if rec.name in expected:
-            workers = [p for p in psutil.Process(rec.pid).children(recursive=True) if p.name() == "VLLM::Worker"]
-            seen[rec.name] = [os.sched_getaffinity(w.pid) for w in workers]  # the main (compute) thread
+            seen[rec.name] = [os.sched_getaffinity(w.pid) for w in _vllm_workers(rec)]  # the main (compute) thread
     assert seen == {name: [cores] for name, cores in expected.items()}
 
 
@@ -58,8 +62,8 @@ def test_no_engine_thread_spins_while_idle(pd: Running) -> None:
     """Idle, no thread of either engine's worker takes a quarter of a core: NIXL's progress thread
     waits for UCX events (the launcher's DISAGG_NIXL_PROGRESS_WAIT_US plugin, which each engine's
     log names); as NIXL's Python API builds it, it would spin on the engine's only core."""
-    workers = [w for rec in pd.state().processes if rec.name in ("prefill[0]", "decode[0]")
-               for w in psutil.Process(rec.pid).children(recursive=True) if w.name() == "VLLM::Worker"]
+    engines = [rec for rec in pd.state().processes if rec.name in ("prefill[0]", "decode[0]")]
+    workers = [w for rec in engines for w in _vllm_workers(rec)]
     assert len(workers) == 2
 
     def cpu_seconds() -> dict[tuple[int, int], float]:
@@ -70,10 +74,9 @@ def test_no_engine_thread_spins_while_idle(pd: Running) -> None:
     time.sleep(2.0)
     used = {key: seconds - before.get(key, 0.0) for key, seconds in cpu_seconds().items()}
     assert max(used.values()) < 0.5, sorted(used.items(), key=lambda kv: -kv[1])[:3]
-    for rec in pd.state().processes:
-        if rec.name in ("prefill[0]", "decode[0]"):
-            with open(rec.log, errors="replace") as log:
-                assert "NIXL's progress thread waits for UCX events" in log.read(), rec.log
+    for rec in engines:
+        with open(rec.log, errors="replace") as log:
+            assert "NIXL's progress thread waits for UCX events" in log.read(), rec.log
 
 
 @pytest.mark.parametrize("name", ["short", "long"])
