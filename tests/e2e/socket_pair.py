@@ -124,7 +124,9 @@ async def complete(session: aiohttp.ClientSession, eng: Engine, prompt: str, max
                             "ignore_eos": True}
     if kv_params is not None:
         body["kv_transfer_params"] = kv_params
-    async with session.post(eng.url + "/v1/completions", json=body,
+    # a connection of its own: a kept-alive one that the engine closes as it is reused (its idle
+    # timeout is 5 s) fails the request before it reaches the engine
+    async with session.post(eng.url + "/v1/completions", json=body, headers={"Connection": "close"},
                             timeout=aiohttp.ClientTimeout(total=120)) as r:
         data: dict[str, Any] = await r.json()
         assert r.status == 200, f"{eng.name}: HTTP {r.status}: {data}\n{eng.log_tail()}"
