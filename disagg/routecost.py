@@ -181,6 +181,10 @@ def handoff_fixed_s(connector: str, streaming: bool = False) -> float:
     return HANDOFF_FIXED_S.get(connector, DEFAULT_HANDOFF_FIXED_S)
 
 
+#: a tuple subclass's constructor without the named tuple's Python-level ``__new__``
+_new_tuple = tuple.__new__
+
+
 class Decoding(NamedTuple):
     """One request decoding on an engine, as far as its stream has come: ``elapsed_s`` since its first
     token, ``gaps`` between the tokens sent so far, ``total_gaps`` it is expected to have in all (its
@@ -191,6 +195,12 @@ class Decoding(NamedTuple):
     elapsed_s: float
     gaps: float
     total_gaps: float
+
+    @classmethod
+    def at(cls, elapsed_s: float, gaps: float, total_gaps: float) -> Decoding:
+        """The same as ``Decoding(elapsed_s, gaps, total_gaps)`` at under half the cost (no
+        Python-level ``__new__``): the router builds one per followed stream for every decision."""
+        return _new_tuple(cls, (elapsed_s, gaps, total_gaps))
 
     def left_gaps(self) -> float:
         """The gaps it has still to go (at least one: a request past its expected length goes on)."""
@@ -210,9 +220,11 @@ class Decoding(NamedTuple):
         return (objective_s * (total if total > gaps + 1.0 else gaps + 1.0) - elapsed) / left, left
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EngineCost:
-    """What predicts a prefill on one engine.
+    """What predicts a prefill on one engine. (Not frozen, though nothing changes one once built:
+    the router builds one per engine for every routing decision, and a frozen dataclass's
+    ``__init__`` costs about four times as much.)
 
     ``tokens_per_s``: its prefill rate; ``overhead_s``: per-request cost on top;
     ``queued_tokens``: prompt tokens it has still to prefill (its queue, as estimated);
@@ -253,7 +265,7 @@ class EngineCost:
         """Prefill time of ``tokens`` on this engine, idle (its overhead included)."""
         return self.overhead_s + tokens / self.tokens_per_s
 
-    def ttft_s(self, tokens: float) -> float:
+    def ttft_s(self, tokens: float, *, kv_wait_s: float | None = None) -> float:
         """Prefill of ``tokens`` after the longer of the queue wait and what the engine's load adds
         (``busy_s``). Both price the same delay, the work the engine does before it starts the
         prompt: the busy line is learned from prompts sent with next to nothing queued (where
@@ -262,8 +274,11 @@ class EngineCost:
         flight predicted splits at 7.9 s where they took 4.7 s on average (MAE 79%; 39% with the
         longer of the two), and past saturation the policy sent every prompt to the decode engine.
         A prompt that finds the engine's KV cache full waits as well for the room its ``tokens``
-        need (:meth:`kv_wait_s`); the longest of the three delays counts."""
-        return max(self.wait_s(), self.busy_s, self.kv_wait_s(tokens)) + self.prefill_s(tokens)
+        need (:meth:`kv_wait_s`; ``kv_wait_s``: that wait, where the caller has it); the longest
+        of the three delays counts."""
+        if kv_wait_s is None:
+            kv_wait_s = self.kv_wait_s(tokens)
+        return max(self.wait_s(), self.busy_s, kv_wait_s) + self.prefill_s(tokens)
 
     def kv_wait_s(self, tokens: float) -> float:
         """How long a prompt of ``tokens`` waits for room in the engine's KV cache
@@ -331,13 +346,13 @@ def max_transfer_s(exposed_s: float, prefill_s: float, layers: int | None) -> fl
     return min(layers * exposed_s, exposed_s + prefill_s - prefill_s / layers)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LinkCost:
     """A prefill -> decode handoff: ``fixed_s + nbytes / bytes_per_s``, or with
     ``streaming_layers`` (the KV streamed layer by layer while the prefill computes, over a
     model of that many layers) ``fixed_s`` + the part of the transfer the prefill does not hide
     (:func:`exposed_transfer_s`); None: sent after the prefill. ``in_transit``: the handoffs on
-    the link now."""
+    the link now. (Not frozen, like :class:`EngineCost`: one per engine pair and decision.)"""
 
     fixed_s: float
     bytes_per_s: float
@@ -383,16 +398,21 @@ def whole_ttft(tokens: float, prefill: EngineCost) -> float:
 
 
 def split_ttft(tokens: float, kv_bytes: float, prefill: EngineCost, link: LinkCost,
-               decode: EngineCost | None = None) -> float:
+               decode: EngineCost | None = None, *, prefill_ttft_s: float | None = None,
+               decode_room_s: float | None = None) -> float:
     """Predicted TTFT of a split: prefill on P, then the handoff (fixed + the transfer the prefill
     does not hide: all of it, or with ``link.streaming_layers`` what :func:`exposed_transfer_s`
     leaves of it next to P's ``tokens / rate``), but no earlier than the end of the prefill
     work queued on the decode engine (``decode``), nor before that engine has room in its KV
-    cache for the prompt (:meth:`EngineCost.kv_wait_s`) and the handoff that follows."""
-    arrived = prefill.ttft_s(tokens) + link.after_prefill_s(kv_bytes, tokens / prefill.tokens_per_s)
+    cache for the prompt (:meth:`EngineCost.kv_wait_s`) and the handoff that follows.
+    ``prefill_ttft_s`` and ``decode_room_s``: ``prefill.ttft_s(tokens)`` and
+    ``decode.kv_wait_s(tokens)`` where the caller has them (:func:`option_costs`)."""
+    if prefill_ttft_s is None:
+        prefill_ttft_s = prefill.ttft_s(tokens)
+    arrived = prefill_ttft_s + link.after_prefill_s(kv_bytes, tokens / prefill.tokens_per_s)
     if decode is None:
         return arrived
-    room = decode.kv_wait_s(tokens)
+    room = decode.kv_wait_s(tokens) if decode_room_s is None else decode_room_s
     if room > 0:          # the KV moves only once the decode engine has room for it
         room += link.seconds(kv_bytes)
     return max(arrived, decode.wait_s(), room)
@@ -454,8 +474,11 @@ def option_costs(tokens: float, kv_bytes: float, prefill: EngineCost, decode: En
     option of the prefill engine serving the request alone.
     Order: split, local, whole (ties go to the earlier; see :func:`cheapest`).
     """
-    split = split_ttft(tokens, kv_bytes, prefill, link, decode)
-    local = local_ttft(tokens, decode)
+    # each engine's TTFT and the decode engine's wait for KV room once, for every option
+    on_p_ttft = prefill.ttft_s(tokens)
+    room = decode.kv_wait_s(tokens)
+    split = split_ttft(tokens, kv_bytes, prefill, link, decode, prefill_ttft_s=on_p_ttft, decode_room_s=room)
+    local = decode.ttft_s(tokens, kv_wait_s=room)
     on_prefill = _imposed_s(tokens, prefill, stall_weight)
     on_d = decode_s(out_tokens, decode, stall_weight)
     on_p = decode_s(out_tokens, prefill, stall_weight) if whole else 0.0
@@ -464,7 +487,7 @@ def option_costs(tokens: float, kv_bytes: float, prefill: EngineCost, decode: En
     out = [OptionCost(Option.SPLIT, split, split + on_prefill + link_held_up_s(kv_bytes, link) + on_d, on_d),
            OptionCost(Option.LOCAL, local, local + _imposed_s(tokens, decode, stall_weight) + on_d, on_d)]
     if whole:
-        w = whole_ttft(tokens, prefill)
+        w = on_p_ttft
         out.append(OptionCost(Option.WHOLE, w, w + on_prefill + on_p, on_p))
     return out
 
@@ -619,11 +642,19 @@ def meet_probability(predicted_s: float, limit_s: float | None, error: float) ->
     limit: 1; an infinite prediction (a saturated engine): 0."""
     if limit_s is None:
         return 1.0
-    if math.isinf(predicted_s) or limit_s <= 0:
+    if limit_s <= 0:
+        return 0.0
+    return _chance(predicted_s, math.log(limit_s), _spread(error))
+
+
+def _chance(predicted_s: float, log_limit: float, spread: float) -> float:
+    """:func:`meet_probability` of a limit above 0 from its logarithm and :func:`_spread` (for
+    callers that take them once for many predictions)."""
+    if math.isinf(predicted_s):
         return 0.0
     if predicted_s <= 0:
         return 1.0
-    return _meet(math.log(predicted_s), math.log(limit_s), _spread(error))
+    return _meet(math.log(predicted_s), log_limit, spread)
 
 
 def _spread(error: float) -> float:
@@ -659,7 +690,9 @@ class RunningSlack(NamedTuple):
     ``followed``: per decode whose stream the proxy follows and that may still meet the objective,
     (log of the time per output token it may still spend, the gaps it has still to go, its chance
     before); ``unseen``: the others, taken as on the line from their first token, ``unseen_gaps``
-    gaps each, their chance before ``unseen_before`` against ``log_objective``."""
+    gaps each, their chance before ``unseen_before`` against ``log_objective``; ``newcomer``: the
+    chance that one more request decoding there (at the engine's ``tpot_s``) meets the objective
+    (1 without an objective or a decode line)."""
 
     step_s: float = 0.0
     tpot_added_s: float = 0.0
@@ -669,6 +702,7 @@ class RunningSlack(NamedTuple):
     unseen_gaps: float = 1.0
     log_objective: float = 0.0
     unseen_before: float = 0.0
+    newcomer: float = 1.0
     # (a named tuple: built for each engine of every decision)
 
     def harm(self, stall_s: float, joins: int) -> float:
@@ -693,23 +727,27 @@ class RunningSlack(NamedTuple):
 #: hundredth of a request, the margin within which the policy calls options equal)
 LOST_Z = 2.63
 
-#: the slack of an engine where no option can harm a decode (no TPOT objective, no decode line, none running)
+#: the slack of an engine where no option can harm a decode and a newcomer meets the objective
+#: (no TPOT objective, no decode line)
 NO_RUNNING = RunningSlack()
 
 
 def running_slack(engine: EngineCost, out_tokens: float, slo: ServiceObjective, error: float) -> RunningSlack:
-    """The requests decoding on ``engine`` as :func:`running_harm` judges them, taken once for a
-    decision (see there for who counts how); ``error``: the measured relative error of the time
+    """The requests decoding on ``engine`` as :func:`running_harm` judges them, and the chance
+    of one more there (:attr:`RunningSlack.newcomer`), taken once for a decision (see
+    :func:`running_harm` for who counts how); ``error``: the measured relative error of the time
     per output token predicted."""
     objective = slo.tpot_s
-    if objective is None or engine.tpot_s is None or engine.running <= 0:
+    if objective is None or engine.tpot_s is None:
         return NO_RUNNING
+    spread = _spread(error)
+    log_objective = math.log(objective) if objective > 0 else -math.inf
+    newcomer = _chance(engine.tpot_s, log_objective, spread) if objective > 0 else 0.0
     # their step now: tpot_s prices one more request beside them, which an option adds as ``joins``
     step = engine.tpot_s - engine.tpot_added_s
-    if not step < math.inf:      # an endless step (or an unknown one): every decode misses already
-        return NO_RUNNING
+    if engine.running <= 0 or not step < math.inf:   # none to harm; or an endless step: every decode misses
+        return RunningSlack(newcomer=newcomer)
     step = max(step, 1e-9)       # above 0 for the logarithm
-    spread = _spread(error)
     log_step = math.log(step)
     lost_below = step * math.exp(-LOST_Z * spread)
     followed: list[tuple[float, float, float]] = []
@@ -723,9 +761,9 @@ def running_slack(engine: EngineCost, out_tokens: float, slo: ServiceObjective, 
             continue
         log_allowed = math.log(allowed)
         followed.append((log_allowed, left, _meet(log_step, log_allowed, spread)))
-    log_objective = math.log(objective) if objective > 0 else -math.inf
     return RunningSlack(step, engine.tpot_added_s, spread, tuple(followed), engine.running - seen,
-                        max(out_tokens - 1.0, 1.0), log_objective, _meet(log_step, log_objective, spread))
+                        max(out_tokens - 1.0, 1.0), log_objective, _meet(log_step, log_objective, spread),
+                        newcomer)
 
 
 def running_harm(engine: EngineCost, stall_s: float, joins: int, out_tokens: float, slo: ServiceObjective,
@@ -767,13 +805,10 @@ def slo_value(option: OptionCost, tokens: float, prefill: EngineCost, decode: En
     decodes_on = prefill if option.path is Option.WHOLE else decode
     computes_slack = slacks[1] if option.path is Option.LOCAL else slacks[0]
     decodes_slack = slacks[0] if option.path is Option.WHOLE else slacks[1]
-    tpot = decodes_on.tpot_s
-    own = meet_probability(option.ttft_s, slo.ttft_s, ttft_error)
-    if tpot is not None:
-        own *= meet_probability(tpot, slo.tpot_s, tpot_error)
+    own = meet_probability(option.ttft_s, slo.ttft_s, ttft_error) * decodes_slack.newcomer
     stall = computes.prefill_s(tokens)
     if computes is decodes_on:
         harm = computes_slack.harm(stall, 1)
     else:
         harm = computes_slack.harm(stall, 0) + decodes_slack.harm(0.0, 1)
-    return SloValue(own - harm, own, harm, tpot)
+    return SloValue(own - harm, own, harm, decodes_on.tpot_s)

@@ -114,21 +114,23 @@ the score).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from disagg.routecost import (
     DEFAULT_PREDICTION_ERROR,
+    TIE_RANK,
     EngineCost,
     LinkCost,
     Option,
     OptionCost,
     ServiceObjective,
+    SloValue,
     cheapest,
     option_costs,
     running_slack,
-    score_order,
     slo_value,
 )
 from disagg.serving import EXPLORE_AFTER_DECISIONS, EXPLORE_AFTER_S, EXPLORE_WITHIN, WHOLE_TPOT_FACTOR
@@ -139,17 +141,19 @@ E = TypeVar("E")
 SLO_TIE = 0.01
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Candidate(Generic[E]):
-    """One healthy engine (``engine``: the proxy's Backend, or anything in tests) and its costs."""
+    """One healthy engine (``engine``: the proxy's Backend, or anything in tests) and its costs.
+    (Not frozen, like :class:`~disagg.routecost.EngineCost`: built per engine for every decision.)"""
 
     engine: E
     cost: EngineCost
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Decision(Generic[E]):
-    """Where one prompt goes: the path, why, the engines, and the prediction behind it."""
+    """Where one prompt goes: the path, why, the engines, and the prediction behind it. (Not
+    frozen: one per decision, read once by the router.)"""
 
     path: Option
     reason: str
@@ -224,29 +228,34 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
         expected = out_tokens if slo_out_tokens is None else slo_out_tokens
         # each engine's running decodes judged once for every option that loads it
         slack = {id(c): running_slack(c.cost, expected, slo, tpot_error) for c in (*prefills, *decodes)}
-        judged = [(slo_value(o, tokens, op.cost, od.cost, expected, slo, ttft_error=ttft_error,
-                             tpot_error=tpot_error, slacks=(slack[id(op)], slack[id(od)])), o, op, od)
-                  for o, op, od in every]
+        judged: list[tuple[SloValue, OptionCost, Candidate[E], Candidate[E]]] = []
+        best_own = top = -math.inf
+        for o, op, od in every:
+            value = slo_value(o, tokens, op.cost, od.cost, expected, slo, ttft_error=ttft_error,
+                              tpot_error=tpot_error, slacks=(slack[id(op)], slack[id(od)]))
+            judged.append((value, o, op, od))
+            best_own = max(best_own, value.own)
+            top = max(top, value.good)
         # the most requests expected to meet the SLO; among options within a hundredth of a
         # request of that, the lowest score (what the policy chooses without an SLO)
-        if max(t[0].own for t in judged) < 0.5:
+        if best_own < 0.5:
             # no option gives it an even chance: the count no longer tells them apart (the decodes
             # an option would harm may be lost already), so the score decides (module doc)
-            value, opt, p, d = min(judged, key=lambda t: score_order(t[1]))
+            value, opt, p, d = min(judged, key=_judged_order)
         else:
-            top = max(t[0].good for t in judged)
-            value, opt, p, d = min((t for t in judged if t[0].good >= top - SLO_TIE),
-                                   key=lambda t: score_order(t[1]))
+            value, opt, p, d = min((t for t in judged if t[0].good >= top - SLO_TIE), key=_judged_order)
         reason = "slo" if value.own >= 0.5 else "slo_missed"
         tpot = value.tpot_s
     if stale is not None:
-        chosen = _engines(opt.path, p, d)
+        chosen = (opt.path, *_engines(opt.path, p, d))
         limit = explore_within * (opt.score_s - opt.decode_s)
+        decode_limit = explore_within * opt.decode_s
         asked: set[tuple[Option, E | None, E]] = set()
-        for alt, ap, ad in sorted(every, key=lambda t: t[0].score_s):
+        for alt, ap, ad in sorted(every, key=_option_score):
+            if alt.path is Option.WHOLE or alt.score_s - alt.decode_s > limit or alt.decode_s > decode_limit:
+                continue
             key = (alt.path, *_engines(alt.path, ap, ad))
-            if alt.path is Option.WHOLE or alt.score_s - alt.decode_s > limit \
-                    or alt.decode_s > explore_within * opt.decode_s or key == (opt.path, *chosen) or key in asked:
+            if key == chosen or key in asked:
                 continue
             asked.add(key)
             if stale(*key):
@@ -258,6 +267,17 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
         return Decision(Option.WHOLE, whole_reason[id(p)] if slo is None else reason, p.engine, None,
                         opt.ttft_s, options, tpot)
     return Decision(Option.SPLIT, reason, p.engine, d.engine, opt.ttft_s, options, tpot)
+
+
+def _option_score(option: tuple[OptionCost, Candidate[E], Candidate[E]]) -> float:
+    """The score of an option over a pair (exploration asks the cheapest first)."""
+    return option[0].score_s
+
+
+def _judged_order(judged: tuple[SloValue, OptionCost, Candidate[E], Candidate[E]]) -> tuple[float, int]:
+    """:func:`~disagg.routecost.score_order` of a judged option's cost (the SLO's tie-break)."""
+    option = judged[1]
+    return option.score_s, TIE_RANK[option.path]
 
 
 def decodes_slower(prefill: EngineCost, decodes: Sequence[EngineCost], factor: float) -> bool:

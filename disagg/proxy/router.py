@@ -539,8 +539,9 @@ def _notes(route: PromptRoute) -> _Flight | None:
 
 def _progress(flights: Iterable[_Flight], now: float) -> tuple[Decoding, ...]:
     """Where each followed route decoding on one engine stands at ``now`` (perf_counter)."""
-    return tuple(Decoding(now - f.first, max(f.progress.token_events - 1, 0) if f.progress is not None else 0,
-                          f.total_gaps) for f in flights)
+    at = Decoding.at
+    return tuple([at(now - f.first, (f.progress.token_events - 1 if f.progress.token_events > 1 else 0)
+                     if f.progress is not None else 0, f.total_gaps) for f in flights])
 
 
 def _engine_fit(flight: _Flight) -> str:

@@ -10,6 +10,7 @@ import pytest
 from disagg.routecost import (
     DEFAULT_HANDOFF_FIXED_S,
     HANDOFF_FIXED_S,
+    Decoding,
     EngineCost,
     LinkCost,
     Option,
@@ -337,3 +338,23 @@ def test_a_split_waits_for_room_on_the_decode_engine_too() -> None:
     assert split_ttft(1000, 1e6, prefill, link, decode) == pytest.approx(5.0 + 0.01 + 0.001)
     room = replace(decode, kv_free_tokens=1000.0)
     assert split_ttft(1000, 1e6, prefill, link, room) == pytest.approx(1.0 + 0.01 + 0.001)
+
+
+def test_option_costs_take_each_engines_ttft_and_room_once_and_price_as_the_paths_alone() -> None:
+    """option_costs hands split_ttft and ttft_s what it computed once; the options cost what the
+    paths' own functions say, on engines with a queue, a busy line and a full KV cache."""
+    prefill = EngineCost(tokens_per_s=1000.0, overhead_s=0.01, queued_tokens=300.0, busy_s=0.1,
+                         kv_free_tokens=0.0, kv_frees=((0.7, 4096.0),), running=2, tpot_s=0.02)
+    decode = EngineCost(tokens_per_s=500.0, overhead_s=0.02, queued_tokens=100.0, busy_s=0.05,
+                        kv_free_tokens=100.0, kv_frees=((1.5, 4096.0),), running=3, tpot_s=0.03)
+    link = LinkCost(fixed_s=0.01, bytes_per_s=1e8)
+    n = 800
+    by_path = {o.path: o.ttft_s for o in option_costs(n, kv(n), prefill, decode, link, whole=True)}
+    assert by_path == {Option.SPLIT: split_ttft(n, kv(n), prefill, link, decode),
+                       Option.LOCAL: local_ttft(n, decode), Option.WHOLE: whole_ttft(n, prefill)}
+    assert decode.ttft_s(n, kv_wait_s=decode.kv_wait_s(n)) == decode.ttft_s(n) == pytest.approx(1.5 + 0.02 + 1.6)
+
+
+def test_decoding_at_is_the_named_tuple() -> None:
+    made = Decoding.at(1.5, 10.0, 63.0)
+    assert type(made) is Decoding and made == Decoding(1.5, 10.0, 63.0) and made.total_gaps == 63.0

@@ -46,6 +46,21 @@ def route(n: int, p: EngineCost, d: EngineCost, link: LinkCost, **kw: object) ->
                   out_tokens=64.0, **kw)
 
 
+def test_a_newcomers_tpot_chance_is_taken_once_per_engine_as_meet_probability_says() -> None:
+    """running_slack judges one more request on the engine (what slo_value multiplies each option's
+    TTFT chance by) as meet_probability does, with or without decodes running there."""
+    tight = ServiceObjective(ttft_s=1.0, tpot_s=0.018)
+    for engine in (IDLE_P, BUSY_D, replace(BUSY_D, tpot_s=math.inf), replace(IDLE_P, tpot_s=0.0)):
+        assert running_slack(engine, 64.0, tight, 0.2).newcomer == pytest.approx(
+            meet_probability(engine.tpot_s, 0.018, 0.2))
+    assert running_slack(replace(IDLE_P, tpot_s=None), 64.0, tight, 0.2).newcomer == 1.0
+    assert running_slack(BUSY_D, 64.0, ServiceObjective(ttft_s=1.0), 0.2).newcomer == 1.0
+    # an option's own chance: its TTFT's times the newcomer's where it decodes
+    split = option_costs(1000, 1000 * KV_PER_TOKEN, IDLE_P, BUSY_D, SLOW_LINK)[0]
+    value = slo_value(split, 1000, IDLE_P, BUSY_D, 64.0, tight, ttft_error=0.2, tpot_error=0.2)
+    assert value.own == pytest.approx(meet_probability(split.ttft_s, 1.0, 0.2) * meet_probability(0.020, 0.018, 0.2))
+
+
 def test_meeting_an_objective_is_a_distribution_around_the_prediction() -> None:
     assert meet_probability(0.1, 0.1, 0.3) == pytest.approx(0.5)
     # one typical error below the limit: one standard deviation of the log-normal
