@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -548,7 +548,7 @@ def _imposed_s(tokens: float, engine: EngineCost, stall_weight: float) -> float:
     return stall_weight * stall_s(tokens, engine) + held_up_s(tokens, engine)
 
 
-def cheapest(options: list[OptionCost]) -> OptionCost:
+def cheapest(options: Sequence[OptionCost]) -> OptionCost:
     """The option with the lowest score; on a tie, local before split before whole
     (no handoff beats one, and decodes belong on decode engines)."""
     return min(options, key=score_order)

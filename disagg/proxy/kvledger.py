@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 
 
-@dataclass(eq=False)   # identity: two holds of one size on one engine are two entries
+@dataclass(eq=False, slots=True)   # identity: two holds of one size on one engine are two entries
 class KvHold:
     """KV held on the engine at ``url`` for one route: ``tokens``, expected free at ``until``
     (perf_counter; :meth:`KvLedger.retime` moves it)."""

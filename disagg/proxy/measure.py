@@ -372,7 +372,7 @@ def _busy_s(eng: _Engine, in_flight: float) -> float:
     return eng.busy.predict(in_flight) if in_flight > 0 else 0.0
 
 
-@dataclass(eq=False)   # identity: two prefills of one size are two entries (settle removes the right one)
+@dataclass(eq=False, slots=True)   # identity: two prefills of one size are two entries (settle removes the right one)
 class _Pending:
     """A prefill sent to an engine that has not produced its first token yet."""
 
@@ -396,7 +396,7 @@ class Transit:
     until: float = math.inf
 
 
-@dataclass
+@dataclass(slots=True)
 class _Engine:
     fit: EwFit                         # prefill seconds against work tokens, engine alone
     busy: EwFit                        # what its load adds, against requests in flight

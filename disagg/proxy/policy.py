@@ -192,23 +192,29 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
         best_d = min(decodes, key=lambda c: c.cost.ttft_s(tokens))
         return Decision(Option.LOCAL, "policy" if policy == "local" else "no_prefill", None, best_d.engine,
                         best_d.cost.ttft_s(tokens))
-    backlog = whole and all(d.cost.waiting > 0 for d in decodes)
     per_path: dict[Option, tuple[OptionCost, Candidate[E], Candidate[E]]] = {}
     every: list[tuple[OptionCost, Candidate[E], Candidate[E]]] = []
     whole_reason: dict[int, str] = {}        # per prefill candidate offered ``whole``: by which rule
-    for p in prefills:
-        if not whole:
-            break
-        if backlog and p.cost.running == 0 and p.cost.waiting == 0:
-            whole_reason[id(p)] = "decode_backlog"
-        elif decodes_slower(p.cost, [d.cost for d in decodes], whole_tpot_factor):
-            whole_reason[id(p)] = "decode_load"
-        elif slo is not None:     # the count judges whole like the other options (module doc)
-            whole_reason[id(p)] = "slo"
     # the decode work is priced for every option of the decision or for none: an engine without
     # a decode line would otherwise look free beside one that has it
-    deciding = [*decodes, *(p for p in prefills if id(p) in whole_reason)]
-    if any(c.cost.tpot_s is None for c in deciding):
+    unmeasured = False
+    decode_costs = []
+    for c in decodes:
+        decode_costs.append(c.cost)
+        unmeasured = unmeasured or c.cost.tpot_s is None
+    if whole:
+        backlog = all([d.waiting > 0 for d in decode_costs])
+        for p in prefills:
+            if backlog and p.cost.running == 0 and p.cost.waiting == 0:
+                whole_reason[id(p)] = "decode_backlog"
+            elif decodes_slower(p.cost, decode_costs, whole_tpot_factor):
+                whole_reason[id(p)] = "decode_load"
+            elif slo is not None:     # the count judges whole like the other options (module doc)
+                whole_reason[id(p)] = "slo"
+            else:
+                continue
+            unmeasured = unmeasured or p.cost.tpot_s is None
+    if unmeasured:
         out_tokens = 0.0
     for p in prefills:
         for d in decodes:
@@ -219,8 +225,8 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
                 held = per_path.get(opt.path)
                 if held is None or opt.score_s < held[0].score_s:
                     per_path[opt.path] = (opt, p, d)
-    options = tuple(v[0] for v in per_path.values())
-    opt = cheapest(list(options))
+    options = tuple([v[0] for v in per_path.values()])
+    opt = cheapest(options)
     _, p, d = per_path[opt.path]
     reason = "predicted"
     tpot: float | None = None

@@ -93,7 +93,7 @@ MAX_OUTPUT_CAP = 1 << 20
 _PATHS = {Option.SPLIT: RoutePath.SPLIT, Option.LOCAL: RoutePath.LOCAL, Option.WHOLE: RoutePath.WHOLE}
 
 
-@dataclass
+@dataclass(slots=True)
 class _Flight:
     """What the router remembers about one route while it runs."""
 
