@@ -212,7 +212,8 @@ class Decoding(NamedTuple):
         return self.slack(objective_s)[0]
 
     def slack(self, objective_s: float) -> tuple[float, float]:
-        """(:meth:`allowed_tpot_s`, :meth:`left_gaps`) in one call, as the decision asks them."""
+        """(:meth:`allowed_tpot_s`, :meth:`left_gaps`) in one call: what :func:`running_slack` takes
+        of each followed decode (written out there, for its cost)."""
         elapsed, gaps, total = self
         left = total - gaps
         if left < 1.0:
@@ -752,11 +753,14 @@ def running_slack(engine: EngineCost, out_tokens: float, slo: ServiceObjective, 
     lost_below = step * math.exp(-LOST_Z * spread)
     followed: list[tuple[float, float, float]] = []
     seen = 0
-    for d in engine.decodes[:engine.running]:
-        if d.gaps >= d.total_gaps:
+    for elapsed, gaps, total in engine.decodes[:engine.running]:
+        if gaps >= total:
             continue
         seen += 1
-        allowed, left = d.slack(objective)
+        # :meth:`Decoding.slack`, written out: this runs for every followed stream of every engine at
+        # every decision, and the call costs as much as the arithmetic (a test holds the two equal)
+        left = total - gaps if total - gaps > 1.0 else 1.0
+        allowed = (objective * (total if total > gaps + 1.0 else gaps + 1.0) - elapsed) / left
         if allowed < lost_below:     # missed already, or as good as (:data:`LOST_Z`): nothing to take
             continue
         log_allowed = math.log(allowed)

@@ -46,6 +46,21 @@ def route(n: int, p: EngineCost, d: EngineCost, link: LinkCost, **kw: object) ->
                   out_tokens=64.0, **kw)
 
 
+def test_running_slack_takes_each_followed_decode_as_decoding_slack_says() -> None:
+    """running_slack writes Decoding.slack out for its cost: the two stay equal, for decodes
+    ahead, behind, at their last gap, past their expected length (not followed) and lost."""
+    objective = ServiceObjective(ttft_s=1.0, tpot_s=0.025)
+    decodes = (Decoding(0.01 * 60, 60, 63), Decoding(0.02 * 31, 31, 63), Decoding(0.02 * 62, 62, 63),
+               Decoding(0.02 * 80, 80, 63), Decoding(3.0, 10, 63), Decoding(0.5, 0, 1))
+    engine = replace(BUSY_D, running=len(decodes), decodes=decodes)
+    slack = running_slack(engine, 64.0, objective, 0.1)
+    kept = [d for d in decodes if d.gaps < d.total_gaps and d.allowed_tpot_s(0.025) > 0]    # two lost
+    assert len(kept) == 3 and slack.unseen == 1
+    assert [left for _, left, _ in slack.followed] == [d.left_gaps() for d in kept]
+    assert [log_allowed for log_allowed, _, _ in slack.followed] == pytest.approx(
+        [math.log(d.allowed_tpot_s(0.025)) for d in kept])
+
+
 def test_a_newcomers_tpot_chance_is_taken_once_per_engine_as_meet_probability_says() -> None:
     """running_slack judges one more request on the engine (what slo_value multiplies each option's
     TTFT chance by) as meet_probability does, with or without decodes running there."""
