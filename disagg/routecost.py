@@ -66,7 +66,8 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from functools import partial
+from typing import NamedTuple, cast
 
 #: measured fixed handoff cost per connector (seconds); see the module doc for how
 HANDOFF_FIXED_S: dict[str, float] = {"nixl": 0.030, "socket": 0.016, "nixl-push": 0.074}
@@ -181,10 +182,6 @@ def handoff_fixed_s(connector: str, streaming: bool = False) -> float:
     return HANDOFF_FIXED_S.get(connector, DEFAULT_HANDOFF_FIXED_S)
 
 
-#: a tuple subclass's constructor without the named tuple's Python-level ``__new__``
-_new_tuple = tuple.__new__
-
-
 class Decoding(NamedTuple):
     """One request decoding on an engine, as far as its stream has come: ``elapsed_s`` since its first
     token, ``gaps`` between the tokens sent so far, ``total_gaps`` it is expected to have in all (its
@@ -195,12 +192,6 @@ class Decoding(NamedTuple):
     elapsed_s: float
     gaps: float
     total_gaps: float
-
-    @classmethod
-    def at(cls, elapsed_s: float, gaps: float, total_gaps: float) -> Decoding:
-        """The same as ``Decoding(elapsed_s, gaps, total_gaps)`` at under half the cost (no
-        Python-level ``__new__``): the router builds one per followed stream for every decision."""
-        return _new_tuple(cls, (elapsed_s, gaps, total_gaps))
 
     def left_gaps(self) -> float:
         """The gaps it has still to go (at least one: a request past its expected length goes on)."""
@@ -219,6 +210,12 @@ class Decoding(NamedTuple):
         if left < 1.0:
             left = 1.0
         return (objective_s * (total if total > gaps + 1.0 else gaps + 1.0) - elapsed) / left, left
+
+
+#: ``Decoding`` of a tuple ``(elapsed_s, gaps, total_gaps)`` at about half the cost of
+#: ``Decoding(...)`` (no Python-level ``__new__``): the router builds one per followed stream for
+#: every decision
+decoding_of = cast(Callable[[tuple[float, float, float]], Decoding], partial(tuple.__new__, Decoding))
 
 
 @dataclass(slots=True)

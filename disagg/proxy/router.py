@@ -69,7 +69,7 @@ from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.proxy.promptlen import PromptLength
 from disagg.proxy.routes import CHAT, PromptRoute, RequestPlan, RoutePath, Served, StreamProgress
-from disagg.routecost import DEFAULT_HANDOFF_FIXED_S, DEFAULT_PREDICTION_ERROR, Decoding, Option
+from disagg.routecost import DEFAULT_HANDOFF_FIXED_S, DEFAULT_PREDICTION_ERROR, Decoding, Option, decoding_of
 
 log = logging.getLogger("disagg.proxy")
 
@@ -539,9 +539,8 @@ def _notes(route: PromptRoute) -> _Flight | None:
 
 def _progress(flights: Iterable[_Flight], now: float) -> tuple[Decoding, ...]:
     """Where each followed route decoding on one engine stands at ``now`` (perf_counter)."""
-    at = Decoding.at
-    return tuple([at(now - f.first, (f.progress.token_events - 1 if f.progress.token_events > 1 else 0)
-                     if f.progress is not None else 0, f.total_gaps) for f in flights])
+    return tuple([decoding_of((now - f.first, (f.progress.token_events - 1 if f.progress.token_events > 1 else 0)
+                               if f.progress is not None else 0, f.total_gaps)) for f in flights])
 
 
 def _engine_fit(flight: _Flight) -> str:

@@ -17,6 +17,7 @@ from disagg.routecost import (
     break_even_tokens,
     cheapest,
     decode_s,
+    decoding_of,
     exposed_transfer_s,
     first_step_s,
     handoff_fixed_s,
@@ -355,6 +356,6 @@ def test_option_costs_take_each_engines_ttft_and_room_once_and_price_as_the_path
     assert decode.ttft_s(n, kv_wait_s=decode.kv_wait_s(n)) == decode.ttft_s(n) == pytest.approx(1.5 + 0.02 + 1.6)
 
 
-def test_decoding_at_is_the_named_tuple() -> None:
-    made = Decoding.at(1.5, 10.0, 63.0)
+def test_decoding_of_is_the_named_tuple() -> None:
+    made = decoding_of((1.5, 10.0, 63.0))
     assert type(made) is Decoding and made == Decoding(1.5, 10.0, 63.0) and made.total_gaps == 63.0
