@@ -107,6 +107,11 @@ class Option(enum.StrEnum):
     WHOLE = "whole"
 
 
+#: the options as module names, for the decision's code: a member read through its Enum class costs
+#: about four times a module name's (Python 3.11), and each decision reads them dozens of times
+SPLIT, LOCAL, WHOLE = Option.SPLIT, Option.LOCAL, Option.WHOLE
+
+
 #: measured fixed cost of a *streamed* handoff per connector (seconds): TTFT of a streamed split minus
 #: the prefill alone minus :func:`exposed_transfer_s`, the median over the 9 rows (loopback, emulated 1
 #: and 2.5 Gb/s; 128, 512 and 2,048 tokens) of ``benchmarks/streaming_ttft.py`` on 2026-12-01 (the
@@ -482,11 +487,11 @@ def option_costs(tokens: float, kv_bytes: float, prefill: EngineCost, decode: En
     on_p = decode_s(out_tokens, prefill, stall_weight) if whole else 0.0
     if on_d is None or on_p is None:
         on_d = on_p = 0.0
-    out = [OptionCost(Option.SPLIT, split, split + on_prefill + link_held_up_s(kv_bytes, link) + on_d, on_d),
-           OptionCost(Option.LOCAL, local, local + _imposed_s(tokens, decode, stall_weight) + on_d, on_d)]
+    out = [OptionCost(SPLIT, split, split + on_prefill + link_held_up_s(kv_bytes, link) + on_d, on_d),
+           OptionCost(LOCAL, local, local + _imposed_s(tokens, decode, stall_weight) + on_d, on_d)]
     if whole:
         w = on_p_ttft
-        out.append(OptionCost(Option.WHOLE, w, w + on_prefill + on_p, on_p))
+        out.append(OptionCost(WHOLE, w, w + on_prefill + on_p, on_p))
     return out
 
 
@@ -802,10 +807,10 @@ def slo_value(option: OptionCost, tokens: float, prefill: EngineCost, decode: En
     if slacks is None:
         slacks = (running_slack(prefill, out_tokens, slo, tpot_error),
                   running_slack(decode, out_tokens, slo, tpot_error))
-    computes = decode if option.path is Option.LOCAL else prefill
-    decodes_on = prefill if option.path is Option.WHOLE else decode
-    computes_slack = slacks[1] if option.path is Option.LOCAL else slacks[0]
-    decodes_slack = slacks[0] if option.path is Option.WHOLE else slacks[1]
+    computes = decode if option.path is LOCAL else prefill
+    decodes_on = prefill if option.path is WHOLE else decode
+    computes_slack = slacks[1] if option.path is LOCAL else slacks[0]
+    decodes_slack = slacks[0] if option.path is WHOLE else slacks[1]
     own = meet_probability(option.ttft_s, slo.ttft_s, ttft_error) * decodes_slack.newcomer
     stall = computes.prefill_s(tokens)
     if computes is decodes_on:

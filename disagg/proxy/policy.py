@@ -121,7 +121,10 @@ from typing import Generic, TypeVar
 
 from disagg.routecost import (
     DEFAULT_PREDICTION_ERROR,
+    LOCAL,
+    SPLIT,
     TIE_RANK,
+    WHOLE,
     EngineCost,
     LinkCost,
     Option,
@@ -182,15 +185,15 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
     relative prediction errors ``ttft_error`` and ``tpot_error``, the running decodes expected
     to decode ``slo_out_tokens`` (default ``out_tokens``) each."""
     if policy == "split" or not local:
-        return Decision(Option.SPLIT, "policy", None, None, None)
+        return Decision(SPLIT, "policy", None, None, None)
     if not decodes:
         if whole and prefills:
             best = min(prefills, key=lambda c: c.cost.ttft_s(tokens))
-            return Decision(Option.WHOLE, "no_decode", best.engine, None, best.cost.ttft_s(tokens))
-        return Decision(Option.SPLIT, "no_decode", None, None, None)
+            return Decision(WHOLE, "no_decode", best.engine, None, best.cost.ttft_s(tokens))
+        return Decision(SPLIT, "no_decode", None, None, None)
     if policy == "local" or not prefills:
         best_d = min(decodes, key=lambda c: c.cost.ttft_s(tokens))
-        return Decision(Option.LOCAL, "policy" if policy == "local" else "no_prefill", None, best_d.engine,
+        return Decision(LOCAL, "policy" if policy == "local" else "no_prefill", None, best_d.engine,
                         best_d.cost.ttft_s(tokens))
     per_path: dict[Option, tuple[OptionCost, Candidate[E], Candidate[E]]] = {}
     every: list[tuple[OptionCost, Candidate[E], Candidate[E]]] = []
@@ -258,7 +261,7 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
         decode_limit = explore_within * opt.decode_s
         asked: set[tuple[Option, E | None, E]] = set()
         for alt, ap, ad in sorted(every, key=_option_score):
-            if alt.path is Option.WHOLE or alt.score_s - alt.decode_s > limit or alt.decode_s > decode_limit:
+            if alt.path is WHOLE or alt.score_s - alt.decode_s > limit or alt.decode_s > decode_limit:
                 continue
             key = (alt.path, *_engines(alt.path, ap, ad))
             if key == chosen or key in asked:
@@ -267,12 +270,12 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
             if stale(*key):
                 opt, p, d, reason = alt, ap, ad, "explore"
                 break
-    if opt.path is Option.LOCAL:
-        return Decision(Option.LOCAL, reason, None, d.engine, opt.ttft_s, options, tpot)
-    if opt.path is Option.WHOLE:
-        return Decision(Option.WHOLE, whole_reason[id(p)] if slo is None else reason, p.engine, None,
+    if opt.path is LOCAL:
+        return Decision(LOCAL, reason, None, d.engine, opt.ttft_s, options, tpot)
+    if opt.path is WHOLE:
+        return Decision(WHOLE, whole_reason[id(p)] if slo is None else reason, p.engine, None,
                         opt.ttft_s, options, tpot)
-    return Decision(Option.SPLIT, reason, p.engine, d.engine, opt.ttft_s, options, tpot)
+    return Decision(SPLIT, reason, p.engine, d.engine, opt.ttft_s, options, tpot)
 
 
 def _option_score(option: tuple[OptionCost, Candidate[E], Candidate[E]]) -> float:
@@ -297,7 +300,7 @@ def decodes_slower(prefill: EngineCost, decodes: Sequence[EngineCost], factor: f
 
 def _engines(path: Option, p: Candidate[E], d: Candidate[E]) -> tuple[E | None, E]:
     """The engines an option uses, as :class:`Explorer` keys them: (prefill engine or None, decode engine)."""
-    return (p.engine if path is Option.SPLIT else None), d.engine
+    return (p.engine if path is SPLIT else None), d.engine
 
 
 class Explorer:
