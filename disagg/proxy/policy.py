@@ -131,6 +131,7 @@ from disagg.routecost import (
     OptionCost,
     ServiceObjective,
     SloValue,
+    chance_within,
     cheapest,
     option_costs,
     running_slack,
@@ -237,11 +238,12 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
         expected = out_tokens if slo_out_tokens is None else slo_out_tokens
         # each engine's running decodes judged once for every option that loads it
         slack = {id(c): running_slack(c.cost, expected, slo, tpot_error) for c in (*prefills, *decodes)}
+        ttft_chance = chance_within(slo.ttft_s, ttft_error)
         judged: list[tuple[SloValue, OptionCost, Candidate[E], Candidate[E]]] = []
         best_own = top = -math.inf
         for o, op, od in every:
-            value = slo_value(o, tokens, op.cost, od.cost, expected, slo, ttft_error=ttft_error,
-                              tpot_error=tpot_error, slacks=(slack[id(op)], slack[id(od)]))
+            value = slo_value(o, tokens, op.cost, od.cost, expected, slo, slacks=(slack[id(op)], slack[id(od)]),
+                              ttft_chance=ttft_chance)
             judged.append((value, o, op, od))
             best_own = max(best_own, value.own)
             top = max(top, value.good)

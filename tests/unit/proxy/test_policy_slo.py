@@ -26,6 +26,7 @@ from disagg.routecost import (
     LinkCost,
     Option,
     ServiceObjective,
+    chance_within,
     meet_probability,
     option_costs,
     running_harm,
@@ -85,6 +86,13 @@ def test_meeting_an_objective_is_a_distribution_around_the_prediction() -> None:
     assert meet_probability(math.inf, 10.0, 0.3) == 0.0
     # a larger measured error makes a prediction under the limit less sure
     assert meet_probability(0.08, 0.1, 0.6) < meet_probability(0.08, 0.1, 0.1)
+
+
+def test_a_chance_within_a_limit_is_meet_probability_with_the_limit_taken_once() -> None:
+    for limit in (None, 0.0, 0.1, 2.5):
+        chance = chance_within(limit, 0.3)
+        for predicted in (0.0, 0.05, 0.1, 1.0, math.inf):
+            assert chance(predicted) == pytest.approx(meet_probability(predicted, limit, 0.3)), (limit, predicted)
 
 
 def test_a_prefill_harms_the_running_decodes_only_past_their_tpot_slack() -> None:
