@@ -657,7 +657,11 @@ def chance_within(limit_s: float | None, error: float) -> Callable[[float], floa
         return _certain
     if limit_s <= 0:
         return _hopeless
-    return partial(_chance, log_limit=math.log(limit_s), spread=_spread(error))
+    log_limit, spread = math.log(limit_s), _spread(error)
+
+    def chance(predicted_s: float) -> float:
+        return _chance(predicted_s, log_limit, spread)
+    return chance
 
 
 def _certain(predicted_s: float) -> float:
