@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from disagg import topology
 from disagg.errors import PlanError
 from disagg.kvmath import BUILTIN_MODELS
 from disagg.measurements import LinkMeasurement, store_link, store_prefill
@@ -29,6 +30,14 @@ from disagg.planning import (
 from disagg.routecost import exposed_transfer_s
 from disagg.topology import load_topology, parse_topology
 from disagg.units import fmt_rate
+
+
+@pytest.fixture(autouse=True)
+def _state_of_this_test_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The repo's topologies keep their state under the default run_dir (``.disagg`` in the
+    working directory), where a developer's ``disagg bench`` and ``probe-link`` store what the
+    plan reads: each test here reads a run_dir of its own, empty as in a fresh clone."""
+    monkeypatch.setattr(topology, "DEFAULT_RUN_DIR", str(tmp_path / "default-run-dir"))
 
 LLAMA = BUILTIN_MODELS["llama-3.1-8b"]
 MIB = 1 << 20

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from disagg import topology
 from disagg.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _state_of_this_test_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The repo's topologies keep their state under the default run_dir (``.disagg`` in the
+    working directory), where a developer's ``disagg bench`` and ``probe-link`` store what the
+    plan reads: each test here reads a run_dir of its own, empty as in a fresh clone."""
+    monkeypatch.setattr(topology, "DEFAULT_RUN_DIR", str(tmp_path / "default-run-dir"))
 
 
 def test_house_table_reads_without_the_code(capsys: pytest.CaptureFixture[str]) -> None:
