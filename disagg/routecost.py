@@ -1,6 +1,6 @@
 """Predicted time to first token of one prompt on each path: the routing arithmetic.
 
-Pure functions and frozen dataclasses, no I/O: the proxy's routing policy
+Pure functions and value classes, no I/O: the proxy's routing policy
 (:mod:`disagg.proxy.policy`) calls them per prompt with live measurements, and
 ``disagg plan`` (:mod:`disagg.planning`) with stored or estimated ones, so the
 break-even prompt length ``plan`` prints is the one the policy uses at idle load.
@@ -218,8 +218,8 @@ class Decoding(NamedTuple):
 
 
 #: ``Decoding`` of a tuple ``(elapsed_s, gaps, total_gaps)`` at about half the cost of
-#: ``Decoding(...)`` (no Python-level ``__new__``): the router builds one per followed stream for
-#: every decision
+#: ``Decoding(...)`` (no Python-level ``__new__``, and so no check of the tuple's length: give it
+#: three): the router builds one per followed stream for every decision
 decoding_of = cast(Callable[[tuple[float, float, float]], Decoding], partial(tuple.__new__, Decoding))
 
 
@@ -268,7 +268,7 @@ class EngineCost:
         """Prefill time of ``tokens`` on this engine, idle (its overhead included)."""
         return self.overhead_s + tokens / self.tokens_per_s
 
-    def ttft_s(self, tokens: float, *, kv_wait_s: float | None = None) -> float:
+    def ttft_s(self, tokens: float, *, known_kv_wait_s: float | None = None) -> float:
         """Prefill of ``tokens`` after the longer of the queue wait and what the engine's load adds
         (``busy_s``). Both price the same delay, the work the engine does before it starts the
         prompt: the busy line is learned from prompts sent with next to nothing queued (where
@@ -277,11 +277,10 @@ class EngineCost:
         flight predicted splits at 7.9 s where they took 4.7 s on average (MAE 79%; 39% with the
         longer of the two), and past saturation the policy sent every prompt to the decode engine.
         A prompt that finds the engine's KV cache full waits as well for the room its ``tokens``
-        need (:meth:`kv_wait_s`; ``kv_wait_s``: that wait, where the caller has it); the longest
-        of the three delays counts."""
-        if kv_wait_s is None:
-            kv_wait_s = self.kv_wait_s(tokens)
-        return max(self.wait_s(), self.busy_s, kv_wait_s) + self.prefill_s(tokens)
+        need (:meth:`kv_wait_s`; ``known_kv_wait_s``: that wait, where the caller has it); the
+        longest of the three delays counts."""
+        room = self.kv_wait_s(tokens) if known_kv_wait_s is None else known_kv_wait_s
+        return max(self.wait_s(), self.busy_s, room) + self.prefill_s(tokens)
 
     def kv_wait_s(self, tokens: float) -> float:
         """How long a prompt of ``tokens`` waits for room in the engine's KV cache
@@ -475,13 +474,13 @@ def option_costs(tokens: float, kv_bytes: float, prefill: EngineCost, decode: En
     the decode engine for split and local, the prefill engine for whole; counted only when
     every engine compared has a decode line, else no option carries it). ``whole`` adds the
     option of the prefill engine serving the request alone.
-    Order: split, local, whole (ties go to the earlier; see :func:`cheapest`).
+    Order: split, local, whole (ties of score: :func:`cheapest`).
     """
     # each engine's TTFT and the decode engine's wait for KV room once, for every option
     on_p_ttft = prefill.ttft_s(tokens)
     room = decode.kv_wait_s(tokens)
     split = split_ttft(tokens, kv_bytes, prefill, link, decode, prefill_ttft_s=on_p_ttft, decode_room_s=room)
-    local = decode.ttft_s(tokens, kv_wait_s=room)
+    local = decode.ttft_s(tokens, known_kv_wait_s=room)
     on_prefill = _imposed_s(tokens, prefill, stall_weight)
     on_d = decode_s(out_tokens, decode, stall_weight)
     on_p = decode_s(out_tokens, prefill, stall_weight) if whole else 0.0
@@ -827,7 +826,8 @@ def slo_value(option: OptionCost, tokens: float, prefill: EngineCost, decode: En
     (below 2: one gap). ``slacks``: :func:`running_slack` of ``prefill`` and ``decode`` with these
     ``out_tokens``, ``slo`` and ``tpot_error``, and ``ttft_chance`` :func:`chance_within` of
     ``slo.ttft_s`` and ``ttft_error``, from a caller judging many options (taken here when not
-    given)."""
+    given; given, they hold the errors, and ``ttft_error`` and ``tpot_error`` are not read). The
+    TPOT chance is the slack's :attr:`RunningSlack.newcomer` of the engine that decodes it."""
     if slacks is None:
         slacks = (running_slack(prefill, out_tokens, slo, tpot_error),
                   running_slack(decode, out_tokens, slo, tpot_error))

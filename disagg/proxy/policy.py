@@ -123,7 +123,6 @@ from disagg.routecost import (
     DEFAULT_PREDICTION_ERROR,
     LOCAL,
     SPLIT,
-    TIE_RANK,
     WHOLE,
     EngineCost,
     LinkCost,
@@ -135,6 +134,7 @@ from disagg.routecost import (
     cheapest,
     option_costs,
     running_slack,
+    score_order,
     slo_value,
 )
 from disagg.serving import EXPLORE_AFTER_DECISIONS, EXPLORE_AFTER_S, EXPLORE_WITHIN, WHOLE_TPOT_FACTOR
@@ -287,8 +287,7 @@ def _option_score(option: tuple[OptionCost, Candidate[E], Candidate[E]]) -> floa
 
 def _judged_order(judged: tuple[SloValue, OptionCost, Candidate[E], Candidate[E]]) -> tuple[float, int]:
     """:func:`~disagg.routecost.score_order` of a judged option's cost (the SLO's tie-break)."""
-    option = judged[1]
-    return option.score_s, TIE_RANK[option.path]
+    return score_order(judged[1])
 
 
 def decodes_slower(prefill: EngineCost, decodes: Sequence[EngineCost], factor: float) -> bool:

@@ -353,7 +353,7 @@ def test_option_costs_take_each_engines_ttft_and_room_once_and_price_as_the_path
     by_path = {o.path: o.ttft_s for o in option_costs(n, kv(n), prefill, decode, link, whole=True)}
     assert by_path == {Option.SPLIT: split_ttft(n, kv(n), prefill, link, decode),
                        Option.LOCAL: local_ttft(n, decode), Option.WHOLE: whole_ttft(n, prefill)}
-    assert decode.ttft_s(n, kv_wait_s=decode.kv_wait_s(n)) == decode.ttft_s(n) == pytest.approx(1.5 + 0.02 + 1.6)
+    assert decode.ttft_s(n, known_kv_wait_s=decode.kv_wait_s(n)) == decode.ttft_s(n) == pytest.approx(1.5 + 0.02 + 1.6)
 
 
 def test_decoding_of_is_the_named_tuple() -> None:
