@@ -230,14 +230,22 @@ def get_text(url: str, timeout: float = 30) -> str:
         return resp.read().decode()
 
 
-def settled_metrics(engine: str, timeout: float = 30) -> str:
+def settled_metrics(engine: str, timeout: float = 30, *, step: bool = False) -> str:
     """An engine's /metrics once it runs and queues nothing and its finished-request and
     generated-token counters have stopped moving (two reads 0.3 s apart agree).
 
     vLLM counts a finished request after its last output went out, so a client that just got its
     answer can read the counters before they include it (seen in CI: a hang-up test's 'before',
     read right after the previous test's last answer, was one finished request short). A test
-    that compares an engine's counters across a request reads its 'before' here."""
+    that compares an engine's counters across a request reads its 'before' here.
+
+    ``step``: first make the engine step (one token of a plain prompt, with the engine key). A KV
+    connector hands its counts to vLLM with the engine's next step, so a transfer that ended after
+    the engine's last step (a stream an earlier test cut short) is counted only with the next
+    request's (seen in CI: a batch's 'before' one failed transfer short)."""
+    if step:
+        post_json(engine + "/v1/completions", {"model": "tiny", "prompt": "settle the counters", "max_tokens": 1,
+                                               "temperature": 0}, timeout=120, key=ENGINE_KEY)
     deadline = time.monotonic() + timeout
     last: tuple[float, float, float] | None = None
     while True:

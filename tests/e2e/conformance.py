@@ -33,7 +33,7 @@ from tokenizers import Tokenizer
 
 from disagg.prometheus_text import sample_label, sample_sum
 from disagg.prompts import exact_prompt
-from harness.engines import ENGINE_KEY, get_text, post_json
+from harness.engines import get_text, settled_metrics
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -638,27 +638,15 @@ def kv_moved_problems(before: str, after: str, connector: str, tokens: Iterable[
     return problems
 
 
-def settled_metrics(engine_url: str) -> str:
-    """An engine's /metrics text once every KV-connector count it holds is published.
-
-    A connector hands its counters to vLLM with the engine's next step, so a transfer that ended
-    after the engine's last step (a stream an earlier test cut short) is counted only with the next
-    request's steps. One token of a plain prompt sent to the engine (with the engine key) makes it
-    step first, so that a before/after delta counts only what happened between the two."""
-    post_json(engine_url + "/v1/completions", {"model": "tiny", "prompt": "settle the counters", "max_tokens": 1,
-                                               "temperature": 0}, timeout=120, key=ENGINE_KEY)
-    return get_text(engine_url + "/metrics")
-
-
 def check_kv_batch(proxy_url: str, decode_url: str, rec: Recorded, connector: str,
                    tokens: Iterable[int] = KV_CASE_TOKENS, settle_s: float = 15) -> None:
     """Send the batched :data:`KV_CASE` through the proxy: it must conform and every prompt's KV
     must have reached the decode engine over ``connector`` (its /metrics before and after).
 
-    Connector stats reach /metrics with the engine's next steps: read after :func:`settled_metrics`,
-    and poll for up to ``settle_s``.
+    Connector stats reach /metrics with the engine's next steps: read after
+    :func:`~harness.engines.settled_metrics` (``step``), and poll for up to ``settle_s``.
     """
-    before = settled_metrics(decode_url)
+    before = settled_metrics(decode_url, step=True)
     block = int(sample_label(before, "vllm:cache_config_info", "block_size") or 0)
     assert block > 0
     got = send(proxy_url, rec.endpoint, rec.payload, timeout=120)

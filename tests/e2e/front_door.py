@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import psutil
 
 from disagg.prometheus_text import sample_label, sample_sum
-from harness.engines import Running, get_text
-from tests.e2e.conformance import kv_moved_problems, settled_metrics
+from harness.engines import Running, get_text, settled_metrics
+from tests.e2e.conformance import kv_moved_problems
 
 #: request targets that name another route once resolved ('..') or decoded ('%2e%2e', '%2f'):
 #: each would reach the engine's /invocations, /inference or dev-mode routes with the engine key
@@ -248,7 +248,7 @@ def kv_batch_problems(run: Running, prompts: list[str], tokens: list[int], heade
     """A batch of fresh ``prompts`` (of ``tokens`` tokens each) through the proxy; its status, reply
     headers, and what the decode engine's socket-connector counters say did not move."""
     decode = run.engines["decode[0]"]
-    before = settled_metrics(decode)
+    before = settled_metrics(decode, step=True)
     block = int(sample_label(before, "vllm:cache_config_info", "block_size") or 0)
     body = json.dumps({**COMPLETION, "prompt": prompts}).encode()
     status, reply_headers, _ = raw_post(run.proxy_url, "/v1/completions", body, headers, timeout=300)
