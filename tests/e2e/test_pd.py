@@ -158,14 +158,15 @@ def _restarted(pd: Running, name: str, old_pid: int, deadline: float) -> Process
 
 def _gone_after(pid: int, since: float) -> concurrent.futures.Future[float]:
     """Seconds from ``since`` (monotonic) until process ``pid`` has finished exiting (gone, or a
-    zombie: its files closed), found by a thread polling every 20 ms (for up to 60 s)."""
+    zombie with no thread left: its files, and so its connections, closed), found by a thread
+    polling every 20 ms (for up to 60 s)."""
     def wait() -> float:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE and len(os.listdir(f"/proc/{pid}/task")) <= 1:
                     break
-            except psutil.NoSuchProcess:
+            except (psutil.NoSuchProcess, FileNotFoundError):
                 break
             time.sleep(0.02)
         return time.monotonic() - since
