@@ -642,11 +642,7 @@ def meet_probability(predicted_s: float, limit_s: float | None, error: float) ->
     measured of its own predictions (:data:`DEFAULT_PREDICTION_ERROR` before any). So a prediction
     right at the limit meets it half the time, one ``error`` below it about 84% of the time. No
     limit: 1; an infinite prediction (a saturated engine): 0."""
-    if limit_s is None:
-        return 1.0
-    if limit_s <= 0:
-        return 0.0
-    return _chance(predicted_s, math.log(limit_s), _spread(error))
+    return chance_within(limit_s, error)(predicted_s)
 
 
 def chance_within(limit_s: float | None, error: float) -> Callable[[float], float]:

@@ -170,7 +170,11 @@ def _gone_after(pid: int, since: float) -> concurrent.futures.Future[float]:
                 break
             time.sleep(0.02)
         return time.monotonic() - since
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gone").submit(wait)
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gone")
+    try:
+        return pool.submit(wait)
+    finally:
+        pool.shutdown(wait=False)   # its thread ends with the wait
 
 
 def _in_rotation(pd: Running, role: str) -> float:

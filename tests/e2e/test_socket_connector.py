@@ -112,6 +112,15 @@ async def _sent_both(session: aiohttp.ClientSession, p: Engine, d: Engine, max_t
     raise AssertionError(f"P answered each of {CUT_ATTEMPTS} HUGE prompts before it could be cut short: {missed}")
 
 
+def _reference_counters_completed(session: aiohttp.ClientSession, p: Engine, d: Engine
+                                  ) -> Callable[[str], Awaitable[tuple[dict[str, Any], Counters, int]]]:
+    """A ``prepare`` for :func:`_sent_both`: D's own answer to the prompt (8 tokens, the reference),
+    D's transfer counters, and how many streams P had completed."""
+    async def prepare(prompt: str) -> tuple[dict[str, Any], Counters, int]:
+        return await complete(session, d, prompt, 8), Counters(d), len(log_lines(p, STREAM_COMPLETED))
+    return prepare
+
+
 @pytest.fixture(scope="module")
 def pair(engine_lock: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
     """P and D (tests/e2e/socket_pair.py); both process groups killed at the end.
@@ -403,10 +412,8 @@ async def test_a_frozen_prefill_mid_stream_times_out_to_local_recompute(pair: tu
     again it finds the stream's reader gone and frees the blocks."""
     p, d = pair
     async with aiohttp.ClientSession() as session:
-        async def prepare(prompt: str) -> tuple[dict[str, Any], Counters, int]:
-            return await complete(session, d, prompt, 8), Counters(d), len(log_lines(p, STREAM_COMPLETED))
-
-        (reference, counters, completed_before), decode, prefill = await _sent_both(session, p, d, 8, prepare)
+        (reference, counters, completed_before), decode, prefill = await _sent_both(
+            session, p, d, 8, _reference_counters_completed(session, p, d))
         await asyncio.to_thread(stop_group, p.proc.pid)
         try:
             started = time.monotonic()
@@ -435,10 +442,8 @@ async def test_prefill_killed_mid_stream_and_after_a_prefill_leads_to_local_reco
         pulled_reference = await complete(session, d, LONG, 8)
         pre = await complete(session, p, LONG, 1, dict(REMOTE_DECODE))   # fetched once P is dead
 
-        async def prepare(prompt: str) -> tuple[dict[str, Any], Counters, int]:
-            return await complete(session, d, prompt, 8), Counters(d), len(log_lines(p, STREAM_COMPLETED))
-
-        (reference, counters, completed_before), decode, prefill = await _sent_both(session, p, d, 8, prepare)
+        (reference, counters, completed_before), decode, prefill = await _sent_both(
+            session, p, d, 8, _reference_counters_completed(session, p, d))
         # SIGTERM kills P's engine at once; its HTTP server then waits for the open prefill request
         # (which the client leaves once D answered), else for Engine.stop's 15 s before SIGKILL
         stopping = asyncio.create_task(asyncio.to_thread(p.stop))
