@@ -10,6 +10,12 @@ Times, in this process (no engines, no network):
 - the prompt-length estimate of a ``--tokens``-token prompt: with the embedded model's
   ``tokenizer.json`` (the ``tokenizers`` library) and from characters.
 
+With an SLO (``--slo``) what the decision computes depends on the prompt's own chance, and it
+prints the paths and reasons it decided: with ``--slo 1.0,0.025`` the steady state's prompt cannot
+meet its TTFT objective on any path (the score decides, and the running decodes are not judged);
+with ``--slo 30,1`` every option meets both objectives and every stream decoding (``DECODING``
+per engine, none past its objective) is judged for every option that loads its engine.
+
 Targets of the ``auto`` routing: decision p50 <= 0.1 ms; length estimate p50 <= 1 ms for 2,000 tokens.
 
     .venv/bin/python benchmarks/routing_cost.py [--repeats 5000] [--tokens 2000] [--pairs 1] [--slo TTFT,TPOT]
@@ -22,6 +28,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,12 +146,14 @@ def measure(args: argparse.Namespace, scratch: Path) -> int:
     by_chars = PromptLength(None)
     assert router.lengths is not None
     decide, estimate_tok, estimate_chars = [], [], []
+    reasons: Counter[str] = Counter()
     for _ in range(args.repeats):
         route = PromptRoute(0, by_ids, RoutePath.SPLIT)
         plan = RequestPlan(by_ids, [route])
         t0 = time.perf_counter()
         router.route(plan)
         t1 = time.perf_counter()
+        reasons[f"{route.path.value} {route.reason}"] += 1
         router.lengths.tokens(body, chat=False)
         t2 = time.perf_counter()
         by_chars.tokens(body, chat=False)
@@ -160,7 +169,8 @@ def measure(args: argparse.Namespace, scratch: Path) -> int:
     print(f"routing cost, {args.repeats} repeats, {args.pairs} prefill x {args.pairs} decode engines"
           + (f", SLO {args.slo} s" if args.slo else "") + ", "
           f"load average {os.getloadavg()[0]:.2f}")
-    print(f"  decision (Router.route, a token-id prompt): {_percentiles(decide)}")
+    print(f"  decision (Router.route, a token-id prompt): {_percentiles(decide)}; decided "
+          + ", ".join(f"{key} {n / args.repeats:.0%}" for key, n in reasons.most_common()))
     print(f"  length estimate, tokenizer, {len(ids)}-token prompt ({len(prompt)} chars): {_percentiles(estimate_tok)}")
     print(f"  length estimate error with the tokenizer, prompts of 100..4,000 tokens: mean "
           f"{statistics.mean(errors):.1%}, max {max(errors):.1%} (exact up to {SAMPLE_CHARS} characters)")

@@ -258,7 +258,7 @@ class EngineCost:
     prefill_duty: float = 0.0
     #: the requests decoding there whose streams the proxy sees, each with its progress (the rest of
     #: ``running`` are taken as on the line from their first token: :func:`running_harm`)
-    decodes: tuple[Decoding, ...] = ()
+    decodes: Sequence[Decoding] = ()
 
     def wait_s(self) -> float:
         """Queue wait: the outstanding prefill tokens at this engine's rate."""
@@ -731,10 +731,14 @@ class RunningSlack(NamedTuple):
         added = joins * self.tpot_added_s
         if stall_s <= 0 and added <= 0:
             return 0.0
-        step, spread = self.step_s, self.spread
+        step, spread, log, erfc = self.step_s, self.spread, math.log, math.erfc
         harm = 0.0
         for log_allowed, left, before in self.followed:
-            harm += max(before - _meet(math.log(step + stall_s / left + added), log_allowed, spread), 0.0)
+            # :func:`_meet` written out: this runs for every followed decode of every option that
+            # loads the engine, and the call costs a third of the arithmetic
+            after = 0.5 * erfc((log(step + stall_s / left + added) - log_allowed) / spread)
+            if before > after:
+                harm += before - after
         if self.unseen > 0:
             after = _meet(math.log(step + stall_s / self.unseen_gaps + added), self.log_objective, spread)
             harm += self.unseen * max(self.unseen_before - after, 0.0)
@@ -762,7 +766,7 @@ def running_slack(engine: EngineCost, out_tokens: float, slo: ServiceObjective, 
         return NO_RUNNING
     spread = _spread(error)
     log_objective = math.log(objective) if objective > 0 else -math.inf
-    newcomer = _chance(engine.tpot_s, log_objective, spread) if objective > 0 else 0.0
+    newcomer = _newcomer(engine.tpot_s, objective, log_objective, spread)
     # their step now: tpot_s prices one more request beside them, which an option adds as ``joins``
     step = engine.tpot_s - engine.tpot_added_s
     if engine.running <= 0 or not step < math.inf:   # none to harm; or an endless step: every decode misses
@@ -772,6 +776,7 @@ def running_slack(engine: EngineCost, out_tokens: float, slo: ServiceObjective, 
     lost_below = step * math.exp(-LOST_Z * spread)
     followed: list[tuple[float, float, float]] = []
     seen = 0
+    log, erfc = math.log, math.erfc
     for elapsed, gaps, total in engine.decodes[:engine.running]:
         if gaps >= total:
             continue
@@ -782,11 +787,29 @@ def running_slack(engine: EngineCost, out_tokens: float, slo: ServiceObjective, 
         allowed = (objective * (total if total > gaps + 1.0 else gaps + 1.0) - elapsed) / left
         if allowed < lost_below:     # missed already, or as good as (:data:`LOST_Z`): nothing to take
             continue
-        log_allowed = math.log(allowed)
-        followed.append((log_allowed, left, _meet(log_step, log_allowed, spread)))
+        log_allowed = log(allowed)
+        followed.append((log_allowed, left, 0.5 * erfc((log_step - log_allowed) / spread)))   # :func:`_meet`
     return RunningSlack(step, engine.tpot_added_s, spread, tuple(followed), engine.running - seen,
                         max(out_tokens - 1.0, 1.0), log_objective, _meet(log_step, log_objective, spread),
                         newcomer)
+
+
+def newcomer_chance(engine: EngineCost, slo: ServiceObjective, error: float) -> float:
+    """The chance that one more request decoding on ``engine``, at its predicted time per output
+    token, meets the TPOT objective (:attr:`RunningSlack.newcomer` without the pass over the
+    decodes running there: what an option's own chance needs; ``error``: as :func:`running_slack`
+    takes it). 1 without a TPOT objective or a decode line."""
+    objective = slo.tpot_s
+    if objective is None or engine.tpot_s is None:
+        return 1.0
+    return _newcomer(engine.tpot_s, objective, math.log(objective) if objective > 0 else -math.inf,
+                     _spread(error))
+
+
+def _newcomer(tpot_s: float, objective: float, log_objective: float, spread: float) -> float:
+    """:func:`newcomer_chance` of an engine with a decode line, from the objective's logarithm (an
+    objective of 0 or below: none meets it) and :func:`_spread`."""
+    return _chance(tpot_s, log_objective, spread) if objective > 0 else 0.0
 
 
 def running_harm(engine: EngineCost, stall_s: float, joins: int, out_tokens: float, slo: ServiceObjective,

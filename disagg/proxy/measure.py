@@ -136,7 +136,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from disagg.routecost import Decoding, EngineCost, LinkCost, split_ttft
@@ -545,11 +545,11 @@ class Measurements:
 
     def engine_cost(self, role: str, url: str, outstanding: int, now: float | None = None, *,
                     kv_room: tuple[float, tuple[tuple[float, float], ...]] = (math.inf, ()),
-                    decodes: tuple[Decoding, ...] = ()) -> EngineCost:
+                    decodes: Sequence[Decoding] = ()) -> EngineCost:
         """The engine's prefill line (:meth:`_line`) and load, for the predictor (``outstanding``:
         its requests in flight; ``now``: perf_counter, for the queue), with what the router knows
         beside these measurements: ``kv_room`` (free KV tokens and expected frees, from its KV
-        ledger) and the ``decodes`` it follows there (built in one go: the decision runs per prompt)."""
+        ledger) and the ``decodes`` it follows there (the router's are taken only when read)."""
         eng = self._engine(role, url)
         overhead, rate = self._line(eng)
         queued = self._queued(eng, now, rate)

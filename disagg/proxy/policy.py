@@ -132,6 +132,7 @@ from disagg.routecost import (
     SloValue,
     chance_within,
     cheapest,
+    newcomer_chance,
     option_costs,
     running_slack,
     score_order,
@@ -235,28 +236,32 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
     reason = "predicted"
     tpot: float | None = None
     if slo is not None:
-        expected = out_tokens if slo_out_tokens is None else slo_out_tokens
-        # each engine's running decodes judged once for every option that loads it
-        slack = {id(c): running_slack(c.cost, expected, slo, tpot_error) for c in (*prefills, *decodes)}
         ttft_chance = chance_within(slo.ttft_s, ttft_error)
-        judged: list[tuple[SloValue, OptionCost, Candidate[E], Candidate[E]]] = []
-        best_own = top = -math.inf
-        for o, op, od in every:
-            value = slo_value(o, tokens, op.cost, od.cost, expected, slo, slacks=(slack[id(op)], slack[id(od)]),
-                              ttft_chance=ttft_chance)
-            judged.append((value, o, op, od))
-            best_own = max(best_own, value.own)
-            top = max(top, value.good)
-        # the most requests expected to meet the SLO; among options within a hundredth of a
-        # request of that, the lowest score (what the policy chooses without an SLO)
+        # this prompt's own chance first: where no option gives it an even chance, the count no
+        # longer tells them apart (the decodes an option would harm may be lost already), so the
+        # score decides (module doc), and the running decodes need not be judged at all
+        newcomer = {id(c): newcomer_chance(c.cost, slo, tpot_error) for c in (*prefills, *decodes)}
+        best_own = max([ttft_chance(o.ttft_s) * newcomer[id(op if o.path is WHOLE else od)] for o, op, od in every])
         if best_own < 0.5:
-            # no option gives it an even chance: the count no longer tells them apart (the decodes
-            # an option would harm may be lost already), so the score decides (module doc)
-            value, opt, p, d = min(judged, key=_judged_order)
+            opt, p, d = min(every, key=_cost_order)
+            reason = "slo_missed"
+            tpot = (p if opt.path is WHOLE else d).cost.tpot_s
         else:
+            expected = out_tokens if slo_out_tokens is None else slo_out_tokens
+            # each engine's running decodes judged once for every option that loads it
+            slack = {id(c): running_slack(c.cost, expected, slo, tpot_error) for c in (*prefills, *decodes)}
+            judged: list[tuple[SloValue, OptionCost, Candidate[E], Candidate[E]]] = []
+            top = -math.inf
+            for o, op, od in every:
+                value = slo_value(o, tokens, op.cost, od.cost, expected, slo,
+                                  slacks=(slack[id(op)], slack[id(od)]), ttft_chance=ttft_chance)
+                judged.append((value, o, op, od))
+                top = max(top, value.good)
+            # the most requests expected to meet the SLO; among options within a hundredth of a
+            # request of that, the lowest score (what the policy chooses without an SLO)
             value, opt, p, d = min((t for t in judged if t[0].good >= top - SLO_TIE), key=_judged_order)
-        reason = "slo" if value.own >= 0.5 else "slo_missed"
-        tpot = value.tpot_s
+            reason = "slo" if value.own >= 0.5 else "slo_missed"
+            tpot = value.tpot_s
     if stale is not None:
         chosen = (opt.path, *_engines(opt.path, p, d))
         limit = explore_within * (opt.score_s - opt.decode_s)
@@ -288,6 +293,12 @@ def _option_score(option: tuple[OptionCost, Candidate[E], Candidate[E]]) -> floa
 def _judged_order(judged: tuple[SloValue, OptionCost, Candidate[E], Candidate[E]]) -> tuple[float, int]:
     """:func:`~disagg.routecost.score_order` of a judged option's cost (the SLO's tie-break)."""
     return score_order(judged[1])
+
+
+def _cost_order(option: tuple[OptionCost, Candidate[E], Candidate[E]]) -> tuple[float, int]:
+    """:func:`~disagg.routecost.score_order` of an option over a pair (the SLO's choice where no
+    option gives the prompt an even chance)."""
+    return score_order(option[0])
 
 
 def decodes_slower(prefill: EngineCost, decodes: Sequence[EngineCost], factor: float) -> bool:

@@ -57,9 +57,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from disagg.proxy.backends import Backend, BackendPool
 from disagg.proxy.config import RoutingConfig
@@ -193,7 +193,7 @@ class Router:
             followed = self._decoding.get(b.url)
             cost = self.measurements.engine_cost(pool.role, b.url, b.outstanding, now,
                                                  kv_room=self.kv.room(b.url, b.kv_capacity_tokens, now),
-                                                 decodes=_progress(followed.values(), now) if followed else ())
+                                                 decodes=_Followed(followed.values(), now) if followed else ())
             out.append(Candidate(b, cost))
         return out
 
@@ -535,6 +535,35 @@ def _notes(route: PromptRoute) -> _Flight | None:
     """What the router noted of ``route`` when it was sent (None: not sent, or not noted)."""
     notes = route.notes
     return notes if isinstance(notes, _Flight) else None
+
+
+class _Followed(Sequence[Decoding]):
+    """``EngineCost.decodes`` of one engine: where each streamed route decoding there stands at
+    ``now`` (perf_counter), taken when first read. The SLO's count reads it only where some option
+    gives the prompt an even chance (:func:`~disagg.proxy.policy.decide`), so the decisions where
+    none does (most of them under a tight objective past saturation) never take it. Read within
+    the decision that built it: its flights go on changing after."""
+
+    __slots__ = ("_decodes", "_flights", "_now")
+
+    def __init__(self, flights: Collection[_Flight], now: float) -> None:
+        self._flights, self._now = flights, now
+        self._decodes: tuple[Decoding, ...] | None = None
+
+    @overload
+    def __getitem__(self, index: int) -> Decoding: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Decoding, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Decoding | tuple[Decoding, ...]:
+        decodes = self._decodes
+        if decodes is None:
+            decodes = self._decodes = _progress(self._flights, self._now)
+        return decodes[index]
+
+    def __len__(self) -> int:
+        return len(self._flights)
 
 
 def _progress(flights: Iterable[_Flight], now: float) -> tuple[Decoding, ...]:

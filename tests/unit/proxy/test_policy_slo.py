@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import pytest
@@ -28,6 +29,7 @@ from disagg.routecost import (
     ServiceObjective,
     chance_within,
     meet_probability,
+    newcomer_chance,
     option_costs,
     running_harm,
     running_slack,
@@ -71,6 +73,11 @@ def test_a_newcomers_tpot_chance_is_taken_once_per_engine_as_meet_probability_sa
             meet_probability(engine.tpot_s, 0.018, 0.2))
     assert running_slack(replace(IDLE_P, tpot_s=None), 64.0, tight, 0.2).newcomer == 1.0
     assert running_slack(BUSY_D, 64.0, ServiceObjective(ttft_s=1.0), 0.2).newcomer == 1.0
+    # newcomer_chance (the decision's first pass, without the decodes) is the same number
+    for engine in (IDLE_P, BUSY_D, replace(BUSY_D, tpot_s=math.inf), replace(IDLE_P, tpot_s=0.0),
+                   replace(IDLE_P, tpot_s=None)):
+        for slo in (tight, ServiceObjective(ttft_s=1.0), ServiceObjective(tpot_s=0.0)):
+            assert newcomer_chance(engine, slo, 0.2) == running_slack(engine, 64.0, slo, 0.2).newcomer
     # an option's own chance: its TTFT's times the newcomer's where it decodes
     split = option_costs(1000, 1000 * KV_PER_TOKEN, IDLE_P, BUSY_D, SLOW_LINK)[0]
     value = slo_value(split, 1000, IDLE_P, BUSY_D, 64.0, tight, ttft_error=0.2, tpot_error=0.2)
@@ -200,6 +207,32 @@ def test_when_no_path_meets_the_prompts_objective_the_score_decides() -> None:
         assert chosen.reason == "slo_missed"
         assert chosen.path is route(1000, IDLE_P, BUSY_D, SLOW_LINK, stall_weight=weight).path
     assert route(1000, IDLE_P, BUSY_D, SLOW_LINK, stall_weight=0.0, slo=slo).path is Option.LOCAL
+
+
+class _Unread(Sequence[Decoding]):
+    """Followed decodes that fail the test when read (the router's are taken when first read)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: object) -> Decoding:
+        raise AssertionError("the followed decodes were read")
+
+
+def test_when_no_path_meets_the_prompts_objective_the_running_decodes_are_not_judged() -> None:
+    """The score decides there, so the decision does not take the followed decodes (the router
+    builds them only when read); where an option meets it, it judges them."""
+    slo = ServiceObjective(ttft_s=0.010, tpot_s=0.025)
+    unread = replace(BUSY_D, decodes=_Unread(BUSY_D.running))
+    chosen = route(1000, IDLE_P, unread, SLOW_LINK, whole=True, slo=slo, ttft_error=0.1, tpot_error=0.1)
+    assert chosen.reason == "slo_missed"
+    assert chosen == route(1000, IDLE_P, BUSY_D, SLOW_LINK, whole=True, slo=slo, ttft_error=0.1, tpot_error=0.1)
+    with pytest.raises(AssertionError, match="were read"):
+        route(1000, IDLE_P, unread, SLOW_LINK, whole=True, slo=ServiceObjective(ttft_s=0.5, tpot_s=0.025),
+              ttft_error=0.1, tpot_error=0.1)
 
 
 def test_a_saturated_engine_does_not_look_free_to_a_hopeless_prompt() -> None:
