@@ -13,12 +13,13 @@ Times, in this process (no engines, no network):
 With an SLO (``--slo``) what the decision computes depends on the prompt's own chance, and it
 prints the paths and reasons it decided: with ``--slo 1.0,0.025`` the steady state's prompt cannot
 meet its TTFT objective on any path (the score decides, and the running decodes are not judged);
-with ``--slo 30,1`` every option meets both objectives and every stream decoding (``DECODING``
+with ``--slo 30,1`` every option meets both objectives and every stream decoding (``--decoding``
 per engine, none past its objective) is judged for every option that loads its engine.
 
 Targets of the ``auto`` routing: decision p50 <= 0.1 ms; length estimate p50 <= 1 ms for 2,000 tokens.
 
-    .venv/bin/python benchmarks/routing_cost.py [--repeats 5000] [--tokens 2000] [--pairs 1] [--slo TTFT,TPOT]
+    .venv/bin/python benchmarks/routing_cost.py [--repeats 5000] [--tokens 2000] [--pairs 1] [--decoding 8]
+        [--slo TTFT,TPOT]
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _percentiles(samples: list[float]) -> str:
 
 #: KV cache each engine declares, and the routes booked on each (what a loaded engine holds)
 KV_CAPACITY_TOKENS, KV_BOOKED = 6144.0, 8
-#: requests decoding on each engine, each a stream the router follows (with a TPOT objective)
+#: requests decoding on each engine by default, each a stream the router follows (with a TPOT objective)
 DECODING = 8
 
 
@@ -61,10 +62,10 @@ class _Progress:
     token_events: int
 
 
-def _decoding(router: Router, backend: Backend, now: float) -> None:
-    """``DECODING`` requests decoding on ``backend``, streamed, at different points of 64 tokens,
+def _decoding(router: Router, backend: Backend, now: float, decoding: int) -> None:
+    """``decoding`` requests decoding on ``backend``, streamed, at different points of 64 tokens,
     through the route's lifecycle as the app reports it (followed with a TPOT objective)."""
-    for i in range(DECODING):
+    for i in range(decoding):
         body = {"prompt": "x", "stream": True, "max_tokens": 64}
         req = GenerationRequest(COMPLETIONS, body, b"{}", {}, f"decoding-{i}")
         whole = backend.role == "prefill"
@@ -73,23 +74,23 @@ def _decoding(router: Router, backend: Backend, now: float) -> None:
                             tokens=64, expected_out=64.0)
         router.route(RequestPlan(req, [route]))
         route.sent(stream=True, now=now - 5.0)
-        tokens = 1 + 7 * i
+        tokens = 1 + i * 56 // decoding
         route.watch(_Progress(tokens))
         route.first_token(now - 0.04 * tokens)
-    backend.outstanding += DECODING
+    backend.outstanding += decoding
 
 
-def _steady_state(router: Router, pools: Sequence[BackendPool]) -> None:
+def _steady_state(router: Router, pools: Sequence[BackendPool], decoding: int = DECODING) -> None:
     """Every line a serving proxy has learned, with samples at several loads: each engine's prefill
     line and busy line, and its time per output token, so the decision asks all of them as it does
     while serving (the decode lines are what the ``decode_load`` rule compares); and each engine's
     KV cache size with routes booked in it, so the wait for room is priced as under load; and
-    ``DECODING`` streamed requests decoding on each engine (:func:`_decoding`)."""
+    ``decoding`` streamed requests decoding on each engine (:func:`_decoding`)."""
     m = router.measurements
     now = time.perf_counter()
     backends = [b for pool in pools for b in pool.backends]
     for b in backends:
-        _decoding(router, b, now)
+        _decoding(router, b, now, decoding)
     for pool in pools:
         for b in pool.backends:
             pool.set_kv_capacity(b, KV_CAPACITY_TOKENS)
@@ -116,6 +117,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5000)
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--pairs", type=int, default=1, help="prefill and decode engines each")
+    parser.add_argument("--decoding", type=int, default=DECODING,
+                        help=f"streamed requests decoding on each engine (default {DECODING})")
     parser.add_argument("--slo", default=None, metavar="TTFT,TPOT",
                         help="decide with an SLO (seconds), e.g. 1.0,0.025: routing for goodput")
     args = parser.parse_args()
@@ -138,7 +141,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> int:
                            link_bytes_per_s=1.25e8, handoff_fixed_s=0.016, whole=True,
                            tokenizer=str(model / "tokenizer.json"), **_slo(args.slo))
     router = Router(config, pools[0], pools[1], metrics, local=True)
-    _steady_state(router, pools)
+    _steady_state(router, pools, args.decoding)
     ids = tok.encode(prompt).ids
     # the decision alone: a prompt of token ids has an exact length that costs nothing to read
     by_ids = GenerationRequest(COMPLETIONS, {"prompt": ids, "max_tokens": 16}, b"{}", {}, "bench")
