@@ -94,7 +94,8 @@ saturated engine whose queued prompts raise its decode line above the objective 
 by that count, so every hopeless prompt looked free there: on the emulated house at 1-1.5
 requests/s, 51-69% of the prompts went to prefill on the slow host, behind a queue of 24-37 s).
 The score above decides then, as without an SLO: its own predicted TTFT plus the delay it
-imposes on the others (the decodes it stalls, the prompts it holds up, its decode work).
+imposes on the others (the decodes it stalls, the prompts it holds up, its decode work); the
+running decodes are not judged at all then (:func:`decide` takes each option's own chance first).
 Otherwise, options within :data:`SLO_TIE` of the best count go by the score above. An engine
 without a decode line yet (nothing streamed through it) is judged by TTFT alone and harms
 nobody. ``whole`` is offered on every prefill engine wherever the connector allows it, not only
@@ -241,11 +242,11 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
         # longer tells them apart (the decodes an option would harm may be lost already), so the
         # score decides (module doc), and the running decodes need not be judged at all
         newcomer = {id(c): newcomer_chance(c.cost, slo, tpot_error) for c in (*prefills, *decodes)}
-        best_own = max([ttft_chance(o.ttft_s) * newcomer[id(op if o.path is WHOLE else od)] for o, op, od in every])
+        best_own = max([ttft_chance(o.ttft_s) * newcomer[id(_decodes_on(o.path, op, od))] for o, op, od in every])
         if best_own < 0.5:
             opt, p, d = min(every, key=_cost_order)
             reason = "slo_missed"
-            tpot = (p if opt.path is WHOLE else d).cost.tpot_s
+            tpot = _decodes_on(opt.path, p, d).cost.tpot_s
         else:
             expected = out_tokens if slo_out_tokens is None else slo_out_tokens
             # each engine's running decodes judged once for every option that loads it
@@ -293,6 +294,11 @@ def _option_score(option: tuple[OptionCost, Candidate[E], Candidate[E]]) -> floa
 def _judged_order(judged: tuple[SloValue, OptionCost, Candidate[E], Candidate[E]]) -> tuple[float, int]:
     """:func:`~disagg.routecost.score_order` of a judged option's cost (the SLO's tie-break)."""
     return score_order(judged[1])
+
+
+def _decodes_on(path: Option, p: Candidate[E], d: Candidate[E]) -> Candidate[E]:
+    """The engine that decodes an option's request (as :func:`~disagg.routecost.slo_value` takes it)."""
+    return p if path is WHOLE else d
 
 
 def _cost_order(option: tuple[OptionCost, Candidate[E], Candidate[E]]) -> tuple[float, int]:
