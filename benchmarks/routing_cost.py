@@ -11,8 +11,8 @@ Times, in this process (no engines, no network):
   ``tokenizer.json`` (the ``tokenizers`` library) and from characters.
 
 With an SLO (``--slo``) what the decision computes depends on the prompt's own chance, and it
-prints the paths and reasons it decided: with ``--slo 1.0,0.025`` the steady state's prompt cannot
-meet its TTFT objective on any path (the score decides, and the running decodes are not judged);
+prints the paths and reasons it decided: with ``--slo 1.0,0.025`` the steady state's prompt meets
+neither objective on any path (the score decides, and the running decodes are not judged);
 with ``--slo 30,1`` every option meets both objectives and every stream decoding (``--decoding``
 per engine, none past its objective) is judged for every option that loads its engine.
 

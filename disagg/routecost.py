@@ -737,7 +737,7 @@ class RunningSlack(NamedTuple):
             # :func:`_meet` written out: this runs for every followed decode of every option that
             # loads the engine, and the call costs a third of the arithmetic
             after = 0.5 * erfc((log(step + stall_s / left + added) - log_allowed) / spread)
-            if before > after:
+            if not before < after:       # max(before - after, 0.0)
                 harm += before - after
         if self.unseen > 0:
             after = _meet(math.log(step + stall_s / self.unseen_gaps + added), self.log_objective, spread)

@@ -242,7 +242,11 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
         # longer tells them apart (the decodes an option would harm may be lost already), so the
         # score decides (module doc), and the running decodes need not be judged at all
         newcomer = {id(c): newcomer_chance(c.cost, slo, tpot_error) for c in (*prefills, *decodes)}
-        best_own = max([ttft_chance(o.ttft_s) * newcomer[id(_decodes_on(o.path, op, od))] for o, op, od in every])
+        best_own = -math.inf
+        for o, op, od in every:
+            own = ttft_chance(o.ttft_s) * newcomer[id(_decodes_on(o.path, op, od))]
+            if own > best_own:
+                best_own = own
         if best_own < 0.5:
             opt, p, d = min(every, key=_cost_order)
             reason = "slo_missed"

@@ -563,7 +563,7 @@ class _Followed(Sequence[Decoding]):
         return decodes[index]
 
     def __len__(self) -> int:
-        return len(self._flights)
+        return len(self._flights) if self._decodes is None else len(self._decodes)
 
 
 def _progress(flights: Iterable[_Flight], now: float) -> tuple[Decoding, ...]:
