@@ -834,8 +834,7 @@ def running_harm(engine: EngineCost, stall_s: float, joins: int, out_tokens: flo
 def slo_value(option: OptionCost, tokens: float, prefill: EngineCost, decode: EngineCost, out_tokens: float,
               slo: ServiceObjective, *, ttft_error: float = DEFAULT_PREDICTION_ERROR,
               tpot_error: float = DEFAULT_PREDICTION_ERROR,
-              slacks: tuple[RunningSlack, RunningSlack] | None = None,
-              ttft_chance: Callable[[float], float] | None = None) -> SloValue:
+              slacks: tuple[RunningSlack, RunningSlack] | None = None, own: float | None = None) -> SloValue:
     """``option`` (for one prompt of ``tokens`` over the pair ``prefill`` -> ``decode``) judged by
     the requests expected to meet ``slo``: this one's chance to meet both objectives (its TTFT
     as predicted; its TPOT the line of the engine that will decode it: the decode engine for
@@ -843,20 +842,20 @@ def slo_value(option: OptionCost, tokens: float, prefill: EngineCost, decode: En
     (:func:`running_harm`: on the engine that computes its prefill, the stall; on the engine
     that decodes it, one more in the batch). ``out_tokens``: the output tokens expected
     (below 2: one gap). ``slacks``: :func:`running_slack` of ``prefill`` and ``decode`` with these
-    ``out_tokens``, ``slo`` and ``tpot_error``, and ``ttft_chance`` :func:`chance_within` of
-    ``slo.ttft_s`` and ``ttft_error``, from a caller judging many options (taken here when not
-    given; given, they hold the errors, and ``ttft_error`` and ``tpot_error`` are not read). The
-    TPOT chance is the slack's :attr:`RunningSlack.newcomer` of the engine that decodes it."""
+    ``out_tokens``, ``slo`` and ``tpot_error``, and ``own`` this option's own chance (its TTFT's
+    chance times :func:`newcomer_chance` of the engine that decodes it), from a caller judging many
+    options (taken here when not given; given, they hold the errors, and ``ttft_error`` and
+    ``tpot_error`` are not read). The TPOT chance is the slack's :attr:`RunningSlack.newcomer` of
+    the engine that decodes it, the number :func:`newcomer_chance` gives."""
     if slacks is None:
         slacks = (running_slack(prefill, out_tokens, slo, tpot_error),
                   running_slack(decode, out_tokens, slo, tpot_error))
-    if ttft_chance is None:
-        ttft_chance = chance_within(slo.ttft_s, ttft_error)
     computes = decode if option.path is LOCAL else prefill
     decodes_on = prefill if option.path is WHOLE else decode
     computes_slack = slacks[1] if option.path is LOCAL else slacks[0]
     decodes_slack = slacks[0] if option.path is WHOLE else slacks[1]
-    own = ttft_chance(option.ttft_s) * decodes_slack.newcomer
+    if own is None:
+        own = meet_probability(option.ttft_s, slo.ttft_s, ttft_error) * decodes_slack.newcomer
     stall = computes.prefill_s(tokens)
     if computes is decodes_on:
         harm = computes_slack.harm(stall, 1)

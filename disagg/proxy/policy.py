@@ -242,9 +242,9 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
         # longer tells them apart (the decodes an option would harm may be lost already), so the
         # score decides (module doc), and the running decodes need not be judged at all
         newcomer = {id(c): newcomer_chance(c.cost, slo, tpot_error) for c in (*prefills, *decodes)}
+        owns = [ttft_chance(o.ttft_s) * newcomer[id(_decodes_on(o.path, op, od))] for o, op, od in every]
         best_own = -math.inf
-        for o, op, od in every:
-            own = ttft_chance(o.ttft_s) * newcomer[id(_decodes_on(o.path, op, od))]
+        for own in owns:
             if own > best_own:
                 best_own = own
         if best_own < 0.5:
@@ -257,9 +257,10 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
             slack = {id(c): running_slack(c.cost, expected, slo, tpot_error) for c in (*prefills, *decodes)}
             judged: list[tuple[SloValue, OptionCost, Candidate[E], Candidate[E]]] = []
             top = -math.inf
-            for o, op, od in every:
+            for (o, op, od), own in zip(every, owns, strict=True):
+                # its own chance as the pass above took it (the slack's newcomer is newcomer_chance's)
                 value = slo_value(o, tokens, op.cost, od.cost, expected, slo,
-                                  slacks=(slack[id(op)], slack[id(od)]), ttft_chance=ttft_chance)
+                                  slacks=(slack[id(op)], slack[id(od)]), own=own)
                 judged.append((value, o, op, od))
                 top = max(top, value.good)
             # the most requests expected to meet the SLO; among options within a hundredth of a

@@ -162,6 +162,10 @@ def test_each_engines_decodes_are_judged_once_per_decision_and_the_lost_ones_ski
     for o in option_costs(1000, 1000 * KV_PER_TOKEN, busy_p, busy_d, SLOW_LINK, whole=True, out_tokens=64.0):
         once = slo_value(o, 1000, busy_p, busy_d, 64.0, tight, tpot_error=0.01, slacks=slacks)
         assert once == slo_value(o, 1000, busy_p, busy_d, 64.0, tight, tpot_error=0.01)
+        # the decision's own pass: the TTFT chance times newcomer_chance where it decodes, the same number
+        own = meet_probability(o.ttft_s, 1.0, DEFAULT_PREDICTION_ERROR) * newcomer_chance(
+            busy_p if o.path is Option.WHOLE else busy_d, tight, 0.01)
+        assert once == slo_value(o, 1000, busy_p, busy_d, 64.0, tight, tpot_error=0.01, slacks=slacks, own=own)
     # the running decodes step at the line with themselves (tpot_s prices one more): one request
     # joining them moves them from 19 to 20 ms a token, not from 20 to 21
     joined = running_harm(BUSY_D, 0.0, 1, 64.0, tight, 0.1)
