@@ -66,8 +66,7 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
-from typing import NamedTuple, cast
+from typing import NamedTuple
 
 #: measured fixed handoff cost per connector (seconds); see the module doc for how
 HANDOFF_FIXED_S: dict[str, float] = {"nixl": 0.030, "socket": 0.016, "nixl-push": 0.074}
@@ -192,7 +191,7 @@ class Decoding(NamedTuple):
     token, ``gaps`` between the tokens sent so far, ``total_gaps`` it is expected to have in all (its
     expected output tokens less one). Its TPOT is the mean gap over all of them, so what it may still
     spend and meet a TPOT objective is the objective over every gap less what it has spent. (A
-    named tuple: the router builds one per followed stream and engine for every decision.)"""
+    named tuple; ``EngineCost.decodes`` holds these three numbers, as a Decoding or a plain tuple.)"""
 
     elapsed_s: float
     gaps: float
@@ -217,10 +216,6 @@ class Decoding(NamedTuple):
         return (objective_s * (total if total > gaps + 1.0 else gaps + 1.0) - elapsed) / left, left
 
 
-#: ``Decoding`` of a tuple ``(elapsed_s, gaps, total_gaps)`` at about half the cost of
-#: ``Decoding(...)`` (no Python-level ``__new__``, and so no check of the tuple's length: give it
-#: three): the router builds one per followed stream for every decision
-decoding_of = cast(Callable[[tuple[float, float, float]], Decoding], partial(tuple.__new__, Decoding))
 
 
 @dataclass(slots=True)
@@ -256,9 +251,11 @@ class EngineCost:
     kv_frees: tuple[tuple[float, float], ...] = ()
     #: the share of its time it spent prefilling lately (in ``tpot_s``; for the proxy's log)
     prefill_duty: float = 0.0
-    #: the requests decoding there whose streams the proxy sees, each with its progress (the rest of
-    #: ``running`` are taken as on the line from their first token: :func:`running_harm`)
-    decodes: Sequence[Decoding] = ()
+    #: the requests decoding there whose streams the proxy sees, each with its progress: ``(elapsed_s,
+    #: gaps, total_gaps)``, as :class:`Decoding` names them (a Decoding, or a plain tuple: the router
+    #: builds one per followed stream for every decision, and a plain tuple costs half as much); the
+    #: rest of ``running`` are taken as on the line from their first token (:func:`running_harm`)
+    decodes: Sequence[tuple[float, float, float]] = ()
 
     def wait_s(self) -> float:
         """Queue wait: the outstanding prefill tokens at this engine's rate."""
@@ -712,7 +709,9 @@ class RunningSlack(NamedTuple):
     before); ``unseen``: the others, taken as on the line from their first token, ``unseen_gaps``
     gaps each, their chance before ``unseen_before`` against ``log_objective``; ``newcomer``: the
     chance that one more request decoding there (at the engine's ``tpot_s``) meets the objective
-    (1 without an objective or a decode line)."""
+    (1 without an objective or a decode line); ``most_stall_s``: the largest prefill :meth:`harm`
+    may be asked about (with one request joining at most), for which the decodes left out of
+    ``followed`` as safe were judged (:func:`running_slack`)."""
 
     step_s: float = 0.0
     tpot_added_s: float = 0.0
@@ -723,11 +722,16 @@ class RunningSlack(NamedTuple):
     log_objective: float = 0.0
     unseen_before: float = 0.0
     newcomer: float = 1.0
+    most_stall_s: float = math.inf
     # (a named tuple: built for each engine of every decision)
 
     def harm(self, stall_s: float, joins: int) -> float:
         """:func:`running_harm` of an option that computes a prefill of ``stall_s`` seconds on the
-        engine and has ``joins`` more requests decode there."""
+        engine and has ``joins`` more requests decode there (at most ``most_stall_s`` and one:
+        ValueError otherwise, as the decodes left out as safe were judged for those)."""
+        if stall_s > self.most_stall_s or joins > 1:
+            raise ValueError(f"harm asked of a stall of {stall_s} s and {joins} joining; the decodes were "
+                             f"judged for {self.most_stall_s} s and one at most")
         added = joins * self.tpot_added_s
         if stall_s <= 0 and added <= 0:
             return 0.0
@@ -751,16 +755,26 @@ class RunningSlack(NamedTuple):
 #: hundredth of a request, the margin within which the policy calls options equal)
 LOST_Z = 2.63
 
+#: a followed decode that even the largest stall an option may impose leaves this many spreads
+#: within the time per output token it may still spend (1e-4 from certain, as :data:`LOST_Z`) is
+#: taken as safe, and the decision skips its sums: no option can take more than that chance from it
+SAFE_Z = LOST_Z
+
 #: the slack of an engine where no option can harm a decode and a newcomer meets the objective
 #: (no TPOT objective, no decode line)
 NO_RUNNING = RunningSlack()
 
 
-def running_slack(engine: EngineCost, out_tokens: float, slo: ServiceObjective, error: float) -> RunningSlack:
+def running_slack(engine: EngineCost, out_tokens: float, slo: ServiceObjective, error: float, *,
+                  most_stall_s: float = math.inf) -> RunningSlack:
     """The requests decoding on ``engine`` as :func:`running_harm` judges them, and the chance
     of one more there (:attr:`RunningSlack.newcomer`), taken once for a decision (see
     :func:`running_harm` for who counts how); ``error``: the measured relative error of the time
-    per output token predicted."""
+    per output token predicted. ``most_stall_s``: the largest prefill any option will ask
+    :meth:`RunningSlack.harm` about on this engine (one request joining at most); a followed decode
+    that such a stall and one more request leave as good as certain to meet the objective
+    (:data:`SAFE_Z`) is left out of the sums, as one as good as lost is (:data:`LOST_Z`). Infinite
+    (the default): none is left out as safe, and harm may be asked about any stall."""
     objective = slo.tpot_s
     if objective is None or engine.tpot_s is None:
         return NO_RUNNING
@@ -774,6 +788,11 @@ def running_slack(engine: EngineCost, out_tokens: float, slo: ServiceObjective, 
     step = max(step, 1e-9)       # above 0 for the logarithm
     log_step = math.log(step)
     lost_below = step * math.exp(-LOST_Z * spread)
+    # safe at or above this, spread over the gaps it has to go: the step with one more request,
+    # and the stall (an infinite stall: never safe; inf / left stays inf)
+    safe_factor = math.exp(SAFE_Z * spread)
+    safe_step = (step + engine.tpot_added_s) * safe_factor
+    safe_stall = most_stall_s * safe_factor
     followed: list[tuple[float, float, float]] = []
     seen = 0
     log, erfc = math.log, math.erfc
@@ -787,11 +806,13 @@ def running_slack(engine: EngineCost, out_tokens: float, slo: ServiceObjective, 
         allowed = (objective * (total if total > gaps + 1.0 else gaps + 1.0) - elapsed) / left
         if allowed < lost_below:     # missed already, or as good as (:data:`LOST_Z`): nothing to take
             continue
+        if allowed >= safe_step + safe_stall / left:    # no option can take its chance (:data:`SAFE_Z`)
+            continue
         log_allowed = log(allowed)
         followed.append((log_allowed, left, 0.5 * erfc((log_step - log_allowed) / spread)))   # :func:`_meet`
     return RunningSlack(step, engine.tpot_added_s, spread, tuple(followed), engine.running - seen,
                         max(out_tokens - 1.0, 1.0), log_objective, _meet(log_step, log_objective, spread),
-                        newcomer)
+                        newcomer, most_stall_s)
 
 
 def newcomer_chance(engine: EngineCost, slo: ServiceObjective, error: float) -> float:

@@ -253,8 +253,10 @@ def decide(policy: str, tokens: float, kv_bytes: float, prefills: Sequence[Candi
             tpot = _decodes_on(opt.path, p, d).cost.tpot_s
         else:
             expected = out_tokens if slo_out_tokens is None else slo_out_tokens
-            # each engine's running decodes judged once for every option that loads it
-            slack = {id(c): running_slack(c.cost, expected, slo, tpot_error) for c in (*prefills, *decodes)}
+            # each engine's running decodes judged once for every option that loads it (the
+            # largest stall an option asks about there: the prompt's prefill on it)
+            slack = {id(c): running_slack(c.cost, expected, slo, tpot_error, most_stall_s=c.cost.prefill_s(tokens))
+                     for c in (*prefills, *decodes)}
             judged: list[tuple[SloValue, OptionCost, Candidate[E], Candidate[E]]] = []
             top = -math.inf
             for (o, op, od), own in zip(every, owns, strict=True):

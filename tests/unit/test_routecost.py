@@ -10,14 +10,12 @@ import pytest
 from disagg.routecost import (
     DEFAULT_HANDOFF_FIXED_S,
     HANDOFF_FIXED_S,
-    Decoding,
     EngineCost,
     LinkCost,
     Option,
     break_even_tokens,
     cheapest,
     decode_s,
-    decoding_of,
     exposed_transfer_s,
     first_step_s,
     handoff_fixed_s,
@@ -354,8 +352,3 @@ def test_option_costs_take_each_engines_ttft_and_room_once_and_price_as_the_path
     assert by_path == {Option.SPLIT: split_ttft(n, kv(n), prefill, link, decode),
                        Option.LOCAL: local_ttft(n, decode), Option.WHOLE: whole_ttft(n, prefill)}
     assert decode.ttft_s(n, known_kv_wait_s=decode.kv_wait_s(n)) == decode.ttft_s(n) == pytest.approx(1.5 + 0.02 + 1.6)
-
-
-def test_decoding_of_is_the_named_tuple() -> None:
-    made = decoding_of((1.5, 10.0, 63.0))
-    assert type(made) is Decoding and made == Decoding(1.5, 10.0, 63.0) and made.total_gaps == 63.0

@@ -176,6 +176,37 @@ def test_each_engines_decodes_are_judged_once_per_decision_and_the_lost_ones_ski
         assert running_slack(engine, 64.0, slo, 0.01).harm(10.0, 1) == 0.0
 
 
+def test_a_decode_no_option_can_harm_is_left_out_of_the_sums() -> None:
+    """A followed decode that even the largest stall the decision asks about (the prompt's prefill
+    on the engine, with one more request joining) leaves at a chance within 1e-4 of certain is
+    left out of the sums: what any option takes from it is below that. Asking a larger stall is an
+    error (those decodes were not judged for it)."""
+    slo = ServiceObjective(ttft_s=1.0, tpot_s=0.05)
+    safe = Decoding(elapsed_s=0.001 * 10, gaps=10, total_gaps=63)        # 58 ms a token allowed, at 19
+    borderline = Decoding(elapsed_s=2.46, gaps=40, total_gaps=63)        # 30 ms allowed
+    engine = replace(BUSY_D, running=2, decodes=(safe, borderline))
+    stall = engine.prefill_s(1000)
+    judged = running_slack(engine, 64.0, slo, 0.1, most_stall_s=stall)
+    every = running_slack(engine, 64.0, slo, 0.1)
+    assert len(judged.followed) == 1 and len(every.followed) == 2 and judged.unseen == every.unseen == 0
+    alone = replace(engine, running=1, decodes=(safe,))
+    for asked, joins in ((stall, 1), (stall, 0), (0.0, 1), (stall / 3, 1)):
+        assert running_harm(alone, asked, joins, 64.0, slo, 0.1) < 1e-4
+        assert 0.0 <= every.harm(asked, joins) - judged.harm(asked, joins) < 1e-4
+    assert judged.harm(stall, 1) > 0.01         # the borderline one is still judged
+    with pytest.raises(ValueError, match="judged for"):
+        judged.harm(stall * 1.01, 1)
+    with pytest.raises(ValueError, match="one at most"):
+        judged.harm(stall, 2)
+    # the decision asks each engine about its own prefill of the prompt (no error), and decides as
+    # without the safe one (the options' scores differ: they count every decode a prefill stalls)
+    with_safe = route(1000, IDLE_P, engine, SLOW_LINK, slo=slo, tpot_error=0.1)
+    without = route(1000, IDLE_P, replace(engine, running=1, decodes=(borderline,)), SLOW_LINK, slo=slo,
+                    tpot_error=0.1)
+    assert (with_safe.path, with_safe.reason, with_safe.predicted_s) == (without.path, without.reason,
+                                                                         without.predicted_s)
+
+
 def test_with_a_tight_tpot_objective_a_long_prompt_leaves_the_busy_decode_engine() -> None:
     """Without an SLO and with stalls weighted at nothing, the lowest predicted TTFT wins: the
     decode engine prefills 1,000 tokens in 250 ms where a split takes 650 ms. Under a TPOT
@@ -360,8 +391,8 @@ def test_the_router_follows_the_streams_decoding_on_each_engine_while_they_run()
         if "slo_tpot_s" not in slo:
             assert costs.decodes == ()
             continue
-        (followed,) = costs.decodes
-        assert followed.gaps == 10 and followed.total_gaps == 63 and followed.elapsed_s >= 0
+        ((elapsed, gaps, total_gaps),) = costs.decodes      # as Decoding names them
+        assert gaps == 10 and total_gaps == 63 and elapsed >= 0
         route.finished()
         unwatched.finished()
         engine.outstanding -= 1
