@@ -14,7 +14,8 @@ With an SLO (``--slo``) what the decision computes depends on the prompt's own c
 prints the paths and reasons it decided: with ``--slo 1.0,0.025`` the steady state's prompt meets
 neither objective on any path (the score decides, and the running decodes are not judged);
 with ``--slo 30,1`` every option meets both objectives and every stream decoding (``--decoding``
-per engine, none past its objective) is judged for every option that loads its engine.
+per engine, none past its objective) is judged for every option that loads its engine, but those
+that even the decision's largest stall leaves safe (with 8 per engine, 6 on each).
 
 Targets of the ``auto`` routing: decision p50 <= 0.1 ms; length estimate p50 <= 1 ms for 2,000 tokens.
 
