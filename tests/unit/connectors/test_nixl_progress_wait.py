@@ -16,10 +16,12 @@ from disagg_connectors.nixl_progress_wait import CPU_WAIT_US, ENV, wait_in_agent
 
 CONNECTORS = Path(__file__).resolve().parents[3] / "connectors"
 
+#: what starts the probe's result line (UCX prints its own warnings to the same stdout)
+RESULT = "probe result: "
 #: two real NIXL agents in a fresh process (argv[1]: "wait" applies :func:`wait_in_agents` first),
 #: over UCX TCP on loopback: each new thread's CPU seconds and voluntary context switches over one
 #: idle second, then a READ of 4 MiB in 64 descriptors checked byte for byte
-PROBE = """
+PROBE = f"RESULT = {RESULT!r}\n" + """
 import json, os, sys, time
 os.environ["UCX_TLS"] = "tcp,self"
 import numpy as np
@@ -63,7 +65,7 @@ deadline = time.monotonic() + 30
 while state not in ("DONE", "ERR") and time.monotonic() < deadline:
     time.sleep(0.001)
     state = initiator.check_xfer_state(handle)
-print(json.dumps({"threads": new, "state": state, "equal": bool(np.array_equal(src, dst))}))
+print(RESULT + json.dumps({"threads": new, "state": state, "equal": bool(np.array_equal(src, dst))}), flush=True)
 """
 
 
@@ -71,7 +73,14 @@ def _probe(mode: str) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(CONNECTORS)}
     done = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, env=env,
                           timeout=120, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _result(done.stdout)
+
+
+def _result(stdout: str) -> Any:
+    """A probe's result line (UCX may print its own warnings to the same stdout, e.g. "ptr hash ...
+    contains 64 elements on destroy" as the agents go)."""
+    (line,) = [line for line in stdout.splitlines() if line.startswith(RESULT)]
+    return json.loads(line.removeprefix(RESULT))
 
 
 def test_wait_us_takes_positive_microseconds_only(caplog: pytest.LogCaptureFixture) -> None:
@@ -127,7 +136,7 @@ def test_real_nixl_progress_thread_spins_as_built_and_waits_with_the_delay() -> 
 #: through vLLM's own loader, as its NIXL connectors reach NIXL (argv[1] "before": vLLM loads NIXL's
 #: agent class before the plugin registers): the config the bindings' agent constructor is given
 #: when vLLM's ``NixlWrapper`` builds an agent (a recorder in that constructor's place)
-LOADER_PROBE = """
+LOADER_PROBE = f"RESULT = {RESULT!r}\n" + """
 import json, sys
 import nixl._api as api
 from nixl_progress_wait import register
@@ -151,7 +160,7 @@ try:
     NixlWrapper("probe", nixl_agent_config(num_threads=1))
 except Built:
     pass
-print(json.dumps(seen))
+print(RESULT + json.dumps(seen), flush=True)
 """
 
 
@@ -167,4 +176,4 @@ def test_agents_vllm_builds_get_the_delay_only_when_enabled(value: str | None, o
         env[ENV] = value
     done = subprocess.run([sys.executable, "-c", LOADER_PROBE, order], capture_output=True, text=True, env=env,
                           timeout=300, check=True)
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"pthrDelay": delay}
+    assert _result(done.stdout) == {"pthrDelay": delay}
