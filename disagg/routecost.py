@@ -216,6 +216,10 @@ class Decoding(NamedTuple):
         return (objective_s * (total if total > gaps + 1.0 else gaps + 1.0) - elapsed) / left, left
 
 
+#: where one followed stream stands, ``(elapsed_s, gaps, total_gaps)`` as :class:`Decoding` names
+#: them: what ``EngineCost.decodes`` holds (a Decoding, or a plain tuple: the router builds one per
+#: followed stream for every decision, and a plain tuple costs half as much)
+Progress = tuple[float, float, float]
 
 
 @dataclass(slots=True)
@@ -251,11 +255,9 @@ class EngineCost:
     kv_frees: tuple[tuple[float, float], ...] = ()
     #: the share of its time it spent prefilling lately (in ``tpot_s``; for the proxy's log)
     prefill_duty: float = 0.0
-    #: the requests decoding there whose streams the proxy sees, each with its progress: ``(elapsed_s,
-    #: gaps, total_gaps)``, as :class:`Decoding` names them (a Decoding, or a plain tuple: the router
-    #: builds one per followed stream for every decision, and a plain tuple costs half as much); the
+    #: the requests decoding there whose streams the proxy sees, each with its :data:`Progress`; the
     #: rest of ``running`` are taken as on the line from their first token (:func:`running_harm`)
-    decodes: Sequence[tuple[float, float, float]] = ()
+    decodes: Sequence[Progress] = ()
 
     def wait_s(self) -> float:
         """Queue wait: the outstanding prefill tokens at this engine's rate."""

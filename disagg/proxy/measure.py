@@ -139,7 +139,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from disagg.routecost import EngineCost, LinkCost, split_ttft
+from disagg.routecost import EngineCost, LinkCost, Progress, split_ttft
 
 #: the weight one new sample takes (an EWMA over about the last 1/DECAY samples)
 DECAY = 0.2
@@ -545,7 +545,7 @@ class Measurements:
 
     def engine_cost(self, role: str, url: str, outstanding: int, now: float | None = None, *,
                     kv_room: tuple[float, tuple[tuple[float, float], ...]] = (math.inf, ()),
-                    decodes: Sequence[tuple[float, float, float]] = ()) -> EngineCost:
+                    decodes: Sequence[Progress] = ()) -> EngineCost:
         """The engine's prefill line (:meth:`_line`) and load, for the predictor (``outstanding``:
         its requests in flight; ``now``: perf_counter, for the queue), with what the router knows
         beside these measurements: ``kv_room`` (free KV tokens and expected frees, from its KV

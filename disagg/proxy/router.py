@@ -69,7 +69,7 @@ from disagg.proxy.metrics import ProxyMetrics
 from disagg.proxy.policy import Candidate, Explorer, decide
 from disagg.proxy.promptlen import PromptLength
 from disagg.proxy.routes import CHAT, PromptRoute, RequestPlan, RoutePath, Served, StreamProgress
-from disagg.routecost import DEFAULT_HANDOFF_FIXED_S, DEFAULT_PREDICTION_ERROR, Option
+from disagg.routecost import DEFAULT_HANDOFF_FIXED_S, DEFAULT_PREDICTION_ERROR, Option, Progress
 
 log = logging.getLogger("disagg.proxy")
 
@@ -537,12 +537,7 @@ def _notes(route: PromptRoute) -> _Flight | None:
     return notes if isinstance(notes, _Flight) else None
 
 
-#: where one followed stream stands: (elapsed_s, gaps, total_gaps), as :class:`~disagg.routecost.Decoding`
-#: names them (a plain tuple: built per followed stream for every decision, at half a Decoding's cost)
-_Progress = tuple[float, float, float]
-
-
-class _Followed(Sequence[_Progress]):
+class _Followed(Sequence[Progress]):
     """``EngineCost.decodes`` of one engine: where each streamed route decoding there stands at
     ``now`` (perf_counter), taken when first read. The SLO's count reads it only where some option
     gives the prompt an even chance (:func:`~disagg.proxy.policy.decide`), so the decisions where
@@ -553,15 +548,15 @@ class _Followed(Sequence[_Progress]):
 
     def __init__(self, flights: Collection[_Flight], now: float) -> None:
         self._flights, self._now = flights, now
-        self._decodes: tuple[_Progress, ...] | None = None
+        self._decodes: tuple[Progress, ...] | None = None
 
     @overload
-    def __getitem__(self, index: int) -> _Progress: ...
+    def __getitem__(self, index: int) -> Progress: ...
 
     @overload
-    def __getitem__(self, index: slice) -> tuple[_Progress, ...]: ...
+    def __getitem__(self, index: slice) -> tuple[Progress, ...]: ...
 
-    def __getitem__(self, index: int | slice) -> _Progress | tuple[_Progress, ...]:
+    def __getitem__(self, index: int | slice) -> Progress | tuple[Progress, ...]:
         decodes = self._decodes
         if decodes is None:
             decodes = self._decodes = _progress(self._flights, self._now)
@@ -571,7 +566,7 @@ class _Followed(Sequence[_Progress]):
         return len(self._flights) if self._decodes is None else len(self._decodes)
 
 
-def _progress(flights: Iterable[_Flight], now: float) -> tuple[_Progress, ...]:
+def _progress(flights: Iterable[_Flight], now: float) -> tuple[Progress, ...]:
     """Where each followed route decoding on one engine stands at ``now`` (perf_counter)."""
     return tuple([(now - f.first, (f.progress.token_events - 1 if f.progress.token_events > 1 else 0)
                    if f.progress is not None else 0, f.total_gaps) for f in flights])
